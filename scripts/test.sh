@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: set up .venv, lint, run the test suite (under 10 minutes on 2 cores).
+# Extra arguments go to pytest (e.g. --runslow for the soak, crash and benchmark variants).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh test 2> >(grep -v "is ignored: it is neither" >&2)
+.venv/bin/ruff check tierkv tests bench
+.venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,250 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import lmdb
+import pytest
+import torch
+
+from tierkv import Namespace, NamespaceConflictError, StoreFormatError, TieredStore
+from tierkv.codec import HEADER_NBYTES
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.segments import aligned
+
+from helpers import REPO, make_kv, run_python
+
+
+def _totals_by_scan(disk: DiskTier) -> dict[bytes, tuple[int, int]]:
+    out: dict[bytes, list[int]] = {}
+    for _, e in disk.iter_entries():
+        row = out.setdefault(e.ns_digest, [0, 0])
+        row[0] += 1
+        row[1] += e.footprint
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def test_persists_across_processes(tmp_path, ns) -> None:
+    r = run_python(f"""
+        from tierkv import Namespace, TieredStore
+        from helpers import make_kv
+        ns = Namespace.from_json({ns.to_json()!r})
+        with TieredStore.open({str(tmp_path)!r}, host_bytes=0) as store:
+            store.save(ns, list(range(200)), make_kv(ns, 200, seed=7))
+            store.flush()
+    """, timeout=120)
+    assert r.returncode == 0, r.stderr
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        n, got = store.load(ns, list(range(200)))
+    assert n == 192 and torch.equal(got, make_kv(ns, 200, seed=7)[:, :, :192])
+
+
+def test_sliding_ttl_and_max_age_with_injected_clock(tmp_path, ns) -> None:
+    now = [1000.0]
+    toks = list(range(32))
+    with TieredStore.open(tmp_path, host_bytes=0, ttl_s=100, max_age_s=250, clock=lambda: now[0]) as store:
+        store.save(ns, toks, make_kv(ns, 32))
+        store.flush()
+        now[0] = 1090
+        assert store.lookup(ns, toks).num_tokens == 32
+        assert store.load(ns, toks)[0] == 32  # a hit refreshes the sliding TTL
+        now[0] = 1170  # 170 s after saving, 80 s after the hit
+        assert store.lookup(ns, toks).num_tokens == 32
+        now[0] = 1260  # idle 170 s: expired before any sweep
+        assert store.lookup(ns, toks).num_tokens == 0
+        assert store.load(ns, toks) == (0, None)
+        report = store.disk.expire()
+        assert report.expired == 2 and store.disk.totals() == {}
+
+        store.save(ns, toks, make_kv(ns, 32))
+        store.flush()
+        for t in (1300, 1400, 1500):  # touched every 100 s, but older than max_age at 1520
+            now[0] = t
+            assert store.load(ns, toks)[0] == 32
+        now[0] = 1520
+        assert store.lookup(ns, toks).num_tokens == 0
+
+
+def test_budget_holds_while_writing_ten_times_its_size(tmp_path, ns) -> None:
+    block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)  # header, 16 token ids, 1 KiB payload: one page
+    budget = 40 * block_footprint
+    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=budget, batch_nbytes=8 * block_footprint) as store:
+        for p in range(50):  # 50 prompts x 8 blocks = 10x the budget
+            toks = [p * 1000 + t for t in range(128)]
+            store.save(ns, toks, make_kv(ns, 128, seed=p))
+            if p % 5 == 0:
+                store.flush()
+                assert store.disk.usage()["live_nbytes"] <= budget
+        store.flush()
+        usage = store.disk.usage()
+        assert usage["live_nbytes"] <= budget
+        assert usage["segment_allocated_nbytes"] <= budget + 64 * 1024  # holes punched: the file does not grow
+        assert store.lookup(ns, [49 * 1000 + t for t in range(128)]).num_tokens == 128  # newest kept
+        assert store.lookup(ns, list(range(128))).num_tokens == 0  # oldest evicted
+        assert store.stats()["disk"]["evictions"] >= 360
+        assert store.disk.totals() == _totals_by_scan(store.disk)
+
+
+def test_full_file_system_degrades_to_no_disk_writes(tmp_path, ns) -> None:
+    """RLIMIT_FSIZE makes the kernel refuse writes past 256 KiB (EFBIG): a real write failure."""
+    r = run_python(f"""
+        import resource, signal, torch
+        from tierkv import Namespace, TieredStore
+        from helpers import make_kv
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        ns = Namespace.from_json({ns.to_json()!r})
+        with TieredStore.open({str(tmp_path)!r}, host_bytes=2**22) as store:
+            store.save(ns, list(range(64)), make_kv(ns, 64))
+            store.flush()
+            resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+            for p in range(1, 40):
+                toks = [p * 1000 + t for t in range(64)]
+                store.save(ns, toks, make_kv(ns, 64, seed=p))
+                store.flush()
+            n, kv = store.load(ns, [39000 + t for t in range(64)])
+            assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=39)), "host tier still serves"
+            store.host.clear()
+            n, kv = store.load(ns, list(range(64)))
+            assert n == 64 and torch.equal(kv, make_kv(ns, 64)), "disk reads go on"
+            s = store.stats()["disk"]
+            print(s["dropped_saves"], s["write_errors"])
+    """)
+    assert r.returncode == 0, r.stderr
+    dropped, errors = map(int, r.stdout.split())
+    assert dropped > 0 and errors > 0
+
+
+def test_flipped_bytes_are_misses_and_gc_check_purges_them(tmp_path, ns) -> None:
+    prompts = [[p * 1000 + t for t in range(64)] for p in range(3)]
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for p, toks in enumerate(prompts):
+            store.save(ns, toks, make_kv(ns, 64, seed=p))
+        store.flush()
+        entries = list(store.disk.iter_entries())
+    segs = {}
+    for _, e in entries[::4]:  # damage every 4th record somewhere in its payload or header
+        path = tmp_path / "segments" / f"{e.seg_id:010d}.seg"
+        data = segs.setdefault(path, bytearray(path.read_bytes()))
+        data[e.offset + (e.nbytes * 7) // 11] ^= 0x10
+    for path, data in segs.items():
+        path.write_bytes(bytes(data))
+    bad = len(entries[::4])
+    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--check", "--json"],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["checked"] == len(entries) and report["corrupt"] == bad
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        assert sum(b for b, _ in store.disk.totals().values()) == len(entries) - bad
+        for p, toks in enumerate(prompts):
+            n, kv = store.load(ns, toks)
+            assert n < 64 or torch.equal(kv, make_kv(ns, 64, seed=p))
+        assert store.stats()["disk"]["corrupt_blocks"] == 0  # nothing bad left to find
+
+
+def test_other_format_version_is_a_clear_error(tmp_path) -> None:
+    DiskTier(tmp_path, writer=False).close()
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"99", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(StoreFormatError, match="version 99"):
+        DiskTier(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "version 99" in r.stderr
+
+
+def test_namespace_conflict_is_detected(tmp_path, ns) -> None:
+    with DiskTier(tmp_path, writer=False) as disk:
+        disk.register_namespace(ns)
+        with disk._write_txn() as txn:
+            txn.put(ns.digest, b'{"model_id":"other"}', db=disk._db["namespaces"])
+        with pytest.raises(NamespaceConflictError):
+            disk.register_namespace(ns)
+
+
+WRITER = """
+import sys, time
+from tierkv import Namespace, TieredStore
+from helpers import make_kv
+ns = Namespace.from_json(sys.argv[1])
+with TieredStore.open(sys.argv[2], host_bytes=0, batch_nbytes=32 * 1024) as store:
+    for p in range(int(sys.argv[3])):
+        toks = [p * 1000 + t for t in range(96)]
+        store.save(ns, toks, make_kv(ns, 96, seed=p))
+        if p % 3 == 0:
+            store.flush()
+            print(p, flush=True)
+        for q in (p // 2, p // 3):  # read back older prompts: every hit must be exact
+            n, kv = store.load(ns, [q * 1000 + t for t in range(96)])
+            assert n == 0 or __import__("torch").equal(kv, make_kv(ns, 96, seed=q)[:, :, :n]), (p, q, n)
+    print("corrupt", store.stats()["disk"]["corrupt_blocks"], flush=True)
+"""
+
+
+def _writer(tmp_path, ns, prompts: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", WRITER, ns.to_json(), str(tmp_path), str(prompts)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+
+
+def test_gc_in_another_process_while_a_writer_writes(tmp_path, ns) -> None:
+    proc = _writer(tmp_path, ns, 150)
+    assert proc.stdout is not None
+    proc.stdout.readline()  # the store exists
+    gc_runs = 0
+    while proc.poll() is None:
+        for args in (["--budget", "60KiB"], ["--ttl", "1s"], ["--check"], ["--compact"]):
+            r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), *args, "--json"],
+                               capture_output=True, text=True, check=False)
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["corrupt"] == 0
+            gc_runs += 1
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    assert gc_runs >= 4
+    assert out.strip().splitlines()[-1] == "corrupt 0"  # the writer never saw a bad block
+    with DiskTier(tmp_path, writer=False) as disk:
+        assert disk.totals() == _totals_by_scan(disk)
+        assert disk.check().corrupt == 0
+
+
+@pytest.mark.parametrize("kill_after_lines", [2, 5])
+def test_sigkill_mid_batches_leaves_a_consistent_store(tmp_path, ns, kill_after_lines: int) -> None:
+    proc = _writer(tmp_path, ns, 1000)
+    assert proc.stdout is not None
+    for _ in range(kill_after_lines):
+        proc.stdout.readline()
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        disk = store.disk
+        assert disk.totals() == _totals_by_scan(disk)
+        report = disk.check()
+        assert report.corrupt == 0 and report.checked > 0
+        for p in range(3 * (kill_after_lines - 1)):  # flushed before the printed line: durable
+            toks = [p * 1000 + t for t in range(96)]
+            n, kv = store.load(ns, toks)
+            assert n == 96 and torch.equal(kv, make_kv(ns, 96, seed=p))
+        # The killed writer's open segment is sealed; compaction releases its unindexed tail.
+        disk.compact()
+        assert disk.usage()["segment_allocated_nbytes"] <= disk.usage()["live_nbytes"] + 4096 * 4
+        store.save(ns, list(range(64)), make_kv(ns, 64))  # and the store takes new writes
+        store.flush()
+        assert store.lookup(ns, list(range(64))).num_tokens == 64
+
+
+def test_stats_are_exact_after_reopen(tmp_path, ns) -> None:
+    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=2**20) as store:
+        for p in range(5):
+            store.save(ns, [p * 100 + t for t in range(48)], make_kv(ns, 48, seed=p))
+    with DiskTier(tmp_path, writer=False) as disk:
+        (blocks, nbytes), = disk.totals().values()
+        assert blocks == 15 and nbytes == disk.usage()["live_nbytes"]
+        assert disk.policy.budget_nbytes == 2**20  # the policy persisted for gc
+        assert Namespace.from_json(disk.namespaces()[ns.digest].to_json()) == ns

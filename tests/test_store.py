@@ -1,0 +1,123 @@
+import dataclasses
+
+import pytest
+import torch
+
+from tierkv import ConfigError, Namespace, TieredStore
+
+from helpers import make_kv
+
+
+def test_quickstart(tmp_path) -> None:
+    ns = Namespace(model_id="my-model", revision="abc123", dtype="float16",
+                   num_layers=8, num_kv_heads=4, head_dim=64, block_tokens=64)
+    token_ids = list(range(300))
+    kv = make_kv(ns, 300)
+    with TieredStore.open(tmp_path / "cache", host_bytes=2**30, disk_bytes=20 * 2**30, ttl_s=86400) as store:
+        store.save(ns, token_ids, kv)
+        hit = store.lookup(ns, token_ids)
+        assert hit.num_tokens == 256 and hit.by_tier == {"host": 256, "disk": 0}
+        num_tokens, kv_prefix = store.load(ns, token_ids)
+        assert num_tokens == 256 and torch.equal(kv_prefix, kv[:, :, :256])
+        store.flush()
+    with TieredStore.open(tmp_path / "cache", host_bytes=2**30) as store:
+        hit = store.lookup(ns, token_ids)
+        assert hit.by_tier == {"host": 0, "disk": 256}
+        num_tokens, kv_prefix = store.load(ns, token_ids)
+        assert num_tokens == 256 and torch.equal(kv_prefix, kv[:, :, :256])
+        assert store.lookup(ns, token_ids).by_tier == {"host": 256, "disk": 0}  # promoted
+
+
+def test_partial_prefix_and_divergence(tmp_path, ns) -> None:
+    toks = list(range(80))
+    kv = make_kv(ns, 80)
+    with TieredStore.open(tmp_path, host_bytes=2**20) as store:
+        assert store.save(ns, toks, kv) == 5
+        other = toks[:40] + [9999] + toks[41:]
+        assert store.lookup(ns, other).num_tokens == 32
+        n, got = store.load(ns, other + [1, 2, 3])
+        assert n == 32 and torch.equal(got, kv[:, :, :32])
+        assert store.load(ns, [7] + toks[1:]) == (0, None)
+        assert store.lookup(ns, toks[:15]).num_tokens == 0
+
+
+def test_blocks_evicted_from_host_come_from_disk(tmp_path, ns) -> None:
+    toks = list(range(160))
+    kv = make_kv(ns, 160)
+    block_nbytes = kv[:, :, :16].numel() * 2
+    with TieredStore.open(tmp_path, host_bytes=3 * block_nbytes) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+        hit = store.lookup(ns, toks)
+        assert hit.num_tokens == 160 and hit.by_tier["host"] == 3 * 16 and hit.by_tier["disk"] == 7 * 16
+        hit, got = store.restore(ns, toks)
+        assert torch.equal(got, kv)
+
+
+def test_out_buffer_is_filled_in_place(tmp_path, ns) -> None:
+    toks = list(range(64))
+    kv = make_kv(ns, 64)
+    out = torch.zeros(ns.num_layers, 2, 100, ns.num_kv_heads, ns.head_dim, dtype=torch.float16)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+        n, got = store.load(ns, toks, out=out)
+    assert n == 64 and got.data_ptr() == out.data_ptr() and torch.equal(out[:, :, :64], kv)
+
+
+def test_namespaces_are_isolated(tmp_path, ns) -> None:
+    toks = list(range(64))
+    with TieredStore.open(tmp_path, host_bytes=2**20) as store:
+        store.save(ns, toks, make_kv(ns, 64))
+        store.flush()
+        for other in (dataclasses.replace(ns, tenant_salt="b"), dataclasses.replace(ns, revision="r2"),
+                      dataclasses.replace(ns, block_tokens=32)):
+            assert store.lookup(other, toks).num_tokens == 0
+            assert store.load(other, toks) == (0, None)
+
+
+def test_host_only_store(ns) -> None:
+    toks = list(range(32))
+    kv = make_kv(ns, 32)
+    with TieredStore.open(None, host_bytes=2**20) as store:
+        store.save(ns, toks, kv)
+        n, got = store.load(ns, toks)
+        assert n == 32 and torch.equal(got, kv)
+
+
+def test_bad_kv_shape_or_dtype_is_a_config_error(tmp_path, ns) -> None:
+    with TieredStore.open(tmp_path, host_bytes=2**20) as store:
+        with pytest.raises(ConfigError):
+            store.save(ns, list(range(32)), make_kv(ns, 16))
+        with pytest.raises(ConfigError):
+            store.save(ns, list(range(32)), make_kv(ns, 32).float())
+
+
+def test_stats_count_hits_per_tier(tmp_path, ns) -> None:
+    toks = list(range(64))
+    with TieredStore.open(tmp_path, host_bytes=2**20) as store:
+        store.save(ns, toks, make_kv(ns, 64))
+        store.flush()
+        store.load(ns, toks)
+        s = store.stats()
+    assert s["host"]["hit_tokens"] == 64 and s["host"]["hit_blocks"] == 4
+    assert s["disk"]["blocks_written"] == 4 and s["disk"]["live_nbytes"] > 0
+
+
+def test_corrupt_disk_block_cuts_prefix_and_is_purged(tmp_path, ns) -> None:
+    toks = list(range(64))
+    kv = make_kv(ns, 64)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+        entries = sorted(store.disk.iter_entries(), key=lambda ke: ke[1].offset)
+    seg = tmp_path / "segments" / f"{entries[2][1].seg_id:010d}.seg"
+    data = bytearray(seg.read_bytes())
+    data[entries[2][1].offset + entries[2][1].nbytes - 5] ^= 0xFF  # one payload byte of block 2
+    seg.write_bytes(bytes(data))
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        n, got = store.load(ns, toks)
+        assert n == 32 and torch.equal(got, kv[:, :, :32])
+        store.flush()
+        assert store.stats()["disk"]["corrupt_blocks"] == 1
+        assert store.lookup(ns, toks).num_tokens == 32  # purged, not served again

@@ -1,0 +1,191 @@
+"""Block records: the self-describing, checksummed bytes a block is stored as.
+
+Layout (little-endian)::
+
+    header   magic "TKVB", format version, codec, dtype, ndim, shape[6], token count, namespace digest,
+             parent key, own key, created_s, raw and stored payload lengths, payload xxh3-64,
+             then an xxh3-64 over the header fields and the token ids
+    tokens   token_count x uint32
+    payload  the KV in the canonical layout, raw or zstd (optionally byte-shuffled first)
+
+``decode`` checks every field against what the caller asked for; any mismatch or damage raises
+``RecordError`` (and nothing else), so a bad record is a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+
+import numpy as np
+import xxhash
+import zstandard
+
+from tierkv.errors import RecordError
+from tierkv.keys import BlockKey, NamespaceDigest
+
+MAGIC = b"TKVB"
+FORMAT_VERSION = 1
+MAX_NDIM = 6
+_FIELDS = struct.Struct(f"<4sHBBB3x{MAX_NDIM}II32s32s32sdQQQ")
+_CHECK = struct.Struct("<Q")
+HEADER_NBYTES = _FIELDS.size + _CHECK.size
+# Stored and raw payloads above this are refused before any allocation (a corrupted length field
+# must not make us allocate terabytes).
+MAX_PAYLOAD_NBYTES = 1 << 34
+
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5}
+DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class Codec(enum.IntEnum):
+    RAW = 0
+    ZSTD = 1
+    ZSTD_SHUFFLE = 2  # bytes of each element grouped by significance first: exponents compress better
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Expected:
+    """What a record must be to be served: anything else is a miss."""
+
+    ns_digest: NamespaceDigest
+    key: BlockKey
+    token_bytes: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Header:
+    version: int
+    codec: Codec
+    dtype: str
+    shape: tuple[int, ...]
+    token_count: int
+    ns_digest: NamespaceDigest
+    parent_key: BlockKey
+    key: BlockKey
+    created_s: float
+    raw_nbytes: int
+    payload_nbytes: int
+    payload_checksum: int
+
+
+def _shuffle(data: bytes | memoryview, itemsize: int) -> bytes:
+    arr = np.frombuffer(data, dtype=np.uint8)
+    return arr.reshape(-1, itemsize).T.tobytes()
+
+
+def _unshuffle(data: bytes, itemsize: int) -> bytes:
+    arr = np.frombuffer(data, dtype=np.uint8)
+    return arr.reshape(itemsize, -1).T.tobytes()
+
+
+def encode(
+    *,
+    ns_digest: NamespaceDigest,
+    parent_key: BlockKey,
+    key: BlockKey,
+    token_bytes: bytes,
+    dtype: str,
+    shape: tuple[int, ...],
+    payload: bytes | memoryview,
+    created_s: float,
+    codec: Codec = Codec.RAW,
+    zstd_level: int = 1,
+) -> bytes:
+    """One record's bytes. ``payload`` is the raw canonical-layout KV (a contiguous buffer)."""
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"at most {MAX_NDIM} dims, got {shape}")
+    raw_nbytes = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+    if codec == Codec.RAW:
+        stored: bytes | memoryview = payload
+    else:
+        src = _shuffle(payload, DTYPE_ITEMSIZE[dtype]) if codec == Codec.ZSTD_SHUFFLE else payload
+        stored = zstandard.ZstdCompressor(level=zstd_level).compress(src)
+    stored_nbytes = stored.nbytes if isinstance(stored, memoryview) else len(stored)
+    fields = _FIELDS.pack(
+        MAGIC, FORMAT_VERSION, int(codec), DTYPE_CODES[dtype], len(shape),
+        *(tuple(shape) + (0,) * (MAX_NDIM - len(shape))),
+        len(token_bytes) // 4, ns_digest, parent_key, key, created_s,
+        raw_nbytes, stored_nbytes, xxhash.xxh3_64_intdigest(stored),
+    )
+    check = xxhash.xxh3_64(fields)
+    check.update(token_bytes)
+    return b"".join((fields, _CHECK.pack(check.intdigest()), token_bytes, stored))
+
+
+def decode_header(buf: bytes | memoryview) -> tuple[Header, memoryview, memoryview]:
+    """Parse and check the header and token ids; returns (header, token bytes, stored payload)."""
+    view = memoryview(buf).cast("B")
+    if view.nbytes < HEADER_NBYTES:
+        raise RecordError(f"record truncated: {view.nbytes} bytes, header needs {HEADER_NBYTES}")
+    f = _FIELDS.unpack_from(view, 0)
+    magic, version, codec, dtype_code, ndim = f[0:5]
+    shape_all = f[5 : 5 + MAX_NDIM]
+    token_count, ns_digest, parent, key, created_s, raw_nbytes, stored_nbytes, payload_check = f[5 + MAX_NDIM :]
+    if magic != MAGIC:
+        raise RecordError("not a tierkv block record (bad magic)")
+    if version != FORMAT_VERSION:
+        raise RecordError(f"record format version {version}, this build reads {FORMAT_VERSION}")
+    tokens_end = HEADER_NBYTES + 4 * token_count
+    if tokens_end > view.nbytes:
+        raise RecordError("record truncated inside its token ids")
+    check = xxhash.xxh3_64(view[: _FIELDS.size])
+    check.update(view[HEADER_NBYTES:tokens_end])
+    if check.intdigest() != _CHECK.unpack_from(view, _FIELDS.size)[0]:
+        raise RecordError("header checksum mismatch")
+    # Past the checksum every field is as written; still validate ranges written by a buggy encoder.
+    if codec not in Codec._value2member_map_ or dtype_code not in _CODE_DTYPES or not 0 < ndim <= MAX_NDIM:
+        raise RecordError("record header has an unknown codec, dtype or rank")
+    if stored_nbytes > MAX_PAYLOAD_NBYTES or raw_nbytes > MAX_PAYLOAD_NBYTES:
+        raise RecordError("record payload length out of range")
+    if tokens_end + stored_nbytes != view.nbytes:
+        raise RecordError(f"record length {view.nbytes} != header's {tokens_end + stored_nbytes}")
+    header = Header(
+        version, Codec(codec), _CODE_DTYPES[dtype_code], tuple(shape_all[:ndim]), token_count,
+        NamespaceDigest(ns_digest), BlockKey(parent), BlockKey(key), created_s, raw_nbytes, stored_nbytes,
+        payload_check,
+    )
+    return header, view[HEADER_NBYTES:tokens_end], view[tokens_end:]
+
+
+def decode(buf: bytes | memoryview, expected: Expected) -> memoryview | bytes:
+    """Verify a record against ``expected`` and return its raw payload bytes.
+
+    The returned buffer may be a view into ``buf`` (raw codec): copy it before ``buf`` dies.
+    """
+    header, token_bytes, stored = decode_header(buf)
+    if header.ns_digest != expected.ns_digest:
+        raise RecordError("record belongs to another namespace")
+    if header.key != expected.key:
+        raise RecordError("record key differs from the key asked for")
+    if token_bytes != expected.token_bytes:
+        raise RecordError("record token ids differ from the request's")
+    if header.dtype != expected.dtype or header.shape != tuple(expected.shape):
+        raise RecordError(f"record is {header.dtype}{list(header.shape)}, expected {expected.dtype}{list(expected.shape)}")
+    return decode_payload(header, stored)
+
+
+def decode_payload(header: Header, stored: memoryview) -> memoryview | bytes:
+    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
+        raise RecordError("payload checksum mismatch")
+    expected_raw = int(np.prod(header.shape)) * DTYPE_ITEMSIZE[header.dtype]
+    if header.raw_nbytes != expected_raw:
+        raise RecordError(f"payload holds {header.raw_nbytes} bytes, shape needs {expected_raw}")
+    if header.codec == Codec.RAW:
+        if stored.nbytes != expected_raw:
+            raise RecordError("raw payload length differs from its shape")
+        return stored
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=expected_raw)
+    except zstandard.ZstdError as exc:
+        raise RecordError(f"payload does not decompress: {exc}") from None
+    if len(raw) != expected_raw:
+        raise RecordError("decompressed payload length differs from its shape")
+    if header.codec == Codec.ZSTD_SHUFFLE:
+        raw = _unshuffle(raw, DTYPE_ITEMSIZE[header.dtype])
+    return raw
+

@@ -1,0 +1,31 @@
+"""Exceptions raised by tierkv.
+
+    TierKVError
+    ├── RecordError          a block record failed to decode or verify (caller treats it as a miss)
+    ├── StoreFormatError     the store on disk was written by another format version
+    ├── NamespaceConflictError  one digest registered with two different specs
+    └── ConfigError          a caller's mistake in an argument (size, duration, shape)
+"""
+
+
+class TierKVError(Exception):
+    """Base class of every error tierkv raises on purpose."""
+
+
+class RecordError(TierKVError):
+    """A stored block record is truncated, corrupted, foreign or of another version.
+
+    Never fatal to a request: the block is a miss (and is purged).
+    """
+
+
+class StoreFormatError(TierKVError):
+    """The store directory holds data of a format version this build cannot read."""
+
+
+class NamespaceConflictError(TierKVError):
+    """A namespace digest is already registered with a different spec."""
+
+
+class ConfigError(TierKVError, ValueError):
+    """An argument is out of range or malformed."""

@@ -1,0 +1,97 @@
+"""Namespaces and chained block keys.
+
+``key_i = blake2b-256(key_{i-1} || uint32-LE token ids of block i)``, ``key_{-1} = blake2b-256(digest)``.
+The key of block i names the whole prefix 0..i, so a hit on block i implies hits on every block before
+it, and changing one token renames every later block. blake2b needs no seed: keys are identical in every
+process (never Python's ``hash()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import NewType
+
+import numpy as np
+
+from tierkv.errors import ConfigError
+
+BlockKey = NewType("BlockKey", bytes)  # 32 bytes
+NamespaceDigest = NewType("NamespaceDigest", bytes)  # 32 bytes
+
+KEY_NBYTES = 32
+LAYOUT_VERSION = 1  # bump when the canonical block layout changes: old blocks then never match
+_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _blake(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=KEY_NBYTES).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """Everything besides the tokens that decides the KV values. Two namespaces never share a block."""
+
+    model_id: str
+    revision: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int = 64
+    layout_version: int = LAYOUT_VERSION
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"unsupported KV dtype {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 1 <= self.block_tokens <= 4096:
+            raise ConfigError(f"block_tokens must be in 1..4096, got {self.block_tokens}")
+
+    def to_json(self) -> str:
+        # Sorted keys: the digest must not depend on field order.
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Namespace:
+        return cls(**json.loads(text))
+
+    @property
+    def digest(self) -> NamespaceDigest:
+        return NamespaceDigest(_blake(b"tierkv-namespace\0" + self.to_json().encode()))
+
+    def with_salt(self, tenant_salt: str) -> Namespace:
+        return dataclasses.replace(self, tenant_salt=tenant_salt)
+
+
+def root_key(digest: NamespaceDigest) -> BlockKey:
+    return BlockKey(_blake(digest))
+
+
+def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """uint32 little-endian, the one encoding hashed and stored."""
+    arr = np.asarray(token_ids)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ConfigError("token ids must be in 0..2**32-1")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chain_key(parent: BlockKey, block_token_bytes: bytes) -> BlockKey:
+    return BlockKey(_blake(parent + block_token_bytes))
+
+
+def block_keys(ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
+    """Keys of every full block of ``token_ids`` (a trailing partial block has none)."""
+    data = tokens_to_bytes(token_ids)
+    step = ns.block_tokens * 4
+    keys: list[BlockKey] = []
+    parent = root_key(ns.digest)
+    for start in range(0, len(data) - step + 1, step):
+        parent = chain_key(parent, data[start : start + step])
+        keys.append(parent)
+    return keys

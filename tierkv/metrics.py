@@ -1,0 +1,25 @@
+"""Thread-safe counters per tier, read as a plain dict by ``TieredStore.stats()`` and ``/metrics``."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+COUNTER_NAMES = (
+    "hit_blocks", "hit_tokens", "miss_blocks", "bytes_read", "bytes_written", "blocks_written",
+    "evictions", "expirations", "corrupt_blocks", "dropped_saves", "write_errors",
+)
+
+
+class Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(COUNTER_NAMES, 0))
+
+    def add(self, tier: str, name: str, value: int = 1) -> None:
+        with self._lock:
+            self._values[tier][name] += value
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {tier: dict(vals) for tier, vals in self._values.items()}

@@ -1,0 +1,284 @@
+"""TieredStore: the public API. Save KV blocks write-behind, find and restore the longest cached prefix.
+
+A prefix is served block by block from the fastest tier holding each block (host, then disk); it ends at
+the first block no tier holds, or the first that fails verification (that block is purged and counted,
+and the caller recomputes from there). Wrong KV is never served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierkv import codec
+from tierkv.errors import ConfigError, RecordError
+from tierkv.keys import BlockKey, Namespace, NamespaceDigest, block_keys, root_key, tokens_to_bytes
+from tierkv.layout import KVSpec
+from tierkv.metrics import COUNTER_NAMES, Counters
+from tierkv.tiers.disk import DiskTier, Policy
+from tierkv.tiers.host import HostTier
+
+TIERS = ("host", "disk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """How much of a prompt is cached: ``num_tokens`` in all, ``by_tier`` tokens from each tier."""
+
+    num_tokens: int
+    by_tier: dict[str, int]
+    num_blocks: int = 0
+    restore_s: float = 0.0
+
+
+def _as_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    # Read-only use: torch warns that a bytes object is not writable; we never write through this view.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype).view(*shape)
+
+
+class TieredStore:
+    def __init__(self, host: HostTier | None, disk: DiskTier | None, *, codec_: codec.Codec = codec.Codec.RAW,
+                 clock: Callable[[], float] = time.time, counters: Counters | None = None) -> None:
+        self.host = host
+        self.disk = disk
+        self.codec = codec_
+        self.clock = clock
+        self.counters = counters or Counters()
+        self._registered: set[NamespaceDigest] = set()
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str] | None,
+        *,
+        host_bytes: int = 1 << 30,
+        disk_bytes: int | None = None,
+        ttl_s: float | None = None,
+        max_age_s: float | None = None,
+        codec_: codec.Codec | str = codec.Codec.RAW,
+        clock: Callable[[], float] = time.time,
+        sync: bool = True,
+        **disk_options: int,
+    ) -> TieredStore:
+        """Open (or create) a store. ``path=None`` gives a host-only store; ``host_bytes=0`` a disk-only one."""
+        if host_bytes < 0 or (disk_bytes is not None and disk_bytes <= 0):
+            raise ConfigError("host_bytes must be >= 0 and disk_bytes > 0")
+        counters = Counters()
+        if isinstance(codec_, str):
+            codec_ = codec.Codec[codec_.upper().replace("-", "_")]
+        host = HostTier(host_bytes, counters=counters) if host_bytes else None
+        disk = None
+        if path is not None:
+            disk = DiskTier(Path(path), policy=Policy(disk_bytes, ttl_s, max_age_s), clock=clock, sync=sync,
+                            counters=counters, **disk_options)
+        return cls(host, disk, codec_=codec_, clock=clock, counters=counters)
+
+    # ---------------------------------------------------------------- save
+
+    def _register(self, ns: Namespace) -> None:
+        if ns.digest not in self._registered:
+            if self.disk is not None:
+                self.disk.register_namespace(ns)
+            self._registered.add(ns.digest)
+
+    def _check_kv(self, ns: Namespace, kv: torch.Tensor, min_tokens: int) -> KVSpec:
+        spec = KVSpec.of(ns)
+        if kv.dim() != 5 or kv.shape[0] != spec.num_layers or kv.shape[1] != 2 or tuple(kv.shape[3:]) != (
+                spec.num_kv_heads, spec.head_dim):
+            raise ConfigError(f"kv must be {list(spec.shape(min_tokens))} (layers, 2, tokens, kv heads, head dim), "
+                              f"got {list(kv.shape)}")
+        if kv.dtype != spec.dtype:
+            raise ConfigError(f"kv dtype {kv.dtype} differs from the namespace's {ns.dtype}")
+        if kv.shape[2] < min_tokens:
+            raise ConfigError(f"kv holds {kv.shape[2]} tokens, fewer than the {min_tokens} asked for")
+        return spec
+
+    def save(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, kv: torch.Tensor,
+             *, start_block: int = 0) -> int:
+        """Keep the full blocks of ``token_ids`` (KV ``[layers, 2, tokens, kv_heads, head_dim]``).
+
+        Returns at once: the host copy is made now, the disk write happens behind (a dropped disk write is
+        counted, never an error). Blocks before ``start_block`` are known cached and skipped. Returns the
+        number of blocks newly kept.
+        """
+        keys = block_keys(ns, token_ids)
+        spec = self._check_kv(ns, kv, len(keys) * ns.block_tokens)
+        if not keys:
+            return 0
+        self._register(ns)
+        token_bytes = tokens_to_bytes(token_ids)
+        in_host = self.host.contains(keys) if self.host is not None else [False] * len(keys)
+        B = ns.block_tokens
+        kept = 0
+        now = self.clock()
+        for i in range(start_block, len(keys)):
+            if in_host[i]:
+                continue
+            block = kv[:, :, i * B : (i + 1) * B]
+            if block.device.type != "cpu":
+                block = block.to("cpu")
+            held = self.host.put(keys[i], block, hold=self.disk is not None) if self.host is not None else None
+            kept += 1
+            if self.disk is None:
+                continue
+            payload = held if held is not None else block.contiguous().view(-1).view(torch.uint8)
+            parent = keys[i - 1] if i else root_key(ns.digest)
+            tb = token_bytes[i * B * 4 : (i + 1) * B * 4]
+            queued = self.disk.put(ns.digest, keys[i], self._record_fn(ns, spec, parent, keys[i], tb, payload,
+                                                                       held is not None, now),
+                                   spec.block_nbytes + codec.HEADER_NBYTES + len(tb), now)
+            if not queued and held is not None and self.host is not None:
+                self.host.release(held)
+        return kept
+
+    def _record_fn(self, ns: Namespace, spec: KVSpec, parent: BlockKey, key: BlockKey, token_bytes: bytes,
+                   payload: torch.Tensor, held: bool, created_s: float) -> Callable[[bool], bytes | None]:
+        """The record is encoded on the disk writer thread, not on the inference thread.
+
+        ``make(False)`` only releases the host slot (the writer skipped the block).
+        """
+        def make(encode: bool) -> bytes | None:
+            try:
+                if not encode:
+                    return None
+                return codec.encode(ns_digest=ns.digest, parent_key=parent, key=key, token_bytes=token_bytes,
+                                    dtype=ns.dtype, shape=spec.block_shape, payload=payload.numpy().data,
+                                    created_s=created_s, codec=self.codec)
+            finally:
+                if held and self.host is not None:
+                    self.host.release(payload)
+        return make
+
+    # ---------------------------------------------------------------- lookup and load
+
+    def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> Hit:
+        """How many leading tokens are cached, and where. Reads no payload."""
+        keys = block_keys(ns, token_ids)
+        in_host = self.host.contains(keys) if self.host is not None else [False] * len(keys)
+        first_gap = next((i for i, h in enumerate(in_host) if not h), len(keys))
+        n_disk = 0
+        if self.disk is not None and first_gap < len(keys):
+            n_disk = self._disk_extent(keys, in_host, first_gap)
+        n = first_gap + n_disk
+        host_blocks = sum(in_host[:n])
+        B = ns.block_tokens
+        return Hit(n * B, {"host": host_blocks * B, "disk": (n - host_blocks) * B}, n)
+
+    def _disk_extent(self, keys: Sequence[BlockKey], in_host: Sequence[bool], start: int) -> int:
+        """Blocks from ``start`` on that host or disk hold, asking the disk only for the host's gaps."""
+        assert self.disk is not None
+        wanted = [i for i in range(start, len(keys)) if not in_host[i]]
+        have = self.disk.lookup([keys[i] for i in wanted])
+        end = wanted[have] if have < len(wanted) else len(keys)
+        return end - start
+
+    def load(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray,
+             out: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+        """The KV of the longest verified cached prefix: ``(num_tokens, kv[:, :, :num_tokens])``.
+
+        ``out`` (``[layers, 2, >= tokens, kv_heads, head_dim]``, any device) is filled in place if given,
+        saving an allocation. Returns ``(0, None)`` on a miss.
+        """
+        hit, kv = self.restore(ns, token_ids, out)
+        return hit.num_tokens, kv
+
+    def restore(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray,
+                out: torch.Tensor | None = None) -> tuple[Hit, torch.Tensor | None]:
+        t0 = time.perf_counter()
+        keys = block_keys(ns, token_ids)
+        spec = KVSpec.of(ns)
+        B = ns.block_tokens
+        token_bytes = tokens_to_bytes(token_ids[: len(keys) * B])
+        by_tier = dict.fromkeys(TIERS, 0)
+        if not keys:
+            return Hit(0, by_tier), None
+        if out is not None:
+            self._check_kv(ns, out, 0)
+        host_ctx = self.host.read(keys) if self.host is not None else contextlib.nullcontext([None] * len(keys))
+        with host_ctx as host_views:
+            in_host = [v is not None for v in host_views]
+            first_gap = next((i for i, h in enumerate(in_host) if not h), len(keys))
+            wanted = [i for i in range(first_gap, len(keys)) if not in_host[i]] if self.disk is not None else []
+            disk_ctx = self.disk.read([keys[i] for i in wanted]) if wanted and self.disk else contextlib.nullcontext([])
+            with disk_ctx as records:
+                n = wanted[len(records)] if len(records) < len(wanted) else len(keys)
+                if not wanted:
+                    n = first_gap
+                if n == 0:
+                    self.counters.add("store", "miss_blocks", len(keys))
+                    return Hit(0, by_tier), None
+                if out is None:
+                    out = torch.empty(spec.shape(n * B), dtype=spec.dtype)
+                elif out.shape[2] < n * B:
+                    n = out.shape[2] // B
+                disk_at = {i: rec for i, rec in zip(wanted, records)}
+                for i in range(n):
+                    dst = out[:, :, i * B : (i + 1) * B]
+                    if in_host[i]:
+                        dst.copy_(host_views[i].view(spec.dtype).view(spec.block_shape))
+                        by_tier["host"] += B
+                        continue
+                    view, location = disk_at[i]
+                    expected = codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4],
+                                              ns.dtype, spec.block_shape)
+                    try:
+                        payload = codec.decode(view, expected)
+                    except RecordError:
+                        # A sweep in another process may have released it while we read: a plain miss.
+                        if self.disk.still_indexed(keys[i], location):
+                            self.disk.purge(keys[i], location)
+                        n = i
+                        break
+                    block = _as_tensor(payload, spec.dtype, spec.block_shape)
+                    dst.copy_(block)
+                    if self.host is not None:  # promote: the next hit on this block comes from RAM
+                        self.host.put(keys[i], block)
+                    by_tier["disk"] += B
+        self.counters.add("store", "miss_blocks", len(keys) - n)
+        for tier, tokens in by_tier.items():
+            if tokens:
+                self.counters.add(tier, "hit_blocks", tokens // B)
+                self.counters.add(tier, "hit_tokens", tokens)
+        hit = Hit(n * B, by_tier, n, time.perf_counter() - t0)
+        return hit, (out[:, :, : n * B] if n else None)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def flush(self) -> None:
+        """Wait until every saved block is durable on disk."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        snap = self.counters.snapshot()
+        for tier in (*TIERS, "store"):
+            snap.setdefault(tier, dict.fromkeys(COUNTER_NAMES, 0))
+        if self.host is not None:
+            snap["host"].update(used_nbytes=self.host.used_nbytes, capacity_nbytes=self.host.capacity_nbytes,
+                                blocks=len(self.host))
+        if self.disk is not None:
+            snap["disk"].update(self.disk.usage())
+        return snap
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Hit", "TieredStore"]

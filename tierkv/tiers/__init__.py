@@ -1,0 +1,1 @@
+"""Storage tiers: host RAM (``host.HostTier``) and disk (``disk.DiskTier`` over ``segments``)."""

@@ -1,0 +1,135 @@
+"""The host-memory tier: a preallocated pool of fixed-size block slots with LRU eviction.
+
+One allocation when the first block arrives (its size fixes the slot size), pinned when CUDA is present so
+H2D copies are asynchronous; no allocation per block afterwards. Slots being read or waiting for the disk
+writer hold a reference and are never evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from tierkv.keys import BlockKey
+from tierkv.metrics import Counters
+
+log = logging.getLogger("tierkv.host")
+
+
+class HostTier:
+    def __init__(self, capacity_nbytes: int, *, pin: bool | None = None, counters: Counters | None = None) -> None:
+        self.capacity_nbytes = capacity_nbytes
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.counters = counters or Counters()
+        self.slot_nbytes = 0
+        self.num_slots = 0
+        self._pool: torch.Tensor | None = None
+        self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # key -> slot, least recently used first
+        self._refs: list[int] = []
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+
+    def _allocate(self, slot_nbytes: int) -> None:
+        self.slot_nbytes = slot_nbytes
+        self.num_slots = self.capacity_nbytes // slot_nbytes
+        t0 = time.perf_counter()
+        self._pool = torch.empty((self.num_slots, slot_nbytes), dtype=torch.uint8, pin_memory=self.pin)
+        # Touch every page now, once, instead of a page fault per 4 KiB on the save path later.
+        self._pool.zero_()
+        log.info("host tier: %d slots of %d bytes (%.1f MiB%s) in %.2f s", self.num_slots, slot_nbytes,
+                 self.num_slots * slot_nbytes / 2**20, ", pinned" if self.pin else "", time.perf_counter() - t0)
+        self._refs = [0] * self.num_slots
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def used_nbytes(self) -> int:
+        return len(self._lru) * self.slot_nbytes
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._lru for k in keys]
+
+    def put(self, key: BlockKey, block: torch.Tensor, *, hold: bool = False) -> torch.Tensor | None:
+        """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot.
+
+        None when the tier is off, the block is of another size than the slots, or every slot is in use.
+        """
+        nbytes = block.numel() * block.element_size()
+        with self._lock:
+            if self._pool is None:
+                if self.capacity_nbytes < nbytes:
+                    return None
+                self._allocate(nbytes)
+            assert self._pool is not None
+            if nbytes != self.slot_nbytes:
+                return None
+            slot = self._lru.get(key)
+            if slot is not None:
+                self._lru.move_to_end(key)
+            else:
+                slot = self._take_slot()
+                if slot is None:
+                    return None
+                # Copied under the lock: a block is ~1 MiB (tens of microseconds), and a reader must never
+                # see a half-written slot.
+                self._pool[slot].view(block.dtype).view(block.shape).copy_(block)
+                self._lru[key] = slot
+            if hold:
+                self._refs[slot] += 1
+            view = self._pool[slot]
+        self.counters.add("host", "blocks_written")
+        self.counters.add("host", "bytes_written", nbytes)
+        return view
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, slot in self._lru.items():  # least recently used first
+            if self._refs[slot] == 0:
+                del self._lru[key]
+                self.counters.add("host", "evictions")
+                return slot
+        return None
+
+    def release(self, view: torch.Tensor) -> None:
+        assert self._pool is not None
+        slot = (view.data_ptr() - self._pool.data_ptr()) // self.slot_nbytes
+        with self._lock:
+            assert self._refs[slot] > 0, f"slot {slot} released more often than held"
+            self._refs[slot] -= 1
+
+    @contextlib.contextmanager
+    def read(self, keys: Sequence[BlockKey]) -> Iterator[list[torch.Tensor | None]]:
+        """Hold the slots of ``keys`` for reading: one uint8 view per key, None where absent."""
+        views: list[torch.Tensor | None] = []
+        with self._lock:
+            for key in keys:
+                slot = self._lru.get(key)
+                if slot is None or self._pool is None:
+                    views.append(None)
+                    continue
+                self._lru.move_to_end(key)
+                self._refs[slot] += 1
+                views.append(self._pool[slot])
+        try:
+            yield views
+        finally:
+            for v in views:
+                if v is not None:
+                    self.release(v)
+
+    def clear(self) -> None:
+        with self._lock:
+            for key, slot in list(self._lru.items()):
+                if self._refs[slot] == 0:
+                    del self._lru[key]
+                    self._free.append(slot)
