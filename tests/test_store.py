@@ -2,10 +2,9 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import make_kv
 
 from tierkv import ConfigError, Namespace, TieredStore
-
-from helpers import make_kv
 
 
 def test_quickstart(tmp_path) -> None:
@@ -121,3 +120,15 @@ def test_corrupt_disk_block_cuts_prefix_and_is_purged(tmp_path, ns) -> None:
         store.flush()
         assert store.stats()["disk"]["corrupt_blocks"] == 1
         assert store.lookup(ns, toks).num_tokens == 32  # purged, not served again
+
+
+@pytest.mark.parametrize("codec_", ["zstd", "zstd_shuffle"])
+def test_compressed_records_roundtrip_through_disk(tmp_path, ns, codec_: str) -> None:
+    toks = list(range(64))
+    kv = make_kv(ns, 64)
+    with TieredStore.open(tmp_path, host_bytes=0, codec_=codec_) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    with TieredStore.open(tmp_path, host_bytes=0) as store:  # reads whatever codec each record says
+        n, got = store.load(ns, toks)
+    assert n == 64 and torch.equal(got, kv)

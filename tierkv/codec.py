@@ -117,11 +117,15 @@ def encode(
     return b"".join((fields, _CHECK.pack(check.intdigest()), token_bytes, stored))
 
 
-def decode_header(buf: bytes | memoryview) -> tuple[Header, memoryview, memoryview]:
-    """Parse and check the header and token ids; returns (header, token bytes, stored payload)."""
-    view = memoryview(buf).cast("B")
-    if view.nbytes < HEADER_NBYTES:
-        raise RecordError(f"record truncated: {view.nbytes} bytes, header needs {HEADER_NBYTES}")
+def parse_header(prefix: bytes | memoryview, record_nbytes: int) -> tuple[Header, memoryview]:
+    """Parse and check a record's header and token ids from its first bytes.
+
+    ``prefix`` holds at least the header and token ids; ``record_nbytes`` is the whole record's length
+    (the payload may live elsewhere, e.g. already scattered into its destination).
+    """
+    view = memoryview(prefix).cast("B")
+    if view.nbytes < HEADER_NBYTES or record_nbytes < HEADER_NBYTES:
+        raise RecordError(f"record truncated: {min(view.nbytes, record_nbytes)} bytes, header needs {HEADER_NBYTES}")
     f = _FIELDS.unpack_from(view, 0)
     magic, version, codec, dtype_code, ndim = f[0:5]
     shape_all = f[5 : 5 + MAX_NDIM]
@@ -131,7 +135,7 @@ def decode_header(buf: bytes | memoryview) -> tuple[Header, memoryview, memoryvi
     if version != FORMAT_VERSION:
         raise RecordError(f"record format version {version}, this build reads {FORMAT_VERSION}")
     tokens_end = HEADER_NBYTES + 4 * token_count
-    if tokens_end > view.nbytes:
+    if tokens_end > view.nbytes or tokens_end > record_nbytes:
         raise RecordError("record truncated inside its token ids")
     check = xxhash.xxh3_64(view[: _FIELDS.size])
     check.update(view[HEADER_NBYTES:tokens_end])
@@ -142,22 +146,25 @@ def decode_header(buf: bytes | memoryview) -> tuple[Header, memoryview, memoryvi
         raise RecordError("record header has an unknown codec, dtype or rank")
     if stored_nbytes > MAX_PAYLOAD_NBYTES or raw_nbytes > MAX_PAYLOAD_NBYTES:
         raise RecordError("record payload length out of range")
-    if tokens_end + stored_nbytes != view.nbytes:
-        raise RecordError(f"record length {view.nbytes} != header's {tokens_end + stored_nbytes}")
+    if tokens_end + stored_nbytes != record_nbytes:
+        raise RecordError(f"record length {record_nbytes} != header's {tokens_end + stored_nbytes}")
     header = Header(
         version, Codec(codec), _CODE_DTYPES[dtype_code], tuple(shape_all[:ndim]), token_count,
         NamespaceDigest(ns_digest), BlockKey(parent), BlockKey(key), created_s, raw_nbytes, stored_nbytes,
         payload_check,
     )
-    return header, view[HEADER_NBYTES:tokens_end], view[tokens_end:]
+    return header, view[HEADER_NBYTES:tokens_end]
 
 
-def decode(buf: bytes | memoryview, expected: Expected) -> memoryview | bytes:
-    """Verify a record against ``expected`` and return its raw payload bytes.
+def decode_header(buf: bytes | memoryview) -> tuple[Header, memoryview, memoryview]:
+    """Parse and check a whole record; returns (header, token bytes, stored payload)."""
+    view = memoryview(buf).cast("B")
+    header, token_bytes = parse_header(view, view.nbytes)
+    return header, token_bytes, view[view.nbytes - header.payload_nbytes :]
 
-    The returned buffer may be a view into ``buf`` (raw codec): copy it before ``buf`` dies.
-    """
-    header, token_bytes, stored = decode_header(buf)
+
+def check_expected(header: Header, token_bytes: memoryview, expected: Expected) -> None:
+    """Raise ``RecordError`` unless the record is the block the caller asked for."""
     if header.ns_digest != expected.ns_digest:
         raise RecordError("record belongs to another namespace")
     if header.key != expected.key:
@@ -166,6 +173,26 @@ def decode(buf: bytes | memoryview, expected: Expected) -> memoryview | bytes:
         raise RecordError("record token ids differ from the request's")
     if header.dtype != expected.dtype or header.shape != tuple(expected.shape):
         raise RecordError(f"record is {header.dtype}{list(header.shape)}, expected {expected.dtype}{list(expected.shape)}")
+
+
+def check_raw_pieces(header: Header, pieces: list[memoryview]) -> None:
+    """Verify a raw payload that was read straight into its destination, in ``pieces`` (in order)."""
+    if header.codec != Codec.RAW:
+        raise RecordError("not a raw record")
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        h.update(p)
+    if h.intdigest() != header.payload_checksum:
+        raise RecordError("payload checksum mismatch")
+
+
+def decode(buf: bytes | memoryview, expected: Expected) -> memoryview | bytes:
+    """Verify a record against ``expected`` and return its raw payload bytes.
+
+    The returned buffer may be a view into ``buf`` (raw codec): copy it before ``buf`` dies.
+    """
+    header, token_bytes, stored = decode_header(buf)
+    check_expected(header, token_bytes, expected)
     return decode_payload(header, stored)
 
 

@@ -9,6 +9,7 @@ process (never Python's ``hash()``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -61,8 +62,9 @@ class Namespace:
     def from_json(cls, text: str) -> Namespace:
         return cls(**json.loads(text))
 
-    @property
+    @functools.cached_property
     def digest(self) -> NamespaceDigest:
+        # Cached: the hot paths ask for it on every call (a frozen dataclass never changes).
         return NamespaceDigest(_blake(b"tierkv-namespace\0" + self.to_json().encode()))
 
     def with_salt(self, tenant_salt: str) -> Namespace:

@@ -194,63 +194,124 @@ class TieredStore:
 
     def restore(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray,
                 out: torch.Tensor | None = None) -> tuple[Hit, torch.Tensor | None]:
+        """Like ``load``, with the ``Hit`` (tokens per tier, restore time)."""
         t0 = time.perf_counter()
         keys = block_keys(ns, token_ids)
         spec = KVSpec.of(ns)
         B = ns.block_tokens
-        token_bytes = tokens_to_bytes(token_ids[: len(keys) * B])
         by_tier = dict.fromkeys(TIERS, 0)
-        if not keys:
-            return Hit(0, by_tier), None
         if out is not None:
             self._check_kv(ns, out, 0)
+            keys = keys[: out.shape[2] // B]
+        if not keys:
+            return Hit(0, by_tier), None
+        token_bytes = tokens_to_bytes(np.asarray(token_ids)[: len(keys) * B])
         host_ctx = self.host.read(keys) if self.host is not None else contextlib.nullcontext([None] * len(keys))
         with host_ctx as host_views:
             in_host = [v is not None for v in host_views]
             first_gap = next((i for i, h in enumerate(in_host) if not h), len(keys))
-            wanted = [i for i in range(first_gap, len(keys)) if not in_host[i]] if self.disk is not None else []
-            disk_ctx = self.disk.read([keys[i] for i in wanted]) if wanted and self.disk else contextlib.nullcontext([])
-            with disk_ctx as records:
-                n = wanted[len(records)] if len(records) < len(wanted) else len(keys)
-                if not wanted:
-                    n = first_gap
-                if n == 0:
-                    self.counters.add("store", "miss_blocks", len(keys))
-                    return Hit(0, by_tier), None
-                if out is None:
-                    out = torch.empty(spec.shape(n * B), dtype=spec.dtype)
-                elif out.shape[2] < n * B:
-                    n = out.shape[2] // B
-                disk_at = {i: rec for i, rec in zip(wanted, records)}
-                for i in range(n):
-                    dst = out[:, :, i * B : (i + 1) * B]
-                    if in_host[i]:
-                        dst.copy_(host_views[i].view(spec.dtype).view(spec.block_shape))
-                        by_tier["host"] += B
-                        continue
-                    view, location = disk_at[i]
-                    expected = codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4],
-                                              ns.dtype, spec.block_shape)
-                    try:
-                        payload = codec.decode(view, expected)
-                    except RecordError:
-                        # A sweep in another process may have released it while we read: a plain miss.
-                        if self.disk.still_indexed(keys[i], location):
-                            self.disk.purge(keys[i], location)
-                        n = i
-                        break
-                    block = _as_tensor(payload, spec.dtype, spec.block_shape)
-                    dst.copy_(block)
-                    if self.host is not None:  # promote: the next hit on this block comes from RAM
-                        self.host.put(keys[i], block)
-                    by_tier["disk"] += B
+            wanted = [i for i in range(first_gap, len(keys)) if not in_host[i]]
+            entries = self.disk.locate([keys[i] for i in wanted]) if wanted and self.disk is not None else []
+            n = wanted[len(entries)] if len(entries) < len(wanted) else len(keys)
+            if n == 0:
+                self.counters.add("store", "miss_blocks", len(keys))
+                return Hit(0, by_tier), None
+            target = out if out is not None and out.is_contiguous() and out.device.type == "cpu" else \
+                torch.empty(spec.shape(n * B), dtype=spec.dtype)
+            disk_idx = wanted[: len(entries)]
+            disk_idx = [i for i in disk_idx if i < n]
+            ok_until = self._restore_from_disk(ns, spec, keys, token_bytes, disk_idx, entries, target)
+            n = min(n, ok_until)
+            for i in range(n):
+                if in_host[i]:
+                    target[:, :, i * B : (i + 1) * B].copy_(host_views[i].view(spec.dtype).view(spec.block_shape))
+            by_tier["host"] = sum(in_host[:n]) * B
+            by_tier["disk"] = n * B - by_tier["host"]
+        if target is not out and out is not None and n:
+            out[:, :, : n * B].copy_(target[:, :, : n * B])
+            target = out
         self.counters.add("store", "miss_blocks", len(keys) - n)
         for tier, tokens in by_tier.items():
             if tokens:
                 self.counters.add(tier, "hit_blocks", tokens // B)
                 self.counters.add(tier, "hit_tokens", tokens)
         hit = Hit(n * B, by_tier, n, time.perf_counter() - t0)
-        return hit, (out[:, :, : n * B] if n else None)
+        return hit, (target[:, :, : n * B] if n else None)
+
+    def _restore_from_disk(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
+                           idx: list[int], entries: list, target: torch.Tensor) -> int:
+        """Read and verify disk blocks ``idx`` into ``target``; returns the first block index that failed
+        (or ``len(keys)``). Blocks are verified in order, so everything before the returned index is exact.
+        """
+        if not idx:
+            return len(keys)
+        assert self.disk is not None
+        B = ns.block_tokens
+        prefix_nbytes = codec.HEADER_NBYTES + 4 * B
+        raw_nbytes = prefix_nbytes + spec.block_nbytes
+        # target as uint8 rows, one per (layer, k/v): a block's payload is one chunk of each row, so a raw
+        # record is scattered by preadv straight into place (no bounce buffer, no second copy).
+        rows = target.view(torch.uint8).numpy().reshape(spec.num_layers * 2, -1)
+        chunk = spec.block_nbytes // (spec.num_layers * 2)
+        scratch = memoryview(bytearray(prefix_nbytes * len(idx)))
+        scatter, whole = [], []
+        for j, (i, e) in enumerate(zip(idx, entries)):
+            if e.nbytes == raw_nbytes:
+                views = [scratch[j * prefix_nbytes : (j + 1) * prefix_nbytes]]
+                views += [memoryview(rows[r, i * chunk : (i + 1) * chunk]) for r in range(rows.shape[0])]
+                scatter.append((i, e, views))
+            else:
+                whole.append((i, e))
+        def verify(j: int) -> bool:  # on a reading thread, as soon as record j is in
+            i, e, views = scatter[j]
+            expected = codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4], ns.dtype,
+                                      spec.block_shape)
+            try:
+                header, toks = codec.parse_header(views[0], e.nbytes)
+                codec.check_expected(header, toks, expected)
+                if header.codec == codec.Codec.RAW:
+                    codec.check_raw_pieces(header, views[1:])
+                else:  # a compressed record that happens to have the raw length
+                    payload = codec.decode_payload(header, memoryview(b"".join(views[1:])))
+                    target[:, :, i * B : (i + 1) * B].copy_(_as_tensor(payload, spec.dtype, spec.block_shape))
+            except RecordError:
+                return False
+            return True
+
+        ok = self.disk.read_into([(e, v) for _, e, v in scatter], verify) if scatter else []
+        failed_at = len(keys)
+        for (i, e, _), good in zip(scatter, ok):
+            if not good:
+                failed_at = i
+                self._purge_if_indexed(keys[i], e)
+                break
+        if whole:
+            with self.disk.read([e for _, e in whole]) as records:
+                for (i, e), rec in zip(whole, records):
+                    if i >= failed_at:
+                        break
+                    expected = codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4],
+                                              ns.dtype, spec.block_shape)
+                    try:
+                        payload = codec.decode(rec, expected)
+                    except RecordError:
+                        failed_at = i
+                        self._purge_if_indexed(keys[i], e)
+                        break
+                    target[:, :, i * B : (i + 1) * B].copy_(_as_tensor(payload, spec.dtype, spec.block_shape))
+        good = [i for i in idx if i < failed_at]
+        self.disk.touch([keys[i] for i in good], sum(e.nbytes for i, e in zip(idx, entries) if i < failed_at))
+        if self.host is not None:  # promote: the next hit on these blocks comes from RAM
+            for i in good:
+                self.host.put(keys[i], target[:, :, i * B : (i + 1) * B])
+        return failed_at
+
+    def _purge_if_indexed(self, key: BlockKey, e: object) -> None:
+        assert self.disk is not None
+        location = e.location  # type: ignore[attr-defined]
+        # A sweep in another process may have released it while we read: then it is a plain miss.
+        if self.disk.still_indexed(key, location):
+            self.disk.purge(key, location)
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -256,7 +256,8 @@ class DiskTier:
             return True
         return p.max_age_s is not None and now - e.created_s > p.max_age_s
 
-    def _leading_entries(self, keys: Sequence[BlockKey]) -> list[Entry]:
+    def locate(self, keys: Sequence[BlockKey]) -> list[Entry]:
+        """Entries of the leading ``keys`` the tier holds, unexpired (the index only: no payload read)."""
         now = self.clock()
         out: list[Entry] = []
         with self._env.begin(db=self._db["index"]) as txn:
@@ -274,25 +275,27 @@ class DiskTier:
         return out
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading ``keys`` the tier holds, unexpired (existence only: no payload is read)."""
-        return len(self._leading_entries(keys))
+        """How many leading ``keys`` the tier holds, unexpired."""
+        return len(self.locate(keys))
 
     @contextlib.contextmanager
-    def read(self, keys: Sequence[BlockKey]) -> Iterator[list[tuple[memoryview, tuple[int, int, int]]]]:
-        """Read the records of the leading cached ``keys``: ``[(record view, location), ...]``.
-
-        The views are valid inside the ``with`` block only. Hits refresh the sliding TTL.
-        """
-        entries = self._leading_entries(keys)
+    def read(self, entries: Sequence[Entry]) -> Iterator[list[memoryview]]:
+        """The whole records of ``entries``, as views valid inside the ``with`` block only."""
         with self._read_lock:
-            views = self.segments.read([e.location for e in entries]) if entries else []
-            yield [(v, e.location) for v, e in zip(views, entries)]
-        if entries:
-            now = self.clock()
-            with self._touched_lock:
-                for key in keys[: len(entries)]:
-                    self._touched[bytes(key)] = now
-            self.counters.add("disk", "bytes_read", sum(e.nbytes for e in entries))
+            yield self.segments.read([e.location for e in entries]) if entries else []
+
+    def read_into(self, requests: Sequence[tuple[Entry, list[memoryview]]],
+                  verify: Callable[[int], bool] | None = None) -> list[bool]:
+        """Scatter each record into its destination views; ``verify(i)`` runs on the reading thread."""
+        return self.segments.readv([(*e.location, views) for e, views in requests], verify)
+
+    def touch(self, keys: Sequence[BlockKey], nbytes: int) -> None:
+        """Record hits: refreshes the sliding TTL (written in batches by the writer thread)."""
+        now = self.clock()
+        with self._touched_lock:
+            for key in keys:
+                self._touched[bytes(key)] = now
+        self.counters.add("disk", "bytes_read", nbytes)
 
     # ---------------------------------------------------------------- writes
 

@@ -17,12 +17,13 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ALIGN = 4096  # file offsets and record footprints are page multiples: punchable, O_DIRECT-able
 READ_CHUNK_NBYTES = 8 << 20  # one preadv per chunk; several in flight keep the disk's queue full
+_IOV_MAX = 1024  # Linux's limit on buffers per preadv
 _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
 
@@ -54,6 +55,7 @@ class SegmentDir:
         self._fds_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="tierkv-read")
         self._buf: mmap.mmap | None = None  # reused: fresh large buffers cost a page fault per 4 KiB
+        self._pad = memoryview(bytearray(ALIGN))  # sink for the padding between records (content unused)
 
     def file(self, seg_id: int) -> Path:
         return self.path / f"{seg_id:010d}.seg"
@@ -61,22 +63,30 @@ class SegmentDir:
     def list_ids(self) -> list[int]:
         return sorted(int(p.stem) for p in self.path.glob("*.seg") if p.stem.isdigit())
 
-    def _read_fd(self, seg_id: int) -> int | None:
+    def _read_fd(self, seg_id: int, sequential: bool = True) -> int | None:
+        """A cached read descriptor; two per file, since readahead is a per-descriptor setting.
+
+        A run of adjacent records is read with readahead (it streams on past each request); a lone record
+        without (readahead would read its neighbours, which belong to other prefixes, halving bandwidth).
+        """
+        slot = seg_id * 2 + sequential
         with self._fds_lock:
-            fd = self._fds.get(seg_id)
+            fd = self._fds.get(slot)
             if fd is None:
                 try:
                     fd = os.open(self.file(seg_id), os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
                     return None  # swept by another process: the caller sees zeros, a miss
-                self._fds[seg_id] = fd
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM)
+                self._fds[slot] = fd
             return fd
 
     def forget(self, seg_id: int) -> None:
         with self._fds_lock:
-            fd = self._fds.pop(seg_id, None)
-        if fd is not None:
-            os.close(fd)
+            fds = [self._fds.pop(seg_id * 2 + seq, None) for seq in (0, 1)]
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
     def read(self, locations: Sequence[tuple[int, int, int]]) -> list[memoryview]:
         """Read records ``(seg_id, offset, nbytes)``; returns one view per record, in the given order.
@@ -89,7 +99,9 @@ class SegmentDir:
         if self._buf is None or len(self._buf) < total:
             if self._buf is not None:
                 self._buf.close()
-            self._buf = mmap.mmap(-1, max(total, 64 << 20))
+            # Pre-faulted (MAP_POPULATE): a fresh buffer costs a page fault per 4 KiB on first use.
+            self._buf = mmap.mmap(-1, max(total, 64 << 20),
+                                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
         buf = memoryview(self._buf)
         starts = [0] * len(locations)
         # Place records in file order, so adjacent records become one contiguous read.
@@ -125,6 +137,64 @@ class SegmentDir:
                 got += n
         if got < nbytes:
             buf[bpos + got : bpos + nbytes] = bytes(nbytes - got)
+
+    def readv(self, requests: Sequence[tuple[int, int, int, list[memoryview]]],
+              after: Callable[[int], bool] | None = None) -> list[bool]:
+        """Scatter-read records ``(seg_id, offset, nbytes, [destination views])`` into place, in parallel.
+
+        The zero-copy restore path: a record's bytes go from the page cache straight into the caller's
+        tensor. Records adjacent in a file are read by one ``preadv`` (up to ``READ_CHUNK_NBYTES``), the
+        page padding between them into a scratch page. ``after(i)``, run on the reading thread once
+        record ``i`` is in, verifies it while other reads are in flight. Returns, per record, whether it
+        arrived in full and ``after`` accepted it.
+        """
+        groups: list[list[int]] = []
+        for i, (seg_id, offset, _, _) in enumerate(requests):
+            if groups:
+                last = requests[groups[-1][-1]]
+                group_nbytes = sum(aligned(requests[j][2]) for j in groups[-1])
+                if (last[0] == seg_id and last[1] + aligned(last[2]) == offset
+                        and group_nbytes < READ_CHUNK_NBYTES
+                        and sum(len(requests[j][3]) + 1 for j in groups[-1]) + len(requests[i][3]) < _IOV_MAX):
+                    groups[-1].append(i)
+                    continue
+            groups.append([i])
+        ok = [False] * len(requests)
+
+        def read_group(group: list[int]) -> None:
+            seg_id, offset = requests[group[0]][0], requests[group[0]][1]
+            views: list[memoryview] = []
+            for j in group:
+                views += requests[j][3]
+                pad = aligned(requests[j][2]) - requests[j][2]
+                if pad and j != group[-1]:
+                    views.append(self._pad[:pad])
+            if not self._readv_one(seg_id, offset, views, sequential=len(group) > 1):
+                return
+            for j in group:
+                ok[j] = after(j) if after is not None else True
+
+        if len(groups) == 1:
+            read_group(groups[0])
+        else:
+            list(self._pool.map(read_group, groups))
+        return ok
+
+    def _readv_one(self, seg_id: int, offset: int, views: list[memoryview], sequential: bool) -> bool:
+        fd = self._read_fd(seg_id, sequential)
+        if fd is None:
+            return False
+        while views:
+            n = os.preadv(fd, views, offset)
+            if n <= 0:
+                return False
+            offset += n
+            while views and n >= views[0].nbytes:  # drop what was filled; a short read resumes mid-view
+                n -= views[0].nbytes
+                views = views[1:]
+            if n:
+                views = [views[0][n:], *views[1:]]
+        return True
 
     def punch(self, holes: Sequence[tuple[int, int, int]]) -> int:
         """Release ``(seg_id, offset, nbytes)`` ranges; returns how many could be punched."""
