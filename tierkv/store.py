@@ -104,15 +104,18 @@ class TieredStore:
         return spec
 
     def save(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, kv: torch.Tensor,
-             *, start_block: int = 0) -> int:
+             *, start_block: int = 0, kv_start: int = 0) -> int:
         """Keep the full blocks of ``token_ids`` (KV ``[layers, 2, tokens, kv_heads, head_dim]``).
 
         Returns at once: the host copy is made now, the disk write happens behind (a dropped disk write is
-        counted, never an error). Blocks before ``start_block`` are known cached and skipped. Returns the
-        number of blocks newly kept.
+        counted, never an error). Blocks before ``start_block`` are known cached and skipped. ``kv`` may
+        start at token ``kv_start`` (<= ``start_block * block_tokens``) instead of 0. Returns the number
+        of blocks newly kept.
         """
         keys = block_keys(ns, token_ids)
-        spec = self._check_kv(ns, kv, len(keys) * ns.block_tokens)
+        if not 0 <= kv_start <= start_block * ns.block_tokens:
+            raise ConfigError(f"kv_start {kv_start} must be in 0..start_block * block_tokens")
+        spec = self._check_kv(ns, kv, len(keys) * ns.block_tokens - kv_start)
         if not keys:
             return 0
         self._register(ns)
@@ -124,7 +127,7 @@ class TieredStore:
         for i in range(start_block, len(keys)):
             if in_host[i]:
                 continue
-            block = kv[:, :, i * B : (i + 1) * B]
+            block = kv[:, :, i * B - kv_start : (i + 1) * B - kv_start]
             if block.device.type != "cpu":
                 block = block.to("cpu")
             held = self.host.put(keys[i], block, hold=self.disk is not None) if self.host is not None else None

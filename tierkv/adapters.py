@@ -1,0 +1,82 @@
+"""KV layout adapters: the only code that knows how a transformers cache lays out its KV.
+
+Canonical block layout: ``[layers, 2, tokens, kv_heads, head_dim]``. transformers' dynamic caches keep,
+per layer, keys and values as ``[batch=1, kv_heads, tokens, head_dim]``. Verified with the Llama, Qwen2,
+Qwen3, Mistral and GPT-2 architectures (tests/test_worker.py builds each from a config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+
+from tierkv.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    cache_kwarg: str  # "cache" (transformers 5) or "past_key_values" (4.x)
+
+    @classmethod
+    def of(cls, model: Any) -> CacheLayout:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
+        heads = _first(cfg, "num_attention_heads", "n_head")
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or _first(cfg, "hidden_size", "n_embd") // heads
+        params = inspect.signature(model.forward).parameters
+        kwarg = "cache" if "cache" in params else "past_key_values"
+        return cls(layers, kv_heads, head_dim, kwarg)
+
+
+def _first(cfg: Any, *names: str) -> int:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v:
+            return int(v)
+    raise ConfigError(f"model config has none of {names}: cannot infer its KV layout")
+
+
+def new_cache(model: Any) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x before config-aware caches
+        return DynamicCache()
+
+
+def cache_from_kv(model: Any, kv: torch.Tensor) -> Any:
+    """A fresh dynamic cache holding ``kv`` (canonical ``[L, 2, T, H, D]``) for every layer."""
+    cache = new_cache(model)
+    for layer in range(kv.shape[0]):
+        # [T, H, D] -> [1, H, T, D]: a view; the cache's first update copies it into its own tensor.
+        cache.update(kv[layer, 0].transpose(0, 1).unsqueeze(0), kv[layer, 1].transpose(0, 1).unsqueeze(0), layer)
+    return cache
+
+
+def layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]  # transformers 4.x
+
+
+def kv_from_cache(cache: Any, layout: CacheLayout, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens ``start:end`` of the cache, in the canonical layout (a copy: the cache keeps growing)."""
+    k0, _ = layer_kv(cache, 0)
+    if k0.shape[-2] < end:
+        raise ConfigError(f"cache holds {k0.shape[-2]} tokens, fewer than {end} (a sliding-window layer?)")
+    if out is None:
+        out = torch.empty((layout.num_layers, 2, end - start, layout.num_kv_heads, layout.head_dim),
+                          dtype=k0.dtype, device=k0.device)
+    for layer in range(layout.num_layers):
+        k, v = layer_kv(cache, layer)
+        out[layer, 0].copy_(k[0, :, start:end].transpose(0, 1))
+        out[layer, 1].copy_(v[0, :, start:end].transpose(0, 1))
+    return out

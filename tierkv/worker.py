@@ -1,0 +1,201 @@
+"""CachedModel: a Hugging Face causal LM that restores cached prefixes and prefills only the rest.
+
+    prefill(ids):  longest cached prefix (host, then disk) -> the model's cache object
+                   -> forward the remaining tokens only -> save the newly completed blocks (write-behind)
+    generate(ids): prefill, then decode; blocks completed while decoding are saved too, so the next turn
+                   of a conversation hits its whole history
+
+At least one token is always computed (the last prompt token's logits are what the caller needs), so a
+prompt that is entirely cached restores all full blocks but the one holding its last token, at most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierkv.adapters import CacheLayout, cache_from_kv, kv_from_cache, new_cache
+from tierkv.errors import ConfigError
+from tierkv.fingerprint import config_hash, weights_fingerprint
+from tierkv.keys import Namespace
+from tierkv.layout import DTYPE_NAMES
+from tierkv.store import Hit, TieredStore
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [vocab] logits of the next token, float32
+    cache: Any  # the model's cache object, holding every prompt token
+    hit: Hit  # tokens restored from each tier
+    computed_tokens: int
+    restore_s: float
+    forward_s: float
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: str  # "stop" or "length"
+    prefill: PrefillResult
+    prompt_tokens: int
+
+
+class CachedModel:
+    def __init__(self, model: Any, tokenizer: Any, store: TieredStore | None, *, model_id: str,
+                 block_tokens: int = 64, revision: str | None = None) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.store = store
+        self.layout = CacheLayout.of(model)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"unsupported model dtype {self.dtype}")
+        # The weights fingerprint unless the user vouches for a revision; the config hash always (two
+        # configs with the same weights, e.g. another rope scaling, give other KV).
+        weights = revision if revision is not None else "w:" + weights_fingerprint(model)
+        self.base_namespace = Namespace(
+            model_id=model_id, revision=f"{weights}+cfg:{config_hash(model)}", dtype=DTYPE_NAMES[self.dtype],
+            num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
+            head_dim=self.layout.head_dim, block_tokens=block_tokens,
+        )
+        self._restore_buf: torch.Tensor | None = None  # reused: fresh large buffers cost page faults
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def default(cls, store: TieredStore | None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                block_tokens: int = 64) -> CachedModel:
+        from tierkv.default_model import DEFAULT_MODEL_ID, ByteTokenizer, build_default_model
+
+        model = build_default_model(dtype).to(device)
+        return cls(model, ByteTokenizer(), store, model_id=DEFAULT_MODEL_ID, block_tokens=block_tokens)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, store: TieredStore | None, *, dtype: torch.dtype | None = None,
+                        device: str = "cpu", block_tokens: int = 64, revision: str | None = None) -> CachedModel:
+        """A local Hugging Face directory (weights and tokenizer), loaded offline."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto")
+        return cls(model.to(device), tokenizer, store, model_id=path.name, block_tokens=block_tokens,
+                   revision=revision)
+
+    def namespace(self, cache_salt: str = "") -> Namespace:
+        return self.base_namespace.with_salt(cache_salt) if cache_salt else self.base_namespace
+
+    # ------------------------------------------------------------ prefill and generate
+
+    def _forward(self, input_ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, Any]:
+        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.layout.cache_kwarg: cache})
+        return out.logits[0, -1].float(), getattr(out, self.layout.cache_kwarg, cache)
+
+    def _buffer(self, num_tokens: int) -> torch.Tensor:
+        ns = self.base_namespace
+        if self._restore_buf is None or self._restore_buf.shape[2] < num_tokens:
+            self._restore_buf = torch.empty((ns.num_layers, 2, max(num_tokens, 1024), ns.num_kv_heads, ns.head_dim),
+                                            dtype=self.dtype)
+        return self._restore_buf[:, :, :num_tokens]
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int], *, cache_salt: str = "", use_cache: bool = True) -> PrefillResult:
+        if not token_ids:
+            raise ConfigError("empty prompt")
+        ns = self.namespace(cache_salt)
+        B = ns.block_tokens
+        t0 = time.perf_counter()
+        hit, cached = Hit(0, {"host": 0, "disk": 0}), None
+        restorable = (len(token_ids) - 1) // B * B  # keep at least one token to compute
+        if use_cache and self.store is not None and restorable:
+            # The buffer is reused across calls; the restored tensor is copied by the cache's first update.
+            hit, cached = self.store.restore(ns, token_ids[:restorable], out=self._buffer(restorable))
+        n = hit.num_tokens
+        cache = cache_from_kv(self.model, cached.to(self.device)) if cached is not None else new_cache(self.model)
+        t1 = time.perf_counter()
+        logits, cache = self._forward(token_ids[n:], cache)
+        t2 = time.perf_counter()
+        if use_cache:
+            self._save(ns, token_ids, cache, n)
+        return PrefillResult(logits, cache, hit, len(token_ids) - n, t1 - t0, t2 - t1)
+
+    def _save(self, ns: Namespace, token_ids: Sequence[int], cache: Any, cached_tokens: int) -> None:
+        """Hand the full blocks after ``cached_tokens`` to the store (it returns at once)."""
+        if self.store is None:
+            return
+        B = ns.block_tokens
+        start, end = cached_tokens // B * B, len(token_ids) // B * B
+        if end <= start:
+            return
+        try:
+            kv = kv_from_cache(cache, self.layout, start, end)
+        except ConfigError:
+            return  # a cache that does not hold every token (sliding window): nothing to save
+        self.store.save(ns, token_ids[:end], kv.cpu(), start_block=start // B, kv_start=start)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (), cache_salt: str = "",
+                 use_cache: bool = True) -> GenerateResult:
+        """Greedy (temperature 0) or sampled (seeded) generation; ``stop`` strings end it early."""
+        prompt_ids = list(prompt_ids)
+        pre = self.prefill(prompt_ids, cache_salt=cache_salt, use_cache=use_cache)
+        logits, cache = pre.logits, pre.cache
+        rng = torch.Generator().manual_seed(seed) if seed is not None else None
+        out: list[int] = []
+        finish = "length"
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        for step in range(max_new_tokens):
+            tok = _pick(logits, temperature, top_p, rng)
+            if tok == eos:
+                finish = "stop"
+                break
+            out.append(tok)
+            if stop and _ends_with_stop(self.tokenizer.decode(out), stop):
+                finish = "stop"
+                break
+            if step + 1 < max_new_tokens:
+                logits, cache = self._forward([tok], cache)
+        text = self.tokenizer.decode(out)
+        if finish == "stop" and stop:
+            text = _cut_at_stop(text, stop)
+        if use_cache:
+            # The cache holds the prompt and every generated token but the last: save what that completes.
+            seen = prompt_ids + out
+            held = seen[: _cache_len(cache)]
+            self._save(self.namespace(cache_salt), held, cache, len(prompt_ids))
+        return GenerateResult(out, text, finish, pre, len(prompt_ids))
+
+
+def _cache_len(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=rng))
+
+
+def _ends_with_stop(text: str, stop: Sequence[str]) -> bool:
+    return any(s and s in text for s in stop)
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+    return text[:cut] if cut >= 0 else text
