@@ -53,11 +53,22 @@ def new_cache(model: Any) -> Any:
 
 
 def cache_from_kv(model: Any, kv: torch.Tensor) -> Any:
-    """A fresh dynamic cache holding ``kv`` (canonical ``[L, 2, T, H, D]``) for every layer."""
+    """A fresh dynamic cache holding ``kv`` (canonical ``[L, 2, T, H, D]``) for every layer.
+
+    The layers get views of ``kv`` (``[1, H, T, D]``, no copy): the next forward concatenates its new
+    tokens onto them, which makes the cache's own tensors. ``kv`` must stay untouched until then.
+    """
     cache = new_cache(model)
-    for layer in range(kv.shape[0]):
-        # [T, H, D] -> [1, H, T, D]: a view; the cache's first update copies it into its own tensor.
-        cache.update(kv[layer, 0].transpose(0, 1).unsqueeze(0), kv[layer, 1].transpose(0, 1).unsqueeze(0), layer)
+    layers = getattr(cache, "layers", None)
+    direct = layers is not None and len(layers) == kv.shape[0] and all(
+        type(layer).__name__ == "DynamicLayer" and hasattr(layer, "lazy_initialization") for layer in layers)
+    for i in range(kv.shape[0]):
+        k, v = kv[i, 0].transpose(0, 1).unsqueeze(0), kv[i, 1].transpose(0, 1).unsqueeze(0)
+        if direct:
+            layers[i].lazy_initialization(k, v)
+            layers[i].keys, layers[i].values = k, v
+        else:  # other cache classes and transformers 4.x: through the public API (one copy)
+            cache.update(k, v, i)
     return cache
 
 
