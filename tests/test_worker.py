@@ -182,3 +182,43 @@ def test_embedded_default_model_shape_and_determinism() -> None:
     again = CachedModel.default(None)
     assert again.base_namespace == ns  # same weights fingerprint: built identically
     assert dataclasses.replace(ns, tenant_salt="x").digest != ns.digest
+
+
+def _save_local_model(path) -> None:
+    """A tiny Llama and a byte-level BPE tokenizer saved as a Hugging Face directory (no hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    model = build_default_model(torch.float32, seed=3, **dict(TINY, vocab_size=len(vocab), bos_token_id=0,
+                                                               eos_token_id=1, pad_token_id=None))
+    model.save_pretrained(path)
+
+
+def test_local_hugging_face_directory_loads_offline_and_restores(tmp_path) -> None:
+    _save_local_model(tmp_path / "my-model")
+    with TieredStore.open(tmp_path / "cache", host_bytes=2**26) as store:
+        cm = CachedModel.from_pretrained(tmp_path / "my-model", store, block_tokens=16)
+        assert cm.base_namespace.model_id == "my-model"
+        ids = cm.tokenizer.encode("The same system prompt comes back request after request. " * 3)
+        cold = cm.prefill(ids, use_cache=False)
+        cm.prefill(ids)
+        warm = cm.prefill(ids)
+        assert warm.hit.num_tokens == (len(ids) - 1) // 16 * 16 > 0
+        assert (warm.logits - cold.logits).abs().max().item() <= 1e-4
+        pinned = CachedModel.from_pretrained(tmp_path / "my-model", store, block_tokens=16, revision="v1")
+        assert pinned.base_namespace.revision.startswith("v1+cfg:")
+        assert pinned.prefill(ids).hit.num_tokens == 0  # another revision, another namespace
+
+
+def test_not_a_model_directory_is_a_clear_error(tmp_path) -> None:
+    from tierkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no config.json"):
+        CachedModel.from_pretrained(tmp_path, None)
