@@ -222,3 +222,24 @@ def test_not_a_model_directory_is_a_clear_error(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="no config.json"):
         CachedModel.from_pretrained(tmp_path, None)
+
+
+def test_stream_deltas_add_up_to_the_final_text_and_honour_stop() -> None:
+    with TieredStore.open(None, host_bytes=2**26) as store:
+        cm = tiny_model(store)
+        ids = prompt(40, salt=21)
+        full = cm.generate(ids, 48)
+        assert full.finish_reason == "length" and len(full.token_ids) == 48
+        stop = full.text[10:13]
+        events = list(cm.stream(ids, 48, stop=[stop]))
+        result = events[-1].result
+        deltas = "".join(e.delta for e in events if e.delta is not None)
+        assert events[0].prefill is not None and result is not None
+        assert deltas == result.text == full.text[: full.text.find(stop)]
+        assert result.finish_reason == "stop"
+
+
+def test_byte_tokenizer_roundtrips_invalid_utf8() -> None:
+    tok = ByteTokenizer()
+    ids = [BYTE + 3 for BYTE in (0xE2, 0x82, 0x41, 0xFF, 0xC3, 0xA9)]
+    assert tok.encode(tok.decode(ids), add_bos=False) == ids

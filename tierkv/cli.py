@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -115,43 +114,61 @@ def stats(cache_dir: str, as_json: bool) -> None:
 def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | None, namespace: str | None,
        purge_all: bool, check: bool, compact: bool, dry_run: bool, as_json: bool) -> None:
     """Sweep expired blocks, hold the byte budget, purge, verify, compact."""
-    from tierkv.tiers.disk import SweepReport
+    from tierkv.maintenance import run_gc
 
-    if namespace and purge_all:
-        _fail("--namespace and --all exclude each other", 2)
-    if namespace is not None and len(namespace) < 4:
-        _fail("--namespace: give at least 4 hex digits of the digest", 2)
-    report = SweepReport()
     with _open_disk(cache_dir) as disk:
         show = sys.stderr.isatty() and not as_json
-        if namespace is not None:
-            matches = [d for d in disk.totals() if d.hex().startswith(namespace.lower())]
-            matches += [d for d in disk.namespaces() if d.hex().startswith(namespace.lower()) and d not in matches]
-            if len(matches) != 1:
-                _fail(f"--namespace {namespace}: {'no' if not matches else len(matches)} namespaces match", 2)
-            with _progress(show, "purge") as tick:
-                report += disk.purge_namespace(matches[0], dry_run=dry_run, progress=tick)
-        if purge_all:
-            with _progress(show, "purge") as tick:
-                report += disk.purge_namespace(None, dry_run=dry_run, progress=tick)
-        with _progress(show, "expire") as tick:
-            report += disk.expire(ttl_s=ttl, max_age_s=max_age, dry_run=dry_run, progress=tick)
-        with _progress(show, "budget") as tick:
-            report += disk.enforce_budget(budget, dry_run=dry_run, progress=tick)
-        if check:
-            with _progress(show, "check") as tick:
-                report += disk.check(dry_run=dry_run, progress=tick)
-        if compact:
-            report += disk.compact(dry_run=dry_run)
-        usage = disk.usage()
-    out = {**dataclasses.asdict(report), "dry_run": dry_run, "live_nbytes": usage["live_nbytes"]}
+        try:
+            out = run_gc(disk, ttl_s=ttl, max_age_s=max_age, budget_nbytes=budget, namespace=namespace,
+                         purge_all=purge_all, check=check, compact=compact, dry_run=dry_run,
+                         progress=lambda label: _progress(show, label))
+        except ConfigError as exc:
+            _fail(str(exc), 2)
     if as_json:
         click.echo(json.dumps(out))
     else:
         click.echo(("would remove" if dry_run else "removed") +
-                   f": expired {report.expired}, evicted {report.evicted}, purged {report.purged}, "
-                   f"corrupt {report.corrupt} (of {report.checked} checked), segments {report.segments_removed}; "
-                   f"freed {format_size(report.freed_nbytes)}; live {format_size(usage['live_nbytes'])}")
+                   f": expired {out['expired']}, evicted {out['evicted']}, purged {out['purged']}, "
+                   f"corrupt {out['corrupt']} (of {out['checked']} checked), segments {out['segments_removed']}; "
+                   f"freed {format_size(out['freed_nbytes'])}; live {format_size(out['live_nbytes'])}")
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML file of these options.")
+@click.option("--model", help="A local Hugging Face model directory (default: the embedded default model).")
+@click.option("--revision", help="Name the weights' revision instead of fingerprinting them.")
+@click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
+@click.option("--port", type=int, help="[default: 8000]")
+@cache_dir_option
+@click.option("--device", help="auto, cpu or cuda[:N].  [default: auto]")
+@click.option("--dtype", help="auto, float32, bfloat16 or float16.  [default: auto]")
+@click.option("--block-tokens", type=int, help="Tokens per cached block.  [default: 64]")
+@click.option("--gpu-cache", help="GPU tier size (reserved: the GPU tier is not built yet).")
+@click.option("--host-cache", help="Host RAM for cached blocks.  [default: 2GiB]")
+@click.option("--disk-budget", help="Disk budget.  [default: 20GiB]")
+@click.option("--ttl", help="Sliding TTL of cached blocks.  [default: 24h]")
+@click.option("--no-cache", is_flag=True, default=None, help="Serve without any caching (a baseline).")
+@click.option("--admin-token", help="Enables /admin/* for requests bearing this token.")
+@click.option("--max-queue", type=int, help="Requests waiting or running before 503.  [default: 16]")
+@click.option("--max-context", type=int, help="Context length (default: the model's).")
+def serve(config_file: str | None, cache_dir: str, **options: Any) -> None:
+    """Run the OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; /metrics; /health)."""
+    try:
+        from tierkv.server.app import serve as run
+        from tierkv.server.config import ServeConfig
+    except ImportError as exc:
+        _fail(f"the server needs the 'serve' extra: pip install 'tierkv[serve]' ({exc})", 1)
+    cli = {k: v for k, v in options.items() if v is not None}
+    if cache_dir != default_cache_dir():
+        cli["cache_dir"] = cache_dir
+    try:
+        config = ServeConfig.load(cli, config_file)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    try:
+        run(config)
+    except TierKVError as exc:
+        _fail(str(exc), 1)
 
 
 @contextmanager

@@ -16,8 +16,17 @@ DEFAULT_SEED = 20261130
 PAD_ID, BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2, 3
 
 
+_ESCAPE_BASE = 0xF700  # invalid byte b (0x80..0xFF) <-> U+F780..U+F7FF, a private-use range
+
+
 class ByteTokenizer:
-    """Byte-level tokenizer: token = byte + 3; ids 0, 1, 2 are pad, bos and eos."""
+    """Byte-level tokenizer: token = byte + 3; ids 0, 1, 2 are pad, bos and eos.
+
+    Bytes that are not valid UTF-8 (the random model emits many) decode to private-use characters
+    U+F780..U+F7FF, one per byte, and encode back to the same byte. Text therefore round-trips exactly
+    through any JSON client: a conversation sent back tokenizes to what the model generated, and hits its
+    whole history. (A user's own U+F780..U+F7FF characters become those raw bytes: a documented quirk.)
+    """
 
     pad_token_id = PAD_ID
     bos_token_id = BOS_ID
@@ -26,10 +35,16 @@ class ByteTokenizer:
     chat_template = None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return ([BOS_ID] if add_bos else []) + [b + BYTE_OFFSET for b in text.encode("utf-8")]
+        raw = text.translate(_TO_SURROGATE).encode("utf-8", "surrogateescape")
+        return ([BOS_ID] if add_bos else []) + [b + BYTE_OFFSET for b in raw]
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i - BYTE_OFFSET for i in ids if i >= BYTE_OFFSET).decode("utf-8", errors="replace")
+        raw = bytes(i - BYTE_OFFSET for i in ids if i >= BYTE_OFFSET)
+        return raw.decode("utf-8", "surrogateescape").translate(_FROM_SURROGATE)
+
+
+_FROM_SURROGATE = {0xDC00 + b: _ESCAPE_BASE + b for b in range(0x80, 0x100)}
+_TO_SURROGATE = {v: k for k, v in _FROM_SURROGATE.items()}
 
 
 def default_config(**overrides: Any) -> Any:

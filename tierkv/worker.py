@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,16 @@ class PrefillResult:
     computed_tokens: int
     restore_s: float
     forward_s: float
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """One step of ``CachedModel.stream``: exactly one field is set."""
+
+    prefill: PrefillResult | None = None
+    delta: str | None = None
+    token_id: int | None = None
+    result: GenerateResult | None = None
 
 
 @dataclasses.dataclass
@@ -143,38 +153,61 @@ class CachedModel:
             return  # a cache that does not hold every token (sliding window): nothing to save
         self.store.save(ns, token_ids[:end], kv.cpu(), start_block=start // B, kv_start=start)
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (), cache_salt: str = "",
-                 use_cache: bool = True) -> GenerateResult:
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> GenerateResult:
         """Greedy (temperature 0) or sampled (seeded) generation; ``stop`` strings end it early."""
+        for event in self.stream(prompt_ids, max_new_tokens, **kwargs):
+            if event.result is not None:
+                return event.result
+        raise AssertionError("stream ended without a result")
+
+    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (), cache_salt: str = "",
+               use_cache: bool = True) -> Iterator[StreamEvent]:
+        """Generate step by step: one event after the prefill, one per text delta, a last one with the result.
+
+        Text is held back while it could still become a stop string or ends inside a multi-byte character,
+        so what was streamed is always a prefix of the final text.
+        """
         prompt_ids = list(prompt_ids)
-        pre = self.prefill(prompt_ids, cache_salt=cache_salt, use_cache=use_cache)
+        with torch.inference_mode():
+            pre = self.prefill(prompt_ids, cache_salt=cache_salt, use_cache=use_cache)
+        yield StreamEvent(prefill=pre)
         logits, cache = pre.logits, pre.cache
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
         out: list[int] = []
         finish = "length"
         eos = getattr(self.tokenizer, "eos_token_id", None)
+        stop = [s for s in stop if s]
+        hold = max((len(s) for s in stop), default=1) - 1
+        sent = 0
+        text = ""
         for step in range(max_new_tokens):
             tok = _pick(logits, temperature, top_p, rng)
             if tok == eos:
                 finish = "stop"
                 break
             out.append(tok)
-            if stop and _ends_with_stop(self.tokenizer.decode(out), stop):
+            text = self.tokenizer.decode(out)
+            if stop and any(s in text for s in stop):
                 finish = "stop"
                 break
+            safe = len(text) - hold
+            while safe > sent and _maybe_partial(text[safe - 1]):
+                safe -= 1
+            if safe > sent:
+                yield StreamEvent(delta=text[sent:safe], token_id=tok)
+                sent = safe
             if step + 1 < max_new_tokens:
-                logits, cache = self._forward([tok], cache)
-        text = self.tokenizer.decode(out)
-        if finish == "stop" and stop:
-            text = _cut_at_stop(text, stop)
+                with torch.inference_mode():
+                    logits, cache = self._forward([tok], cache)
+        final = _cut_at_stop(text, stop) if finish == "stop" and stop else text
+        if len(final) > sent:
+            yield StreamEvent(delta=final[sent:])
         if use_cache:
             # The cache holds the prompt and every generated token but the last: save what that completes.
-            seen = prompt_ids + out
-            held = seen[: _cache_len(cache)]
+            held = (prompt_ids + out)[: _cache_len(cache)]
             self._save(self.namespace(cache_salt), held, cache, len(prompt_ids))
-        return GenerateResult(out, text, finish, pre, len(prompt_ids))
+        yield StreamEvent(result=GenerateResult(out, final, finish, pre, len(prompt_ids)))
 
 
 def _cache_len(cache: Any) -> int:
@@ -192,8 +225,9 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Gen
     return int(torch.multinomial(probs, 1, generator=rng))
 
 
-def _ends_with_stop(text: str, stop: Sequence[str]) -> bool:
-    return any(s and s in text for s in stop)
+def _maybe_partial(ch: str) -> bool:
+    """A replacement character or an escaped byte may still become part of a multi-byte character."""
+    return ch == "\ufffd" or "\udc80" <= ch <= "\udcff" or "\uf780" <= ch <= "\uf7ff"
 
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> str:

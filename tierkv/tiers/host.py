@@ -47,6 +47,12 @@ class HostTier:
         self._refs = [0] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
 
+    def reserve(self, slot_nbytes: int) -> None:
+        """Allocate the pool for blocks of ``slot_nbytes`` now (a server does this at start-up)."""
+        with self._lock:
+            if self._pool is None and self.capacity_nbytes >= slot_nbytes:
+                self._allocate(slot_nbytes)
+
     @property
     def used_nbytes(self) -> int:
         return len(self._lru) * self.slot_nbytes

@@ -1,0 +1,229 @@
+"""tierkv serve through real HTTP: the official openai client against a server in a subprocess."""
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from helpers import ServerProcess
+
+from tierkv.default_model import ByteTokenizer
+from tierkv.server.engine import render_chat
+
+SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer in full sentences." for i in range(12))
+BLOCK = 64
+
+
+def _post(url: str, body: bytes | str, headers: dict | None = None) -> tuple[int, dict]:
+    data = body.encode() if isinstance(body, str) else body
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {**json.loads(e.read()), "_headers": {k.lower(): v for k, v in e.headers.items()}}
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess("--admin-token", "sekret", "--max-context", "4096",
+                        cache_dir=tmp_path_factory.mktemp("cache"))
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def nocache_server():
+    srv = ServerProcess("--no-cache")
+    yield srv
+    assert srv.stop() == 0
+
+
+def _chat(client, messages, max_tokens=8, **kw):
+    return client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=max_tokens,
+                                          **kw)
+
+
+def test_shared_system_prompt_is_cached_in_whole_blocks(server) -> None:
+    client = server.client()
+    m1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache?"}]
+    m2 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why restore instead of recompute?"}]
+    r1 = _chat(client, m1)
+    r2 = _chat(client, m2)
+    tok = ByteTokenizer()
+    shared = _common_prefix(render_chat(tok, m1), render_chat(tok, m2))
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    assert r2.usage.prompt_tokens_details.cached_tokens == shared // BLOCK * BLOCK > 0
+    extra = r2.model_extra["usage"] if "usage" in (r2.model_extra or {}) else r2.usage.model_extra
+    assert extra["prompt_cache_hit_tokens"] == shared // BLOCK * BLOCK
+    assert extra["prompt_cache_miss_tokens"] == r2.usage.prompt_tokens - shared // BLOCK * BLOCK
+    assert extra["tierkv"]["cached_tokens_by_tier"]["host"] == shared // BLOCK * BLOCK
+
+
+def test_multi_turn_conversation_hits_its_whole_history(server) -> None:
+    client = server.client()
+    history = [{"role": "system", "content": SYSTEM + " (conversation)"}, {"role": "user", "content": "Hello!"}]
+    tok = ByteTokenizer()
+    seen = 0  # tokens the previous turn computed
+    for turn in range(3):
+        r = _chat(client, history, max_tokens=24)
+        reply = r.choices[0].message.content
+        prompt_ids = render_chat(tok, history)
+        assert r.usage.prompt_tokens == len(prompt_ids)
+        if turn:
+            # Everything the previous turn computed: its prompt and its reply but the reply's last token.
+            assert r.usage.prompt_tokens_details.cached_tokens == min(seen, len(prompt_ids) - 1) // BLOCK * BLOCK
+        seen = len(prompt_ids) + len(tok.encode(reply, add_bos=False)) - 1
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"Tell me more ({turn})."}]
+
+
+def test_greedy_output_identical_with_and_without_cache(server, nocache_server) -> None:
+    msgs = [{"role": "system", "content": SYSTEM + " (greedy)"}, {"role": "user", "content": "Say something."}]
+    cached_client, plain_client = server.client(), nocache_server.client()
+    _chat(cached_client, msgs, max_tokens=32)
+    hit = _chat(cached_client, msgs, max_tokens=32)
+    plain = _chat(plain_client, msgs, max_tokens=32)
+    assert hit.usage.prompt_tokens_details.cached_tokens > 0
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    assert _chat(plain_client, msgs, max_tokens=32).usage.prompt_tokens_details.cached_tokens == 0
+    assert hit.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(server) -> None:
+    client = server.client()
+    msgs = [{"role": "system", "content": SYSTEM + " (stream)"}, {"role": "user", "content": "Stream please."}]
+    full = _chat(client, msgs, max_tokens=20)
+    chunks = list(client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=20,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    completion = list(client.completions.create(model="default", prompt="Once upon a time", max_tokens=6,
+                                                temperature=0, stream=True))
+    assert completion[-1].choices[0].finish_reason == "length"
+
+
+def test_legacy_completions_and_models(server) -> None:
+    client = server.client()
+    r = client.completions.create(model="default", prompt=SYSTEM, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert [m.id for m in client.models.list().data] == ["tierkv-default-llama-35m"]
+
+
+def test_cache_salt_isolates_tenants(server) -> None:
+    msgs = [{"role": "system", "content": SYSTEM + " (tenant)"}, {"role": "user", "content": "hi"}]
+    client = server.client()
+    _chat(client, msgs, extra_body={"cache_salt": "tenant-a"})
+    assert _chat(client, msgs, extra_body={"cache_salt": "tenant-a"}).usage.prompt_tokens_details.cached_tokens > 0
+    assert _chat(client, msgs, extra_body={"cache_salt": "tenant-b"}).usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_metrics_move(server) -> None:
+    def value(text: str, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    _, before = _get(server.url + "/metrics")
+    msgs = [{"role": "system", "content": SYSTEM + " (metrics)"}, {"role": "user", "content": "x"}]
+    _chat(server.client(), msgs)
+    _chat(server.client(), msgs)
+    _, after = _get(server.url + "/metrics")
+    assert value(after, 'tierkv_prompt_tokens_total{source="host"}') > value(before, 'tierkv_prompt_tokens_total{source="host"}')
+    assert value(after, "tierkv_ttft_seconds_count") == value(before, "tierkv_ttft_seconds_count") + 2
+    assert value(after, 'tierkv_requests_total{endpoint="/v1/chat/completions",status="200"}') >= 2
+    assert value(after, 'tierkv_tier_used_bytes{tier="host"}') > 0
+
+
+def test_admin_api_needs_the_token(server) -> None:
+    assert _get(server.url + "/admin/stats")[0] == 401
+    assert _get(server.url + "/admin/stats", {"Authorization": "Bearer wrong"})[0] == 401
+    assert _post(server.url + "/admin/gc", "{}")[0] == 401
+    code, body = _get(server.url + "/admin/stats", {"Authorization": "Bearer sekret"})
+    assert code == 200 and json.loads(body)["policy"]["ttl_s"] == 86400
+    code, out = _post(server.url + "/admin/gc", '{"all": true, "dry_run": true}', {"Authorization": "Bearer sekret"})
+    assert code == 200 and out["dry_run"] is True
+    code, out = _post(server.url + "/admin/gc", '{"ttl": "soon"}', {"Authorization": "Bearer sekret"})
+    assert code == 400 and "duration" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ("{not json", None),
+    ('{"messages": "hi"}', "messages"),
+    ('{"messages": []}', "messages"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', None),
+    ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}', "max_tokens"),
+    ('{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+    ('[1, 2, 3]', None),
+])
+def test_malformed_requests_are_4xx_and_the_server_lives(server, body, param) -> None:
+    code, out = _post(server.url + "/v1/chat/completions", body)
+    assert 400 <= code < 500 and out["error"]["type"] == "invalid_request_error"
+    if param:
+        assert out["error"]["param"].startswith(param)
+    assert _get(server.url + "/health")[0] == 200
+
+
+def test_too_long_prompt_is_400(server) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="default", prompt="x" * 5000, max_tokens=4)
+    assert err.value.body["code"] == "context_length_exceeded"
+
+
+def test_health_answers_during_a_long_prefill_and_queue_overflow_is_503(tmp_path) -> None:
+    srv = ServerProcess("--max-queue", "1", "--no-cache")
+    try:
+        long_prompt = " ".join(f"word{i}" for i in range(700))  # ~4.5K tokens: seconds of prefill on CPU
+        results: dict = {}
+        t = threading.Thread(target=lambda: results.update(
+            long=_post(srv.url + "/v1/completions", json.dumps({"prompt": long_prompt, "max_tokens": 2}))))
+        t.start()
+        time.sleep(0.8)  # the long request is on the model thread now
+        t0 = time.perf_counter()
+        assert _get(srv.url + "/health")[0] == 200
+        assert time.perf_counter() - t0 < 0.5
+        code, out = _post(srv.url + "/v1/completions", '{"prompt": "hi", "max_tokens": 1}')
+        assert code == 503 and out["_headers"].get("retry-after") == "1"
+        t.join()
+        assert results["long"][0] == 200
+    finally:
+        assert srv.stop() == 0
+
+
+def test_restart_serves_disk_hits_and_sigterm_finishes_the_running_request(tmp_path) -> None:
+    cache = tmp_path / "cache"
+    msgs = [{"role": "system", "content": SYSTEM + " (restart) " + "x " * 1000}, {"role": "user", "content": "hi"}]
+    srv = ServerProcess(cache_dir=cache)
+    results: dict = {}
+    t = threading.Thread(target=lambda: results.update(r=_chat(srv.client(), msgs, max_tokens=4)))
+    t.start()
+    time.sleep(1.0)  # mid-prefill
+    assert srv.stop() == 0  # SIGTERM: finishes the request, flushes the write-behind queue, exits 0
+    t.join()
+    assert results["r"].usage.completion_tokens == 4
+    srv = ServerProcess(cache_dir=cache)
+    try:
+        r = _chat(srv.client(), msgs, max_tokens=4)
+        by_tier = r.usage.model_extra["tierkv"]["cached_tokens_by_tier"]
+        assert by_tier["disk"] == r.usage.prompt_tokens_details.cached_tokens > 1000
+    finally:
+        assert srv.stop() == 0

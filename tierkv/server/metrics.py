@@ -1,0 +1,67 @@
+"""Prometheus metrics: request counters and latency histograms, plus the store's counters read at scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+_STORE_COUNTERS = {  # store counter -> (metric, help)
+    "hit_tokens": ("tierkv_tier_hit_tokens", "Prompt tokens served from the tier"),
+    "bytes_read": ("tierkv_tier_read_bytes", "Bytes read from the tier"),
+    "bytes_written": ("tierkv_tier_written_bytes", "Bytes written to the tier"),
+    "evictions": ("tierkv_tier_evictions", "Blocks evicted to hold the tier's budget"),
+    "expirations": ("tierkv_tier_expirations", "Blocks found or swept expired"),
+    "corrupt_blocks": ("tierkv_tier_corrupt_blocks", "Blocks that failed verification (purged, never served)"),
+    "dropped_saves": ("tierkv_tier_dropped_saves", "Saves dropped (queue full or tier degraded)"),
+    "write_errors": ("tierkv_tier_write_errors", "Write batches that failed (e.g. a full disk)"),
+}
+
+
+class StoreCollector:
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Any]:
+        store = self.server.store
+        engine = self.server.engine
+        queue = GaugeMetricFamily("tierkv_queue_depth", "Requests waiting for or running on the model")
+        queue.add_metric([], engine.queued if engine else 0)
+        yield queue
+        if store is None:
+            return
+        stats = store.stats()
+        for key, (name, help_) in _STORE_COUNTERS.items():
+            fam = CounterMetricFamily(name, help_, labels=["tier"])
+            for tier in ("host", "disk"):
+                fam.add_metric([tier], stats.get(tier, {}).get(key, 0))
+            yield fam
+        used = GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes held by the tier", labels=["tier"])
+        cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "The tier's budget (0: none)", labels=["tier"])
+        if store.host is not None:
+            used.add_metric(["host"], stats["host"].get("used_nbytes", 0))
+            cap.add_metric(["host"], stats["host"].get("capacity_nbytes", 0))
+        if store.disk is not None:
+            used.add_metric(["disk"], stats["disk"].get("live_nbytes", 0))
+            cap.add_metric(["disk"], stats["disk"].get("budget_nbytes", 0))
+        yield used
+        yield cap
+
+
+class Metrics:
+    def __init__(self, server: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tierkv_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("tierkv_prompt_tokens", "Prompt tokens by where their KV came from",
+                                     ["source"], registry=self.registry)  # host, disk, computed
+        self.completion_tokens = Counter("tierkv_completion_tokens", "Generated tokens", registry=self.registry)
+        self.ttft = Histogram("tierkv_ttft_seconds", "Time to first token, queueing included",
+                              buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.restore = Histogram("tierkv_restore_seconds", "Time to restore a cached prefix",
+                                 buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.registry.register(StoreCollector(server))
