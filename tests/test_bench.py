@@ -1,0 +1,42 @@
+"""The benchmarks run (quick mode), write their report, and measure what they claim to."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tierkv.bench import plan
+from tierkv.cli import main
+
+
+def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["bench", "--quick", "--out", str(tmp_path / "results")])
+    assert r.exit_code == 0, r.output
+    (folder,) = (tmp_path / "results").iterdir()
+    res = json.loads((folder / "results.json").read_text())
+    assert res["machine"]["cores"] >= 1 and res["quick"] is True
+    (ttft,) = res["ttft"]
+    for row in ttft["rows"]:
+        assert row["host_s"]["median"] < row["cold_s"]["median"]  # restoring beats recomputing
+    assert res["tiers"]["rows_Bps"]["raw O_DIRECT sequential read"]["median"] > 0
+    rates = {(w["workload"], w["mode"]): w["hit_rate"] for w in res["workloads"]["rows"]}
+    assert rates[("date at the end", "cache on")] > rates[("date on the first line", "cache on")] == 0
+    assert rates[("RAG, rules first", "cache on")] > rates[("RAG, retrieved first", "cache on")]
+    assert all(rate == 0 for (_, mode), rate in rates.items() if mode == "cache off")
+    assert res["plan"]["measured"]["break_even_Bps"] > 0
+    readme = (folder / "README.md").read_text()
+    assert "## TTFT" in readme and "## Workloads" in readme and "ttft.png" in readme
+    assert (folder / "ttft.png").stat().st_size > 1000 and (folder / "bandwidth.png").stat().st_size > 1000
+
+
+def test_computed_break_even_is_kv_bytes_times_throughput() -> None:
+    (row,) = [r for r in plan.computed("H200", 0.4, 8192) if r["shape"].startswith("Llama-3.1-8B")]
+    assert row["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2
+    assert row["break_even_Bps"] == pytest.approx(row["kv_bytes_per_token"] * row["prefill_tokens_per_s"])
+    assert 1e9 < row["break_even_Bps"] < 1e11  # GB/s territory for an 8B model on an H200
+
+
+def test_bench_rejects_unknown_parts(tmp_path) -> None:
+    r = CliRunner().invoke(main, ["bench", "--only", "ttft,magic", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "magic" in r.output

@@ -1,0 +1,67 @@
+"""What a benchmark ran on, and how it makes the page cache cold."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def describe(path: str | Path = ".") -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        m = re.search(r"model name\s*:\s*(.+)", text)
+        cpu = m.group(1).strip() if m else cpu
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    disk = "?"
+    try:
+        dev = os.stat(path).st_dev
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            parts = line.split()
+            major, minor = map(int, parts[2].split(":"))
+            if os.makedev(major, minor) == dev:
+                sep = parts.index("-")
+                disk = f"{parts[sep + 2]} ({parts[sep + 1]}) at {parts[4]}"
+                break
+    except (OSError, ValueError):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "disk": disk, "gpu": gpu,
+            "torch": torch.__version__, "python": platform.python_version(), "kernel": platform.release()}
+
+
+def tag(desc: dict[str, Any]) -> str:
+    """A short folder name for results: ``cpu-2c`` or ``h200-16c``."""
+    if desc.get("gpu"):
+        name = re.sub(r"[^a-z0-9]+", "-", desc["gpu"].lower().replace("nvidia", "")).strip("-")
+    else:
+        name = "cpu"
+    return f"{name}-{desc['cores']}c"
+
+
+def drop_page_cache(paths: list[Path]) -> str:
+    """Make ``paths`` cold: drop_caches when root, else fadvise(DONTNEED). Returns the method used."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "fadvise(DONTNEED)"
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    """Median and spread of repeated measurements."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

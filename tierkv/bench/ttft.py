@@ -1,0 +1,161 @@
+"""Time to first token: cold prefill against restore from each tier, each beside its floor.
+
+For a prompt of L+1 tokens (L cached, one computed), medians of ``runs``:
+  cold        prefill with the cache off
+  no-hit      prefill with the cache on and nothing cached (a new prompt each run): the cache's overhead
+  host        restore L tokens from the host tier, forward 1
+  disk warm   a fresh store without a host tier, page cache warm
+  disk cold   the same after dropping the page cache
+Floor of a tier = KV bytes / that tier's bandwidth measured in this run (memcpy; page-cache read;
+O_DIRECT read) + the median one-token forward after a restore.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierkv import TieredStore
+from tierkv.bench.machine import drop_page_cache, summary
+from tierkv.default_model import DEFAULT_MODEL_ID, ByteTokenizer, build_default_model
+from tierkv.worker import CachedModel
+
+# Model configs: the embedded default, and a wider, deeper Llama shape (more KV per token, more compute).
+MODELS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "llama-wide": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=64),
+}
+
+
+def _bandwidths(base: Path, nbytes: int) -> dict[str, float]:
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t.append(time.perf_counter() - t0)
+    path = base / "bw.bin"
+    with open(path, "wb") as f:
+        f.write(os.urandom(nbytes))
+        f.flush()
+        os.fsync(f.fileno())
+    buf = mmap.mmap(-1, nbytes)
+    out = {"memcpy": nbytes / summary(t)["median"]}
+    for mode in ("page_cache", "odirect"):
+        ts = []
+        for _ in range(5):
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if mode == "odirect" else 0))
+            t0 = time.perf_counter()
+            got = 0
+            while got < nbytes:
+                n = os.preadv(fd, [memoryview(buf)[got:]], got)
+                if n <= 0:
+                    break
+                got += n
+            ts.append(time.perf_counter() - t0)
+            os.close(fd)
+        out[mode] = nbytes / summary(ts)["median"]
+    buf.close()
+    path.unlink()
+    return out
+
+
+def _model(name: str, store: TieredStore | None) -> CachedModel:
+    if name == "default":
+        return CachedModel.default(store)
+    return CachedModel(build_default_model(torch.float32, **MODELS[name]), ByteTokenizer(), store,
+                       model_id=f"{DEFAULT_MODEL_ID}-{name}")
+
+
+def run(base: Path, *, model: str = "default", lengths: tuple[int, ...] = (512, 1024, 2048, 4096),
+        runs: int = 5) -> dict[str, Any]:
+    torch.manual_seed(0)
+    bw = _bandwidths(base, 64 << 20)
+    rows = []
+    method = ""
+    cm = _model(model, None)
+    ns = cm.base_namespace
+    token_nbytes = ns.num_layers * 2 * ns.num_kv_heads * ns.head_dim * 4
+    for L in lengths:
+        ids = torch.randint(3, 259, (L + 1,)).tolist()
+        store_dir = base / f"store-{model}-{L}"
+        row: dict[str, Any] = {"tokens": L + 1, "kv_nbytes": L * token_nbytes}
+        with TieredStore.open(store_dir, host_bytes=L * token_nbytes + (64 << 20)) as store:
+            cm.store = store
+            cold, nohit = [], []
+            cm.prefill(ids[: L // 2], use_cache=False)  # warm-up
+            for r in range(runs):
+                fresh = [(t + r + 1) % 256 + 3 for t in ids]  # nothing cached: a new prompt each run
+                # Alternate which goes first, so drift (frequency, allocator) favours neither.
+                for kind in (("cold", "nohit") if r % 2 == 0 else ("nohit", "cold")):
+                    t0 = time.perf_counter()
+                    cm.prefill(ids, use_cache=False) if kind == "cold" else cm.prefill(fresh)
+                    (cold if kind == "cold" else nohit).append(time.perf_counter() - t0)
+            cm.prefill(ids)
+            store.flush()
+            host, fwd = [], []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                p = cm.prefill(ids)
+                host.append(time.perf_counter() - t0)
+                fwd.append(p.forward_s)
+                assert p.hit.by_tier["host"] == L, p.hit
+        row.update(cold_s=summary(cold), nohit_s=summary(nohit), host_s=summary(host), forward_1_s=summary(fwd))
+        for label, cold_cache in (("disk_warm_s", False), ("disk_cold_s", True)):
+            ts = []
+            for _ in range(runs):
+                with TieredStore.open(store_dir, host_bytes=0) as store:
+                    cm.store = store
+                    cm.prefill(ids[:65])  # warm up the code path, not the data (block 0 only)
+                    if cold_cache:
+                        method = drop_page_cache(list((store_dir / "segments").glob("*.seg")))
+                    t0 = time.perf_counter()
+                    p = cm.prefill(ids)
+                    ts.append(time.perf_counter() - t0)
+                    assert p.hit.by_tier["disk"] == L, p.hit
+            row[label] = summary(ts)
+        f = row["forward_1_s"]["median"]
+        row["floor_host_s"] = row["kv_nbytes"] / bw["memcpy"] + f
+        row["floor_disk_warm_s"] = row["kv_nbytes"] / bw["page_cache"] + f
+        row["floor_disk_cold_s"] = row["kv_nbytes"] / bw["odirect"] + f
+        rows.append(row)
+        shutil.rmtree(store_dir)
+    cm.store = None
+    params = sum(p.numel() for p in cm.model.parameters())
+    return {"config": {"model": model, "params": params, "layers": ns.num_layers, "kv_heads": ns.num_kv_heads,
+                       "head_dim": ns.head_dim, "dtype": ns.dtype, "token_kv_nbytes": token_nbytes,
+                       "block_tokens": ns.block_tokens, "runs": runs, "threads": torch.get_num_threads(),
+                       "cold_method": method},
+            "bandwidth_Bps": bw, "rows": rows}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c, bw = res["config"], res["bandwidth_Bps"]
+    lines = [f"Model `{c['model']}`: {c['params'] / 1e6:.0f}M params, {c['layers']} layers, {c['kv_heads']} KV heads x "
+             f"{c['head_dim']}, {c['dtype']}, {c['token_kv_nbytes'] / 1024:.0f} KiB of KV per token; {c['runs']} runs; "
+             f"{c['threads']} threads. Bandwidth in this run: memcpy {bw['memcpy'] / 1e9:.1f} GB/s, page-cache read "
+             f"{bw['page_cache'] / 1e9:.1f} GB/s, O_DIRECT {bw['odirect'] / 1e9:.2f} GB/s; cold cache via "
+             f"{c['cold_method']}.", "",
+             "TTFT medians (ms). In brackets: the ratio to the tier's floor; `x`: speed-up over the cold prefill.", "",
+             "| tokens | KV MiB | cold | no-hit (overhead) | host | disk warm | disk cold |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        cold = r["cold_s"]["median"]
+
+        def cell(key: str, floor: str, r: dict = r, cold: float = cold) -> str:
+            v = r[key]["median"]
+            return f"{v * 1e3:.1f} ({v / r[floor]:.2f}) {cold / v:.0f}x"
+        nohit = r["nohit_s"]["median"]
+        lines.append(f"| {r['tokens']} | {r['kv_nbytes'] / 2**20:.1f} | {cold * 1e3:.0f} | {nohit * 1e3:.0f} "
+                     f"({100 * (nohit / cold - 1):+.1f}%) | {cell('host_s', 'floor_host_s')} | "
+                     f"{cell('disk_warm_s', 'floor_disk_warm_s')} | {cell('disk_cold_s', 'floor_disk_cold_s')} |")
+    return "\n".join(lines)
