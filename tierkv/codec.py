@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -83,7 +84,7 @@ def _unshuffle(data: bytes, itemsize: int) -> bytes:
     return arr.reshape(itemsize, -1).T.tobytes()
 
 
-def encode(
+def encode_parts(
     *,
     ns_digest: NamespaceDigest,
     parent_key: BlockKey,
@@ -95,26 +96,34 @@ def encode(
     created_s: float,
     codec: Codec = Codec.RAW,
     zstd_level: int = 1,
-) -> bytes:
-    """One record's bytes. ``payload`` is the raw canonical-layout KV (a contiguous buffer)."""
+) -> list[bytes | memoryview]:
+    """One record as buffers to write back to back (header, token ids, payload): no joining copy.
+
+    ``payload`` is the raw canonical-layout KV (a contiguous buffer); with the raw codec it is returned
+    as is, so it must stay unchanged until written.
+    """
     if len(shape) > MAX_NDIM:
         raise ValueError(f"at most {MAX_NDIM} dims, got {shape}")
-    raw_nbytes = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+    raw_nbytes = memoryview(payload).nbytes
     if codec == Codec.RAW:
         stored: bytes | memoryview = payload
     else:
         src = _shuffle(payload, DTYPE_ITEMSIZE[dtype]) if codec == Codec.ZSTD_SHUFFLE else payload
         stored = zstandard.ZstdCompressor(level=zstd_level).compress(src)
-    stored_nbytes = stored.nbytes if isinstance(stored, memoryview) else len(stored)
     fields = _FIELDS.pack(
         MAGIC, FORMAT_VERSION, int(codec), DTYPE_CODES[dtype], len(shape),
         *(tuple(shape) + (0,) * (MAX_NDIM - len(shape))),
         len(token_bytes) // 4, ns_digest, parent_key, key, created_s,
-        raw_nbytes, stored_nbytes, xxhash.xxh3_64_intdigest(stored),
+        raw_nbytes, memoryview(stored).nbytes, xxhash.xxh3_64_intdigest(stored),
     )
     check = xxhash.xxh3_64(fields)
     check.update(token_bytes)
-    return b"".join((fields, _CHECK.pack(check.intdigest()), token_bytes, stored))
+    return [fields + _CHECK.pack(check.intdigest()) + token_bytes, stored]
+
+
+def encode(**kwargs: Any) -> bytes:
+    """One record's bytes (see ``encode_parts``)."""
+    return b"".join(encode_parts(**kwargs))
 
 
 def parse_header(prefix: bytes | memoryview, record_nbytes: int) -> tuple[Header, memoryview]:

@@ -137,30 +137,27 @@ class TieredStore:
             payload = held if held is not None else block.contiguous().view(-1).view(torch.uint8)
             parent = keys[i - 1] if i else root_key(ns.digest)
             tb = token_bytes[i * B * 4 : (i + 1) * B * 4]
-            queued = self.disk.put(ns.digest, keys[i], self._record_fn(ns, spec, parent, keys[i], tb, payload,
-                                                                       held is not None, now),
-                                   spec.block_nbytes + codec.HEADER_NBYTES + len(tb), now)
-            if not queued and held is not None and self.host is not None:
-                self.host.release(held)
+            make, release = self._record_fn(ns, spec, parent, keys[i], tb, payload, held is not None, now)
+            if not self.disk.put(ns.digest, keys[i], make, spec.block_nbytes + codec.HEADER_NBYTES + len(tb), now,
+                                 release=release):
+                release()
         return kept
 
     def _record_fn(self, ns: Namespace, spec: KVSpec, parent: BlockKey, key: BlockKey, token_bytes: bytes,
-                   payload: torch.Tensor, held: bool, created_s: float) -> Callable[[bool], bytes | None]:
-        """The record is encoded on the disk writer thread, not on the inference thread.
+                   payload: torch.Tensor, held: bool,
+                   created_s: float) -> tuple[Callable[[], list[bytes | memoryview]], Callable[[], None]]:
+        """(encode, release): the record is encoded on the disk writer thread, not the inference thread,
+        straight from the host slot; ``release`` frees the slot once the record is written (or skipped)."""
+        def make() -> list[bytes | memoryview]:
+            return codec.encode_parts(ns_digest=ns.digest, parent_key=parent, key=key, token_bytes=token_bytes,
+                                      dtype=ns.dtype, shape=spec.block_shape, payload=payload.numpy().data,
+                                      created_s=created_s, codec=self.codec)
 
-        ``make(False)`` only releases the host slot (the writer skipped the block).
-        """
-        def make(encode: bool) -> bytes | None:
-            try:
-                if not encode:
-                    return None
-                return codec.encode(ns_digest=ns.digest, parent_key=parent, key=key, token_bytes=token_bytes,
-                                    dtype=ns.dtype, shape=spec.block_shape, payload=payload.numpy().data,
-                                    created_s=created_s, codec=self.codec)
-            finally:
-                if held and self.host is not None:
-                    self.host.release(payload)
-        return make
+        def release() -> None:
+            if held and self.host is not None:
+                self.host.release(payload)
+
+        return make, release
 
     # ---------------------------------------------------------------- lookup and load
 

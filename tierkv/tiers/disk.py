@@ -56,6 +56,7 @@ DEFAULT_BATCH_NBYTES = 64 << 20  # one fdatasync + one commit per batch: amortis
 DEFAULT_QUEUE_NBYTES = 1 << 30  # write-behind bound; past it saves are dropped (a future miss only)
 TOUCH_FLUSH_INTERVAL_S = 1.0  # access times are coalesced in memory and written at most this often
 DEGRADED_RETRY_S = 5.0  # after a write error (full disk) the tier drops writes this long, then retries
+WRITER_NICE = 10  # the writer thread's nice value: CPU goes to inference first
 SWEEP_BATCH = 256  # deletions per transaction in sweeps: a server's writer is never starved
 
 
@@ -112,14 +113,22 @@ def _time_key(t: float, key: bytes) -> bytes:
     return _TIME.pack(max(0, int(t * 1000))) + key
 
 
+Record = list  # of buffers (bytes or memoryviews) written back to back: see codec.encode_parts
+
+
 @dataclasses.dataclass(slots=True)
 class _Put:
     ns_digest: bytes
     key: bytes
-    make_record: Callable[[bool], bytes | None]  # make(True): encode; make(False): skipped, release inputs
-    nbytes: int
+    make_record: Callable[[], Record]  # called on the writer thread
+    nbytes: int  # estimate, for the queue's bound
     created_s: float
-    record: bytes = b""
+    release: Callable[[], None] | None  # called once the record is written or skipped
+    record: Record = dataclasses.field(default_factory=list)
+
+    @property
+    def record_nbytes(self) -> int:
+        return sum(memoryview(b).nbytes for b in self.record)
 
 
 @dataclasses.dataclass(slots=True)
@@ -299,12 +308,13 @@ class DiskTier:
 
     # ---------------------------------------------------------------- writes
 
-    def put(self, ns_digest: NamespaceDigest, key: BlockKey, record: bytes | Callable[[bool], bytes | None],
-            nbytes: int, created_s: float) -> bool:
+    def put(self, ns_digest: NamespaceDigest, key: BlockKey, record: bytes | Callable[[], Record],
+            nbytes: int, created_s: float, release: Callable[[], None] | None = None) -> bool:
         """Queue one record (its bytes, or a function the writer thread calls to encode it).
 
-        Returns False (and counts a dropped save) when the queue is full or the tier is degraded; the
-        caller then still owns whatever the function would have released.
+        ``release`` runs on the writer thread once the record is written or skipped. Returns False (and
+        counts a dropped save) when the queue is full or the tier is degraded; then nothing runs and the
+        caller still owns what ``release`` would have freed.
         """
         if self._thread is None or self._closed:
             raise RuntimeError("this DiskTier was opened without a writer")
@@ -313,8 +323,8 @@ class DiskTier:
                 self.counters.add("disk", "dropped_saves")
                 return False
             self._queued_nbytes += nbytes
-        make = record if callable(record) else (lambda encode, r=record: r)
-        self._queue.put(_Put(ns_digest, key, make, nbytes, created_s))
+        make = record if callable(record) else (lambda r=record: [r])
+        self._queue.put(_Put(ns_digest, key, make, nbytes, created_s, release))
         return True
 
     def purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
@@ -332,6 +342,10 @@ class DiskTier:
         self._flush_touched()
 
     def _writer_loop(self) -> None:
+        # Background persistence must not slow the model down: on Linux a nice value set with the thread's
+        # id applies to this thread only, so the scheduler prefers the inference threads.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             try:
                 item = self._queue.get(timeout=TOUCH_FLUSH_INTERVAL_S)
@@ -389,23 +403,29 @@ class DiskTier:
         degraded = self.clock() < self._degraded_until
         if degraded:
             self.counters.add("disk", "dropped_saves", len(puts))
+        try:
+            self._write_fresh(puts, degraded)
+        finally:
+            for p in puts:
+                if p.release is not None:
+                    p.release()
+
+    def _write_fresh(self, puts: list[_Put], degraded: bool) -> None:
         # Skip what is already stored (another request saved the same prefix) and duplicates in the batch.
         fresh = []
         with self._env.begin(db=self._db["index"]) as txn:
             seen: set[bytes] = set()
             for p in puts:
-                keep = not degraded and p.key not in seen and txn.get(p.key) is None
-                seen.add(p.key)
-                record = p.make_record(keep)
-                if keep and record is not None:
-                    p.record = record
+                if not degraded and p.key not in seen and txn.get(p.key) is None:
+                    p.record = p.make_record()
                     fresh.append(p)
+                seen.add(p.key)
         budget = self.policy.budget_nbytes
         if budget is not None:
-            fresh = [p for p in fresh if aligned(len(p.record)) <= budget]
+            fresh = [p for p in fresh if aligned(p.record_nbytes) <= budget]
         if not fresh:
             return
-        incoming = sum(aligned(len(p.record)) for p in fresh)
+        incoming = sum(aligned(p.record_nbytes) for p in fresh)
         try:
             seg = self._segment_for(incoming)
             offsets = seg.append([p.record for p in fresh])
@@ -419,14 +439,14 @@ class DiskTier:
                     holes += self._evict_for(txn, incoming, budget)
                 now = self.clock()
                 for p, off in zip(fresh, offsets):
-                    e = Entry(p.ns_digest, seg.seg_id, off, len(p.record), p.created_s, now)
+                    e = Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, now)
                     self._insert(txn, p.key, e)
         except lmdb.Error as exc:  # e.g. the index's file system is full: the appended bytes are orphans
             self._degrade(exc, len(fresh))
-            self.segments.punch([(seg.seg_id, off, len(p.record)) for p, off in zip(fresh, offsets)])
+            self.segments.punch([(seg.seg_id, off, p.record_nbytes) for p, off in zip(fresh, offsets)])
             return
         self.counters.add("disk", "blocks_written", len(fresh))
-        self.counters.add("disk", "bytes_written", sum(len(p.record) for p in fresh))
+        self.counters.add("disk", "bytes_written", sum(p.record_nbytes for p in fresh))
         self._release(holes)
 
     def _degrade(self, exc: Exception, dropped: int) -> None:
