@@ -151,6 +151,8 @@ def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | N
 @click.option("--admin-token", help="Enables /admin/* for requests bearing this token.")
 @click.option("--max-queue", type=int, help="Requests waiting or running before 503.  [default: 16]")
 @click.option("--max-context", type=int, help="Context length (default: the model's).")
+@click.option("--max-body", help="Largest request body, past it 413.  [default: 8MiB]")
+@click.option("--body-timeout", help="Time to receive a request body, past it 408.  [default: 30s]")
 def serve(config_file: str | None, cache_dir: str, **options: Any) -> None:
     """Run the OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; /metrics; /health)."""
     try:

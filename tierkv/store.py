@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import torch
 
@@ -27,6 +29,7 @@ from tierkv.tiers.disk import DiskTier, Policy
 from tierkv.tiers.host import HostTier
 
 TIERS = ("host", "disk")
+log = logging.getLogger("tierkv.store")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +91,11 @@ class TieredStore:
     def _register(self, ns: Namespace) -> None:
         if ns.digest not in self._registered:
             if self.disk is not None:
-                self.disk.register_namespace(ns)
+                try:
+                    self.disk.register_namespace(ns)
+                except lmdb.Error as exc:  # a full disk: the spec is only for stats; retried next save
+                    log.warning("could not register namespace %s: %s", ns.digest.hex()[:16], exc)
+                    return
             self._registered.add(ns.digest)
 
     def _check_kv(self, ns: Namespace, kv: torch.Tensor, min_tokens: int) -> KVSpec:

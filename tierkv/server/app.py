@@ -346,7 +346,9 @@ def serve(config: ServeConfig) -> None:
     log.info("tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
              ns.model_id, server.cm.device, ns.dtype, ns.digest.hex()[:16], ns.block_tokens, ", ".join(tiers),
              config.host, config.port)
-    app = create_app(server)
+    from tierkv.server.guard import BodyGuard
+
+    app = BodyGuard(create_app(server), max_nbytes=config.max_body, timeout_s=config.body_timeout)
     _GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                    timeout_graceful_shutdown=60)).run()
 

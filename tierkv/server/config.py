@@ -31,6 +31,8 @@ class ServeConfig:
     admin_token: str | None = None  # admin API disabled without one
     max_queue: int = 16  # requests waiting or running; past it: 503 with Retry-After
     max_context: int = 0  # tokens; 0 -> the model's max_position_embeddings
+    max_body: int = 8 << 20  # bytes of a request body; past it: 413
+    body_timeout: float = 30.0  # seconds to receive a whole request body; past it: 408
 
     @classmethod
     def load(cls, cli: dict[str, Any], config_file: str | None = None,
@@ -59,9 +61,9 @@ class ServeConfig:
 def _coerce(name: str, value: Any) -> Any:
     """TOML and env give strings or numbers; turn each into the field's type, with one clear error."""
     try:
-        if name in ("gpu_cache", "host_cache", "disk_budget"):
+        if name in ("gpu_cache", "host_cache", "disk_budget", "max_body"):
             return parse_size(value if isinstance(value, (str, int)) else int(value))
-        if name == "ttl":
+        if name in ("ttl", "body_timeout"):
             return parse_duration(value)
         if name in ("port", "block_tokens", "max_queue", "max_context"):
             return int(value)

@@ -51,7 +51,7 @@ class SegmentDir:
 
     def __init__(self, path: Path, read_threads: int = 4) -> None:
         self.path = path
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._fds: dict[int, int] = {}
         self._fds_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="tierkv-read")
@@ -247,7 +247,7 @@ class SegmentWriter:
     def __init__(self, path: Path, seg_id: int, sync: bool) -> None:
         self.seg_id = seg_id
         self.sync = sync
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.end = aligned(os.fstat(self.fd).st_size)  # never overwrite what a crashed writer left
 
     def append(self, records: Sequence[Sequence[bytes | memoryview]]) -> list[int]:

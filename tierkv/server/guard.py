@@ -1,0 +1,85 @@
+"""An ASGI guard that reads request bodies before the app sees them: bounded in size and in time.
+
+A body over ``max_nbytes`` is a 413 (at once, when Content-Length says so); a body not received within
+``timeout_s`` (a client that stalls or never finishes) is a 408; a JSON body that is not UTF-8 is a 400.
+Without it a slow client would hold a connection and its memory for as long as it liked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+
+
+class BodyGuard:
+    def __init__(self, app: ASGIApp, *, max_nbytes: int, timeout_s: float) -> None:
+        self.app = app
+        self.max_nbytes = max_nbytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            await _reply(send, 400, "bad Content-Length header")
+            return
+        if declared > self.max_nbytes:
+            await _reply(send, 413, f"request body of {declared} bytes is over the limit of {self.max_nbytes}")
+            return
+        chunks: list[bytes] = []
+        total = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                await _reply(send, 408, f"request body not received within {self.timeout_s:.0f} s")
+                return
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_nbytes:
+                await _reply(send, 413, f"request body is over the limit of {self.max_nbytes} bytes")
+                return
+            chunks.append(body)
+            if not message.get("more_body"):
+                break
+        data = b"".join(chunks)
+        if b"json" in headers.get(b"content-type", b"application/json"):
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                await _reply(send, 400, f"the request body is not valid UTF-8 (byte {exc.start})")
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _reply(send: Callable[[Message], Awaitable[None]], status: int, message: str) -> None:
+    kind = "invalid_request_error"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
