@@ -2,10 +2,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from helpers import make_kv
 
 from tierkv import TieredStore
 from tierkv.cli import main
+
+from helpers import make_kv
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from helpers import make_kv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,6 +8,8 @@ from tierkv.codec import Codec, Expected
 from tierkv.errors import RecordError
 from tierkv.keys import block_keys, root_key, tokens_to_bytes
 from tierkv.layout import KVSpec
+
+from helpers import make_kv
 
 
 def _record(ns, codec_=Codec.RAW, seed=0):

@@ -8,12 +8,13 @@ import time
 import lmdb
 import pytest
 import torch
-from helpers import REPO, make_kv, run_python
 
 from tierkv import Namespace, NamespaceConflictError, StoreFormatError, TieredStore
 from tierkv.codec import HEADER_NBYTES
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.segments import aligned
+
+from helpers import REPO, make_kv, run_python
 
 
 def _totals_by_scan(disk: DiskTier) -> dict[bytes, tuple[int, int]]:

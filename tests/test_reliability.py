@@ -19,12 +19,13 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import ServerProcess, make_kv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierkv import TieredStore
 from tierkv.tiers.disk import DiskTier
+
+from helpers import ServerProcess, make_kv
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be exact." for i in range(20))
 

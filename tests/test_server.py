@@ -8,10 +8,11 @@ import urllib.request
 
 import openai
 import pytest
-from helpers import ServerProcess
 
 from tierkv.default_model import ByteTokenizer
 from tierkv.server.engine import render_chat
+
+from helpers import ServerProcess
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer in full sentences." for i in range(12))
 BLOCK = 64

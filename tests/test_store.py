@@ -2,9 +2,10 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import make_kv
 
 from tierkv import ConfigError, Namespace, TieredStore
+
+from helpers import make_kv
 
 
 def test_quickstart(tmp_path) -> None:

@@ -4,11 +4,12 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import run_python
 
 from tierkv import TieredStore
 from tierkv.default_model import ByteTokenizer, build_default_model
 from tierkv.worker import CachedModel
+
+from helpers import run_python
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32)

@@ -149,6 +149,8 @@ def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | N
 @click.option("--ttl", help="Sliding TTL of cached blocks.  [default: 24h]")
 @click.option("--no-cache", is_flag=True, default=None, help="Serve without any caching (a baseline).")
 @click.option("--admin-token", help="Enables /admin/* for requests bearing this token.")
+@click.option("--debug-prompts", is_flag=True, default=None,
+              help="Keep recent prompts' tokens so /admin/misses can quote where they diverged.")
 @click.option("--max-queue", type=int, help="Requests waiting or running before 503.  [default: 16]")
 @click.option("--max-context", type=int, help="Context length (default: the model's).")
 @click.option("--max-body", help="Largest request body, past it 413.  [default: 8MiB]")
@@ -226,6 +228,99 @@ def bench(quick: bool, only: str, plan_only: bool, model_path: str | None, confi
     target = Path(out_dir) / (machine.tag(desc) + ("-quick" if quick else ""))
     files = report.write(target, desc, results)
     click.echo("wrote " + ", ".join(str(f) for f in files))
+
+
+def _load_tokenizer(model_path: str | None) -> Any:
+    if model_path is None:
+        from tierkv.default_model import ByteTokenizer
+
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+def _read_prompt(path: str, tokenizer: Any) -> list[int]:
+    """Token ids of an OpenAI request body (chat or completion JSON), or of a plain text file."""
+    from tierkv.server.engine import encode_text, render_chat
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        _fail(f"{path}: {exc.strerror}", 2)
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return encode_text(tokenizer, text)
+    if isinstance(body, dict) and isinstance(body.get("messages"), list):
+        msgs = [{"role": m.get("role", "user"), "content": m.get("content") if isinstance(m.get("content"), str)
+                 else "".join(p.get("text", "") for p in m.get("content") or [] if isinstance(p, dict))}
+                for m in body["messages"] if isinstance(m, dict)]
+        return render_chat(tokenizer, msgs)
+    if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+        return encode_text(tokenizer, body["prompt"])
+    if isinstance(body, dict) and isinstance(body.get("prompt"), list):
+        return [int(t) for t in body["prompt"]]
+    return encode_text(tokenizer, text)
+
+
+@main.command()
+@click.argument("first", type=click.Path(dir_okay=False))
+@click.argument("second", type=click.Path(dir_okay=False))
+@click.option("--model", "model_path", help="Tokenize with this local Hugging Face model (default: the embedded one).")
+@click.option("--block-tokens", type=int, default=64, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def explain(first: str, second: str, model_path: str | None, block_tokens: int, as_json: bool) -> None:
+    """Where SECOND stops reusing FIRST's cache, and why (OpenAI JSON bodies or plain text files)."""
+    from tierkv.explain import around, diverge
+
+    tok = _load_tokenizer(model_path)
+    a, b = _read_prompt(first, tok), _read_prompt(second, tok)
+    d = diverge(a, b, block_tokens)
+    out = d.to_dict()
+    if d.first_divergent_token is not None:
+        mark = ("\x1b[1;31m", "\x1b[0m") if sys.stdout.isatty() and not as_json else ("[[", "]]")
+        out["context"] = dict(zip(("first", "second"), around(tok, a, b, d.first_divergent_token, mark=mark)))
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    if d.first_divergent_token is None:
+        click.echo(f"one prompt is a prefix of the other ({d.tokens_a} and {d.tokens_b} tokens)")
+    else:
+        click.echo(f"first divergent token: {d.first_divergent_token} (block {d.block} of {block_tokens} tokens)")
+    click.echo(f"reused: {d.reused_tokens} tokens ({d.reused_blocks} blocks); recomputed: {d.recomputed_tokens} "
+               f"of {d.tokens_b} tokens")
+    if "context" in out:
+        click.echo(f"first:  ...{out['context']['first']}...")
+        click.echo(f"second: ...{out['context']['second']}...")
+
+
+@main.command(name="lint")
+@click.argument("template", type=click.Path(dir_okay=False))
+@click.option("--model", "model_path", help="Tokenize with this local Hugging Face model (default: the embedded one).")
+@click.option("--min-tokens", type=int, default=64, show_default=True,
+              help="Report dynamic content only with at least this many tokens after it.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def lint_cmd(template: str, model_path: str | None, min_tokens: int, as_json: bool) -> None:
+    """Flag dynamic-looking content (dates, times, ids, counters) placed before large stable content."""
+    from tierkv.explain import lint, suggestion
+    from tierkv.server.engine import encode_text
+
+    tok = _load_tokenizer(model_path)
+    try:
+        text = Path(template).read_text()
+    except OSError as exc:
+        _fail(f"{template}: {exc.strerror}", 2)
+    findings = lint(text, lambda t: encode_text(tok, t, special=False), min_tokens)
+    if as_json:
+        click.echo(json.dumps({"findings": [f.to_dict() for f in findings], "suggestion": suggestion(findings)}))
+        return
+    for f in findings:
+        click.echo(f"{template}: char {f.char_offset}, token {f.token_offset}: {f.kind} {f.text!r} "
+                   f"invalidates the {f.invalidated_tokens} tokens after it")
+    click.echo(suggestion(findings))
+    if findings:
+        sys.exit(1)
 
 
 @contextmanager

@@ -58,6 +58,9 @@ class Server:
                              use_cache=not config.no_cache and store is not None)
         self.metrics = Metrics(self)
         self.model_name = cm.base_namespace.model_id
+        from tierkv.explain import MissLog
+
+        self.misses = MissLog(debug_prompts=config.debug_prompts)
 
     def close(self) -> None:
         self.engine.close()
@@ -169,9 +172,15 @@ def create_app(server: Server) -> FastAPI:
             ids = tokenize()
             budget = max_tokens or min(default_max_tokens, max(1, engine.max_context - len(ids)))
             engine.check_length(len(ids), budget)
-            return server.cm.stream(ids, budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                    stop=req.stop_list(), cache_salt=req.cache_salt or "",
-                                    use_cache=engine.use_cache)
+            salt = req.cache_salt or ""
+            events = server.cm.stream(ids, budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                      stop=req.stop_list(), cache_salt=salt, use_cache=engine.use_cache)
+            first = next(events)
+            if engine.use_cache and first.prefill is not None:
+                server.misses.record(server.cm.namespace(salt), ids, first.prefill.hit.num_tokens, req.user,
+                                     server.cm.tokenizer)
+            yield first
+            yield from events
 
         events = engine.stream(make)
         try:
@@ -260,6 +269,13 @@ def create_app(server: Server) -> FastAPI:
         from tierkv.inspect import store_stats
 
         return JSON(await asyncio.to_thread(store_stats, server.store.disk))  # type: ignore[union-attr]
+
+    @app.get("/admin/misses")
+    async def admin_misses(request: Request) -> JSON:
+        """Recent requests whose hit ended early, with where they diverged; hit rate per template."""
+        if (denied := _admin_denied(request)) is not None:
+            return denied
+        return JSON(server.misses.report())
 
     @app.post("/admin/gc")
     async def admin_gc(request: Request) -> JSON:

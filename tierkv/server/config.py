@@ -31,6 +31,7 @@ class ServeConfig:
     admin_token: str | None = None  # admin API disabled without one
     max_queue: int = 16  # requests waiting or running; past it: 503 with Retry-After
     max_context: int = 0  # tokens; 0 -> the model's max_position_embeddings
+    debug_prompts: bool = False  # keep recent prompts' tokens to show where misses diverged (text!)
     max_body: int = 8 << 20  # bytes of a request body; past it: 413
     body_timeout: float = 30.0  # seconds to receive a whole request body; past it: 408
 
@@ -67,7 +68,7 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_duration(value)
         if name in ("port", "block_tokens", "max_queue", "max_context"):
             return int(value)
-        if name == "no_cache":
+        if name in ("no_cache", "debug_prompts"):
             return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
         if name == "dtype" and value not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {value!r}")

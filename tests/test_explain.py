@@ -1,0 +1,121 @@
+"""Explaining misses: where prompts diverge, what in a template breaks caching, the server's miss log."""
+
+import json
+
+from click.testing import CliRunner
+
+from tierkv.cli import main
+from tierkv.default_model import ByteTokenizer
+from tierkv.explain import diverge, lint
+from tierkv.server.engine import render_chat
+
+from helpers import ServerProcess
+
+TOK = ByteTokenizer()
+RULES = "Rules:\n" + "\n".join(f"{i}. Always cite the section you rely on, and keep answers short." for i in range(12))
+TOOLS = [f"tool {name}: {desc}" for name, desc in (("search", "find documents by keyword " * 3),
+                                                    ("calc", "evaluate arithmetic expressions " * 3),
+                                                    ("mail", "send an email to a colleague " * 3))]
+
+
+def _ids(system: str, user: str = "What changed?") -> list[int]:
+    return render_chat(TOK, [{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+
+def test_date_at_the_top_misses_everything_at_the_end_one_block() -> None:
+    top_a, top_b = _ids("Today is 2026-09-07.\n" + RULES), _ids("Today is 2026-09-08.\n" + RULES)
+    d = diverge(top_a, top_b, 64)
+    assert d.first_divergent_token == len(TOK.encode("<|system|>\nToday is 2026-09-0")) and d.block == 0
+    assert d.reused_tokens == 0 and d.recomputed_tokens == len(top_b)
+    end_a, end_b = _ids(RULES + "\nToday is 2026-09-07."), _ids(RULES + "\nToday is 2026-09-08.")
+    d = diverge(end_a, end_b, 64)
+    assert d.recomputed_tokens < 64 + 32 and d.reused_tokens == d.first_divergent_token // 64 * 64 > 500
+
+
+def test_reordered_tools_break_the_prefix_at_the_first_moved_tool() -> None:
+    a = _ids(RULES + "\n" + "\n".join(TOOLS))
+    b = _ids(RULES + "\n" + "\n".join(TOOLS[1:] + TOOLS[:1]))
+    d = diverge(a, b, 64)
+    assert d.first_divergent_token == len(TOK.encode("<|system|>\n" + RULES + "\ntool "))
+    assert d.reused_tokens == d.first_divergent_token // 64 * 64
+
+
+def test_retrieved_text_before_the_rules_reuses_nothing() -> None:
+    docs = ["Retrieved: the disk tier punches holes. " * 5, "Retrieved: host slots are preallocated. " * 5]
+    before = [_ids(doc + "\n" + RULES) for doc in docs]
+    after = [_ids(RULES + "\n" + doc) for doc in docs]
+    assert diverge(*before, 64).reused_tokens == 0
+    assert diverge(*after, 64).reused_tokens >= len(TOK.encode(RULES)) // 64 * 64
+
+
+def test_rewritten_history_turn_stops_reuse_at_that_turn() -> None:
+    turns = [{"role": "system", "content": RULES}, {"role": "user", "content": "Summarise section 3. " * 4},
+             {"role": "assistant", "content": "Section 3 says to cite sections. " * 4},
+             {"role": "user", "content": "And section 4?"}]
+    rewritten = [*turns[:2], {"role": "assistant", "content": "(summary) cite sections. " * 4}, turns[3]]
+    a, b = render_chat(TOK, turns), render_chat(TOK, rewritten)
+    d = diverge(a, b, 64)
+    # render_chat ends with the generation prompt "<|assistant|>\n": where the rewritten reply begins.
+    assert d.first_divergent_token == len(render_chat(TOK, turns[:2]))
+
+
+def test_prefix_prompt_has_no_divergent_token() -> None:
+    a = _ids(RULES)
+    d = diverge(a, a + TOK.encode("more", False), 64)
+    assert d.first_divergent_token is None and d.block is None
+
+
+def test_explain_cli_json(tmp_path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path, day in ((a, "07"), (b, "08")):
+        path.write_text(json.dumps({"messages": [{"role": "system", "content": f"Date: 2026-09-{day}\n" + RULES},
+                                                 {"role": "user", "content": "hi"}]}))
+    r = CliRunner().invoke(main, ["explain", str(a), str(b), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["first_divergent_token"] == len(TOK.encode("<|system|>\nDate: 2026-09-0"))
+    assert out["reused_tokens"] == 0 and out["recomputed_tokens"] == out["tokens_b"]
+    assert "[[8" in out["context"]["second"] and "[[7" in out["context"]["first"]
+    text = tmp_path / "c.txt"
+    text.write_text(RULES)
+    r = CliRunner().invoke(main, ["explain", str(text), str(text), "--json"])
+    assert json.loads(r.output)["first_divergent_token"] is None
+    r = CliRunner().invoke(main, ["explain", str(a), str(b)])
+    assert "first divergent token" in r.output and "recomputed" in r.output
+
+
+def test_lint_flags_dynamic_content_before_stable_content(tmp_path) -> None:
+    enc = lambda t: TOK.encode(t, False)  # noqa: E731
+    bad = "Request id: 9f1c2e7a-1b2c-4d5e-8f90-123456789abc\nGenerated at 2026-09-07 10:15 UTC\n" + RULES
+    kinds = {f.kind for f in lint(bad, enc)}
+    assert {"uuid", "date"} <= kinds
+    worst = lint(bad, enc)[0]
+    assert worst.invalidated_tokens > len(enc(RULES))
+    assert lint(RULES + "\nGenerated at 2026-09-07 10:15 UTC", enc) == []  # at the end: harmless
+    path = tmp_path / "template.txt"
+    path.write_text(bad)
+    r = CliRunner().invoke(main, ["lint", str(path)])
+    assert r.exit_code == 1 and "Move the dynamic parts" in r.output
+    path.write_text(RULES + "\nToday: {{ date }}")
+    assert CliRunner().invoke(main, ["lint", str(path)]).exit_code == 0
+
+
+def test_server_miss_log_explains_where_a_prompt_diverged(tmp_path) -> None:
+    srv = ServerProcess("--admin-token", "t", "--debug-prompts", cache_dir=tmp_path / "cache")
+    try:
+        client = srv.client()
+        for day in ("07", "08"):
+            client.chat.completions.create(model="m", max_tokens=1, user="support-bot", messages=[
+                {"role": "system", "content": f"Today is 2026-09-{day}.\n" + RULES}, {"role": "user", "content": "hi"}])
+        import urllib.request
+
+        req = urllib.request.Request(srv.url + "/admin/misses", headers={"Authorization": "Bearer t"})
+        with urllib.request.urlopen(req) as r:
+            report = json.loads(r.read())
+        miss = report["misses"][0]
+        assert miss["cached_tokens"] == 0 and miss["diverged_in_block"] == 0
+        assert "'2026-09-08.' against '2026-09-07.'" in miss["explanation"]
+        (tmpl,) = report["templates"]
+        assert tmpl["template"] == "support-bot" and tmpl["requests"] == 2 and tmpl["hit_rate"] == 0.0
+    finally:
+        assert srv.stop() == 0
