@@ -86,3 +86,41 @@ class ServerProcess:
             code = self.proc.wait()
         self.log.close()
         return code
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, persistence off; ``kill()`` / ``start()`` for outages."""
+
+    def __init__(self, *extra: str) -> None:
+        import shutil
+
+        if shutil.which("redis-server") is None:
+            import pytest
+
+            pytest.skip("redis-server is not installed (.ci/run installs it)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.extra = extra
+        self.start()
+
+    def start(self) -> None:
+        import time
+
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--protected-mode", "yes", *self.extra],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                client.close()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()

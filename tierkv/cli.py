@@ -148,6 +148,8 @@ def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | N
 @click.option("--disk-budget", help="Disk budget.  [default: 20GiB]")
 @click.option("--ttl", help="Sliding TTL of cached blocks.  [default: 24h]")
 @click.option("--no-cache", is_flag=True, default=None, help="Serve without any caching (a baseline).")
+@click.option("--remote", help="A tier shared by several workers: redis://HOST:PORT or redis+cluster://HOST:PORT.")
+@click.option("--remote-admit-after", type=int, help="Share a block once this many requests contained it.  [default: 1]")
 @click.option("--admin-token", help="Enables /admin/* for requests bearing this token.")
 @click.option("--debug-prompts", is_flag=True, default=None,
               help="Keep recent prompts' tokens so /admin/misses can quote where they diverged.")

@@ -27,8 +27,8 @@ from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
 from tierkv.tiers.disk import DiskTier, Policy
 from tierkv.tiers.host import HostTier
+from tierkv.tiers.remote import RemoteTier
 
-TIERS = ("host", "disk")
 log = logging.getLogger("tierkv.store")
 
 
@@ -51,9 +51,12 @@ def _as_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: Sequence[int]
 
 class TieredStore:
     def __init__(self, host: HostTier | None, disk: DiskTier | None, *, codec_: codec.Codec = codec.Codec.RAW,
-                 clock: Callable[[], float] = time.time, counters: Counters | None = None) -> None:
+                 clock: Callable[[], float] = time.time, counters: Counters | None = None,
+                 remote: RemoteTier | None = None) -> None:
         self.host = host
         self.disk = disk
+        self.remote = remote
+        self.tiers = ("host", "disk", "remote") if remote is not None else ("host", "disk")
         self.codec = codec_
         self.clock = clock
         self.counters = counters or Counters()
@@ -71,9 +74,15 @@ class TieredStore:
         codec_: codec.Codec | str = codec.Codec.RAW,
         clock: Callable[[], float] = time.time,
         sync: bool = True,
+        remote: str | None = None,
+        remote_admit_after: int = 1,
         **disk_options: int,
     ) -> TieredStore:
-        """Open (or create) a store. ``path=None`` gives a host-only store; ``host_bytes=0`` a disk-only one."""
+        """Open (or create) a store. ``path=None`` gives a host-only store; ``host_bytes=0`` a disk-only one.
+
+        ``remote`` (``redis://host:port`` or ``redis+cluster://host:port``) adds a tier shared by several
+        workers; ``remote_admit_after`` shares a block only once that many requests contained it.
+        """
         if host_bytes < 0 or (disk_bytes is not None and disk_bytes <= 0):
             raise ConfigError("host_bytes must be >= 0 and disk_bytes > 0")
         counters = Counters()
@@ -84,7 +93,12 @@ class TieredStore:
         if path is not None:
             disk = DiskTier(Path(path), policy=Policy(disk_bytes, ttl_s, max_age_s), clock=clock, sync=sync,
                             counters=counters, **disk_options)
-        return cls(host, disk, codec_=codec_, clock=clock, counters=counters)
+        remote_tier = None
+        if remote is not None:
+            from tierkv.tiers.remote import RemoteTier
+
+            remote_tier = RemoteTier(remote, ttl_s=ttl_s, admit_after=remote_admit_after, counters=counters)
+        return cls(host, disk, codec_=codec_, clock=clock, counters=counters, remote=remote_tier)
 
     # ---------------------------------------------------------------- save
 
@@ -137,17 +151,26 @@ class TieredStore:
             block = kv[:, :, i * B - kv_start : (i + 1) * B - kv_start]
             if block.device.type != "cpu":
                 block = block.to("cpu")
-            held = self.host.put(keys[i], block, hold=self.disk is not None) if self.host is not None else None
+            share = self.remote is not None and self.remote.admitted(keys[i])
+            sinks = (self.disk is not None) + share
+            held = self.host.put(keys[i], block, hold=sinks > 0) if self.host is not None else None
             kept += 1
-            if self.disk is None:
+            if not sinks:
                 continue
             payload = held if held is not None else block.contiguous().view(-1).view(torch.uint8)
             parent = keys[i - 1] if i else root_key(ns.digest)
             tb = token_bytes[i * B * 4 : (i + 1) * B * 4]
-            make, release = self._record_fn(ns, spec, parent, keys[i], tb, payload, held is not None, now)
-            if not self.disk.put(ns.digest, keys[i], make, spec.block_nbytes + codec.HEADER_NBYTES + len(tb), now,
-                                 release=release):
-                release()
+            if share and held is not None and self.disk is not None:
+                self.host.retain(held)  # type: ignore[union-attr]  # one reference per writer
+            if self.disk is not None:
+                make, release = self._record_fn(ns, spec, parent, keys[i], tb, payload, held is not None, now)
+                if not self.disk.put(ns.digest, keys[i], make, spec.block_nbytes + codec.HEADER_NBYTES + len(tb),
+                                     now, release=release):
+                    release()
+            if share:
+                make, release = self._record_fn(ns, spec, parent, keys[i], tb, payload, held is not None, now)
+                if not self.remote.put(ns.digest, keys[i], make, release):  # type: ignore[union-attr]
+                    release()
         return kept
 
     def _record_fn(self, ns: Namespace, spec: KVSpec, parent: BlockKey, key: BlockKey, token_bytes: bytes,
@@ -179,7 +202,12 @@ class TieredStore:
         n = first_gap + n_disk
         host_blocks = sum(in_host[:n])
         B = ns.block_tokens
-        return Hit(n * B, {"host": host_blocks * B, "disk": (n - host_blocks) * B}, n)
+        by_tier = {"host": host_blocks * B, "disk": (n - host_blocks) * B}
+        if self.remote is not None:
+            m = self.remote.lookup(ns.digest, keys[n:]) if n < len(keys) else 0
+            by_tier["remote"] = m * B
+            n += m
+        return Hit(n * B, by_tier, n)
 
     def _disk_extent(self, keys: Sequence[BlockKey], in_host: Sequence[bool], start: int) -> int:
         """Blocks from ``start`` on that host or disk hold, asking the disk only for the host's gaps."""
@@ -206,7 +234,7 @@ class TieredStore:
         keys = block_keys(ns, token_ids)
         spec = KVSpec.of(ns)
         B = ns.block_tokens
-        by_tier = dict.fromkeys(TIERS, 0)
+        by_tier = dict.fromkeys(self.tiers, 0)
         if out is not None:
             self._check_kv(ns, out, 0)
             keys = keys[: out.shape[2] // B]
@@ -220,20 +248,34 @@ class TieredStore:
             wanted = [i for i in range(first_gap, len(keys)) if not in_host[i]]
             entries = self.disk.locate([keys[i] for i in wanted]) if wanted and self.disk is not None else []
             n = wanted[len(entries)] if len(entries) < len(wanted) else len(keys)
-            if n == 0:
+            if self.remote is not None:
+                for k in keys:
+                    self.remote.sighting(k)
+            # Past the local tiers: the shared remote tier (one pipelined round trip).
+            remote_records = self.remote.get_many(ns.digest, keys[n:]) if self.remote is not None and \
+                n < len(keys) else []
+            n_all = n + len(remote_records)
+            if n_all == 0:
                 self.counters.add("store", "miss_blocks", len(keys))
                 return Hit(0, by_tier), None
             target = out if out is not None and out.is_contiguous() and out.device.type == "cpu" else \
-                torch.empty(spec.shape(n * B), dtype=spec.dtype)
+                torch.empty(spec.shape(n_all * B), dtype=spec.dtype)
             disk_idx = wanted[: len(entries)]
             disk_idx = [i for i in disk_idx if i < n]
             ok_until = self._restore_from_disk(ns, spec, keys, token_bytes, disk_idx, entries, target)
-            n = min(n, ok_until)
-            for i in range(n):
+            n_local = min(n, ok_until)
+            for i in range(n_local):
                 if in_host[i]:
                     target[:, :, i * B : (i + 1) * B].copy_(host_views[i].view(spec.dtype).view(spec.block_shape))
-            by_tier["host"] = sum(in_host[:n]) * B
-            by_tier["disk"] = n * B - by_tier["host"]
+            by_tier["host"] = sum(in_host[:n_local]) * B
+            by_tier["disk"] = n_local * B - by_tier["host"]
+            m = 0
+            if n_local == n and remote_records:
+                m = self._restore_from_remote(ns, spec, keys, token_bytes, n, remote_records, target)
+                by_tier["remote"] = m * B
+            n = n_local + m
+        if self.remote is not None and self.remote.admit_after > 1 and self.host is not None:
+            self._share_newly_admitted(ns, spec, keys[:n], token_bytes)
         if target is not out and out is not None and n:
             out[:, :, : n * B].copy_(target[:, :, : n * B])
             target = out
@@ -313,6 +355,51 @@ class TieredStore:
                 self.host.put(keys[i], target[:, :, i * B : (i + 1) * B])
         return failed_at
 
+    def _restore_from_remote(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
+                             start: int, records: list[bytes], target: torch.Tensor) -> int:
+        """Verify remote records for blocks ``start, start+1, ...`` into ``target``; promote them into the
+        local tiers. Returns how many verified (a bad one is deleted remotely and ends the prefix)."""
+        assert self.remote is not None
+        B = ns.block_tokens
+        now = self.clock()
+        for j, rec in enumerate(records):
+            i = start + j
+            expected = codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4], ns.dtype,
+                                      spec.block_shape)
+            try:
+                payload = codec.decode(rec, expected)
+            except RecordError:
+                self.counters.add("remote", "corrupt_blocks")
+                self.remote.delete(ns.digest, keys[i])
+                return j
+            block = target[:, :, i * B : (i + 1) * B]
+            block.copy_(_as_tensor(payload, spec.dtype, spec.block_shape))
+            if self.host is not None:
+                self.host.put(keys[i], block)
+            if self.disk is not None:  # the verified record as it is: no re-encoding
+                self._register(ns)
+                self.disk.put(ns.digest, keys[i], rec, len(rec), now)
+        return len(records)
+
+    def _share_newly_admitted(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes) -> None:
+        """Blocks cached here that just reached the admission count go to the remote tier now."""
+        assert self.remote is not None and self.host is not None
+        B = ns.block_tokens
+        now = self.clock()
+        due = [i for i, k in enumerate(keys) if self.remote._seen.get(k) == self.remote.admit_after]
+        if not due:
+            return
+        with self.host.read([keys[i] for i in due]) as views:
+            for i, view in zip(due, views):
+                if view is None:
+                    continue
+                self.host.retain(view)
+                parent = keys[i - 1] if i else root_key(ns.digest)
+                make, release = self._record_fn(ns, spec, parent, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4],
+                                                view, True, now)
+                if not self.remote.put(ns.digest, keys[i], make, release):
+                    release()
+
     def _purge_if_indexed(self, key: BlockKey, e: object) -> None:
         assert self.disk is not None
         location = e.location  # type: ignore[attr-defined]
@@ -326,19 +413,26 @@ class TieredStore:
         """Wait until every saved block is durable on disk."""
         if self.disk is not None:
             self.disk.flush()
+        if self.remote is not None:
+            self.remote.flush()
 
     def stats(self) -> dict[str, dict[str, int]]:
         snap = self.counters.snapshot()
-        for tier in (*TIERS, "store"):
+        for tier in (*self.tiers, "store"):
             snap.setdefault(tier, dict.fromkeys(COUNTER_NAMES, 0))
         if self.host is not None:
             snap["host"].update(used_nbytes=self.host.used_nbytes, capacity_nbytes=self.host.capacity_nbytes,
                                 blocks=len(self.host))
         if self.disk is not None:
             snap["disk"].update(self.disk.usage())
+        if self.remote is not None:
+            snap["remote"].update(breaker_open=int(self.remote.breaker.state == "open"),
+                                  breaker_trips=self.remote.breaker.trips)
         return snap
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
         if self.disk is not None:
             self.disk.close()
 

@@ -80,7 +80,8 @@ def load_server(config: ServeConfig) -> Server:
     store = None
     if not config.no_cache:
         store = TieredStore.open(config.resolved_cache_dir(), host_bytes=config.host_cache,
-                                 disk_bytes=config.disk_budget, ttl_s=config.ttl)
+                                 disk_bytes=config.disk_budget, ttl_s=config.ttl, remote=config.remote,
+                                 remote_admit_after=config.remote_admit_after)
     if config.model:
         cm = CachedModel.from_pretrained(config.model, store, dtype=dtype, device=device,
                                          block_tokens=config.block_tokens, revision=config.revision)

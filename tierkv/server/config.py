@@ -28,6 +28,8 @@ class ServeConfig:
     disk_budget: int = 20 << 30  # bytes on disk
     ttl: float = 86400.0  # seconds, sliding from the last hit
     no_cache: bool = False
+    remote: str | None = None  # redis://host:port or redis+cluster://host:port: a tier shared by workers
+    remote_admit_after: int = 1  # share a block once this many requests contained it
     admin_token: str | None = None  # admin API disabled without one
     max_queue: int = 16  # requests waiting or running; past it: 503 with Retry-After
     max_context: int = 0  # tokens; 0 -> the model's max_position_embeddings
@@ -66,7 +68,7 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_size(value if isinstance(value, (str, int)) else int(value))
         if name in ("ttl", "body_timeout"):
             return parse_duration(value)
-        if name in ("port", "block_tokens", "max_queue", "max_context"):
+        if name in ("port", "block_tokens", "max_queue", "max_context", "remote_admit_after"):
             return int(value)
         if name in ("no_cache", "debug_prompts"):
             return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")

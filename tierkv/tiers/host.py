@@ -106,6 +106,14 @@ class HostTier:
                 return slot
         return None
 
+    def retain(self, view: torch.Tensor) -> None:
+        """One more reference to a slot already held (a second writer reads it)."""
+        assert self._pool is not None
+        slot = (view.data_ptr() - self._pool.data_ptr()) // self.slot_nbytes
+        with self._lock:
+            assert self._refs[slot] > 0, f"slot {slot} retained without being held"
+            self._refs[slot] += 1
+
     def release(self, view: torch.Tensor) -> None:
         assert self._pool is not None
         slot = (view.data_ptr() - self._pool.data_ptr()) // self.slot_nbytes

@@ -1,0 +1,171 @@
+"""The shared remote tier on a real Redis: shared hits, exactness, outages behind a breaker, a cluster."""
+
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tierkv import TieredStore
+from tierkv.tiers.remote import CircuitBreaker
+
+from helpers import RedisServer, ServerProcess, make_kv
+
+
+@pytest.fixture
+def redis_server():
+    srv = RedisServer()
+    yield srv
+    srv.kill()
+
+
+def test_a_prefix_saved_by_worker_a_is_a_remote_hit_on_worker_b(tmp_path, ns, redis_server) -> None:
+    toks = list(range(100))
+    kv = make_kv(ns, 100)
+    with TieredStore.open(tmp_path / "a", host_bytes=2**20, remote=redis_server.url, ttl_s=3600) as a:
+        a.save(ns, toks, kv)
+        a.flush()
+    with TieredStore.open(tmp_path / "b", host_bytes=2**20, remote=redis_server.url) as b:
+        assert b.lookup(ns, toks).by_tier == {"host": 0, "disk": 0, "remote": 96}
+        hit, got = b.restore(ns, toks)
+        assert hit.by_tier["remote"] == 96 and torch.equal(got, kv[:, :, :96])
+        b.flush()
+        assert b.lookup(ns, toks).by_tier == {"host": 96, "disk": 0, "remote": 0}  # promoted
+        b.host.clear()
+        assert b.lookup(ns, toks).by_tier["disk"] == 96  # and written to the local disk
+    import redis
+
+    ttl = redis.Redis(port=redis_server.port).ttl(next(iter(redis.Redis(port=redis_server.port).keys(b"tkv:*"))))
+    assert 3500 < ttl <= 3600
+
+
+def test_foreign_or_corrupted_remote_value_is_a_miss_and_deleted(tmp_path, ns, redis_server) -> None:
+    import redis
+
+    toks = list(range(48))
+    with TieredStore.open(None, host_bytes=2**20, remote=redis_server.url) as a:
+        a.save(ns, toks, make_kv(ns, 48))
+        a.flush()
+    r = redis.Redis(port=redis_server.port)
+    keys = sorted(r.keys(b"tkv:*"))
+    assert len(keys) == 3
+    from tierkv.keys import block_keys
+    from tierkv.tiers.remote import RemoteTier
+
+    second = RemoteTier.redis_key(ns.digest, block_keys(ns, toks)[1])
+    value = bytearray(r.get(second))
+    value[-3] ^= 0xFF
+    r.set(second, bytes(value))
+    with TieredStore.open(None, host_bytes=2**20, remote=redis_server.url) as b:
+        hit, got = b.restore(ns, toks)
+        assert hit.num_tokens == 16 and torch.equal(got, make_kv(ns, 48)[:, :, :16])
+        assert b.stats()["remote"]["corrupt_blocks"] == 1
+    assert r.get(second) is None
+
+
+def test_redis_outage_degrades_to_local_tiers_and_the_breaker_closes_again(tmp_path, ns, redis_server, monkeypatch) -> None:
+    import tierkv.tiers.remote as remote_mod
+
+    monkeypatch.setattr(remote_mod, "DEFAULT_TIMEOUT_S", 0.2)
+    with TieredStore.open(tmp_path, host_bytes=2**20, remote=redis_server.url) as store:
+        store.remote.breaker = CircuitBreaker(failures=2, cooldown_s=0.5)
+        store.save(ns, list(range(32)), make_kv(ns, 32))
+        store.flush()
+        redis_server.kill()
+        for p in range(1, 6):  # requests go on, correct, from the local tiers
+            toks = [p * 1000 + t for t in range(32)]
+            store.save(ns, toks, make_kv(ns, 32, seed=p))
+            n, kv = store.load(ns, toks)
+            assert n == 32 and torch.equal(kv, make_kv(ns, 32, seed=p))
+            assert store.lookup(ns, [9] + toks[1:]).num_tokens == 0
+        store.flush()
+        assert store.remote.breaker.state in ("open", "half-open") and store.remote.breaker.trips >= 1
+        t0 = time.monotonic()
+        assert store.lookup(ns, [7] * 32).num_tokens == 0
+        assert time.monotonic() - t0 < 0.1  # an open breaker costs nothing
+        redis_server.start()
+        time.sleep(0.6)
+        toks = [9000 + t for t in range(32)]
+        store.save(ns, toks, make_kv(ns, 32, seed=9))
+        store.flush()
+        assert store.remote.breaker.state == "closed"
+    with TieredStore.open(None, host_bytes=2**20, remote=redis_server.url) as other:
+        assert other.lookup(ns, toks).by_tier["remote"] == 32  # saving to the remote tier resumed
+
+
+def test_admission_shares_only_blocks_seen_twice(tmp_path, ns, redis_server) -> None:
+    import redis
+
+    r = redis.Redis(port=redis_server.port)
+    with TieredStore.open(None, host_bytes=2**20, remote=redis_server.url, remote_admit_after=2) as store:
+        once, twice = list(range(32)), [5000 + t for t in range(32)]
+        for toks in (once, twice):
+            store.restore(ns, toks)  # a request containing it (a miss)
+            store.save(ns, toks, make_kv(ns, 32))
+        store.flush()
+        assert r.dbsize() == 0
+        store.restore(ns, twice)  # the second request containing these blocks: now shared
+        store.flush()
+        assert r.dbsize() == 2
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is valid and free too."""
+    import random
+    import socket
+
+    while True:
+        p = random.randint(20000, 45000)
+        try:
+            for q in (p, p + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+
+
+def test_redis_cluster(tmp_path, ns) -> None:
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server / redis-cli not installed (.ci/run installs them)")
+    ports = [_cluster_port() for _ in range(3)]
+    procs = [subprocess.Popen(["redis-server", "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                               "no", "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / f"n{p}.conf"),
+                               "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for p in ports]
+    try:
+        time.sleep(0.5)
+        r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        time.sleep(1.0)
+        url = f"redis+cluster://127.0.0.1:{ports[0]}"
+        toks = list(range(160))
+        with TieredStore.open(None, host_bytes=2**20, remote=url) as a:
+            a.save(ns, toks, make_kv(ns, 160))
+            a.flush()
+        with TieredStore.open(None, host_bytes=2**20, remote=url) as b:
+            hit, got = b.restore(ns, toks)
+            assert hit.by_tier["remote"] == 160 and torch.equal(got, make_kv(ns, 160))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_two_servers_share_one_redis(tmp_path, redis_server) -> None:
+    msgs = [{"role": "system", "content": "You are exact. " * 60}, {"role": "user", "content": "hi"}]
+    a = ServerProcess("--remote", redis_server.url, cache_dir=tmp_path / "a")
+    try:
+        ra = a.client().chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
+    finally:
+        assert a.stop() == 0
+    b = ServerProcess("--remote", redis_server.url, cache_dir=tmp_path / "b")
+    try:
+        rb = b.client().chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
+    finally:
+        assert b.stop() == 0
+    tiers = rb.usage.model_extra["tierkv"]["cached_tokens_by_tier"]
+    assert tiers["remote"] == rb.usage.prompt_tokens_details.cached_tokens > 0
+    assert rb.choices[0].message.content == ra.choices[0].message.content

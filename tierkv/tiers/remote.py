@@ -1,0 +1,247 @@
+"""The remote tier: block records shared by several workers through Redis or Valkey.
+
+Keys are ``tkv:<namespace digest>:<block key>`` (binary), values the same self-verifying records the
+disk tier writes, with a TTL (``EX``). Reads are pipelined; writes go through a bounded queue and a
+background thread, in pipelined batches. The byte budget is the server's: run it with ``maxmemory`` and
+``maxmemory-policy allkeys-lru``.
+
+Anything that goes wrong remotely (refused connection, timeout, resharding) trips a circuit breaker: the
+tier is skipped for a cooldown, then one probe decides. A request never fails because the remote tier did.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tierkv.keys import BlockKey
+from tierkv.metrics import Counters
+
+log = logging.getLogger("tierkv.remote")
+
+DEFAULT_TIMEOUT_S = 0.5  # a slow remote must cost less than recomputing: fail fast, fall back
+BREAKER_FAILURES = 3  # consecutive failures that open the breaker
+BREAKER_COOLDOWN_S = 5.0
+WRITE_BATCH = 64  # records per pipelined write
+QUEUE_BLOCKS = 4096  # write-behind bound; past it saves are dropped and counted
+
+
+class CircuitBreaker:
+    """closed -> (N failures) -> open -> (cooldown) -> half-open: one probe -> closed or open again."""
+
+    def __init__(self, failures: int = BREAKER_FAILURES, cooldown_s: float = BREAKER_COOLDOWN_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.failures = failures
+        self.cooldown_s = cooldown_s
+        self.clock = clock
+        self._count = 0
+        self._opened_at: float | None = None
+        self._lock = threading.Lock()
+        self.trips = 0
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            if self._opened_at is None:
+                return "closed"
+            return "half-open" if self.clock() - self._opened_at >= self.cooldown_s else "open"
+
+    def allow(self) -> bool:
+        return self.state != "open"
+
+    def success(self) -> None:
+        with self._lock:
+            if self._opened_at is not None:
+                log.warning("remote tier reachable again: breaker closed")
+            self._count = 0
+            self._opened_at = None
+
+    def failure(self, exc: BaseException) -> None:
+        with self._lock:
+            self._count += 1
+            if self._opened_at is not None:  # the half-open probe failed: another cooldown
+                self._opened_at = self.clock()
+            elif self._count >= self.failures:
+                self._opened_at = self.clock()
+                self.trips += 1
+                log.warning("remote tier failing (%s): breaker open, local tiers only for %.0f s", exc,
+                            self.cooldown_s)
+
+
+def connect(url: str, timeout_s: float) -> Any:
+    """``redis://host:port[/db]`` or ``redis+cluster://host:port`` (any node of the cluster)."""
+    import redis
+
+    if url.startswith("redis+cluster://"):
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url("redis://" + url[len("redis+cluster://"):], socket_timeout=timeout_s,
+                                     socket_connect_timeout=timeout_s)
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+class RemoteTier:
+    def __init__(self, url: str, *, ttl_s: float | None = None, admit_after: int = 1,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, counters: Counters | None = None,
+                 breaker: CircuitBreaker | None = None) -> None:
+        self.url = url
+        self.ttl_s = ttl_s
+        self.admit_after = admit_after  # save a block only once it was seen this often (1: always)
+        self.counters = counters or Counters()
+        self.breaker = breaker or CircuitBreaker()
+        self.client = connect(url, timeout_s)
+        self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # bounded sightings
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_BLOCKS)
+        self._closed = False
+        self._thread = threading.Thread(target=self._writer_loop, name="tierkv-remote-writer", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def redis_key(ns_digest: bytes, key: BlockKey) -> bytes:
+        return b"tkv:" + ns_digest[:16] + b":" + key
+
+    def _call(self, fn: Callable[[], Any], default: Any) -> Any:
+        if not self.breaker.allow():
+            return default
+        try:
+            out = fn()
+        except Exception as exc:  # redis errors, timeouts, resharding: degrade, never fail the request
+            self.breaker.failure(exc)
+            self.counters.add("remote", "write_errors" if default is None else "read_errors")
+            return default
+        self.breaker.success()
+        return out
+
+    def get_many(self, ns_digest: bytes, keys: Sequence[BlockKey]) -> list[bytes]:
+        """Records of the leading ``keys`` present remotely (one pipelined round trip)."""
+        if not keys:
+            return []
+
+        def fetch() -> list[bytes | None]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(self.redis_key(ns_digest, k))
+            return pipe.execute()
+
+        values = self._call(fetch, [])
+        out = []
+        for v in values:
+            if v is None:
+                break
+            out.append(v)
+        self.counters.add("remote", "bytes_read", sum(len(v) for v in out))
+        return out
+
+    def lookup(self, ns_digest: bytes, keys: Sequence[BlockKey]) -> int:
+        if not keys:
+            return 0
+
+        def exists() -> list[int]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.redis_key(ns_digest, k))
+            return pipe.execute()
+
+        n = 0
+        for present in self._call(exists, []):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def sighting(self, key: BlockKey) -> int:
+        """Count one more request that contains this block; returns the count (bounded memory, LRU)."""
+        count = self._seen.pop(key, 0) + 1
+        self._seen[key] = count
+        while len(self._seen) > 65536:
+            self._seen.popitem(last=False)
+        return count
+
+    def admitted(self, key: BlockKey) -> bool:
+        """The admission rule: a block goes to the shared tier once ``admit_after`` requests contained it."""
+        return self.admit_after <= 1 or self._seen.get(key, 0) >= self.admit_after
+
+    def put(self, ns_digest: bytes, key: BlockKey, make: Callable[[], list[bytes | memoryview]],
+            release: Callable[[], None] | None = None) -> bool:
+        """Queue a record for the writer thread; False (counted) when the queue is full or the breaker open."""
+        if self._closed or not self.breaker.allow():
+            self.counters.add("remote", "dropped_saves")
+            return False
+        try:
+            self._queue.put_nowait((ns_digest, key, make, release))
+        except queue.Full:
+            self.counters.add("remote", "dropped_saves")
+            return False
+        return True
+
+    def delete(self, ns_digest: bytes, key: BlockKey) -> None:
+        self._call(lambda: self.client.delete(self.redis_key(ns_digest, key)), None)
+
+    def _writer_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            batch = [item]
+            while len(batch) < WRITE_BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    self._queue.task_done()
+                    break
+                batch.append(nxt)
+            try:
+                self._write(batch)
+            except Exception:  # the writer survives anything
+                log.exception("remote writer: batch failed")
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def _write(self, batch: list[Any]) -> None:
+        records = []
+        try:
+            for ns_digest, key, make, _ in batch:
+                records.append((self.redis_key(ns_digest, key), b"".join(make())))
+        finally:
+            for *_, release in batch:
+                if release is not None:
+                    release()
+        ex = int(self.ttl_s) if self.ttl_s else None
+
+        def send() -> bool:
+            pipe = self.client.pipeline(transaction=False)
+            for k, v in records:
+                pipe.set(k, v, ex=ex)
+            pipe.execute()
+            return True
+
+        if self._call(send, None):
+            self.counters.add("remote", "blocks_written", len(records))
+            self.counters.add("remote", "bytes_written", sum(len(v) for _, v in records))
+        else:
+            self.counters.add("remote", "dropped_saves", len(records))
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            self.client.close()
+        except Exception:  # closing a dead connection
+            pass
