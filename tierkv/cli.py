@@ -232,6 +232,24 @@ def bench(quick: bool, only: str, plan_only: bool, model_path: str | None, confi
     click.echo("wrote " + ", ".join(str(f) for f in files))
 
 
+@main.command()
+@click.option("--workers", required=True, help="Comma-separated worker URLs (tierkv serve), e.g. http://10.0.0.2:8000.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--prefix-chars", type=int, default=1024, show_default=True,
+              help="Route by this many leading characters of the prompt.")
+@click.option("--max-inflight", type=int, default=4, show_default=True,
+              help="Requests running on a worker before new ones spill to the least loaded.")
+def route(workers: str, host: str, port: int, prefix_chars: int, max_inflight: int) -> None:
+    """A prefix-aware router: same-prefix requests to the same worker, OpenAI-compatible pass-through."""
+    from tierkv.server.router import route as run
+
+    urls = [w.strip() for w in workers.split(",") if w.strip()]
+    if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
+        _fail("--workers: give comma-separated http(s):// URLs", 2)
+    run(urls, host, port, prefix_chars, max_inflight)
+
+
 def _load_tokenizer(model_path: str | None) -> Any:
     if model_path is None:
         from tierkv.default_model import ByteTokenizer

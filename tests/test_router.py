@@ -1,0 +1,92 @@
+"""Prefix-aware routing: the ring, and a real router in front of two real workers."""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tierkv.server.router import Ring, Router, routing_key
+
+from helpers import ServerProcess, free_port
+
+
+def test_ring_is_stable_and_moves_only_a_failed_workers_share() -> None:
+    workers = [f"http://w{i}" for i in range(4)]
+    ring = Ring(workers)
+    keys = [f"prefix {i}".encode() for i in range(2000)]
+    before = {k: ring.owner(k) for k in keys}
+    counts = {w: sum(1 for o in before.values() if o == w) for w in workers}
+    assert all(300 < c < 700 for c in counts.values()), counts  # a fair spread
+    ring.set_health("http://w2", False)
+    after = {k: ring.owner(k) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == "http://w2" for k in moved) and "http://w2" not in after.values()
+    ring.set_health("http://w2", True)
+    assert {k: ring.owner(k) for k in keys} == before
+
+
+def test_routing_key_uses_the_prompt_start_and_the_tenant() -> None:
+    a = {"messages": [{"role": "system", "content": "S" * 3000}, {"role": "user", "content": "one"}]}
+    b = {"messages": [{"role": "system", "content": "S" * 3000}, {"role": "user", "content": "two"}]}
+    assert routing_key(a, 1024) == routing_key(b, 1024)
+    assert routing_key(a, 1024) != routing_key({**a, "cache_salt": "t2"}, 1024)
+
+
+def test_saturated_owner_spills_to_the_least_loaded() -> None:
+    router = Router(["http://a", "http://b"], max_inflight=2)
+    key = b"same prefix"
+    owner = router.choose(key)
+    router.inflight[owner] = 2
+    other = "http://b" if owner == "http://a" else "http://a"
+    assert router.choose(key) == other and router.spilled == 1
+
+
+def _post(url: str, body: dict) -> tuple[dict, str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read()), r.headers["x-tierkv-worker"]
+
+
+def test_router_sends_same_prefix_requests_to_one_worker_and_survives_a_dead_worker(tmp_path) -> None:
+    a, b = ServerProcess(cache_dir=tmp_path / "a"), ServerProcess(cache_dir=tmp_path / "b")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "route", "--workers", f"{a.url},{b.url}",
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        systems = [f"System prompt number {i}: " + "be brief and exact. " * 60 for i in range(6)]
+        first_worker = {}
+        for round_ in range(3):
+            for i, system in enumerate(systems):
+                body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{round_}"}],
+                        "max_tokens": 2, "temperature": 0}
+                out, worker = _post(url + "/v1/chat/completions", body)
+                first_worker.setdefault(i, worker)
+                assert worker == first_worker[i]  # same prefix, same worker
+                if round_:
+                    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its KV was there
+        assert len(set(first_worker.values())) == 2  # and the prefixes spread over both
+        victim = a if a.url == first_worker[0] else b
+        victim.stop()
+        body = {"messages": [{"role": "system", "content": systems[0]}, {"role": "user", "content": "again"}],
+                "max_tokens": 2}
+        out, worker = _post(url + "/v1/chat/completions", body)  # rerouted, not failed
+        assert worker != victim.url and out["choices"]
+        stream_req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+            {"prompt": "stream through the router", "max_tokens": 3, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(stream_req, timeout=60) as r:
+            assert r.read().decode().rstrip().endswith("data: [DONE]")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        for s in (a, b):
+            if s.proc.poll() is None:
+                assert s.stop() == 0
