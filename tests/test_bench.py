@@ -25,6 +25,10 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     assert rates[("RAG, rules first", "cache on")] > rates[("RAG, retrieved first", "cache on")]
     assert all(rate == 0 for (_, mode), rate in rates.items() if mode == "cache off")
     assert res["plan"]["measured"]["break_even_Bps"] > 0
+    so = {(r["remote"], r["routed"]): r["hit_rate"] for r in res["scaleout"]["rows"]}
+    assert so[(False, True)] > so[(False, False)]  # routing keeps a prefix where its KV is
+    if res["scaleout"]["config"]["redis"]:
+        assert so[(True, False)] > so[(False, False)]  # the shared tier serves the other worker's prefixes
     readme = (folder / "README.md").read_text()
     assert "## TTFT" in readme and "## Workloads" in readme and "ttft.png" in readme
     assert (folder / "ttft.png").stat().st_size > 1000 and (folder / "bandwidth.png").stat().st_size > 1000

@@ -31,6 +31,9 @@ def test_routing_key_uses_the_prompt_start_and_the_tenant() -> None:
     b = {"messages": [{"role": "system", "content": "S" * 3000}, {"role": "user", "content": "two"}]}
     assert routing_key(a, 1024) == routing_key(b, 1024)
     assert routing_key(a, 1024) != routing_key({**a, "cache_salt": "t2"}, 1024)
+    short_a = {"messages": [{"role": "system", "content": "short"}, {"role": "user", "content": "one"}]}
+    short_b = {"messages": [{"role": "system", "content": "short"}, {"role": "user", "content": "two"}]}
+    assert routing_key(short_a, 1024) == routing_key(short_b, 1024)  # the newest message is left out
 
 
 def test_saturated_owner_spills_to_the_least_loaded() -> None:

@@ -179,8 +179,8 @@ def serve(config_file: str | None, cache_dir: str, **options: Any) -> None:
 
 @main.command()
 @click.option("--quick", is_flag=True, help="Small sizes and few runs: proves the benchmarks run (CI).")
-@click.option("--only", default="ttft,tiers,workloads,plan", show_default=True,
-              help="Comma-separated parts: ttft, tiers, workloads, plan.")
+@click.option("--only", default="ttft,tiers,workloads,plan,scaleout", show_default=True,
+              help="Comma-separated parts: ttft, tiers, workloads, plan, scaleout.")
 @click.option("--plan", "plan_only", is_flag=True, help="Only the break-even plan (fast).")
 @click.option("--model", "model_path", help="A local Hugging Face model directory for --plan.")
 @click.option("--config", "config_name", help="A built-in model config for --plan and ttft: default or llama-wide.")
@@ -191,10 +191,10 @@ def bench(quick: bool, only: str, plan_only: bool, model_path: str | None, confi
     """Cold prefill against restore from each tier, tier bandwidth, HTTP workloads, break-even."""
     import tempfile
 
-    from tierkv.bench import machine, plan, report, tiers, ttft, workloads
+    from tierkv.bench import machine, plan, report, scaleout, tiers, ttft, workloads
 
     parts = {"plan"} if plan_only else {p.strip() for p in only.split(",") if p.strip()}
-    if unknown := parts - {"ttft", "tiers", "workloads", "plan"}:
+    if unknown := parts - {"ttft", "tiers", "workloads", "plan", "scaleout"}:
         _fail(f"--only: unknown part(s) {', '.join(sorted(unknown))}", 2)
     if config_name is not None and config_name not in ttft.MODELS:
         _fail(f"--config: expected one of {', '.join(ttft.MODELS)}", 2)
@@ -227,6 +227,9 @@ def bench(quick: bool, only: str, plan_only: bool, model_path: str | None, confi
         if "workloads" in parts:
             results["workloads"] = workloads.run(base, quick=quick)
             click.echo(workloads.markdown(results["workloads"]) + "\n")
+        if "scaleout" in parts:
+            results["scaleout"] = scaleout.run(base, quick=quick)
+            click.echo(scaleout.markdown(results["scaleout"]) + "\n")
     target = Path(out_dir) / (machine.tag(desc) + ("-quick" if quick else ""))
     files = report.write(target, desc, results)
     click.echo("wrote " + ", ".join(str(f) for f in files))

@@ -9,7 +9,7 @@ from typing import Any
 
 
 def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> list[Path]:
-    from tierkv.bench import plan, tiers, ttft, workloads
+    from tierkv.bench import plan, scaleout, tiers, ttft, workloads
 
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -23,6 +23,8 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
         md += ["## Tier bandwidth", "", tiers.markdown(results["tiers"]), ""]
     if "workloads" in results:
         md += ["## Workloads through the HTTP server", "", workloads.markdown(results["workloads"]), ""]
+    if "scaleout" in results:
+        md += ["## Two workers: shared remote tier and prefix-aware routing", "", scaleout.markdown(results["scaleout"]), ""]
     if "plan" in results:
         md += ["## Break-even", "", plan.markdown(results["plan"].get("measured"), results["plan"]["computed"]), ""]
     files = [out_dir / "results.json", out_dir / "README.md"]

@@ -1,7 +1,7 @@
 """``tierkv route``: a prefix-aware router in front of several ``tierkv serve`` workers.
 
-Requests whose prompts share their first ``prefix_chars`` characters (the rendered messages, or the
-prompt) go to the same worker by consistent hashing, so their KV is where they land. A worker with
+Requests whose prompts share their first ``prefix_chars`` characters (the rendered messages but the
+last, or the prompt) go to the same worker by consistent hashing, so their KV is where they land. A worker with
 ``max_inflight`` requests running spills new ones to the least loaded healthy worker; a worker that fails
 its health check leaves the ring until it passes again (only its share of prefixes moves). Responses,
 streams included, pass through unchanged, with an ``x-tierkv-worker`` header.
@@ -64,9 +64,14 @@ class Ring:
 
 
 def routing_key(body: dict[str, Any], prefix_chars: int) -> bytes:
-    """The start of the prompt as the worker will see it (plus the tenant's cache salt)."""
+    """The start of the prompt as the worker will see it (plus the tenant's cache salt).
+
+    For a chat, the last message is left out when there are earlier ones: the history is what the next
+    turns share, the newest message is what differs.
+    """
     if isinstance(body.get("messages"), list):
-        text = "".join(f"<|{m.get('role')}|>\n{m.get('content')}\n" for m in body["messages"] if isinstance(m, dict))
+        msgs = [m for m in body["messages"] if isinstance(m, dict)]
+        text = "".join(f"<|{m.get('role')}|>\n{m.get('content')}\n" for m in (msgs[:-1] if len(msgs) > 1 else msgs))
     else:
         text = json.dumps(body.get("prompt"))
     return (str(body.get("cache_salt") or "") + "\0" + text[:prefix_chars]).encode("utf-8", "surrogatepass")

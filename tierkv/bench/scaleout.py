@@ -1,0 +1,118 @@
+"""Two workers on a shared-prefix workload: with and without the shared remote tier, with and without
+prefix-aware routing. Without routing, requests alternate between the workers (round robin)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tierkv.bench.workloads import _Server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _redis() -> tuple[subprocess.Popen[bytes], str] | None:
+    if shutil.which("redis-server") is None:
+        return None
+    port = _free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.3)
+    return proc, f"redis://127.0.0.1:{port}"
+
+
+def _chat(url: str, system: str, user: str) -> tuple[float, dict[str, Any]]:
+    body = json.dumps({"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                       "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    return time.perf_counter() - t0, out["usage"]
+
+
+def _one(workers: list[_Server], systems: list[str], rounds: int, remote: bool, routed: bool) -> dict[str, Any]:
+    router = None
+    url = None
+    try:
+        if routed:
+            port = _free_port()
+            router = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "route", "--workers",
+                                       ",".join(w.url for w in workers), "--port", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(100):
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        ttfts, cached, total, n = [], 0, 0, 0
+        for r in range(rounds):
+            for system in systems:
+                t, usage = _chat(url or workers[n % 2].url, system, f"question {r}")
+                n += 1
+                ttfts.append(t)
+                cached += usage["prompt_tokens_details"]["cached_tokens"]
+                total += usage["prompt_tokens"]
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+    return {"remote": remote, "routed": routed, "requests": n, "hit_rate": cached / total,
+            "computed_tokens": total - cached, "ttft_p50_s": statistics.median(ttfts), "total_s": sum(ttfts)}
+
+
+def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
+    prompts, rounds, chars = (3, 3, 600) if quick else (6, 4, 2000)
+    redis = _redis()
+    rows = []
+    try:
+        for remote in (False, True):
+            if remote and redis is None:
+                continue
+            extra = ["--remote", redis[1]] if remote and redis else []
+            # One pair of workers per remote setting; each routing mode gets prompts of its own, so the
+            # two modes never share cached blocks.
+            workers = [_Server("--cache-dir", str(base / f"{'remote' if remote else 'local'}-{w}"), *extra)
+                       for w in range(2)]
+            try:
+                for routed in (False, True):
+                    systems = [f"Team {i} handbook ({'routed' if routed else 'rr'}). "
+                               + ("Answer from the handbook, cite the page. " * (chars // 42)) for i in range(prompts)]
+                    rows.append(_one(workers, systems, rounds, remote, routed))
+            finally:
+                for w in workers:
+                    w.stop()
+    finally:
+        if redis is not None:
+            redis[0].kill()
+            redis[0].wait()
+    return {"config": {"workers": 2, "prompts": prompts, "rounds": rounds, "quick": quick,
+                       "redis": redis is not None}, "rows": rows}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c = res["config"]
+    lines = [f"{c['workers']} workers, {c['prompts']} shared prefixes x {c['rounds']} rounds; without routing "
+             "requests alternate between the workers." + ("" if c["redis"] else " (No redis-server: remote rows "
+                                                           "skipped.)"), "",
+             "| remote tier | routing | hit rate | prompt tokens computed | latency p50 (ms) | total (s) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(f"| {'Redis' if r['remote'] else 'none'} | {'prefix-aware' if r['routed'] else 'round robin'} | "
+                     f"{100 * r['hit_rate']:.1f}% | {r['computed_tokens']} | {r['ttft_p50_s'] * 1e3:.0f} | "
+                     f"{r['total_s']:.1f} |")
+    return "\n".join(lines)
