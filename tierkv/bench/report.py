@@ -13,6 +13,13 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
 
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    previous = out_dir / "results.json"
+    if previous.exists():  # a run of some parts (--only) keeps the other parts of the last run
+        try:
+            old = json.loads(previous.read_text())
+        except ValueError:
+            old = {}
+        results = {**{k: v for k, v in old.items() if k not in ("machine", "when")}, **results}
     (out_dir / "results.json").write_text(json.dumps({"machine": machine, "when": stamp, **results}, indent=2))
     md = [f"# tierkv benchmark — {stamp}", "",
           f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, disk {machine['disk']}, "

@@ -76,7 +76,8 @@ def _one(workers: list[_Server], systems: list[str], rounds: int, remote: bool, 
 
 
 def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
-    prompts, rounds, chars = (3, 3, 600) if quick else (6, 4, 2000)
+    # An odd number of prompts: with an even one, round robin would send each prompt to one worker anyway.
+    prompts, rounds, chars = (3, 3, 600) if quick else (5, 4, 2000)
     redis = _redis()
     rows = []
     try:

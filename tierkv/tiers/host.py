@@ -89,12 +89,11 @@ class HostTier:
                 # see a half-written slot.
                 self._pool[slot].view(block.dtype).view(block.shape).copy_(block)
                 self._lru[key] = slot
+                self.counters.add("host", "blocks_written")
+                self.counters.add("host", "bytes_written", nbytes)
             if hold:
                 self._refs[slot] += 1
-            view = self._pool[slot]
-        self.counters.add("host", "blocks_written")
-        self.counters.add("host", "bytes_written", nbytes)
-        return view
+            return self._pool[slot]
 
     def _take_slot(self) -> int | None:
         if self._free:
