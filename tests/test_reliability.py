@@ -68,7 +68,7 @@ def _check_store(cache) -> int:
 # ------------------------------------------------------------------------------------------ crash
 
 
-def _crash_cycles(tmp_path, cycles: int) -> None:
+def check_crash_cycles(tmp_path, cycles: int) -> None:
     cache = tmp_path / "cache"
     rng = random.Random(1)
     served = 0
@@ -109,12 +109,12 @@ def _crash_cycles(tmp_path, cycles: int) -> None:
 
 
 def test_sigkill_under_load_5_cycles(tmp_path) -> None:
-    _crash_cycles(tmp_path, 5)
+    check_crash_cycles(tmp_path, 5)
 
 
 @pytest.mark.slow
 def test_sigkill_under_load_20_cycles(tmp_path) -> None:
-    _crash_cycles(tmp_path, 20)
+    check_crash_cycles(tmp_path, 20)
 
 
 # ------------------------------------------------------------------------------------------ corruption
@@ -227,7 +227,7 @@ def _rss_peak_kib(pid: int) -> int:
     return 0
 
 
-def _concurrency(tmp_path, seconds: float) -> None:
+def check_concurrency(tmp_path, seconds: float) -> None:
     cache = tmp_path / "cache"
     srv = ServerProcess("--max-queue", "6", cache_dir=cache)
     stop = time.monotonic() + seconds
@@ -274,12 +274,12 @@ def _concurrency(tmp_path, seconds: float) -> None:
 
 
 def test_concurrent_clients_with_gc_and_stats_from_other_processes(tmp_path) -> None:
-    _concurrency(tmp_path, 12)
+    check_concurrency(tmp_path, 12)
 
 
 @pytest.mark.slow
 def test_concurrent_clients_60s(tmp_path) -> None:
-    _concurrency(tmp_path, 60)
+    check_concurrency(tmp_path, 60)
 
 
 # ------------------------------------------------------------------------------------------ hostile input

@@ -76,6 +76,7 @@ class CachedModel:
             head_dim=self.layout.head_dim, block_tokens=block_tokens,
         )
         self._restore_buf: torch.Tensor | None = None  # reused: fresh large buffers cost page faults
+        self._save_buf: torch.Tensor | None = None
 
     # ------------------------------------------------------------ construction
 
@@ -147,11 +148,20 @@ class CachedModel:
         start, end = cached_tokens // B * B, len(token_ids) // B * B
         if end <= start:
             return
+        on_cpu = self.device.type == "cpu"
         try:
-            kv = kv_from_cache(cache, self.layout, start, end)
+            # Reused between calls on CPU: the store copies what it keeps before save() returns.
+            kv = kv_from_cache(cache, self.layout, start, end, out=self._save_buffer(end - start) if on_cpu else None)
         except ConfigError:
             return  # a cache that does not hold every token (sliding window): nothing to save
-        self.store.save(ns, token_ids[:end], kv.cpu(), start_block=start // B, kv_start=start)
+        self.store.save(ns, token_ids[:end], kv if on_cpu else kv.cpu(), start_block=start // B, kv_start=start)
+
+    def _save_buffer(self, num_tokens: int) -> torch.Tensor:
+        ns = self.base_namespace
+        if self._save_buf is None or self._save_buf.shape[2] < num_tokens:
+            self._save_buf = torch.empty((ns.num_layers, 2, max(num_tokens, 1024), ns.num_kv_heads, ns.head_dim),
+                                         dtype=self.dtype)
+        return self._save_buf[:, :, :num_tokens]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> GenerateResult:
         """Greedy (temperature 0) or sampled (seeded) generation; ``stop`` strings end it early."""
@@ -206,7 +216,8 @@ class CachedModel:
         if use_cache:
             # The cache holds the prompt and every generated token but the last: save what that completes.
             held = (prompt_ids + out)[: _cache_len(cache)]
-            self._save(self.namespace(cache_salt), held, cache, len(prompt_ids))
+            with torch.inference_mode():  # as the prefill: the reused buffers are inference tensors
+                self._save(self.namespace(cache_salt), held, cache, len(prompt_ids))
         yield StreamEvent(result=GenerateResult(out, final, finish, pre, len(prompt_ids)))
 
 
