@@ -222,7 +222,8 @@ class TieredStore:
         """The KV of the longest verified cached prefix: ``(num_tokens, kv[:, :, :num_tokens])``.
 
         ``out`` (``[layers, 2, >= tokens, kv_heads, head_dim]``, any device) is filled in place if given,
-        saving an allocation. Returns ``(0, None)`` on a miss.
+        saving an allocation; past the returned prefix its content is unspecified (a block that failed
+        verification may have been read into it). Returns ``(0, None)`` on a miss.
         """
         hit, kv = self.restore(ns, token_ids, out)
         return hit.num_tokens, kv
@@ -248,7 +249,7 @@ class TieredStore:
             wanted = [i for i in range(first_gap, len(keys)) if not in_host[i]]
             entries = self.disk.locate([keys[i] for i in wanted]) if wanted and self.disk is not None else []
             n = wanted[len(entries)] if len(entries) < len(wanted) else len(keys)
-            if self.remote is not None:
+            if self.remote is not None and self.remote.admit_after > 1:  # count requests per block
                 for k in keys:
                     self.remote.sighting(k)
             # Past the local tiers: the shared remote tier (one pipelined round trip).
