@@ -1,0 +1,68 @@
+import threading
+
+import pytest
+import torch
+
+from tierkv.staging import IllegalTransition, SlotState, StagingRing
+
+
+def test_blocks_drain_in_submission_order_with_their_data() -> None:
+    got = []
+    ring = StagingRing(3, 64, on_ready=lambda slot, meta: got.append((meta, slot[:16].view(torch.float32).clone())))
+    blocks = [torch.full((4,), float(i)) for i in range(10)]
+    for i, b in enumerate(blocks):
+        assert ring.submit(b, i)
+    ring.flush()
+    assert [m for m, _ in got] == list(range(10))
+    assert all(torch.equal(t, blocks[m]) for m, t in got)
+    assert all(s is SlotState.FREE for s in ring.state)
+    ring.close()
+
+
+def test_a_full_ring_waits_then_drops_and_counts() -> None:
+    release = threading.Event()
+    ring = StagingRing(2, 16, on_ready=lambda slot, meta: release.wait(5), wait_s=0.05)
+    assert ring.submit(torch.zeros(4), 0) and ring.submit(torch.zeros(4), 1)
+    assert not ring.submit(torch.zeros(4), 2)  # both slots busy past wait_s
+    assert ring.counters.snapshot()["staging"]["dropped_saves"] == 1
+    release.set()
+    ring.flush()
+    assert ring.submit(torch.zeros(4), 3)
+    ring.close()
+
+
+def test_the_source_may_change_once_submit_returns() -> None:
+    got = []
+    ring = StagingRing(4, 64, on_ready=lambda slot, meta: got.append(slot[:16].view(torch.float32).clone()))
+    src = torch.arange(4, dtype=torch.float32)
+    ring.submit(src, None)
+    src.fill_(-1)  # the model's cache moves on
+    ring.flush()
+    assert torch.equal(got[0], torch.arange(4, dtype=torch.float32))
+    ring.close()
+
+
+def test_illegal_transition_names_the_current_state() -> None:
+    ring = StagingRing(1, 16, on_ready=lambda slot, meta: None)
+    with pytest.raises(IllegalTransition, match="it is free"):
+        ring._move(0, SlotState.COPYING, SlotState.READY)
+    with pytest.raises(ValueError, match="does not fit"):
+        ring.submit(torch.zeros(100), None)
+    ring.close()
+
+
+@pytest.mark.gpu
+def test_cuda_copy_reads_finished_kv_while_the_compute_stream_keeps_writing() -> None:
+    """The vLLM 45704 case: the copy must wait for the kernel that produced the block."""
+    got = []
+    ring = StagingRing(8, 4 << 20, device="cuda", on_ready=lambda slot, meta: got.append(
+        (meta, slot[: 4 << 20].view(torch.float32).clone())))
+    for i in range(20):
+        a = torch.randn(1024, 1024, device="cuda")
+        block = (a @ a.T @ a @ a.T).mul_(0).add_(i)  # a long producer kernel still queued at submit time
+        ring.submit(block, i)  # the copy must wait for it, not read the allocator's stale bytes
+        del block  # freed at once: record_stream keeps its memory until the copy is done
+        torch.empty(1024, 1024, device="cuda").fill_(-1)  # likely reuses that memory on the compute stream
+    ring.flush()
+    assert all(bool((t == m).all()) for m, t in got)
+    ring.close()

@@ -1,0 +1,68 @@
+"""Batched gather and scatter of KV blocks between a model's per-layer caches and the canonical layout.
+
+One call moves N scattered blocks of all layers: ``gather_blocks`` builds ``[N, layers, 2, block_tokens,
+kv_heads, head_dim]`` from per-layer ``[kv_heads, tokens, head_dim]`` key and value tensors, and
+``scatter_blocks`` writes such blocks back. The torch implementation issues 2 x layers indexed copies
+(not N x layers small ones); the optional CUDA extension (``cuda_ext/``, built with
+``TIERKV_BUILD_CUDA=1``) does it in one launch. Both have this interface; which one runs is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger("tierkv.kernels")
+
+try:  # built only on request, on a CUDA machine: never required
+    from tierkv import _cuda_ext  # type: ignore[attr-defined]
+except ImportError:
+    _cuda_ext = None
+
+BACKEND = "cuda_ext" if _cuda_ext is not None else "torch"
+log.info("block gather/scatter: %s", BACKEND)
+
+
+def _token_index(block_starts: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """[N * block_tokens] token positions of the blocks, in block order."""
+    offsets = torch.arange(block_tokens, device=block_starts.device)
+    return (block_starts.to(torch.long)[:, None] + offsets[None, :]).reshape(-1)
+
+
+def gather_blocks(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], block_starts: torch.Tensor,
+                  block_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Blocks starting at ``block_starts`` (token offsets) of every layer, canonical layout.
+
+    ``keys[l]`` / ``values[l]``: ``[kv_heads, tokens, head_dim]`` (a batch-1 cache without its batch dim).
+    """
+    L = len(keys)
+    H, _, D = keys[0].shape
+    N = block_starts.numel()
+    if out is None:
+        out = torch.empty((N, L, 2, block_tokens, H, D), dtype=keys[0].dtype, device=keys[0].device)
+    if _cuda_ext is not None and keys[0].is_cuda:
+        _cuda_ext.gather(list(keys), list(values), block_starts.to(keys[0].device, torch.long), block_tokens, out)
+        return out
+    idx = _token_index(block_starts.to(keys[0].device), block_tokens)
+    for layer in range(L):
+        for kv, src in ((0, keys[layer]), (1, values[layer])):
+            # [H, N*B, D] -> [N, B, H, D]
+            picked = src.index_select(1, idx).view(H, N, block_tokens, D).permute(1, 2, 0, 3)
+            out[:, layer, kv].copy_(picked)
+    return out
+
+
+def scatter_blocks(blocks: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                   block_starts: torch.Tensor) -> None:
+    """Write canonical ``blocks`` ``[N, layers, 2, block_tokens, kv_heads, head_dim]`` into the caches."""
+    N, L, _, B, H, D = blocks.shape
+    if _cuda_ext is not None and blocks.is_cuda:
+        _cuda_ext.scatter(blocks, list(keys), list(values), block_starts.to(blocks.device, torch.long))
+        return
+    idx = _token_index(block_starts.to(blocks.device), B)
+    for layer in range(L):
+        for kv, dst in ((0, keys[layer]), (1, values[layer])):
+            src = blocks[:, layer, kv].permute(2, 0, 1, 3).reshape(H, N * B, D)  # [H, N*B, D]
+            dst.index_copy_(1, idx, src)

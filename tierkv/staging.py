@@ -1,0 +1,154 @@
+"""The staging ring: finished KV blocks leave the device through pinned slots without stalling the model.
+
+Each slot moves through explicit states::
+
+    FREE --submit--> COPYING --(copy done: CUDA event)--> READY --drain thread--> DRAINING --> FREE
+
+``submit`` starts a device-to-host copy on a dedicated stream that first waits for the compute stream,
+so the copy reads finished KV (the missing fence behind vLLM issue 45704 restored stale KV), records a
+CUDA event, and returns at once. The drain thread polls events and hands each ready slot to
+``on_ready`` (which copies what it keeps: the host tier, the disk queue), then frees it. When every slot
+is busy, ``submit`` waits at most ``wait_s`` and then drops the block (a future miss, counted).
+
+Without CUDA the same class runs on CPU tensors: plain memory, synchronous copies, no events, so every
+path runs in CI. An illegal transition raises with the slot's current state.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tierkv.metrics import Counters
+
+log = logging.getLogger("tierkv.staging")
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    COPYING = "copying"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class StagingRing:
+    def __init__(self, num_slots: int, slot_nbytes: int, *, device: torch.device | str = "cpu",
+                 on_ready: Callable[[torch.Tensor, Any], None], wait_s: float = 0.005,
+                 counters: Counters | None = None) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.on_ready = on_ready
+        self.wait_s = wait_s
+        self.counters = counters or Counters()
+        t0 = time.perf_counter()
+        # One allocation, at start-up: pinning tens of GiB takes seconds, never on the hot path.
+        self.slots = torch.empty((num_slots, slot_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+        log.info("staging ring: %d slots of %d bytes%s in %.2f s", num_slots, slot_nbytes,
+                 " (pinned)" if self.cuda else "", time.perf_counter() - t0)
+        self.state = [SlotState.FREE] * num_slots
+        self._events: list[Any] = [None] * num_slots
+        self._meta: list[Any] = [None] * num_slots
+        self._order: list[int] = []  # slots in submission order: drained in that order
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._drain_loop, name="tierkv-staging-drain", daemon=True)
+        self._thread.start()
+
+    def _move(self, slot: int, from_: SlotState, to: SlotState) -> None:
+        if self.state[slot] is not from_:
+            raise IllegalTransition(f"slot {slot}: {from_.value} -> {to.value} asked, but it is "
+                                    f"{self.state[slot].value}")
+        self.state[slot] = to
+
+    def submit(self, block: torch.Tensor, meta: Any) -> bool:
+        """Start copying ``block`` (on its device) into a free slot; False (counted) if none came free.
+
+        The block may be freed at once (its memory is kept until the copy is done), but not written to
+        before ``on_ready`` saw it: finished KV blocks are never written again by a model.
+        """
+        nbytes = block.numel() * block.element_size()
+        if nbytes > self.slots.shape[1]:
+            raise ValueError(f"block of {nbytes} bytes does not fit a {self.slots.shape[1]}-byte slot")
+        deadline = time.monotonic() + self.wait_s
+        with self._cv:
+            while True:
+                slot = next((i for i, s in enumerate(self.state) if s is SlotState.FREE), None)
+                if slot is not None or self._closed:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.counters.add("staging", "dropped_saves")
+                    return False
+                self._cv.wait(remaining)
+            if slot is None:
+                return False
+            self._move(slot, SlotState.FREE, SlotState.COPYING)
+            self._meta[slot] = meta
+            self._order.append(slot)
+        dst = self.slots[slot, :nbytes].view(block.dtype).view(block.shape)
+        if self.cuda:
+            stream = self._stream
+            assert stream is not None
+            stream.wait_stream(torch.cuda.current_stream(block.device))  # the fence: read finished KV only
+            with torch.cuda.stream(stream):
+                dst.copy_(block, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            block.record_stream(stream)  # the allocator must not reuse block's memory mid-copy
+            self._events[slot] = event
+        else:
+            dst.copy_(block)
+        with self._cv:
+            self._cv.notify_all()
+        self.counters.add("staging", "blocks_written")
+        self.counters.add("staging", "bytes_written", nbytes)
+        return True
+
+    def _drain_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._order and not self._closed:
+                    self._cv.wait(0.05)
+                if not self._order and self._closed:
+                    return
+                slot = self._order[0]
+            event = self._events[slot]
+            if event is not None and not event.query():
+                event.synchronize()  # the oldest copy first: order is kept
+            with self._cv:
+                self._move(slot, SlotState.COPYING, SlotState.READY)
+                self._move(slot, SlotState.READY, SlotState.DRAINING)
+                self._order.pop(0)
+                meta, self._meta[slot], self._events[slot] = self._meta[slot], None, None
+            try:
+                self.on_ready(self.slots[slot], meta)
+            except Exception:  # a failing consumer loses a save, never the ring
+                log.exception("staging ring: on_ready failed")
+                self.counters.add("staging", "write_errors")
+            with self._cv:
+                self._move(slot, SlotState.DRAINING, SlotState.FREE)
+                self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every submitted block was handed to ``on_ready``."""
+        with self._cv:
+            while any(s is not SlotState.FREE for s in self.state):
+                self._cv.wait(0.05)
+
+    def close(self) -> None:
+        self.flush()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
