@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU check, for a lent GPU machine (the `device` tool runs it; at most 8 minutes on one H200):
+# builds the CUDA extension, runs the GPU tests, runs the GPU benchmark and prints a short table.
+# The device image has python3 with CUDA torch, transformers, xxhash, pytest and hypothesis, but not
+# lmdb or zstandard: prepare them here first with scripts/gpu_wheels.sh (into .whl/, git-ignored) and
+# pass carry=[".whl"]. Results land in $OUT (or bench/results/gpu without it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-bench/results/gpu}"
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+echo "== build the CUDA extension"
+t0=$(date +%s)
+TIERKV_BUILD_CUDA=1 python3 setup.py build_ext --inplace 2>&1 | tail -3
+echo "built in $(( $(date +%s) - t0 )) s"
+echo "== GPU tests"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_staging.py 2>&1 | tail -5 | tee -a "$out/gpu.txt"
+echo "== GPU benchmark"
+python3 -m tierkv.bench.gpu --out "$out" 2>&1 | tee -a "$out/gpu.txt"
