@@ -115,8 +115,9 @@ class CachedModel:
     def _buffer(self, num_tokens: int) -> torch.Tensor:
         ns = self.base_namespace
         if self._restore_buf is None or self._restore_buf.shape[2] < num_tokens:
+            # Pinned when the model is on a GPU: the upload after a restore is then a DMA, not a staged copy.
             self._restore_buf = torch.empty((ns.num_layers, 2, max(num_tokens, 1024), ns.num_kv_heads, ns.head_dim),
-                                            dtype=self.dtype)
+                                            dtype=self.dtype, pin_memory=self.device.type == "cuda")
         return self._restore_buf[:, :, :num_tokens]
 
     @torch.inference_mode()
