@@ -49,6 +49,12 @@ def _as_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: Sequence[int]
         return torch.frombuffer(buf, dtype=dtype).view(*shape)
 
 
+def _expected(ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes, i: int) -> codec.Expected:
+    """What block ``i`` of a request must be to be served."""
+    B = ns.block_tokens
+    return codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4], ns.dtype, spec.block_shape)
+
+
 class TieredStore:
     def __init__(self, host: HostTier | None, disk: DiskTier | None, *, codec_: codec.Codec = codec.Codec.RAW,
                  clock: Callable[[], float] = time.time, counters: Counters | None = None,
@@ -314,8 +320,7 @@ class TieredStore:
                 whole.append((i, e))
         def verify(j: int) -> bool:  # on a reading thread, as soon as record j is in
             i, e, views = scatter[j]
-            expected = codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4], ns.dtype,
-                                      spec.block_shape)
+            expected = _expected(ns, spec, keys, token_bytes, i)
             try:
                 header, toks = codec.parse_header(views[0], e.nbytes)
                 codec.check_expected(header, toks, expected)
@@ -340,8 +345,7 @@ class TieredStore:
                 for (i, e), rec in zip(whole, records):
                     if i >= failed_at:
                         break
-                    expected = codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4],
-                                              ns.dtype, spec.block_shape)
+                    expected = _expected(ns, spec, keys, token_bytes, i)
                     try:
                         payload = codec.decode(rec, expected)
                     except RecordError:
@@ -365,8 +369,7 @@ class TieredStore:
         now = self.clock()
         for j, rec in enumerate(records):
             i = start + j
-            expected = codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4], ns.dtype,
-                                      spec.block_shape)
+            expected = _expected(ns, spec, keys, token_bytes, i)
             try:
                 payload = codec.decode(rec, expected)
             except RecordError:
@@ -387,7 +390,7 @@ class TieredStore:
         assert self.remote is not None and self.host is not None
         B = ns.block_tokens
         now = self.clock()
-        due = [i for i, k in enumerate(keys) if self.remote._seen.get(k) == self.remote.admit_after]
+        due = [i for i, k in enumerate(keys) if self.remote.sightings(k) == self.remote.admit_after]
         if not due:
             return
         with self.host.read([keys[i] for i in due]) as views:

@@ -75,8 +75,9 @@ class CachedModel:
             num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
             head_dim=self.layout.head_dim, block_tokens=block_tokens,
         )
-        self._restore_buf: torch.Tensor | None = None  # reused: fresh large buffers cost page faults
-        self._save_buf: torch.Tensor | None = None
+        # Reused restore and save buffers (pinned for restores when the model is on a GPU: the upload
+        # after a restore is then a DMA, not a staged copy).
+        self._buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------ construction
 
@@ -112,13 +113,16 @@ class CachedModel:
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.layout.cache_kwarg: cache})
         return out.logits[0, -1].float(), getattr(out, self.layout.cache_kwarg, cache)
 
-    def _buffer(self, num_tokens: int) -> torch.Tensor:
-        ns = self.base_namespace
-        if self._restore_buf is None or self._restore_buf.shape[2] < num_tokens:
-            # Pinned when the model is on a GPU: the upload after a restore is then a DMA, not a staged copy.
-            self._restore_buf = torch.empty((ns.num_layers, 2, max(num_tokens, 1024), ns.num_kv_heads, ns.head_dim),
-                                            dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        return self._restore_buf[:, :, :num_tokens]
+    def _reused(self, name: str, num_tokens: int, pin: bool = False) -> torch.Tensor:
+        """A canonical-layout buffer of at least ``num_tokens``, kept between calls and grown when needed:
+        fresh large allocations cost a page fault per 4 KiB."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[2] < num_tokens:
+            ns = self.base_namespace
+            buf = torch.empty((ns.num_layers, 2, max(num_tokens, 1024), ns.num_kv_heads, ns.head_dim),
+                              dtype=self.dtype, pin_memory=pin)
+            self._buffers[name] = buf
+        return buf[:, :, :num_tokens]
 
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int], *, cache_salt: str = "", use_cache: bool = True) -> PrefillResult:
@@ -131,7 +135,7 @@ class CachedModel:
         restorable = (len(token_ids) - 1) // B * B  # keep at least one token to compute
         if use_cache and self.store is not None and restorable:
             # The buffer is reused across calls; the restored tensor is copied by the cache's first update.
-            hit, cached = self.store.restore(ns, token_ids[:restorable], out=self._buffer(restorable))
+            hit, cached = self.store.restore(ns, token_ids[:restorable], out=self._reused("restore", restorable, pin=self.device.type == "cuda"))
         n = hit.num_tokens
         cache = cache_from_kv(self.model, cached.to(self.device)) if cached is not None else new_cache(self.model)
         t1 = time.perf_counter()
@@ -152,17 +156,10 @@ class CachedModel:
         on_cpu = self.device.type == "cpu"
         try:
             # Reused between calls on CPU: the store copies what it keeps before save() returns.
-            kv = kv_from_cache(cache, self.layout, start, end, out=self._save_buffer(end - start) if on_cpu else None)
+            kv = kv_from_cache(cache, self.layout, start, end, out=self._reused("save", end - start) if on_cpu else None)
         except ConfigError:
             return  # a cache that does not hold every token (sliding window): nothing to save
         self.store.save(ns, token_ids[:end], kv if on_cpu else kv.cpu(), start_block=start // B, kv_start=start)
-
-    def _save_buffer(self, num_tokens: int) -> torch.Tensor:
-        ns = self.base_namespace
-        if self._save_buf is None or self._save_buf.shape[2] < num_tokens:
-            self._save_buf = torch.empty((ns.num_layers, 2, max(num_tokens, 1024), ns.num_kv_heads, ns.head_dim),
-                                         dtype=self.dtype)
-        return self._save_buf[:, :, :num_tokens]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> GenerateResult:
         """Greedy (temperature 0) or sampled (seeded) generation; ``stop`` strings end it early."""

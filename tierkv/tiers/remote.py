@@ -162,9 +162,12 @@ class RemoteTier:
             self._seen.popitem(last=False)
         return count
 
+    def sightings(self, key: BlockKey) -> int:
+        return self._seen.get(key, 0)
+
     def admitted(self, key: BlockKey) -> bool:
         """The admission rule: a block goes to the shared tier once ``admit_after`` requests contained it."""
-        return self.admit_after <= 1 or self._seen.get(key, 0) >= self.admit_after
+        return self.admit_after <= 1 or self.sightings(key) >= self.admit_after
 
     def put(self, ns_digest: bytes, key: BlockKey, make: Callable[[], list[bytes | memoryview]],
             release: Callable[[], None] | None = None) -> bool:
