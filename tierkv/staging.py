@@ -95,7 +95,6 @@ class StagingRing:
                 return False
             self._move(slot, SlotState.FREE, SlotState.COPYING)
             self._meta[slot] = meta
-            self._order.append(slot)
         dst = self.slots[slot, :nbytes].view(block.dtype).view(block.shape)
         if self.cuda:
             stream = self._stream
@@ -110,6 +109,8 @@ class StagingRing:
         else:
             dst.copy_(block)
         with self._cv:
+            # Visible to the drain thread only now that the copy is issued (and its event recorded).
+            self._order.append(slot)
             self._cv.notify_all()
         self.counters.add("staging", "blocks_written")
         self.counters.add("staging", "bytes_written", nbytes)
