@@ -85,6 +85,10 @@ def stats(cache_dir: str, as_json: bool) -> None:
     used = f" ({100 * report['budget_used']:.1f}% used)" if report["budget_used"] is not None else ""
     click.echo(f"policy     budget {budget}{used}   ttl {format_duration(p['ttl_s']) if p['ttl_s'] else 'none'}   "
                f"max age {format_duration(p['max_age_s']) if p['max_age_s'] else 'none'}")
+    for g in report["gpus"]:
+        click.echo(f"gpu {g['index']}      {g['name']}   memory {format_size(g['memory_used_nbytes'])} of "
+                   f"{format_size(g['memory_total_nbytes'])}   busy {g['utilization_gpu_pct']}%   PCIe "
+                   f"{format_size(g['pcie_tx_Bps'])}/s out, {format_size(g['pcie_rx_Bps'])}/s in")
     now = time.time()
     for ns in report["namespaces"]:
         spec = json.loads(ns["spec"]) if ns["spec"] else {}
@@ -143,7 +147,8 @@ def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | N
 @click.option("--device", help="auto, cpu or cuda[:N].  [default: auto]")
 @click.option("--dtype", help="auto, float32, bfloat16 or float16.  [default: auto]")
 @click.option("--block-tokens", type=int, help="Tokens per cached block.  [default: 64]")
-@click.option("--gpu-cache", help="GPU tier size (reserved: the GPU tier is not built yet).")
+@click.option("--gpu-cache", help="GPU tier: a size (8GiB), a fraction of free GPU memory (0.2), auto (0.1 on "
+              "CUDA, none on CPU) or 0.  [default: auto]")
 @click.option("--host-cache", help="Host RAM for cached blocks.  [default: 2GiB]")
 @click.option("--disk-budget", help="Disk budget.  [default: 20GiB]")
 @click.option("--ttl", help="Sliding TTL of cached blocks.  [default: 24h]")

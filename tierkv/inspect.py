@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
+from tierkv.telemetry import gpu_telemetry
 from tierkv.tiers.disk import DiskTier
 
 # Last-access histogram buckets: upper bounds in seconds, named as a person reads them.
@@ -47,4 +49,5 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
         "index_file_nbytes": usage["index_file_nbytes"],
         "budget_used": (usage["live_nbytes"] / policy.budget_nbytes) if policy.budget_nbytes else None,
         "namespaces": sorted(per_ns.values(), key=lambda r: -r["nbytes"]),
+        "gpus": [dataclasses.asdict(g) for g in gpu_telemetry()],  # NVML, device-wide; [] without a GPU
     }

@@ -8,6 +8,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tierkv.telemetry import gpu_telemetry
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 _STORE_COUNTERS = {  # store counter -> (metric, help)
@@ -37,19 +39,45 @@ class StoreCollector:
         stats = store.stats()
         for key, (name, help_) in _STORE_COUNTERS.items():
             fam = CounterMetricFamily(name, help_, labels=["tier"])
-            for tier in ("host", "disk"):
+            for tier in store.tiers:
                 fam.add_metric([tier], stats.get(tier, {}).get(key, 0))
             yield fam
+        staged = CounterMetricFamily("tierkv_staging_blocks", "Blocks through the GPU staging ring, by outcome",
+                                     labels=["outcome"])
+        for outcome, key in (("copied", "blocks_written"), ("dropped", "dropped_saves")):
+            staged.add_metric([outcome], stats.get("staging", {}).get(key, 0))
+        yield staged
         used = GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes held by the tier", labels=["tier"])
         cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "The tier's budget (0: none)", labels=["tier"])
-        if store.host is not None:
-            used.add_metric(["host"], stats["host"].get("used_nbytes", 0))
-            cap.add_metric(["host"], stats["host"].get("capacity_nbytes", 0))
+        for pool in store.pools:
+            used.add_metric([pool.name], stats[pool.name].get("used_nbytes", 0))
+            cap.add_metric([pool.name], stats[pool.name].get("capacity_nbytes", 0))
         if store.disk is not None:
             used.add_metric(["disk"], stats["disk"].get("live_nbytes", 0))
             cap.add_metric(["disk"], stats["disk"].get("budget_nbytes", 0))
         yield used
         yield cap
+        yield from gpu_metrics()
+
+
+def gpu_metrics() -> Iterator[Any]:
+    """NVML's device-wide figures (none without a GPU): memory, utilisation, PCIe throughput."""
+    samples = gpu_telemetry()
+    if not samples:
+        return
+    families = {
+        "memory_used_nbytes": GaugeMetricFamily("tierkv_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"]),
+        "memory_total_nbytes": GaugeMetricFamily("tierkv_gpu_memory_total_bytes", "GPU memory", labels=["gpu"]),
+        "utilization_gpu_pct": GaugeMetricFamily("tierkv_gpu_utilization_percent", "GPU busy share", labels=["gpu"]),
+        "pcie_tx_Bps": GaugeMetricFamily("tierkv_gpu_pcie_tx_bytes_per_second", "PCIe device to host",
+                                         labels=["gpu"]),
+        "pcie_rx_Bps": GaugeMetricFamily("tierkv_gpu_pcie_rx_bytes_per_second", "PCIe host to device",
+                                         labels=["gpu"]),
+    }
+    for sample in samples:
+        for field, fam in families.items():
+            fam.add_metric([str(sample.index)], getattr(sample, field))
+    yield from families.values()
 
 
 class Metrics:
