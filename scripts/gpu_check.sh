@@ -19,6 +19,6 @@ t0=$(date +%s)
 TIERKV_BUILD_CUDA=1 python3 setup.py build_ext --inplace 2>&1 | tail -3
 echo "built in $(( $(date +%s) - t0 )) s"
 echo "== GPU tests"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_staging.py 2>&1 | tail -5 | tee -a "$out/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_staging.py tests/test_gpu_path.py 2>&1 | tail -5 | tee -a "$out/gpu.txt"
 echo "== GPU benchmark"
 python3 -m tierkv.bench.gpu --out "$out" 2>&1 | tee -a "$out/gpu.txt"

@@ -78,16 +78,7 @@ def layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]  # transformers 4.x
 
 
-def kv_from_cache(cache: Any, layout: CacheLayout, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Tokens ``start:end`` of the cache, in the canonical layout (a copy: the cache keeps growing)."""
-    k0, _ = layer_kv(cache, 0)
-    if k0.shape[-2] < end:
-        raise ConfigError(f"cache holds {k0.shape[-2]} tokens, fewer than {end} (a sliding-window layer?)")
-    if out is None:
-        out = torch.empty((layout.num_layers, 2, end - start, layout.num_kv_heads, layout.head_dim),
-                          dtype=k0.dtype, device=k0.device)
-    for layer in range(layout.num_layers):
-        k, v = layer_kv(cache, layer)
-        out[layer, 0].copy_(k[0, :, start:end].transpose(0, 1))
-        out[layer, 1].copy_(v[0, :, start:end].transpose(0, 1))
-    return out
+def cache_layers(cache: Any, layout: CacheLayout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's keys and values as ``[kv_heads, tokens, head_dim]`` views (what ``kernels`` gathers from)."""
+    pairs = [layer_kv(cache, layer) for layer in range(layout.num_layers)]
+    return [k[0] for k, _ in pairs], [v[0] for _, v in pairs]

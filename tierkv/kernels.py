@@ -25,43 +25,57 @@ BACKEND = "cuda_ext" if _cuda_ext is not None else "torch"
 log.info("block gather/scatter: %s", BACKEND)
 
 
+def _starts_tensor(block_starts: torch.Tensor | range, device: torch.device) -> torch.Tensor:
+    if isinstance(block_starts, range):
+        return torch.arange(block_starts.start, block_starts.stop, block_starts.step, device=device)
+    return block_starts.to(device, torch.long)
+
+
+def _as_slice(block_starts: torch.Tensor | range, block_tokens: int) -> slice | None:
+    """The token slice of consecutive blocks given as a range (then no index is built at all)."""
+    if isinstance(block_starts, range) and block_starts.step == block_tokens:
+        return slice(block_starts.start, block_starts.start + len(block_starts) * block_tokens)
+    return None
+
+
 def _token_index(block_starts: torch.Tensor, block_tokens: int) -> torch.Tensor:
     """[N * block_tokens] token positions of the blocks, in block order."""
     offsets = torch.arange(block_tokens, device=block_starts.device)
     return (block_starts.to(torch.long)[:, None] + offsets[None, :]).reshape(-1)
 
 
-def gather_blocks(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], block_starts: torch.Tensor,
-                  block_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Blocks starting at ``block_starts`` (token offsets) of every layer, canonical layout.
+def gather_blocks(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  block_starts: torch.Tensor | range, block_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Blocks starting at ``block_starts`` (token offsets; a ``range`` for consecutive blocks) of every
+    layer, canonical layout ``[N, layers, 2, block_tokens, kv_heads, head_dim]``.
 
     ``keys[l]`` / ``values[l]``: ``[kv_heads, tokens, head_dim]`` (a batch-1 cache without its batch dim).
     """
     L = len(keys)
     H, _, D = keys[0].shape
-    N = block_starts.numel()
+    N = len(block_starts) if isinstance(block_starts, range) else block_starts.numel()
     if out is None:
         out = torch.empty((N, L, 2, block_tokens, H, D), dtype=keys[0].dtype, device=keys[0].device)
     if _cuda_ext is not None and keys[0].is_cuda:
-        _cuda_ext.gather(list(keys), list(values), block_starts.to(keys[0].device, torch.long), block_tokens, out)
+        _cuda_ext.gather(list(keys), list(values), _starts_tensor(block_starts, keys[0].device), block_tokens, out)
         return out
-    idx = _token_index(block_starts.to(keys[0].device), block_tokens)
+    span = _as_slice(block_starts, block_tokens)
+    idx = _token_index(_starts_tensor(block_starts, keys[0].device), block_tokens) if span is None else None
     for layer in range(L):
         for kv, src in ((0, keys[layer]), (1, values[layer])):
-            # [H, N*B, D] -> [N, B, H, D]
-            picked = src.index_select(1, idx).view(H, N, block_tokens, D).permute(1, 2, 0, 3)
-            out[:, layer, kv].copy_(picked)
+            picked = src[:, span] if idx is None else src.index_select(1, idx)
+            out[:, layer, kv].copy_(picked.view(H, N, block_tokens, D).permute(1, 2, 0, 3))  # -> [N, B, H, D]
     return out
 
 
 def scatter_blocks(blocks: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                   block_starts: torch.Tensor) -> None:
+                   block_starts: torch.Tensor | range) -> None:
     """Write canonical ``blocks`` ``[N, layers, 2, block_tokens, kv_heads, head_dim]`` into the caches."""
     N, L, _, B, H, D = blocks.shape
     if _cuda_ext is not None and blocks.is_cuda:
-        _cuda_ext.scatter(blocks, list(keys), list(values), block_starts.to(blocks.device, torch.long))
+        _cuda_ext.scatter(blocks, list(keys), list(values), _starts_tensor(block_starts, blocks.device))
         return
-    idx = _token_index(block_starts.to(blocks.device), B)
+    idx = _token_index(_starts_tensor(block_starts, blocks.device), B)
     for layer in range(L):
         for kv, dst in ((0, keys[layer]), (1, values[layer])):
             src = blocks[:, layer, kv].permute(2, 0, 1, 3).reshape(H, N * B, D)  # [H, N*B, D]

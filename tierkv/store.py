@@ -1,8 +1,14 @@
 """TieredStore: the public API. Save KV blocks write-behind, find and restore the longest cached prefix.
 
-A prefix is served block by block from the fastest tier holding each block (host, then disk); it ends at
-the first block no tier holds, or the first that fails verification (that block is purged and counted,
-and the caller recomputes from there). Wrong KV is never served.
+A prefix is served block by block from the fastest tier holding each block (GPU, host, disk, remote); it
+ends at the first block no tier holds, or the first that fails verification (that block is purged and
+counted, and the caller recomputes from there). Wrong KV is never served.
+
+Saving blocks that live on a GPU: they enter the GPU tier by a device copy, and leave the device through
+the staging ring (pinned slots, a side stream fenced on the compute stream); the ring's drain thread hands
+them to the host tier and the disk writer. The inference thread never waits for a device-to-host copy.
+Restoring into a GPU: GPU-tier blocks by a device copy, host blocks by DMA from pinned slots, disk blocks
+read in chunks into a pinned staging buffer, each chunk uploaded while the next one is read.
 """
 
 from __future__ import annotations
@@ -11,9 +17,10 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import lmdb
@@ -25,8 +32,11 @@ from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest, block_keys, root_key, tokens_to_bytes
 from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
+from tierkv.staging import StagingRing
 from tierkv.tiers.disk import DiskTier, Policy
+from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.host import HostTier
+from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.remote import RemoteTier
 
 log = logging.getLogger("tierkv.store")
@@ -49,6 +59,49 @@ def _as_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: Sequence[int]
         return torch.frombuffer(buf, dtype=dtype).view(*shape)
 
 
+# Disk blocks restored into a GPU are read and uploaded in chunks of this many bytes: the upload of one
+# chunk overlaps the read of the next.
+RESTORE_CHUNK_NBYTES = 32 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A block on its way to the host and disk tiers (the staging ring carries it as metadata)."""
+
+    ns: Namespace
+    spec: KVSpec
+    key: BlockKey
+    parent: BlockKey
+    token_bytes: bytes
+    created_s: float
+
+
+def _rows_scatterable(t: torch.Tensor) -> bool:
+    """Whether disk records can be scattered straight into ``t``: a CPU tensor whose every (layer, k/v)
+    slab ``[tokens, kv_heads, head_dim]`` is contiguous (a token-slice of a larger buffer qualifies)."""
+    _, _, _, H, D = t.shape
+    return t.device.type == "cpu" and t.stride(4) == 1 and t.stride(3) == D and t.stride(2) == H * D
+
+
+def _runs(idx: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted block indices as ``[a, b)`` runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _wait_for_copies(t: torch.Tensor) -> None:
+    """Wait until the copies queued into ``t`` (a GPU tensor: asynchronous ones) are done."""
+    if t.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        event.synchronize()
+
+
 def _expected(ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes, i: int) -> codec.Expected:
     """What block ``i`` of a request must be to be served."""
     B = ns.block_tokens
@@ -58,14 +111,30 @@ def _expected(ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes
 class TieredStore:
     def __init__(self, host: HostTier | None, disk: DiskTier | None, *, codec_: codec.Codec = codec.Codec.RAW,
                  clock: Callable[[], float] = time.time, counters: Counters | None = None,
-                 remote: RemoteTier | None = None) -> None:
+                 remote: RemoteTier | None = None, gpu: GpuTier | None = None, staging: bool | None = None,
+                 staging_nbytes: int = 512 << 20, staging_wait_s: float = 0.005) -> None:
+        """``staging``: blocks go to the host and disk tiers through the staging ring; None (default) when
+        they are on a CUDA device, True also on CPU (the same code path, synchronous copies).
+        ``staging_nbytes``: the ring's pinned memory. A prefill whose new blocks fit in it never waits for
+        the drain; past it each block waits at most ``staging_wait_s`` for a slot, then is dropped (counted).
+        """
+        self.gpu = gpu
         self.host = host
         self.disk = disk
         self.remote = remote
-        self.tiers = ("host", "disk", "remote") if remote is not None else ("host", "disk")
+        self.pools: list[BlockPool] = [p for p in (gpu, host) if p is not None]  # fastest first
+        self.tiers = (("gpu",) if gpu is not None else ()) + ("host", "disk") + (
+            ("remote",) if remote is not None else ())
         self.codec = codec_
         self.clock = clock
         self.counters = counters or Counters()
+        self.staging = staging
+        self.staging_nbytes = staging_nbytes
+        self.staging_wait_s = staging_wait_s
+        self._ring: StagingRing | None = None
+        self._ring_lock = threading.Lock()
+        self._restore_buf: torch.Tensor | None = None  # the staging buffer of restores into a GPU
+        self._restore_lock = threading.Lock()
         self._registered: set[NamespaceDigest] = set()
 
     @classmethod
@@ -82,12 +151,16 @@ class TieredStore:
         sync: bool = True,
         remote: str | None = None,
         remote_admit_after: int = 1,
+        gpu_bytes: int = 0,
+        device: str | torch.device = "cuda",
+        staging: bool | None = None,
         **disk_options: int,
     ) -> TieredStore:
         """Open (or create) a store. ``path=None`` gives a host-only store; ``host_bytes=0`` a disk-only one.
 
         ``remote`` (``redis://host:port`` or ``redis+cluster://host:port``) adds a tier shared by several
         workers; ``remote_admit_after`` shares a block only once that many requests contained it.
+        ``gpu_bytes`` adds a GPU tier of that size on ``device`` (see ``tiers.gpu.gpu_budget_nbytes``).
         """
         if host_bytes < 0 or (disk_bytes is not None and disk_bytes <= 0):
             raise ConfigError("host_bytes must be >= 0 and disk_bytes > 0")
@@ -104,7 +177,17 @@ class TieredStore:
             from tierkv.tiers.remote import RemoteTier
 
             remote_tier = RemoteTier(remote, ttl_s=ttl_s, admit_after=remote_admit_after, counters=counters)
-        return cls(host, disk, codec_=codec_, clock=clock, counters=counters, remote=remote_tier)
+        gpu = GpuTier(gpu_bytes, device=device, counters=counters) if gpu_bytes else None
+        return cls(host, disk, codec_=codec_, clock=clock, counters=counters, remote=remote_tier, gpu=gpu,
+                   staging=staging)
+
+    def add_gpu_tier(self, capacity_nbytes: int, device: torch.device | str) -> None:
+        """Add the GPU tier (a server does this once the model is loaded, before serving)."""
+        if self.gpu is not None:
+            raise ConfigError("this store already has a GPU tier")
+        self.gpu = GpuTier(capacity_nbytes, device=device, counters=self.counters)
+        self.pools.insert(0, self.gpu)
+        self.tiers = ("gpu", *self.tiers)
 
     # ---------------------------------------------------------------- save
 
@@ -132,52 +215,106 @@ class TieredStore:
 
     def save(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, kv: torch.Tensor,
              *, start_block: int = 0, kv_start: int = 0) -> int:
-        """Keep the full blocks of ``token_ids`` (KV ``[layers, 2, tokens, kv_heads, head_dim]``).
+        """Keep the full blocks of ``token_ids`` (KV ``[layers, 2, tokens, kv_heads, head_dim]``, any device).
 
-        Returns at once: the host copy is made now, the disk write happens behind (a dropped disk write is
-        counted, never an error). Blocks before ``start_block`` are known cached and skipped. ``kv`` may
-        start at token ``kv_start`` (<= ``start_block * block_tokens``) instead of 0. Returns the number
-        of blocks newly kept.
+        Returns at once: the memory tiers' copies are made now (or, through the staging ring, queued), the
+        disk write happens behind (a dropped save is counted, never an error). Blocks before
+        ``start_block`` are known cached and skipped. ``kv`` may start at token ``kv_start``
+        (<= ``start_block * block_tokens``) instead of 0. Returns the number of blocks handed on.
         """
         keys = block_keys(ns, token_ids)
         if not 0 <= kv_start <= start_block * ns.block_tokens:
             raise ConfigError(f"kv_start {kv_start} must be in 0..start_block * block_tokens")
-        spec = self._check_kv(ns, kv, len(keys) * ns.block_tokens - kv_start)
-        if not keys:
+        self._check_kv(ns, kv, len(keys) * ns.block_tokens - kv_start)
+        B = ns.block_tokens
+        blocks = [kv[:, :, i * B - kv_start : (i + 1) * B - kv_start] for i in range(start_block, len(keys))]
+        return self._save(ns, keys, tokens_to_bytes(token_ids), start_block, blocks)
+
+    def save_blocks(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, blocks: torch.Tensor,
+                    *, start_block: int = 0) -> int:
+        """Like ``save`` for blocks ``start_block..`` given block-major, ``[N, layers, 2, block_tokens,
+        kv_heads, head_dim]`` (as ``kernels.gather_blocks`` makes them: each block one contiguous piece)."""
+        keys = block_keys(ns, token_ids)
+        spec = KVSpec.of(ns)
+        if blocks.dim() != 6 or tuple(blocks.shape[1:]) != spec.block_shape or blocks.dtype != spec.dtype:
+            raise ConfigError(f"blocks must be [N, {', '.join(map(str, spec.block_shape))}] of {ns.dtype}, "
+                              f"got {list(blocks.shape)} of {blocks.dtype}")
+        if start_block + blocks.shape[0] != len(keys):
+            raise ConfigError(f"{blocks.shape[0]} blocks from block {start_block} do not end at the prompt's "
+                              f"last full block ({len(keys)})")
+        return self._save(ns, keys, tokens_to_bytes(token_ids), start_block, list(blocks.unbind(0)))
+
+    def _save(self, ns: Namespace, keys: Sequence[BlockKey], token_bytes: bytes, start: int,
+              blocks: Sequence[torch.Tensor]) -> int:
+        if not blocks:
             return 0
         self._register(ns)
-        token_bytes = tokens_to_bytes(token_ids)
-        in_host = self.host.contains(keys) if self.host is not None else [False] * len(keys)
+        spec = KVSpec.of(ns)
+        device = blocks[0].device
+        if self.gpu is not None and self.gpu.device == device:  # a device copy, on the compute stream
+            for i, block in enumerate(blocks, start):
+                self.gpu.put(keys[i], block)
+        if self.host is None and self.disk is None and self.remote is None:
+            return 0
+        in_host = self.host.contains(keys[start:]) if self.host is not None else [False] * len(blocks)
+        ring = self._ring_for(spec, device)
         B = ns.block_tokens
-        kept = 0
         now = self.clock()
-        for i in range(start_block, len(keys)):
-            if in_host[i]:
+        kept = 0
+        for j, block in enumerate(blocks):
+            if in_host[j]:
                 continue
-            block = kv[:, :, i * B - kv_start : (i + 1) * B - kv_start]
-            if block.device.type != "cpu":
-                block = block.to("cpu")
-            share = self.remote is not None and self.remote.admitted(keys[i])
-            sinks = (self.disk is not None) + share
-            held = self.host.put(keys[i], block, hold=sinks > 0) if self.host is not None else None
-            kept += 1
-            if not sinks:
-                continue
-            payload = held if held is not None else block.contiguous().view(-1).view(torch.uint8)
-            parent = keys[i - 1] if i else root_key(ns.digest)
-            tb = token_bytes[i * B * 4 : (i + 1) * B * 4]
-            if share and held is not None and self.disk is not None:
-                self.host.retain(held)  # type: ignore[union-attr]  # one reference per writer
-            if self.disk is not None:
-                make, release = self._record_fn(ns, spec, parent, keys[i], tb, payload, held is not None, now)
-                if not self.disk.put(ns.digest, keys[i], make, spec.block_nbytes + codec.HEADER_NBYTES + len(tb),
-                                     now, release=release):
-                    release()
-            if share:
-                make, release = self._record_fn(ns, spec, parent, keys[i], tb, payload, held is not None, now)
-                if not self.remote.put(ns.digest, keys[i], make, release):  # type: ignore[union-attr]
-                    release()
+            i = start + j
+            pending = _Pending(ns, spec, keys[i], keys[i - 1] if i else root_key(ns.digest),
+                               token_bytes[i * B * 4 : (i + 1) * B * 4], now)
+            if ring is not None:
+                kept += ring.submit(block, pending)  # False: dropped (counted by the ring)
+            else:
+                self._keep(block if block.device.type == "cpu" else block.cpu(), pending)
+                kept += 1
         return kept
+
+    def _ring_for(self, spec: KVSpec, device: torch.device) -> StagingRing | None:
+        """The staging ring for blocks on ``device`` (made on first use), or None to copy directly."""
+        if not (self.staging or (self.staging is None and device.type == "cuda")):
+            return None
+        with self._ring_lock:
+            if self._ring is None:
+                slots = max(2, self.staging_nbytes // spec.block_nbytes)
+                self._ring = StagingRing(slots, spec.block_nbytes, device=device,
+                                         on_ready=self._drain, wait_s=self.staging_wait_s, counters=self.counters)
+            ring = self._ring
+        if ring.device != device or ring.slots.shape[1] < spec.block_nbytes:
+            return None  # another device or a larger block than the slots: the direct path
+        return ring
+
+    def _drain(self, slot: torch.Tensor, pending: _Pending) -> None:
+        """The staging ring's consumer (its drain thread): the slot is reused after this returns."""
+        spec = pending.spec
+        self._keep(slot[: spec.block_nbytes].view(spec.dtype).view(spec.block_shape), pending)
+
+    def _keep(self, block: torch.Tensor, p: _Pending) -> None:
+        """Copy a block (CPU) into the host tier and queue it for the disk and remote tiers."""
+        share = self.remote is not None and self.remote.admitted(p.key)
+        sinks = (self.disk is not None) + share
+        held = self.host.put(p.key, block, hold=sinks > 0) if self.host is not None else None
+        if not sinks:
+            return
+        # Without a host slot the writers get their own copy: the caller may reuse ``block`` at once.
+        payload = held if held is not None else block.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+        if share and held is not None and self.disk is not None:
+            self.host.retain(held)  # type: ignore[union-attr]  # one reference per writer
+        if self.disk is not None:
+            make, release = self._record_fn(p.ns, p.spec, p.parent, p.key, p.token_bytes, payload, held is not None,
+                                            p.created_s)
+            if not self.disk.put(p.ns.digest, p.key, make, p.spec.block_nbytes + codec.HEADER_NBYTES + len(p.token_bytes),
+                                 p.created_s, release=release):
+                release()
+        if share:
+            make, release = self._record_fn(p.ns, p.spec, p.parent, p.key, p.token_bytes, payload, held is not None,
+                                            p.created_s)
+            if not self.remote.put(p.ns.digest, p.key, make, release):  # type: ignore[union-attr]
+                release()
 
     def _record_fn(self, ns: Namespace, spec: KVSpec, parent: BlockKey, key: BlockKey, token_bytes: bytes,
                    payload: torch.Tensor, held: bool,
@@ -200,25 +337,36 @@ class TieredStore:
     def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> Hit:
         """How many leading tokens are cached, and where. Reads no payload."""
         keys = block_keys(ns, token_ids)
-        in_host = self.host.contains(keys) if self.host is not None else [False] * len(keys)
-        first_gap = next((i for i, h in enumerate(in_host) if not h), len(keys))
+        src = self._memory_sources(keys)
+        in_mem = [t is not None for t in src]
+        first_gap = next((i for i, h in enumerate(in_mem) if not h), len(keys))
         n_disk = 0
         if self.disk is not None and first_gap < len(keys):
-            n_disk = self._disk_extent(keys, in_host, first_gap)
+            n_disk = self._disk_extent(keys, in_mem, first_gap)
         n = first_gap + n_disk
-        host_blocks = sum(in_host[:n])
         B = ns.block_tokens
-        by_tier = {"host": host_blocks * B, "disk": (n - host_blocks) * B}
+        by_tier = {p.name: sum(t == k for t in src[:n]) * B for k, p in enumerate(self.pools)}
+        by_tier.setdefault("host", 0)
+        by_tier["disk"] = n * B - sum(by_tier.values())
         if self.remote is not None:
             m = self.remote.lookup(ns.digest, keys[n:]) if n < len(keys) else 0
             by_tier["remote"] = m * B
             n += m
         return Hit(n * B, by_tier, n)
 
-    def _disk_extent(self, keys: Sequence[BlockKey], in_host: Sequence[bool], start: int) -> int:
-        """Blocks from ``start`` on that host or disk hold, asking the disk only for the host's gaps."""
+    def _memory_sources(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Per block, the index in ``self.pools`` of the fastest memory tier holding it (None: none)."""
+        src: list[int | None] = [None] * len(keys)
+        for k in range(len(self.pools) - 1, -1, -1):  # the fastest last: it wins
+            for i, has in enumerate(self.pools[k].contains(keys)):
+                if has:
+                    src[i] = k
+        return src
+
+    def _disk_extent(self, keys: Sequence[BlockKey], in_mem: Sequence[bool], start: int) -> int:
+        """Blocks from ``start`` on that memory or disk holds, asking the disk only for memory's gaps."""
         assert self.disk is not None
-        wanted = [i for i in range(start, len(keys)) if not in_host[i]]
+        wanted = [i for i in range(start, len(keys)) if not in_mem[i]]
         have = self.disk.lookup([keys[i] for i in wanted])
         end = wanted[have] if have < len(wanted) else len(keys)
         return end - start
@@ -248,11 +396,11 @@ class TieredStore:
         if not keys:
             return Hit(0, by_tier), None
         token_bytes = tokens_to_bytes(np.asarray(token_ids)[: len(keys) * B])
-        host_ctx = self.host.read(keys) if self.host is not None else contextlib.nullcontext([None] * len(keys))
-        with host_ctx as host_views:
-            in_host = [v is not None for v in host_views]
-            first_gap = next((i for i, h in enumerate(in_host) if not h), len(keys))
-            wanted = [i for i in range(first_gap, len(keys)) if not in_host[i]]
+        with contextlib.ExitStack() as held:
+            views = [held.enter_context(p.read(keys)) for p in self.pools]
+            src = [next((k for k in range(len(views)) if views[k][i] is not None), None) for i in range(len(keys))]
+            first_gap = next((i for i, t in enumerate(src) if t is None), len(keys))
+            wanted = [i for i in range(first_gap, len(keys)) if src[i] is None]
             entries = self.disk.locate([keys[i] for i in wanted]) if wanted and self.disk is not None else []
             n = wanted[len(entries)] if len(entries) < len(wanted) else len(keys)
             if self.remote is not None and self.remote.admit_after > 1:  # count requests per block
@@ -265,56 +413,114 @@ class TieredStore:
             if n_all == 0:
                 self.counters.add("store", "miss_blocks", len(keys))
                 return Hit(0, by_tier), None
-            target = out if out is not None and out.is_contiguous() and out.device.type == "cpu" else \
-                torch.empty(spec.shape(n_all * B), dtype=spec.dtype)
-            disk_idx = wanted[: len(entries)]
-            disk_idx = [i for i in disk_idx if i < n]
-            ok_until = self._restore_from_disk(ns, spec, keys, token_bytes, disk_idx, entries, target)
-            n_local = min(n, ok_until)
-            for i in range(n_local):
-                if in_host[i]:
-                    target[:, :, i * B : (i + 1) * B].copy_(host_views[i].view(spec.dtype).view(spec.block_shape))
-            by_tier["host"] = sum(in_host[:n_local]) * B
-            by_tier["disk"] = n_local * B - by_tier["host"]
-            m = 0
-            if n_local == n and remote_records:
-                m = self._restore_from_remote(ns, spec, keys, token_bytes, n, remote_records, target)
-                by_tier["remote"] = m * B
-            n = n_local + m
+            dest = out if out is not None else torch.empty(spec.shape(n_all * B), dtype=spec.dtype)
+            disk_idx = [i for i in wanted[: len(entries)] if i < n]
+            needs_read = bool(disk_idx) or bool(remote_records)
+            with self._staging_for(dest, spec, n_all * B, needs_read) as (staging, upload):
+                ok_until = self._restore_from_disk(ns, spec, keys, token_bytes, disk_idx, entries, staging, upload)
+                n_local = min(n, ok_until)
+                for i in range(n_local):
+                    if src[i] is not None:  # GPU: a device copy; pinned host: a DMA; else a memcpy
+                        view = views[src[i]][i]
+                        dest[:, :, i * B : (i + 1) * B].copy_(view.view(spec.dtype).view(spec.block_shape),
+                                                              non_blocking=True)
+                for k, pool in enumerate(self.pools):
+                    by_tier[pool.name] = sum(t == k for t in src[:n_local]) * B
+                by_tier["disk"] = n_local * B - sum(by_tier[p.name] for p in self.pools)
+                m = 0
+                if n_local == n and remote_records:
+                    m = self._restore_from_remote(ns, spec, keys, token_bytes, n, remote_records, staging)
+                    if m and upload is not None:
+                        upload(n, n + m)
+                    by_tier["remote"] = m * B
+                n = n_local + m
+                if self.gpu is not None and self.gpu.device == dest.device:  # promote: next hit is a device copy
+                    for i in range(n):
+                        if src[i] != 0:
+                            self.gpu.put(keys[i], dest[:, :, i * B : (i + 1) * B])
+                _wait_for_copies(dest)  # before the host slots and the staging buffer are let go
         if self.remote is not None and self.remote.admit_after > 1 and self.host is not None:
             self._share_newly_admitted(ns, spec, keys[:n], token_bytes)
-        if target is not out and out is not None and n:
-            out[:, :, : n * B].copy_(target[:, :, : n * B])
-            target = out
         self.counters.add("store", "miss_blocks", len(keys) - n)
         for tier, tokens in by_tier.items():
             if tokens:
                 self.counters.add(tier, "hit_blocks", tokens // B)
                 self.counters.add(tier, "hit_tokens", tokens)
         hit = Hit(n * B, by_tier, n, time.perf_counter() - t0)
-        return hit, (target[:, :, : n * B] if n else None)
+        return hit, (dest[:, :, : n * B] if n else None)
+
+    @contextlib.contextmanager
+    def _staging_for(self, dest: torch.Tensor, spec: KVSpec, num_tokens: int, needed: bool
+                     ) -> Iterator[tuple[torch.Tensor, Callable[[int, int], None] | None]]:
+        """Where disk and remote records land, and how blocks ``[a, b)`` then reach ``dest``.
+
+        ``dest`` itself when records can be scattered into it (a CPU tensor); else a reused staging buffer
+        (pinned when ``dest`` is on a GPU) and an upload of each verified range, asynchronous on a GPU.
+        """
+        if not needed or _rows_scatterable(dest):
+            yield dest, None
+            return
+        with self._restore_lock:
+            buf = self._restore_buf
+            pin = dest.device.type == "cuda"
+            if buf is None or buf.shape[2] < num_tokens or buf.dtype != spec.dtype or buf.shape[:2] != (
+                    spec.num_layers, 2) or buf.shape[3:] != spec.block_shape[3:] or buf.is_pinned() != pin:
+                buf = torch.empty(spec.shape(max(num_tokens, 1024)), dtype=spec.dtype, pin_memory=pin)
+                self._restore_buf = buf
+            staging = buf[:, :, :num_tokens]
+            B = spec.block_tokens
+
+            def upload(a: int, b: int) -> None:
+                for layer in range(spec.num_layers):  # per (layer, k/v): each range is contiguous there
+                    for kv in (0, 1):
+                        dest[layer, kv, a * B : b * B].copy_(staging[layer, kv, a * B : b * B], non_blocking=True)
+
+            try:
+                yield staging, upload
+            finally:
+                _wait_for_copies(dest)  # the next restore may overwrite the staging buffer
 
     def _restore_from_disk(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                           idx: list[int], entries: list, target: torch.Tensor) -> int:
+                           idx: list[int], entries: list, target: torch.Tensor,
+                           upload: Callable[[int, int], None] | None = None) -> int:
         """Read and verify disk blocks ``idx`` into ``target``; returns the first block index that failed
         (or ``len(keys)``). Blocks are verified in order, so everything before the returned index is exact.
+
+        With ``upload``, blocks are read in chunks of about ``RESTORE_CHUNK_NBYTES`` and each verified chunk
+        is handed to ``upload(first, end)`` before the next is read (the copy overlaps the read).
         """
         if not idx:
             return len(keys)
+        per_chunk = len(idx) if upload is None else max(1, RESTORE_CHUNK_NBYTES // spec.block_nbytes)
+        for c in range(0, len(idx), per_chunk):
+            part, part_entries = idx[c : c + per_chunk], entries[c : c + per_chunk]
+            failed_at = self._read_disk_blocks(ns, spec, keys, token_bytes, part, part_entries, target)
+            if upload is not None:
+                for a, b in _runs([i for i in part if i < failed_at]):
+                    upload(a, b)
+            if failed_at < len(keys):
+                return failed_at
+        return len(keys)
+
+    def _read_disk_blocks(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
+                          idx: list[int], entries: list, target: torch.Tensor) -> int:
+        """One read of disk blocks ``idx`` into ``target`` (records scattered in place, verified on the
+        reading threads); returns the first index that failed or ``len(keys)``."""
         assert self.disk is not None
         B = ns.block_tokens
         prefix_nbytes = codec.HEADER_NBYTES + 4 * B
         raw_nbytes = prefix_nbytes + spec.block_nbytes
-        # target as uint8 rows, one per (layer, k/v): a block's payload is one chunk of each row, so a raw
+        # target's (layer, k/v) slabs as byte rows: a block's payload is one chunk of each row, so a raw
         # record is scattered by preadv straight into place (no bounce buffer, no second copy).
-        rows = target.view(torch.uint8).numpy().reshape(spec.num_layers * 2, -1)
+        rows = [target[layer, kv].view(torch.uint8).reshape(-1).numpy()
+                for layer in range(spec.num_layers) for kv in (0, 1)]
         chunk = spec.block_nbytes // (spec.num_layers * 2)
         scratch = memoryview(bytearray(prefix_nbytes * len(idx)))
         scatter, whole = [], []
         for j, (i, e) in enumerate(zip(idx, entries)):
             if e.nbytes == raw_nbytes:
                 views = [scratch[j * prefix_nbytes : (j + 1) * prefix_nbytes]]
-                views += [memoryview(rows[r, i * chunk : (i + 1) * chunk]) for r in range(rows.shape[0])]
+                views += [memoryview(row[i * chunk : (i + 1) * chunk]) for row in rows]
                 scatter.append((i, e, views))
             else:
                 whole.append((i, e))
@@ -415,6 +621,8 @@ class TieredStore:
 
     def flush(self) -> None:
         """Wait until every saved block is durable on disk."""
+        if self._ring is not None:  # first out of the staging ring, into the host tier and the disk queue
+            self._ring.flush()
         if self.disk is not None:
             self.disk.flush()
         if self.remote is not None:
@@ -424,9 +632,9 @@ class TieredStore:
         snap = self.counters.snapshot()
         for tier in (*self.tiers, "store"):
             snap.setdefault(tier, dict.fromkeys(COUNTER_NAMES, 0))
-        if self.host is not None:
-            snap["host"].update(used_nbytes=self.host.used_nbytes, capacity_nbytes=self.host.capacity_nbytes,
-                                blocks=len(self.host))
+        for pool in self.pools:
+            snap[pool.name].update(used_nbytes=pool.used_nbytes, capacity_nbytes=pool.capacity_nbytes,
+                                   blocks=len(pool))
         if self.disk is not None:
             snap["disk"].update(self.disk.usage())
         if self.remote is not None:
@@ -435,6 +643,8 @@ class TieredStore:
         return snap
 
     def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
         if self.remote is not None:
             self.remote.close()
         if self.disk is not None:

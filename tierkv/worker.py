@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from tierkv.adapters import CacheLayout, cache_from_kv, kv_from_cache, new_cache
+from tierkv import kernels
+from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache
 from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
 from tierkv.keys import Namespace
@@ -75,8 +76,7 @@ class CachedModel:
             num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
             head_dim=self.layout.head_dim, block_tokens=block_tokens,
         )
-        # Reused restore and save buffers (pinned for restores when the model is on a GPU: the upload
-        # after a restore is then a DMA, not a staged copy).
+        # Restore and save buffers reused between calls on CPU (on a GPU the caching allocator does this).
         self._buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------ construction
@@ -113,16 +113,19 @@ class CachedModel:
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.layout.cache_kwarg: cache})
         return out.logits[0, -1].float(), getattr(out, self.layout.cache_kwarg, cache)
 
-    def _reused(self, name: str, num_tokens: int, pin: bool = False) -> torch.Tensor:
-        """A canonical-layout buffer of at least ``num_tokens``, kept between calls and grown when needed:
-        fresh large allocations cost a page fault per 4 KiB."""
+    def _buffer(self, name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
+        """A buffer of ``shape`` on the model's device. On CPU it is kept between calls and grown when needed
+        (fresh large allocations cost a page fault per 4 KiB); on a GPU it is fresh, because the restored
+        cache keeps views of it and the staging ring may still be reading a save."""
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
         buf = self._buffers.get(name)
-        if buf is None or buf.shape[2] < num_tokens:
-            ns = self.base_namespace
-            buf = torch.empty((ns.num_layers, 2, max(num_tokens, 1024), ns.num_kv_heads, ns.head_dim),
-                              dtype=self.dtype, pin_memory=pin)
+        if buf is None or buf.shape[grow_dim] < shape[grow_dim]:
+            grown = list(shape)
+            grown[grow_dim] = max(shape[grow_dim], 1024 if grow_dim == 2 else 16)
+            buf = torch.empty(grown, dtype=self.dtype)
             self._buffers[name] = buf
-        return buf[:, :, :num_tokens]
+        return buf.narrow(grow_dim, 0, shape[grow_dim])
 
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int], *, cache_salt: str = "", use_cache: bool = True) -> PrefillResult:
@@ -134,10 +137,11 @@ class CachedModel:
         hit, cached = Hit(0, {"host": 0, "disk": 0}), None
         restorable = (len(token_ids) - 1) // B * B  # keep at least one token to compute
         if use_cache and self.store is not None and restorable:
-            # The buffer is reused across calls; the restored tensor is copied by the cache's first update.
-            hit, cached = self.store.restore(ns, token_ids[:restorable], out=self._reused("restore", restorable, pin=self.device.type == "cuda"))
+            # Restored straight into a buffer on the model's device; the cache's first update copies it.
+            out = self._buffer("restore", (ns.num_layers, 2, restorable, ns.num_kv_heads, ns.head_dim), grow_dim=2)
+            hit, cached = self.store.restore(ns, token_ids[:restorable], out=out)
         n = hit.num_tokens
-        cache = cache_from_kv(self.model, cached.to(self.device)) if cached is not None else new_cache(self.model)
+        cache = cache_from_kv(self.model, cached) if cached is not None else new_cache(self.model)
         t1 = time.perf_counter()
         logits, cache = self._forward(token_ids[n:], cache)
         t2 = time.perf_counter()
@@ -146,20 +150,24 @@ class CachedModel:
         return PrefillResult(logits, cache, hit, len(token_ids) - n, t1 - t0, t2 - t1)
 
     def _save(self, ns: Namespace, token_ids: Sequence[int], cache: Any, cached_tokens: int) -> None:
-        """Hand the full blocks after ``cached_tokens`` to the store (it returns at once)."""
+        """Hand the full blocks after ``cached_tokens`` to the store (it returns at once).
+
+        The blocks are gathered from every layer of the cache in one batched call (one kernel launch with
+        the CUDA extension) into block-major order, so each block leaves the device as one piece.
+        """
         if self.store is None:
             return
         B = ns.block_tokens
-        start, end = cached_tokens // B * B, len(token_ids) // B * B
-        if end <= start:
+        first, end = cached_tokens // B, len(token_ids) // B
+        if end <= first:
             return
-        on_cpu = self.device.type == "cpu"
-        try:
-            # Reused between calls on CPU: the store copies what it keeps before save() returns.
-            kv = kv_from_cache(cache, self.layout, start, end, out=self._reused("save", end - start) if on_cpu else None)
-        except ConfigError:
+        keys, values = cache_layers(cache, self.layout)
+        if any(k.shape[1] < end * B for k in keys):
             return  # a cache that does not hold every token (sliding window): nothing to save
-        self.store.save(ns, token_ids[:end], kv if on_cpu else kv.cpu(), start_block=start // B, kv_start=start)
+        blocks = self._buffer("save", (end - first, ns.num_layers, 2, B, ns.num_kv_heads, ns.head_dim), grow_dim=0)
+        kernels.gather_blocks(keys, values, range(first * B, end * B, B), B, out=blocks)
+        # The CPU buffer is reused: the store copies (or stages) every block before save_blocks returns.
+        self.store.save_blocks(ns, token_ids[: end * B], blocks, start_block=first)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> GenerateResult:
         """Greedy (temperature 0) or sampled (seeded) generation; ``stop`` strings end it early."""

@@ -1,9 +1,12 @@
 """GPU measurements (run by scripts/gpu_check.sh on a lent GPU; nothing here runs without CUDA).
 
   ring D2H         blocks through the staging ring against torch's own pinned-memory copy
-  host tier H2D    a restore's upload from the pinned host pool against torch's pinned copy
+  restore H2D      a store restore from the pinned host tier into device memory against torch's pinned copy
   gather           1000 scattered blocks of all layers: one batched call against a loop of copies
-  TTFT             a 1B-class Llama in bf16: cold prefill against restore from the host tier, 4K and 16K
+  TTFT             a 1B-class Llama in bf16, 4K and 16K: cold prefill against restore from the GPU tier, the
+                   host tier and the disk tier (page cache warm); and the cost of saving during a prefill
+                   (cache on with no hit against cache off)
+  telemetry        NVML's memory, utilisation and PCIe figures as tierkv stats and /metrics report them
 """
 
 from __future__ import annotations
@@ -74,7 +77,31 @@ def gather_vs_loop(num_blocks: int = 1000, layers: int = 16, heads: int = 8, hea
             "speedup": looped / batched}
 
 
+def restore_h2d(nbytes: int = 1 << 30) -> dict[str, float]:
+    """Host-tier hits restored into device memory (pinned slots, DMA) against torch's pinned H2D copy."""
+    from tierkv import Namespace, TieredStore
+
+    ns = Namespace(model_id="bench", revision="r", dtype="bfloat16", num_layers=16, num_kv_heads=8, head_dim=64,
+                   block_tokens=64)
+    tokens = nbytes // (16 * 2 * 8 * 64 * 2)
+    ids = list(range(tokens))
+    kv = torch.randn(16, 2, tokens, 8, 64, dtype=torch.bfloat16)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    torch_s = _timed(lambda: dev.copy_(pinned, non_blocking=True))
+    with TieredStore.open(None, host_bytes=nbytes + (64 << 20)) as store:
+        store.save(ns, ids, kv)
+        out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+        hit, got = store.restore(ns, ids, out=out)
+        assert hit.by_tier["host"] == tokens and torch.equal(got.cpu(), kv), "restore is not exact"
+        restore_s = _timed(lambda: store.restore(ns, ids, out=out))
+    return {"torch_h2d_GBps": nbytes / torch_s / 1e9, "restore_h2d_GBps": nbytes / restore_s / 1e9,
+            "restore_over_torch": torch_s / restore_s}
+
+
 def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
+    import tempfile
+
     from tierkv import TieredStore
     from tierkv.default_model import ByteTokenizer, build_default_model
     from tierkv.worker import CachedModel
@@ -82,18 +109,36 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
     cfg = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64, max_position_embeddings=32768)
     model = build_default_model(torch.bfloat16, **cfg).cuda()
+    tok = ByteTokenizer()
     rows = []
     for L in lengths:
+        kv_nbytes = L * 16 * 2 * 8 * 64 * 2
         ids = torch.randint(3, 259, (L + 1,)).tolist()
-        with TieredStore.open(None, host_bytes=L * 16 * 2 * 8 * 64 * 2 + (256 << 20)) as store:
-            cm = CachedModel(model, ByteTokenizer(), store, model_id="llama-1b-class")
-
-            hits: list[int] = []
-            cold_s = _timed(lambda cm=cm, ids=ids: cm.prefill(ids, use_cache=False), repeat=3)
-            cm.prefill(ids)
-            warm_s = _timed(lambda cm=cm, ids=ids, hits=hits: hits.append(cm.prefill(ids).hit.num_tokens), repeat=3)
-            rows.append({"tokens": L + 1, "cold_ms": cold_s * 1e3, "host_restore_ms": warm_s * 1e3,
-                         "speedup": cold_s / warm_s, "restored_tokens": hits[-1]})
+        row: dict[str, Any] = {"tokens": L + 1, "kv_MiB": kv_nbytes / 2**20}
+        with tempfile.TemporaryDirectory() as d:
+            with TieredStore.open(d, host_bytes=kv_nbytes + (256 << 20)) as store:
+                store.add_gpu_tier(kv_nbytes + (256 << 20), "cuda")
+                cm = CachedModel(model, tok, store, model_id="llama-1b-class")
+                row["cold_ms"] = _timed(lambda cm=cm, ids=ids: cm.prefill(ids, use_cache=False), repeat=3) * 1e3
+                # Saving during a prefill: cache on, no hit (a new prompt each time) against cache off.
+                fresh = iter([torch.randint(3, 259, (L + 1,)).tolist() for _ in range(4)])
+                row["save_ms"] = _timed(lambda cm=cm, fresh=fresh: cm.prefill(next(fresh)), repeat=3) * 1e3
+                row["save_overhead"] = row["save_ms"] / row["cold_ms"] - 1
+                cm.prefill(ids)
+                store.flush()
+                hits: list[dict[str, int]] = []
+                row["gpu_ms"] = _timed(lambda cm=cm, ids=ids, hits=hits: hits.append(cm.prefill(ids).hit.by_tier),
+                                       repeat=3) * 1e3
+                assert hits[-1]["gpu"] == L, hits[-1]
+                store.gpu.clear()  # type: ignore[union-attr]
+                row["host_ms"] = _timed(lambda cm=cm, ids=ids: (store.gpu.clear(), cm.prefill(ids)),  # type: ignore[union-attr]
+                                        repeat=3) * 1e3
+                store.flush()
+            with TieredStore.open(d, host_bytes=0) as store:  # the disk tier, page cache warm
+                cm = CachedModel(model, tok, store, model_id="llama-1b-class")
+                assert cm.prefill(ids).hit.by_tier["disk"] == L
+                row["disk_warm_ms"] = _timed(lambda cm=cm, ids=ids: cm.prefill(ids), repeat=3) * 1e3
+        rows.append(row)
     return rows
 
 
@@ -103,20 +148,32 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: nothing to measure")
+    import dataclasses
+
+    from tierkv.telemetry import gpu_telemetry
+
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "ring": ring_vs_torch(),
-           "gather": gather_vs_loop(), "ttft": ttft_1b()}
+           "restore": restore_h2d(), "gather": gather_vs_loop(), "ttft": ttft_1b(),
+           "telemetry": [dataclasses.asdict(g) for g in gpu_telemetry()]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps(res, indent=2))
-    r, g = res["ring"], res["gather"]
+    r, h, g = res["ring"], res["restore"], res["gather"]
     print(f"device {res['device']}, torch {res['torch']}")
-    print(f"ring D2H {r['ring_d2h_GBps']:.1f} GB/s vs torch pinned {r['torch_d2h_GBps']:.1f} GB/s "
-          f"({r['ring_over_torch']:.2f}x; goal >= 0.8); pinned H2D {r['pinned_h2d_GBps']:.1f} GB/s")
-    print(f"gather of 1000 blocks ({g['backend']}): {g['batched_ms']:.2f} ms vs loop {g['loop_ms']:.1f} ms "
+    print(f"ring D2H      {r['ring_d2h_GBps']:6.1f} GB/s vs torch pinned {r['torch_d2h_GBps']:.1f} GB/s "
+          f"({r['ring_over_torch']:.2f}x; goal >= 0.8)")
+    print(f"restore H2D   {h['restore_h2d_GBps']:6.1f} GB/s vs torch pinned {h['torch_h2d_GBps']:.1f} GB/s "
+          f"({h['restore_over_torch']:.2f}x; goal >= 0.8)")
+    print(f"gather 1000 blocks ({g['backend']}): {g['batched_ms']:.2f} ms vs loop {g['loop_ms']:.1f} ms "
           f"({g['speedup']:.0f}x; goal >= 5)")
+    print("tokens  cold ms  gpu ms  host ms  disk(warm) ms  save overhead (goal <= 3%)")
     for row in res["ttft"]:
-        print(f"TTFT {row['tokens']} tokens: cold {row['cold_ms']:.0f} ms, host restore {row['host_restore_ms']:.1f} ms "
-              f"({row['speedup']:.1f}x, {row['restored_tokens']} restored)")
+        print(f"{row['tokens']:6d}  {row['cold_ms']:7.1f}  {row['gpu_ms']:6.1f}  {row['host_ms']:7.1f}  "
+              f"{row['disk_warm_ms']:13.1f}  {100 * row['save_overhead']:+.1f}%")
+    for t in res["telemetry"]:
+        print(f"NVML gpu {t['index']}: {t['memory_used_nbytes'] / 2**30:.1f} of {t['memory_total_nbytes'] / 2**30:.1f} GiB, "
+              f"busy {t['utilization_gpu_pct']}%, PCIe {t['pcie_tx_Bps'] / 1e9:.2f} GB/s out, "
+              f"{t['pcie_rx_Bps'] / 1e9:.2f} GB/s in")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from tierkv.server.engine import Busy, ClientError, Engine, encode_text, render_
 from tierkv.server.metrics import Metrics
 from tierkv.server.schemas import ChatCompletionRequest, CompletionRequest, error_body
 from tierkv.store import TieredStore
+from tierkv.tiers.gpu import gpu_budget_nbytes
 from tierkv.worker import CachedModel, GenerateResult, PrefillResult, StreamEvent
 
 log = logging.getLogger("tierkv.server")
@@ -87,6 +88,10 @@ def load_server(config: ServeConfig) -> Server:
                                          block_tokens=config.block_tokens, revision=config.revision)
     else:
         cm = CachedModel.default(store, dtype=dtype, device=device, block_tokens=config.block_tokens)
+    if store is not None:  # sized after the model is loaded, so a fraction sees its weights as used
+        gpu_nbytes = gpu_budget_nbytes(config.gpu_cache, cm.device)
+        if gpu_nbytes:
+            store.add_gpu_tier(gpu_nbytes, cm.device)
     return Server(config, cm, store)
 
 
@@ -318,8 +323,8 @@ def create_app(server: Server) -> FastAPI:
                                           purge_all=bool(opts.get("all")))
         except ConfigError as exc:
             return _error(400, str(exc))
-        if server.store.host is not None:  # type: ignore[union-attr]
-            server.store.host.clear()  # type: ignore[union-attr]
+        for pool in server.store.pools:  # type: ignore[union-attr]  # memory tiers hold no namespace index
+            pool.clear()
         return JSON(out)
 
     async def _json_object(request: Request) -> dict[str, Any] | JSON:
@@ -355,11 +360,11 @@ def serve(config: ServeConfig) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = load_server(config)
-    _reserve_host_tier(server)
+    _reserve_memory_tiers(server)
     ns = server.cm.base_namespace
     tiers = ["none (--no-cache)"] if server.store is None else [
-        f"host {config.host_cache / 2**30:.1f} GiB", f"disk {config.disk_budget / 2**30:.1f} GiB at "
-        f"{config.resolved_cache_dir()} (ttl {config.ttl:.0f}s)"]
+        f"{pool.name} {pool.capacity_nbytes / 2**30:.1f} GiB" for pool in server.store.pools] + [
+        f"disk {config.disk_budget / 2**30:.1f} GiB at {config.resolved_cache_dir()} (ttl {config.ttl:.0f}s)"]
     log.info("tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
              ns.model_id, server.cm.device, ns.dtype, ns.digest.hex()[:16], ns.block_tokens, ", ".join(tiers),
              config.host, config.port)
@@ -370,13 +375,14 @@ def serve(config: ServeConfig) -> None:
                                    timeout_graceful_shutdown=60)).run()
 
 
-def _reserve_host_tier(server: Server) -> None:
-    """Allocate (and pre-fault) the host pool now, not during the first request."""
+def _reserve_memory_tiers(server: Server) -> None:
+    """Allocate (and pre-fault) the GPU and host pools now, not during the first request."""
     store = server.store
-    if store is not None and store.host is not None:
+    if store is not None:
         from tierkv.layout import KVSpec
 
-        store.host.reserve(KVSpec.of(server.cm.base_namespace).block_nbytes)
+        for pool in store.pools:
+            pool.reserve(KVSpec.of(server.cm.base_namespace).block_nbytes)
 
 
 class _GracefulServer:

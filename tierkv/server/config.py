@@ -23,7 +23,7 @@ class ServeConfig:
     device: str = "auto"
     dtype: str = "auto"
     block_tokens: int = 64
-    gpu_cache: int = 0  # bytes; the GPU tier arrives with the GPU issue
+    gpu_cache: str = "auto"  # a size, a fraction of free GPU memory, auto (0.1 on CUDA, none on CPU) or 0
     host_cache: int = 2 << 30  # bytes of host RAM for KV blocks
     disk_budget: int = 20 << 30  # bytes on disk
     ttl: float = 86400.0  # seconds, sliding from the last hit
@@ -64,7 +64,12 @@ class ServeConfig:
 def _coerce(name: str, value: Any) -> Any:
     """TOML and env give strings or numbers; turn each into the field's type, with one clear error."""
     try:
-        if name in ("gpu_cache", "host_cache", "disk_budget", "max_body"):
+        if name == "gpu_cache":
+            text = str(value).strip().lower()
+            if text not in ("auto", "0", "off") and not 0 < _float_or(text, 0.0) < 1:
+                parse_size(text)  # else it must be a size: raises one clear error
+            return text
+        if name in ("host_cache", "disk_budget", "max_body"):
             return parse_size(value if isinstance(value, (str, int)) else int(value))
         if name in ("ttl", "body_timeout"):
             return parse_duration(value)
@@ -79,3 +84,10 @@ def _coerce(name: str, value: Any) -> Any:
         return value
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: {exc}") from None
+
+
+def _float_or(text: str, default: float) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return default

@@ -1,8 +1,9 @@
-"""The host-memory tier: a preallocated pool of fixed-size block slots with LRU eviction.
+"""A preallocated pool of fixed-size block slots with LRU eviction: the memory tiers' common core.
 
-One allocation when the first block arrives (its size fixes the slot size), pinned when CUDA is present so
-H2D copies are asynchronous; no allocation per block afterwards. Slots being read or waiting for the disk
-writer hold a reference and are never evicted.
+One allocation when the first block arrives (its size fixes the slot size), on the pool's device (host RAM,
+pinned when CUDA is present so uploads are DMA; or GPU memory); no allocation per block afterwards. Slots
+being read or waiting for a writer hold a reference and are never evicted. ``host.HostTier`` and
+``gpu.GpuTier`` are this class on their device.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ import torch
 from tierkv.keys import BlockKey
 from tierkv.metrics import Counters
 
-log = logging.getLogger("tierkv.host")
+log = logging.getLogger("tierkv.pool")
 
 
-class HostTier:
-    def __init__(self, capacity_nbytes: int, *, pin: bool | None = None, counters: Counters | None = None) -> None:
+class BlockPool:
+    def __init__(self, capacity_nbytes: int, *, name: str, device: torch.device | str = "cpu", pin: bool = False,
+                 counters: Counters | None = None) -> None:
+        self.name = name  # the tier's name in counters and logs
+        self.device = torch.device(device)
         self.capacity_nbytes = capacity_nbytes
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pin = pin and self.device.type == "cpu"
         self.counters = counters or Counters()
         self.slot_nbytes = 0
         self.num_slots = 0
@@ -39,11 +43,15 @@ class HostTier:
         self.slot_nbytes = slot_nbytes
         self.num_slots = self.capacity_nbytes // slot_nbytes
         t0 = time.perf_counter()
-        self._pool = torch.empty((self.num_slots, slot_nbytes), dtype=torch.uint8, pin_memory=self.pin)
+        self._pool = torch.empty((self.num_slots, slot_nbytes), dtype=torch.uint8, device=self.device,
+                                 pin_memory=self.pin)
         # Touch every page now, once, instead of a page fault per 4 KiB on the save path later.
         self._pool.zero_()
-        log.info("host tier: %d slots of %d bytes (%.1f MiB%s) in %.2f s", self.num_slots, slot_nbytes,
-                 self.num_slots * slot_nbytes / 2**20, ", pinned" if self.pin else "", time.perf_counter() - t0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("%s tier: %d slots of %d bytes (%.1f MiB on %s%s) in %.2f s", self.name, self.num_slots, slot_nbytes,
+                 self.num_slots * slot_nbytes / 2**20, self.device, ", pinned" if self.pin else "",
+                 time.perf_counter() - t0)
         self._refs = [0] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
 
@@ -86,11 +94,14 @@ class HostTier:
                 if slot is None:
                     return None
                 # Copied under the lock: a block is ~1 MiB (tens of microseconds), and a reader must never
-                # see a half-written slot.
-                self._pool[slot].view(block.dtype).view(block.shape).copy_(block)
+                # see a half-written slot. On a GPU the copy is queued on the caller's stream, which is the
+                # stream that later reads the slot (stream order keeps it consistent); a host slot is
+                # complete when put returns (the disk writer reads it from another thread).
+                self._pool[slot].view(block.dtype).view(block.shape).copy_(block,
+                                                                           non_blocking=self.device.type == "cuda")
                 self._lru[key] = slot
-                self.counters.add("host", "blocks_written")
-                self.counters.add("host", "bytes_written", nbytes)
+                self.counters.add(self.name, "blocks_written")
+                self.counters.add(self.name, "bytes_written", nbytes)
             if hold:
                 self._refs[slot] += 1
             return self._pool[slot]
@@ -101,7 +112,7 @@ class HostTier:
         for key, slot in self._lru.items():  # least recently used first
             if self._refs[slot] == 0:
                 del self._lru[key]
-                self.counters.add("host", "evictions")
+                self.counters.add(self.name, "evictions")
                 return slot
         return None
 

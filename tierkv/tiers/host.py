@@ -1,0 +1,14 @@
+"""The host-memory tier: a pool of block slots in RAM, pinned when CUDA is present (uploads are then DMA)."""
+
+from __future__ import annotations
+
+import torch
+
+from tierkv.metrics import Counters
+from tierkv.tiers.pool import BlockPool
+
+
+class HostTier(BlockPool):
+    def __init__(self, capacity_nbytes: int, *, pin: bool | None = None, counters: Counters | None = None) -> None:
+        super().__init__(capacity_nbytes, name="host", device="cpu",
+                         pin=torch.cuda.is_available() if pin is None else pin, counters=counters)
