@@ -256,8 +256,9 @@ def test_cuda_restore_from_every_tier_is_bit_exact(tmp_path, ns) -> None:
     kv = make_kv(ns, 320, seed=21).cuda()
     with open_store(tmp_path, gpu_nbytes=5 * block_nbytes(ns), device="cuda",
                     host_bytes=10 * block_nbytes(ns)) as store:
-        store.save(ns, toks, kv)
-        store.flush()
+        for k in range(1, 21):  # one block at a time, so the LRU order is exact (see the first test)
+            store.save(ns, toks[: 16 * k], kv[:, :, : 16 * k], start_block=k - 1)
+            store.flush()
         out = torch.zeros_like(kv)
         hit, got = store.restore(ns, toks, out=out)
         assert hit.by_tier == {"gpu": 80, "host": 80, "disk": 160}
@@ -265,19 +266,35 @@ def test_cuda_restore_from_every_tier_is_bit_exact(tmp_path, ns) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_worker_generation_matches_cold(tmp_path) -> None:
+def test_cuda_worker_restores_exact_kv_from_every_tier(tmp_path) -> None:
+    """On a GPU the restored KV is bit-identical to the KV the model computed, and the same restored KV
+    gives bit-identical logits whichever tier it came from. Cold against warm logits is compared with a
+    tolerance: a 300-token forward and a 12-token one may pick other GEMM/attention kernels (other
+    reduction orders) for the same row, a property of the kernels and not of the cache."""
+    from tierkv.adapters import cache_layers
+    from tierkv.default_model import ByteTokenizer
+
+    model = tiny_model(None, torch.bfloat16).model.cuda()
+    ids = prompt(300, salt=8)
     with open_store(tmp_path, gpu_nbytes=2**26, device="cuda", host_bytes=2**26) as store:
-        model = tiny_model(store, torch.bfloat16).model.cuda()
-        cm = CachedModel(model, tiny_model(None).tokenizer, store, model_id="tiny", block_tokens=16)
-        ids = prompt(300, salt=8)
+        cm = CachedModel(model, ByteTokenizer(), store, model_id="tiny", block_tokens=16)
         first = cm.generate(ids, 16)
         cold = cm.prefill(ids, use_cache=False)
-        warm = cm.prefill(ids)
-        assert warm.hit.by_tier["gpu"] == 288
-        assert torch.equal(warm.logits, cold.logits)
+        from_gpu = cm.prefill(ids)
+        assert from_gpu.hit.by_tier["gpu"] == 288
+        store.gpu.clear()  # type: ignore[union-attr]
+        from_host = cm.prefill(ids)
+        assert from_host.hit.by_tier["host"] == 288
         assert cm.generate(ids, 16).token_ids == first.token_ids
         store.flush()
     with TieredStore.open(tmp_path, host_bytes=2**26) as store:  # disk -> pinned staging -> device
-        cm = CachedModel(model, tiny_model(None).tokenizer, store, model_id="tiny", block_tokens=16)
-        warm = cm.prefill(ids)
-        assert warm.hit.by_tier["disk"] == 288 and torch.equal(warm.logits, cold.logits)
+        cm = CachedModel(model, ByteTokenizer(), store, model_id="tiny", block_tokens=16)
+        from_disk = cm.prefill(ids)
+        assert from_disk.hit.by_tier["disk"] == 288
+    cold_k, cold_v = cache_layers(cold.cache, cm.layout)
+    for warm in (from_gpu, from_host, from_disk):
+        k, v = cache_layers(warm.cache, cm.layout)
+        assert all(torch.equal(a[:, :288], b[:, :288]) for a, b in zip(k + v, cold_k + cold_v))
+        assert torch.equal(warm.logits, from_gpu.logits)
+        assert int(warm.logits.argmax()) == int(cold.logits.argmax())
+        assert (warm.logits - cold.logits).abs().max().item() <= 5e-2

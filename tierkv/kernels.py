@@ -3,26 +3,50 @@
 One call moves N scattered blocks of all layers: ``gather_blocks`` builds ``[N, layers, 2, block_tokens,
 kv_heads, head_dim]`` from per-layer ``[kv_heads, tokens, head_dim]`` key and value tensors, and
 ``scatter_blocks`` writes such blocks back. The torch implementation issues 2 x layers indexed copies
-(not N x layers small ones); the optional CUDA extension (``cuda_ext/``, built with
-``TIERKV_BUILD_CUDA=1``) does it in one launch. Both have this interface; which one runs is logged once.
+(not N x layers small ones); the optional CUDA extension (``cuda_ext/``) does it in one launch. It is
+built ahead with ``TIERKV_BUILD_CUDA=1 pip install -e . --no-build-isolation``, or compiled at first import
+with ``TIERKV_CUDA_JIT=1`` (torch's cpp_extension, cached under ~/.cache/torch_extensions). Both have this
+interface; which one runs is logged once, at import.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger("tierkv.kernels")
 
-try:  # built only on request, on a CUDA machine: never required
-    from tierkv import _cuda_ext  # type: ignore[attr-defined]
-except ImportError:
-    _cuda_ext = None
+SOURCE = Path(__file__).resolve().parent.parent / "cuda_ext" / "gather_scatter.cu"
 
+
+def _load_extension() -> tuple[Any, str]:
+    try:  # built only on request, on a CUDA machine: never required
+        from tierkv import _cuda_ext  # type: ignore[attr-defined]
+
+        return _cuda_ext, "cuda_ext (built)"
+    except ImportError:
+        pass
+    if os.environ.get("TIERKV_CUDA_JIT") == "1" and torch.cuda.is_available() and SOURCE.exists():
+        try:
+            from torch.utils.cpp_extension import load
+
+            t0 = time.perf_counter()
+            ext = load("tierkv_cuda_ext", [str(SOURCE)])
+            return ext, f"cuda_ext (compiled in {time.perf_counter() - t0:.1f} s)"
+        except Exception as exc:  # no nvcc, a compiler error: the fallback is correct, only slower
+            log.warning("could not compile %s: %s", SOURCE, exc)
+    return None, "torch"
+
+
+_cuda_ext, _how = _load_extension()
 BACKEND = "cuda_ext" if _cuda_ext is not None else "torch"
-log.info("block gather/scatter: %s", BACKEND)
+log.info("block gather/scatter: %s", _how)
 
 
 def _starts_tensor(block_starts: torch.Tensor | range, device: torch.device) -> torch.Tensor:

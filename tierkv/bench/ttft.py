@@ -100,6 +100,7 @@ def run(base: Path, *, model: str = "default", lengths: tuple[int, ...] = (512, 
                     t0 = time.perf_counter()
                     cm.prefill(ids, use_cache=False) if kind == "cold" else cm.prefill(fresh)
                     (cold if kind == "cold" else nohit).append(time.perf_counter() - t0)
+            store.flush()  # the idle-priority disk writer lets go of the host slots it still holds
             cm.prefill(ids)
             store.flush()
             host, fwd = [], []

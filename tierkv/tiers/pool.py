@@ -28,6 +28,8 @@ class BlockPool:
                  counters: Counters | None = None) -> None:
         self.name = name  # the tier's name in counters and logs
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": compared to tensors'
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.capacity_nbytes = capacity_nbytes
         self.pin = pin and self.device.type == "cpu"
         self.counters = counters or Counters()
