@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 import torch
@@ -52,17 +53,61 @@ def test_illegal_transition_names_the_current_state() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_copy_reads_finished_kv_while_the_compute_stream_keeps_writing() -> None:
+@pytest.mark.parametrize("slots", [8, 2])  # 2: most blocks wait in the pending queue, issued by the drain
+def test_cuda_copy_reads_finished_kv_while_the_compute_stream_keeps_writing(slots: int) -> None:
     """The vLLM 45704 case: the copy must wait for the kernel that produced the block."""
     got = []
-    ring = StagingRing(8, 4 << 20, device="cuda", on_ready=lambda slot, meta: got.append(
+    ring = StagingRing(slots, 4 << 20, device="cuda", pending_nbytes=100 << 20, on_ready=lambda slot, meta: got.append(
         (meta, slot[: 4 << 20].view(torch.float32).clone())))
     for i in range(20):
         a = torch.randn(1024, 1024, device="cuda")
         block = (a @ a.T @ a @ a.T).mul_(0).add_(i)  # a long producer kernel still queued at submit time
-        ring.submit(block, i)  # the copy must wait for it, not read the allocator's stale bytes
+        assert ring.submit(block, i, keep_reference=True)  # the copy must wait for it, not read stale bytes
         del block  # freed at once: record_stream keeps its memory until the copy is done
         torch.empty(1024, 1024, device="cuda").fill_(-1)  # likely reuses that memory on the compute stream
     ring.flush()
+    assert [m for m, _ in got] == list(range(20))
     assert all(bool((t == m).all()) for m, t in got)
+    ring.close()
+
+
+def test_kept_blocks_wait_for_a_slot_instead_of_the_caller_and_keep_their_order() -> None:
+    """Model KV (never written again) queues while the slots drain: submit returns at once, nothing drops."""
+    release = threading.Event()
+    got = []
+
+    def slow_consumer(slot, meta):
+        release.wait(5)
+        got.append((meta, slot[:16].view(torch.float32).clone()))
+
+    ring = StagingRing(2, 64, on_ready=slow_consumer, wait_s=0.0, pending_nbytes=5 * 16)
+    blocks = [torch.full((4,), float(i)) for i in range(8)]
+    t0 = time.monotonic()
+    accepted = [ring.submit(b, i, keep_reference=True) for i, b in enumerate(blocks)]
+    assert time.monotonic() - t0 < 1.0  # did not wait for the stalled consumer
+    assert accepted == [True] * 7 + [False]  # 2 slots + 5 pending (80 bytes); the 8th is over the bound
+    assert ring.counters.snapshot()["staging"]["dropped_saves"] == 1
+    assert not ring.submit(torch.zeros(4), 99)  # a block the ring may not keep cannot wait: dropped
+    release.set()
+    ring.flush()
+    assert [m for m, _ in got] == list(range(7))
+    assert all(torch.equal(t, blocks[m]) for m, t in got)
+    assert all(s is SlotState.FREE for s in ring.state) and ring._pending_held == 0
+    ring.close()
+
+
+def test_new_blocks_never_overtake_pending_ones() -> None:
+    got = []
+    gate = threading.Event()
+    ring = StagingRing(1, 16, on_ready=lambda slot, meta: (gate.wait(5), got.append(meta)), wait_s=1.0,
+                       pending_nbytes=16)
+    assert ring.submit(torch.zeros(4), "a", keep_reference=True)  # takes the slot
+    assert ring.submit(torch.zeros(4), "b", keep_reference=True)  # pending
+    waiter = threading.Thread(target=lambda: ring.submit(torch.zeros(4), "c"))  # waits (not keepable)
+    waiter.start()
+    time.sleep(0.1)
+    gate.set()
+    waiter.join()
+    ring.flush()
+    assert got == ["a", "b", "c"]
     ring.close()

@@ -4,11 +4,15 @@ Each slot moves through explicit states::
 
     FREE --submit--> COPYING --(copy done: CUDA event)--> READY --drain thread--> DRAINING --> FREE
 
-``submit`` starts a device-to-host copy on a dedicated stream that first waits for the compute stream,
-so the copy reads finished KV (the missing fence behind vLLM issue 45704 restored stale KV), records a
-CUDA event, and returns at once. The drain thread polls events and hands each ready slot to
-``on_ready`` (which copies what it keeps: the host tier, the disk queue), then frees it. When every slot
-is busy, ``submit`` waits at most ``wait_s`` and then drops the block (a future miss, counted).
+``submit`` records an event on the compute stream and starts a device-to-host copy on a dedicated
+stream that first waits for that event, so the copy reads finished KV (the missing fence behind vLLM
+issue 45704 restored stale KV); it records a CUDA event for the copy and returns at once. The drain
+thread waits for the oldest slot's event and hands the slot to ``on_ready`` (which copies what it keeps:
+the host tier, the disk queue), then frees it. When every slot is busy, a block the caller will not write
+again (``keep_reference``: model KV) waits in a queue bounded by ``pending_nbytes`` and is copied when a
+slot frees, so the inference thread does not wait for the drain; past that bound, or for other blocks,
+``submit`` waits at most ``wait_s`` and then drops the block (a future miss, counted). Slots drain in
+submission order.
 
 Without CUDA the same class runs on CPU tensors: plain memory, synchronous copies, no events, so every
 path runs in CI. An illegal transition raises with the slot's current state.
@@ -20,6 +24,7 @@ import enum
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -43,12 +48,13 @@ class IllegalTransition(RuntimeError):
 
 class StagingRing:
     def __init__(self, num_slots: int, slot_nbytes: int, *, device: torch.device | str = "cpu",
-                 on_ready: Callable[[torch.Tensor, Any], None], wait_s: float = 0.005,
+                 on_ready: Callable[[torch.Tensor, Any], None], wait_s: float = 0.005, pending_nbytes: int = 0,
                  counters: Counters | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.on_ready = on_ready
         self.wait_s = wait_s
+        self.pending_nbytes = pending_nbytes
         self.counters = counters or Counters()
         t0 = time.perf_counter()
         # One allocation, at start-up: pinning tens of GiB takes seconds, never on the hot path.
@@ -58,7 +64,10 @@ class StagingRing:
         self.state = [SlotState.FREE] * num_slots
         self._events: list[Any] = [None] * num_slots
         self._meta: list[Any] = [None] * num_slots
+        self._issued = [False] * num_slots  # the slot's copy has been started (and its event recorded)
         self._order: list[int] = []  # slots in submission order: drained in that order
+        self._pending: deque[tuple[torch.Tensor, Any, Any]] = deque()  # (block, meta, ready event)
+        self._pending_held = 0  # bytes of the pending blocks
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._cv = threading.Condition()
         self._closed = False
@@ -71,36 +80,59 @@ class StagingRing:
                                     f"{self.state[slot].value}")
         self.state[slot] = to
 
-    def submit(self, block: torch.Tensor, meta: Any) -> bool:
-        """Start copying ``block`` (on its device) into a free slot; False (counted) if none came free.
+    def _claim(self, slot: int, meta: Any) -> None:
+        """FREE -> COPYING and a place in the drain order (under the lock; the copy is started after)."""
+        self._move(slot, SlotState.FREE, SlotState.COPYING)
+        self._meta[slot] = meta
+        self._issued[slot] = False
+        self._order.append(slot)
+
+    def submit(self, block: torch.Tensor, meta: Any, *, keep_reference: bool = False) -> bool:
+        """Start copying ``block`` (on its device) into a free slot; False (counted) if it was dropped.
 
         The block may be freed at once (its memory is kept until the copy is done), but not written to
-        before ``on_ready`` saw it: finished KV blocks are never written again by a model.
+        before ``on_ready`` saw it: finished KV blocks are never written again by a model. With
+        ``keep_reference`` the ring may hold the block until a slot frees (up to ``pending_nbytes``).
         """
         nbytes = block.numel() * block.element_size()
         if nbytes > self.slots.shape[1]:
             raise ValueError(f"block of {nbytes} bytes does not fit a {self.slots.shape[1]}-byte slot")
+        ready = None
+        if self.cuda:  # the fence: whatever the compute stream queued up to here is in the block
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(block.device))
         deadline = time.monotonic() + self.wait_s
         with self._cv:
             while True:
-                slot = next((i for i, s in enumerate(self.state) if s is SlotState.FREE), None)
-                if slot is not None or self._closed:
+                if self._closed:
+                    return False
+                # Pending blocks go first: a new block never overtakes them.
+                slot = None if self._pending else next(
+                    (i for i, s in enumerate(self.state) if s is SlotState.FREE), None)
+                if slot is not None:
+                    self._claim(slot, meta)
                     break
+                if keep_reference and self._pending_held + nbytes <= self.pending_nbytes:
+                    self._pending.append((block, meta, ready))
+                    self._pending_held += nbytes
+                    return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self.counters.add("staging", "dropped_saves")
                     return False
                 self._cv.wait(remaining)
-            if slot is None:
-                return False
-            self._move(slot, SlotState.FREE, SlotState.COPYING)
-            self._meta[slot] = meta
+        self._issue(slot, block, ready)
+        return True
+
+    def _issue(self, slot: int, block: torch.Tensor, ready: Any) -> None:
+        """Start the copy of ``block`` into its claimed ``slot`` (from ``submit`` or the drain thread)."""
+        nbytes = block.numel() * block.element_size()
         dst = self.slots[slot, :nbytes].view(block.dtype).view(block.shape)
         if self.cuda:
             stream = self._stream
             assert stream is not None
-            stream.wait_stream(torch.cuda.current_stream(block.device))  # the fence: read finished KV only
-            with torch.cuda.stream(stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):  # any thread, the ring's device
+                stream.wait_event(ready)
                 dst.copy_(block, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
@@ -108,21 +140,19 @@ class StagingRing:
             self._events[slot] = event
         else:
             dst.copy_(block)
-        with self._cv:
-            # Visible to the drain thread only now that the copy is issued (and its event recorded).
-            self._order.append(slot)
-            self._cv.notify_all()
         self.counters.add("staging", "blocks_written")
         self.counters.add("staging", "bytes_written", nbytes)
-        return True
+        with self._cv:
+            self._issued[slot] = True
+            self._cv.notify_all()
 
     def _drain_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._order and not self._closed:
+                while not (self._order and self._issued[self._order[0]]):
+                    if self._closed and not self._order:
+                        return
                     self._cv.wait(0.05)
-                if not self._order and self._closed:
-                    return
                 slot = self._order[0]
             event = self._events[slot]
             if event is not None and not event.query():
@@ -137,14 +167,22 @@ class StagingRing:
             except Exception:  # a failing consumer loses a save, never the ring
                 log.exception("staging ring: on_ready failed")
                 self.counters.add("staging", "write_errors")
+            nxt = None
             with self._cv:
                 self._move(slot, SlotState.DRAINING, SlotState.FREE)
+                if self._pending:  # the oldest waiting block takes the slot just freed
+                    block, meta, ready = self._pending.popleft()
+                    self._pending_held -= block.numel() * block.element_size()
+                    self._claim(slot, meta)
+                    nxt = (slot, block, ready)
                 self._cv.notify_all()
+            if nxt is not None:
+                self._issue(*nxt)
 
     def flush(self) -> None:
         """Wait until every submitted block was handed to ``on_ready``."""
         with self._cv:
-            while any(s is not SlotState.FREE for s in self.state):
+            while self._pending or any(s is not SlotState.FREE for s in self.state):
                 self._cv.wait(0.05)
 
     def close(self) -> None:

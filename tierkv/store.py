@@ -115,8 +115,9 @@ class TieredStore:
                  staging_nbytes: int = 512 << 20, staging_wait_s: float = 0.005) -> None:
         """``staging``: blocks go to the host and disk tiers through the staging ring; None (default) when
         they are on a CUDA device, True also on CPU (the same code path, synchronous copies).
-        ``staging_nbytes``: the ring's pinned memory. A prefill whose new blocks fit in it never waits for
-        the drain; past it each block waits at most ``staging_wait_s`` for a slot, then is dropped (counted).
+        ``staging_nbytes``: the ring's pinned memory, and as much again of GPU blocks waiting for a slot.
+        A prefill whose new blocks fit in both never waits for the drain; past that each block waits at
+        most ``staging_wait_s`` for a slot, then is dropped (counted).
         """
         self.gpu = gpu
         self.host = host
@@ -268,7 +269,8 @@ class TieredStore:
             pending = _Pending(ns, spec, keys[i], keys[i - 1] if i else root_key(ns.digest),
                                token_bytes[i * B * 4 : (i + 1) * B * 4], now)
             if ring is not None:
-                kept += ring.submit(block, pending)  # False: dropped (counted by the ring)
+                # Model KV on a GPU is never written again: the ring may hold it while its slots are busy.
+                kept += ring.submit(block, pending, keep_reference=block.device.type == "cuda")  # False: dropped
             else:
                 self._keep(block if block.device.type == "cpu" else block.cpu(), pending)
                 kept += 1
@@ -281,8 +283,9 @@ class TieredStore:
         with self._ring_lock:
             if self._ring is None:
                 slots = max(2, self.staging_nbytes // spec.block_nbytes)
-                self._ring = StagingRing(slots, spec.block_nbytes, device=device,
-                                         on_ready=self._drain, wait_s=self.staging_wait_s, counters=self.counters)
+                self._ring = StagingRing(slots, spec.block_nbytes, device=device, on_ready=self._drain,
+                                         wait_s=self.staging_wait_s, pending_nbytes=self.staging_nbytes,
+                                         counters=self.counters)
             ring = self._ring
         if ring.device != device or ring.slots.shape[1] < spec.block_nbytes:
             return None  # another device or a larger block than the slots: the direct path
