@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tierkv import ConfigError, Namespace, TieredStore
+from tierkv.keys import block_keys
 
 from helpers import make_kv
 
@@ -133,3 +134,28 @@ def test_compressed_records_roundtrip_through_disk(tmp_path, ns, codec_: str) ->
     with TieredStore.open(tmp_path, host_bytes=0) as store:  # reads whatever codec each record says
         n, got = store.load(ns, toks)
     assert n == 64 and torch.equal(got, kv)
+
+
+def test_a_writer_that_falls_behind_never_starves_the_host_tier(tmp_path, ns, monkeypatch) -> None:
+    """Writers hold at most half the host slots; past that they get their own copy, so the newest blocks
+    still enter the host tier while the disk writer is stalled, and nothing is lost once it resumes."""
+    import threading
+
+    gate = threading.Event()
+    toks = list(range(16 * 12))  # 12 blocks
+    kv = make_kv(ns, 16 * 12, seed=2)
+    block_nbytes = kv[:, :, :16].numel() * 2
+    with TieredStore.open(tmp_path, host_bytes=8 * block_nbytes) as store:
+        write_batch = store.disk._write_batch
+        monkeypatch.setattr(store.disk, "_write_batch", lambda items: (gate.wait(10), write_batch(items)))
+        for k in range(1, 13):  # one block per request, as a server saves them
+            store.save(ns, toks[: 16 * k], kv[:, :, : 16 * k], start_block=k - 1)
+        in_host = store.host.contains(block_keys(ns, toks))
+        assert in_host[-4:] == [True] * 4  # the newest blocks are in RAM although the writer is stuck
+        assert sum(in_host) == 8 and store.host._held <= 4
+        gate.set()
+        store.flush()
+        assert store.host._held == 0
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        hit, got = store.restore(ns, toks)
+        assert hit.by_tier["disk"] == 16 * 12 and torch.equal(got, kv)

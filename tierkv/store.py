@@ -300,10 +300,12 @@ class TieredStore:
         """Copy a block (CPU) into the host tier and queue it for the disk and remote tiers."""
         share = self.remote is not None and self.remote.admitted(p.key)
         sinks = (self.disk is not None) + share
-        held = self.host.put(p.key, block, hold=sinks > 0) if self.host is not None else None
+        hold = sinks > 0 and self.host is not None and self.host.can_hold()
+        slot = self.host.put(p.key, block, hold=hold) if self.host is not None else None
         if not sinks:
             return
-        # Without a host slot the writers get their own copy: the caller may reuse ``block`` at once.
+        held = slot if hold else None
+        # Without a held host slot the writers get their own copy: the caller may reuse ``block`` at once.
         payload = held if held is not None else block.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
         if share and held is not None and self.disk is not None:
             self.host.retain(held)  # type: ignore[union-attr]  # one reference per writer

@@ -22,6 +22,10 @@ from tierkv.metrics import Counters
 
 log = logging.getLogger("tierkv.pool")
 
+# Writers (disk, remote) may hold at most this share of the slots: past it they get their own copy, so a
+# writer that falls behind under sustained load never leaves the tier without slots for new blocks.
+MAX_HELD_FRACTION = 0.5
+
 
 class BlockPool:
     def __init__(self, capacity_nbytes: int, *, name: str, device: torch.device | str = "cpu", pin: bool = False,
@@ -38,6 +42,7 @@ class BlockPool:
         self._pool: torch.Tensor | None = None
         self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # key -> slot, least recently used first
         self._refs: list[int] = []
+        self._held = 0  # slots with a reference: never evicted
         self._free: list[int] = []
         self._lock = threading.Lock()
 
@@ -105,8 +110,17 @@ class BlockPool:
                 self.counters.add(self.name, "blocks_written")
                 self.counters.add(self.name, "bytes_written", nbytes)
             if hold:
-                self._refs[slot] += 1
+                self._ref(slot)
             return self._pool[slot]
+
+    def _ref(self, slot: int) -> None:
+        self._held += self._refs[slot] == 0
+        self._refs[slot] += 1
+
+    def can_hold(self) -> bool:
+        """Whether a writer may hold one more slot (see ``MAX_HELD_FRACTION``)."""
+        with self._lock:
+            return self._pool is None or self._held < self.num_slots * MAX_HELD_FRACTION
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -132,6 +146,7 @@ class BlockPool:
         with self._lock:
             assert self._refs[slot] > 0, f"slot {slot} released more often than held"
             self._refs[slot] -= 1
+            self._held -= self._refs[slot] == 0
 
     @contextlib.contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[torch.Tensor | None]]:
@@ -144,7 +159,7 @@ class BlockPool:
                     views.append(None)
                     continue
                 self._lru.move_to_end(key)
-                self._refs[slot] += 1
+                self._ref(slot)
                 views.append(self._pool[slot])
         try:
             yield views
