@@ -80,7 +80,7 @@ def gather_blocks(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
     N = len(block_starts) if isinstance(block_starts, range) else block_starts.numel()
     if out is None:
         out = torch.empty((N, L, 2, block_tokens, H, D), dtype=keys[0].dtype, device=keys[0].device)
-    if _cuda_ext is not None and keys[0].is_cuda:
+    if _cuda_ext is not None and keys[0].is_cuda and (D * keys[0].element_size()) % 2 == 0:
         _cuda_ext.gather(list(keys), list(values), _starts_tensor(block_starts, keys[0].device), block_tokens, out)
         return out
     span = _as_slice(block_starts, block_tokens)
@@ -96,7 +96,7 @@ def scatter_blocks(blocks: torch.Tensor, keys: Sequence[torch.Tensor], values: S
                    block_starts: torch.Tensor | range) -> None:
     """Write canonical ``blocks`` ``[N, layers, 2, block_tokens, kv_heads, head_dim]`` into the caches."""
     N, L, _, B, H, D = blocks.shape
-    if _cuda_ext is not None and blocks.is_cuda:
+    if _cuda_ext is not None and blocks.is_cuda and (D * blocks.element_size()) % 2 == 0:
         _cuda_ext.scatter(blocks, list(keys), list(values), _starts_tensor(block_starts, blocks.device))
         return
     idx = _token_index(_starts_tensor(block_starts, blocks.device), B)

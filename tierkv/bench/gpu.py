@@ -142,6 +142,28 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
     return rows
 
 
+def _show_ring(r: dict[str, float]) -> None:
+    print(f"ring D2H      {r['ring_d2h_GBps']:6.1f} GB/s vs torch pinned {r['torch_d2h_GBps']:.1f} GB/s "
+          f"({r['ring_over_torch']:.2f}x; goal >= 0.8)")
+
+
+def _show_restore(h: dict[str, float]) -> None:
+    print(f"restore H2D   {h['restore_h2d_GBps']:6.1f} GB/s vs torch pinned {h['torch_h2d_GBps']:.1f} GB/s "
+          f"({h['restore_over_torch']:.2f}x; goal >= 0.8)")
+
+
+def _show_gather(g: dict[str, Any]) -> None:
+    print(f"gather 1000 blocks ({g['backend']}): {g['batched_ms']:.2f} ms vs loop {g['loop_ms']:.1f} ms "
+          f"({g['speedup']:.0f}x; goal >= 5)")
+
+
+def _show_ttft(rows: list[dict[str, Any]]) -> None:
+    print("tokens  cold ms  gpu ms  host ms  disk(warm) ms  save overhead (goal <= 3%)")
+    for row in rows:
+        print(f"{row['tokens']:6d}  {row['cold_ms']:7.1f}  {row['gpu_ms']:6.1f}  {row['host_ms']:7.1f}  "
+              f"{row['disk_warm_ms']:13.1f}  {100 * row['save_overhead']:+.1f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results/gpu")
@@ -152,24 +174,22 @@ def main() -> None:
 
     from tierkv.telemetry import gpu_telemetry
 
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "ring": ring_vs_torch(),
-           "restore": restore_h2d(), "gather": gather_vs_loop(), "ttft": ttft_1b(),
-           "telemetry": [dataclasses.asdict(g) for g in gpu_telemetry()]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(res, indent=2))
-    r, h, g = res["ring"], res["restore"], res["gather"]
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     print(f"device {res['device']}, torch {res['torch']}")
-    print(f"ring D2H      {r['ring_d2h_GBps']:6.1f} GB/s vs torch pinned {r['torch_d2h_GBps']:.1f} GB/s "
-          f"({r['ring_over_torch']:.2f}x; goal >= 0.8)")
-    print(f"restore H2D   {h['restore_h2d_GBps']:6.1f} GB/s vs torch pinned {h['torch_h2d_GBps']:.1f} GB/s "
-          f"({h['restore_over_torch']:.2f}x; goal >= 0.8)")
-    print(f"gather 1000 blocks ({g['backend']}): {g['batched_ms']:.2f} ms vs loop {g['loop_ms']:.1f} ms "
-          f"({g['speedup']:.0f}x; goal >= 5)")
-    print("tokens  cold ms  gpu ms  host ms  disk(warm) ms  save overhead (goal <= 3%)")
-    for row in res["ttft"]:
-        print(f"{row['tokens']:6d}  {row['cold_ms']:7.1f}  {row['gpu_ms']:6.1f}  {row['host_ms']:7.1f}  "
-              f"{row['disk_warm_ms']:13.1f}  {100 * row['save_overhead']:+.1f}%")
+    # Each part on its own: one that fails (the first run on a new machine) must not lose the others.
+    for name, part, show in (("ring", ring_vs_torch, _show_ring), ("restore", restore_h2d, _show_restore),
+                             ("gather", gather_vs_loop, _show_gather), ("ttft", ttft_1b, _show_ttft)):
+        try:
+            res[name] = part()
+            show(res[name])
+        except Exception as exc:
+            res[name] = {"error": repr(exc)}
+            print(f"{name}: FAILED {exc!r}")
+        (out / "gpu.json").write_text(json.dumps(res, indent=2))
+    res["telemetry"] = [dataclasses.asdict(g) for g in gpu_telemetry()]
+    (out / "gpu.json").write_text(json.dumps(res, indent=2))
     for t in res["telemetry"]:
         print(f"NVML gpu {t['index']}: {t['memory_used_nbytes'] / 2**30:.1f} of {t['memory_total_nbytes'] / 2**30:.1f} GiB, "
               f"busy {t['utilization_gpu_pct']}%, PCIe {t['pcie_tx_Bps'] / 1e9:.2f} GB/s out, "
