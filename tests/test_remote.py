@@ -169,3 +169,25 @@ def test_two_servers_share_one_redis(tmp_path, redis_server) -> None:
     tiers = rb.usage.model_extra["tierkv"]["cached_tokens_by_tier"]
     assert tiers["remote"] == rb.usage.prompt_tokens_details.cached_tokens > 0
     assert rb.choices[0].message.content == ra.choices[0].message.content
+
+
+def test_remote_hits_staged_in_chunks_are_exact(tmp_path, ns, redis_server, monkeypatch) -> None:
+    """Remote records restored into a destination records cannot be scattered into (a GPU's path): they go
+    through the chunk buffers, a chunk at a time, after the local disk blocks."""
+    from tierkv import store as store_mod
+    from tierkv.layout import KVSpec
+
+    spec = KVSpec.of(ns)
+    monkeypatch.setattr(store_mod, "RESTORE_CHUNK_NBYTES", 2 * spec.block_nbytes)
+    toks = list(range(160))  # 10 blocks
+    kv = make_kv(ns, 160, seed=4)
+    with TieredStore.open(tmp_path / "a", host_bytes=0, remote=redis_server.url) as a:
+        a.save(ns, toks, kv)
+        a.flush()
+    with TieredStore.open(tmp_path / "b", host_bytes=0, remote=redis_server.url) as b:
+        b.save(ns, toks[:48], kv[:, :, :48])  # the first 3 blocks are on b's disk too
+        b.flush()
+        out = torch.zeros(spec.num_layers, 2, spec.num_kv_heads, 160, spec.head_dim, dtype=spec.dtype).transpose(2, 3)
+        hit, got = b.restore(ns, toks, out=out)
+        assert hit.by_tier == {"host": 0, "disk": 48, "remote": 112}
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, kv)

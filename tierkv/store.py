@@ -8,7 +8,7 @@ Saving blocks that live on a GPU: they enter the GPU tier by a device copy, and 
 the staging ring (pinned slots, a side stream fenced on the compute stream); the ring's drain thread hands
 them to the host tier and the disk writer. The inference thread never waits for a device-to-host copy.
 Restoring into a GPU: GPU-tier blocks by a device copy, host blocks by DMA from pinned slots, disk blocks
-read in chunks into a pinned staging buffer, each chunk uploaded while the next one is read.
+read in chunks into two pinned buffers, each chunk uploaded while the next one is read into the other.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -83,15 +84,55 @@ def _rows_scatterable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.stride(4) == 1 and t.stride(3) == D and t.stride(2) == H * D
 
 
-def _runs(idx: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted block indices as ``[a, b)`` runs of consecutive ones."""
-    runs: list[tuple[int, int]] = []
-    for i in idx:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
+def _pair_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(i, j)`` pairs as ``(i0, j0, count)`` runs where both go up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for i, j in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == j:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
-            runs.append((i, i + 1))
+            runs.append((i, j, 1))
     return runs
+
+
+class _Stager:
+    """Two chunk buffers (pinned for a GPU, allocated once): records are read into one while the other is
+    uploaded to the destination, asynchronously on a GPU. Each holds ``blocks`` blocks."""
+
+    def __init__(self, spec: KVSpec, pin: bool) -> None:
+        self.spec = spec
+        self.pin = pin
+        self.blocks = max(1, RESTORE_CHUNK_NBYTES // spec.block_nbytes)
+        t0 = time.perf_counter()
+        self.buffers = [torch.empty(spec.shape(self.blocks * spec.block_tokens), dtype=spec.dtype, pin_memory=pin)
+                        for _ in range(2)]
+        log.info("restore staging: 2 x %d blocks (%.1f MiB%s) in %.2f s", self.blocks,
+                 2 * self.blocks * spec.block_nbytes / 2**20, ", pinned" if pin else "", time.perf_counter() - t0)
+        self._events: list[Any] = [None, None]
+        self._next = 0
+        self.dest: torch.Tensor | None = None
+
+    def acquire(self) -> int:
+        """The next buffer, once its previous upload is done."""
+        k, self._next = self._next, self._next ^ 1
+        if self._events[k] is not None:
+            self._events[k].synchronize()
+            self._events[k] = None
+        return k
+
+    def upload(self, k: int, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy blocks ``j`` of buffer ``k`` to blocks ``i`` of the destination, for each ``(i, j)``."""
+        dest, buf, B = self.dest, self.buffers[k], self.spec.block_tokens
+        assert dest is not None
+        for i0, j0, count in _pair_runs(pairs):
+            for layer in range(self.spec.num_layers):  # per (layer, k/v): each run is contiguous there
+                for kv in (0, 1):
+                    dest[layer, kv, i0 * B : (i0 + count) * B].copy_(buf[layer, kv, j0 * B : (j0 + count) * B],
+                                                                     non_blocking=True)
+        if dest.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dest.device))
+            self._events[k] = event
 
 
 def _wait_for_copies(t: torch.Tensor) -> None:
@@ -134,7 +175,7 @@ class TieredStore:
         self.staging_wait_s = staging_wait_s
         self._ring: StagingRing | None = None
         self._ring_lock = threading.Lock()
-        self._restore_buf: torch.Tensor | None = None  # the staging buffer of restores into a GPU
+        self._stager: _Stager | None = None  # chunk buffers of restores into a GPU
         self._restore_lock = threading.Lock()
         self._registered: set[NamespaceDigest] = set()
 
@@ -421,29 +462,30 @@ class TieredStore:
             dest = out if out is not None else torch.empty(spec.shape(n_all * B), dtype=spec.dtype)
             disk_idx = [i for i in wanted[: len(entries)] if i < n]
             needs_read = bool(disk_idx) or bool(remote_records)
-            with self._staging_for(dest, spec, n_all * B, needs_read) as (staging, upload):
-                ok_until = self._restore_from_disk(ns, spec, keys, token_bytes, disk_idx, entries, staging, upload)
+            # Memory-tier blocks first: on a GPU these copies (device copies, DMA from pinned host slots) run
+            # while the disk blocks are read. Past a block that then fails verification, ``dest`` is
+            # unspecified, as documented.
+            for i in range(n):
+                if src[i] is not None:
+                    view = views[src[i]][i]
+                    dest[:, :, i * B : (i + 1) * B].copy_(view.view(spec.dtype).view(spec.block_shape),
+                                                          non_blocking=True)
+            with self._stager_for(dest, spec, needs_read) as stager:
+                ok_until = self._restore_from_disk(ns, spec, keys, token_bytes, disk_idx, entries, dest, stager)
                 n_local = min(n, ok_until)
-                for i in range(n_local):
-                    if src[i] is not None:  # GPU: a device copy; pinned host: a DMA; else a memcpy
-                        view = views[src[i]][i]
-                        dest[:, :, i * B : (i + 1) * B].copy_(view.view(spec.dtype).view(spec.block_shape),
-                                                              non_blocking=True)
                 for k, pool in enumerate(self.pools):
                     by_tier[pool.name] = sum(t == k for t in src[:n_local]) * B
                 by_tier["disk"] = n_local * B - sum(by_tier[p.name] for p in self.pools)
                 m = 0
                 if n_local == n and remote_records:
-                    m = self._restore_from_remote(ns, spec, keys, token_bytes, n, remote_records, staging)
-                    if m and upload is not None:
-                        upload(n, n + m)
+                    m = self._restore_from_remote(ns, spec, keys, token_bytes, n, remote_records, dest, stager)
                     by_tier["remote"] = m * B
                 n = n_local + m
                 if self.gpu is not None and self.gpu.device == dest.device:  # promote: next hit is a device copy
                     for i in range(n):
                         if src[i] != 0:
                             self.gpu.put(keys[i], dest[:, :, i * B : (i + 1) * B])
-                _wait_for_copies(dest)  # before the host slots and the staging buffer are let go
+                _wait_for_copies(dest)  # before the host slots and the chunk buffers are let go
         if self.remote is not None and self.remote.admit_after > 1 and self.host is not None:
             self._share_newly_admitted(ns, spec, keys[:n], token_bytes)
         self.counters.add("store", "miss_blocks", len(keys) - n)
@@ -455,62 +497,52 @@ class TieredStore:
         return hit, (dest[:, :, : n * B] if n else None)
 
     @contextlib.contextmanager
-    def _staging_for(self, dest: torch.Tensor, spec: KVSpec, num_tokens: int, needed: bool
-                     ) -> Iterator[tuple[torch.Tensor, Callable[[int, int], None] | None]]:
-        """Where disk and remote records land, and how blocks ``[a, b)`` then reach ``dest``.
-
-        ``dest`` itself when records can be scattered into it (a CPU tensor); else a reused staging buffer
-        (pinned when ``dest`` is on a GPU) and an upload of each verified range, asynchronous on a GPU.
-        """
+    def _stager_for(self, dest: torch.Tensor, spec: KVSpec, needed: bool) -> Iterator[_Stager | None]:
+        """None when records can be scattered straight into ``dest`` (a CPU tensor); else the chunk buffers
+        (pinned when ``dest`` is on a GPU), held for this restore."""
         if not needed or _rows_scatterable(dest):
-            yield dest, None
+            yield None
             return
         with self._restore_lock:
-            buf = self._restore_buf
             pin = dest.device.type == "cuda"
-            if buf is None or buf.shape[2] < num_tokens or buf.dtype != spec.dtype or buf.shape[:2] != (
-                    spec.num_layers, 2) or buf.shape[3:] != spec.block_shape[3:] or buf.is_pinned() != pin:
-                buf = torch.empty(spec.shape(max(num_tokens, 1024)), dtype=spec.dtype, pin_memory=pin)
-                self._restore_buf = buf
-            staging = buf[:, :, :num_tokens]
-            B = spec.block_tokens
-
-            def upload(a: int, b: int) -> None:
-                for layer in range(spec.num_layers):  # per (layer, k/v): each range is contiguous there
-                    for kv in (0, 1):
-                        dest[layer, kv, a * B : b * B].copy_(staging[layer, kv, a * B : b * B], non_blocking=True)
-
+            stager = self._stager
+            if stager is None or stager.spec != spec or stager.pin != pin:
+                stager = self._stager = _Stager(spec, pin)
+            stager.dest = dest
             try:
-                yield staging, upload
+                yield stager
             finally:
-                _wait_for_copies(dest)  # the next restore may overwrite the staging buffer
+                _wait_for_copies(dest)  # the next restore may overwrite the buffers
+                stager.dest = None
 
     def _restore_from_disk(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                           idx: list[int], entries: list, target: torch.Tensor,
-                           upload: Callable[[int, int], None] | None = None) -> int:
-        """Read and verify disk blocks ``idx`` into ``target``; returns the first block index that failed
+                           idx: list[int], entries: list, dest: torch.Tensor, stager: _Stager | None) -> int:
+        """Read and verify disk blocks ``idx`` into ``dest``; returns the first block index that failed
         (or ``len(keys)``). Blocks are verified in order, so everything before the returned index is exact.
 
-        With ``upload``, blocks are read in chunks of about ``RESTORE_CHUNK_NBYTES`` and each verified chunk
-        is handed to ``upload(first, end)`` before the next is read (the copy overlaps the read).
+        With a ``stager``, blocks are read a chunk at a time into one of its buffers, and each verified chunk
+        is uploaded to ``dest`` while the next is read into the other buffer.
         """
         if not idx:
             return len(keys)
-        per_chunk = len(idx) if upload is None else max(1, RESTORE_CHUNK_NBYTES // spec.block_nbytes)
-        for c in range(0, len(idx), per_chunk):
-            part, part_entries = idx[c : c + per_chunk], entries[c : c + per_chunk]
-            failed_at = self._read_disk_blocks(ns, spec, keys, token_bytes, part, part_entries, target)
-            if upload is not None:
-                for a, b in _runs([i for i in part if i < failed_at]):
-                    upload(a, b)
+        if stager is None:
+            return self._read_disk_blocks(ns, spec, keys, token_bytes, idx, entries, dest, {i: i for i in idx})
+        for c in range(0, len(idx), stager.blocks):
+            part, part_entries = idx[c : c + stager.blocks], entries[c : c + stager.blocks]
+            k = stager.acquire()
+            local = {i: j for j, i in enumerate(part)}
+            failed_at = self._read_disk_blocks(ns, spec, keys, token_bytes, part, part_entries, stager.buffers[k],
+                                               local)
+            stager.upload(k, [(i, local[i]) for i in part if i < failed_at])
             if failed_at < len(keys):
                 return failed_at
         return len(keys)
 
     def _read_disk_blocks(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                          idx: list[int], entries: list, target: torch.Tensor) -> int:
-        """One read of disk blocks ``idx`` into ``target`` (records scattered in place, verified on the
-        reading threads); returns the first index that failed or ``len(keys)``."""
+                          idx: list[int], entries: list, target: torch.Tensor, pos: dict[int, int]) -> int:
+        """One read of disk blocks ``idx`` into ``target``, block ``i`` at block position ``pos[i]`` (records
+        scattered in place, verified on the reading threads); returns the first index that failed or
+        ``len(keys)``."""
         assert self.disk is not None
         B = ns.block_tokens
         prefix_nbytes = codec.HEADER_NBYTES + 4 * B
@@ -525,7 +557,7 @@ class TieredStore:
         for j, (i, e) in enumerate(zip(idx, entries)):
             if e.nbytes == raw_nbytes:
                 views = [scratch[j * prefix_nbytes : (j + 1) * prefix_nbytes]]
-                views += [memoryview(row[i * chunk : (i + 1) * chunk]) for row in rows]
+                views += [memoryview(row[pos[i] * chunk : (pos[i] + 1) * chunk]) for row in rows]
                 scatter.append((i, e, views))
             else:
                 whole.append((i, e))
@@ -539,7 +571,7 @@ class TieredStore:
                     codec.check_raw_pieces(header, views[1:])
                 else:  # a compressed record that happens to have the raw length
                     payload = codec.decode_payload(header, memoryview(b"".join(views[1:])))
-                    target[:, :, i * B : (i + 1) * B].copy_(_as_tensor(payload, spec.dtype, spec.block_shape))
+                    target[:, :, pos[i] * B : (pos[i] + 1) * B].copy_(_as_tensor(payload, spec.dtype, spec.block_shape))
             except RecordError:
                 return False
             return True
@@ -563,18 +595,35 @@ class TieredStore:
                         failed_at = i
                         self._purge_if_indexed(keys[i], e)
                         break
-                    target[:, :, i * B : (i + 1) * B].copy_(_as_tensor(payload, spec.dtype, spec.block_shape))
+                    target[:, :, pos[i] * B : (pos[i] + 1) * B].copy_(_as_tensor(payload, spec.dtype, spec.block_shape))
         good = [i for i in idx if i < failed_at]
         self.disk.touch([keys[i] for i in good], sum(e.nbytes for i, e in zip(idx, entries) if i < failed_at))
         if self.host is not None:  # promote: the next hit on these blocks comes from RAM
             for i in good:
-                self.host.put(keys[i], target[:, :, i * B : (i + 1) * B])
+                self.host.put(keys[i], target[:, :, pos[i] * B : (pos[i] + 1) * B])
         return failed_at
 
     def _restore_from_remote(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                             start: int, records: list[bytes], target: torch.Tensor) -> int:
-        """Verify remote records for blocks ``start, start+1, ...`` into ``target``; promote them into the
-        local tiers. Returns how many verified (a bad one is deleted remotely and ends the prefix)."""
+                             start: int, records: list[bytes], dest: torch.Tensor, stager: _Stager | None) -> int:
+        """Verify remote records for blocks ``start, start+1, ...`` into ``dest`` (through the stager's
+        buffers, a chunk at a time, when it has one); promote them into the local tiers. Returns how many
+        verified (a bad one is deleted remotely and ends the prefix)."""
+        if stager is None:
+            return self._verify_remote(ns, spec, keys, token_bytes, start, records, dest, 0)
+        done = 0
+        for c in range(0, len(records), stager.blocks):
+            part = records[c : c + stager.blocks]
+            k = stager.acquire()
+            m = self._verify_remote(ns, spec, keys, token_bytes, start + c, part, stager.buffers[k], start + c)
+            stager.upload(k, [(start + c + j, j) for j in range(m)])
+            done += m
+            if m < len(part):
+                break
+        return done
+
+    def _verify_remote(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
+                       start: int, records: list[bytes], target: torch.Tensor, base: int) -> int:
+        """Decode remote records for blocks ``start, ...`` into ``target`` (block ``i`` at ``i - base``)."""
         assert self.remote is not None
         B = ns.block_tokens
         now = self.clock()
@@ -587,7 +636,7 @@ class TieredStore:
                 self.counters.add("remote", "corrupt_blocks")
                 self.remote.delete(ns.digest, keys[i])
                 return j
-            block = target[:, :, i * B : (i + 1) * B]
+            block = target[:, :, (i - base) * B : (i - base + 1) * B]
             block.copy_(_as_tensor(payload, spec.dtype, spec.block_shape))
             if self.host is not None:
                 self.host.put(keys[i], block)
