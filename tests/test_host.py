@@ -55,3 +55,26 @@ def test_zero_capacity_keeps_nothing() -> None:
     host = HostTier(64, pin=False)
     assert host.put(_key(0), _block(0)) is None
     assert len(host) == 0
+
+
+def test_put_many_writes_new_blocks_in_one_indexed_copy_and_touches_known_ones() -> None:
+    host = HostTier(4 * 128, pin=False)
+    host.put(_key(1), _block(-1))  # already there: kept as is, only touched
+    host.put(_key(9), _block(9))
+    stack = torch.stack([_block(v) for v in (0, 1, 2)])
+    assert host.put_many([_key(0), _key(1), _key(2)], stack) == 2
+    host.put(_key(3), _block(3))  # the pool is full: evicts 9, the least recently used
+    assert host.contains([_key(i) for i in (0, 1, 2, 3, 9)]) == [True, True, True, True, False]
+    with host.read([_key(0), _key(1), _key(2)]) as views:
+        got = [v.view(torch.float32).view(2, 2, 4, 1, 2) for v in views]
+    assert torch.equal(got[0], _block(0)) and torch.equal(got[1], _block(-1)) and torch.equal(got[2], _block(2))
+
+
+def test_put_many_stops_when_every_slot_is_referenced() -> None:
+    host = HostTier(2 * 128, pin=False)
+    held = host.put(_key(0), _block(0), hold=True)
+    assert host.put_many([_key(1), _key(2), _key(3)], torch.stack([_block(v) for v in (1, 2, 3)])) == 1
+    assert host.contains([_key(1), _key(2), _key(3)]) == [True, False, False]
+    with host.read([_key(1)]) as (view,):  # a later block of the batch did not take its slot
+        assert torch.equal(view.view(torch.float32).view(2, 2, 4, 1, 2), _block(1))
+    host.release(held)

@@ -111,3 +111,20 @@ def test_new_blocks_never_overtake_pending_ones() -> None:
     ring.flush()
     assert got == ["a", "b", "c"]
     ring.close()
+
+
+def test_submit_many_takes_what_fits_queues_the_rest_and_drops_past_the_bound() -> None:
+    release = threading.Event()
+    got = []
+    ring = StagingRing(3, 64, on_ready=lambda slot, meta: (release.wait(5), got.append(
+        (meta, slot[:16].view(torch.float32).clone()))), wait_s=0.01, pending_nbytes=2 * 16)
+    blocks = [torch.full((4,), float(i)) for i in range(7)]
+    accepted = ring.submit_many(blocks, list(range(7)), keep_reference=True)
+    assert accepted == [True] * 5 + [False, False]  # 3 slots + 2 pending; the last two wait, then drop
+    assert ring.counters.snapshot()["staging"]["dropped_saves"] == 2
+    release.set()
+    ring.flush()
+    assert [m for m, _ in got] == list(range(5))
+    assert all(torch.equal(t, blocks[m]) for m, t in got)
+    assert ring.submit_many([torch.zeros(4)] * 4, list("abcd")) == [True] * 4  # slots free again
+    ring.close()

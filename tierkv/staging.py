@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -94,56 +94,86 @@ class StagingRing:
         before ``on_ready`` saw it: finished KV blocks are never written again by a model. With
         ``keep_reference`` the ring may hold the block until a slot frees (up to ``pending_nbytes``).
         """
-        nbytes = block.numel() * block.element_size()
-        if nbytes > self.slots.shape[1]:
-            raise ValueError(f"block of {nbytes} bytes does not fit a {self.slots.shape[1]}-byte slot")
-        ready = None
-        if self.cuda:  # the fence: whatever the compute stream queued up to here is in the block
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(block.device))
-        deadline = time.monotonic() + self.wait_s
-        with self._cv:
-            while True:
-                if self._closed:
-                    return False
-                # Pending blocks go first: a new block never overtakes them.
-                slot = None if self._pending else next(
-                    (i for i, s in enumerate(self.state) if s is SlotState.FREE), None)
-                if slot is not None:
-                    self._claim(slot, meta)
-                    break
-                if keep_reference and self._pending_held + nbytes <= self.pending_nbytes:
-                    self._pending.append((block, meta, ready))
-                    self._pending_held += nbytes
-                    return True
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.counters.add("staging", "dropped_saves")
-                    return False
-                self._cv.wait(remaining)
-        self._issue(slot, block, ready)
-        return True
+        return self.submit_many([block], [meta], keep_reference=keep_reference)[0]
 
-    def _issue(self, slot: int, block: torch.Tensor, ready: Any) -> None:
-        """Start the copy of ``block`` into its claimed ``slot`` (from ``submit`` or the drain thread)."""
-        nbytes = block.numel() * block.element_size()
-        dst = self.slots[slot, :nbytes].view(block.dtype).view(block.shape)
+    def submit_many(self, blocks: Sequence[torch.Tensor], metas: Sequence[Any], *,
+                    keep_reference: bool = False) -> list[bool]:
+        """``submit`` for several blocks of one device: one fence, one lock round and one batch of copies
+        with one completion event, instead of one each. Returns, per block, whether it was accepted."""
+        for block in blocks:
+            if block.numel() * block.element_size() > self.slots.shape[1]:
+                raise ValueError(f"block of {block.numel() * block.element_size()} bytes does not fit a "
+                                 f"{self.slots.shape[1]}-byte slot")
+        ready = None
+        if self.cuda and blocks:  # the fence: whatever the compute stream queued up to here is in the blocks
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(blocks[0].device))
+        accepted = [False] * len(blocks)
+        n = 0
+        while n < len(blocks):
+            batch: list[tuple[int, torch.Tensor]] = []
+            with self._cv:
+                while n < len(blocks) and not self._closed:
+                    slot = self._free_slot()
+                    nbytes = blocks[n].numel() * blocks[n].element_size()
+                    if slot is not None:
+                        self._claim(slot, metas[n])
+                        batch.append((slot, blocks[n]))
+                    elif keep_reference and self._pending_held + nbytes <= self.pending_nbytes:
+                        self._pending.append((blocks[n], metas[n], ready))
+                        self._pending_held += nbytes
+                    else:
+                        break
+                    accepted[n] = True
+                    n += 1
+            self._issue(batch, ready)  # before any wait: the drain thread needs these to free slots
+            if n == len(blocks) or self._closed:
+                break
+            deadline = time.monotonic() + self.wait_s  # block n found no room: wait a little, then drop it
+            nbytes = blocks[n].numel() * blocks[n].element_size()
+            with self._cv:
+                while not self._closed and self._free_slot() is None and not (
+                        keep_reference and self._pending_held + nbytes <= self.pending_nbytes):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.counters.add("staging", "dropped_saves")
+                        n += 1
+                        break
+                    self._cv.wait(remaining)
+        return accepted
+
+    def _free_slot(self) -> int | None:
+        """A free slot a new block may take: none while blocks are pending (they never get overtaken)."""
+        if self._pending:
+            return None
+        return next((i for i, s in enumerate(self.state) if s is SlotState.FREE), None)
+
+    def _issue(self, batch: Sequence[tuple[int, torch.Tensor]], ready: Any) -> None:
+        """Start the copies of ``(slot, block)`` pairs into their claimed slots (from ``submit_many`` or the
+        drain thread), then let the drain thread see them."""
+        if not batch:
+            return
+        dsts = [self.slots[slot, : b.numel() * b.element_size()].view(b.dtype).view(b.shape) for slot, b in batch]
         if self.cuda:
             stream = self._stream
             assert stream is not None
             with torch.cuda.device(self.device), torch.cuda.stream(stream):  # any thread, the ring's device
                 stream.wait_event(ready)
-                dst.copy_(block, non_blocking=True)
-                event = torch.cuda.Event()
+                for dst, (_, block) in zip(dsts, batch):
+                    dst.copy_(block, non_blocking=True)
+                event = torch.cuda.Event()  # one for the batch: its copies finish in stream order
                 event.record(stream)
-            block.record_stream(stream)  # the allocator must not reuse block's memory mid-copy
-            self._events[slot] = event
+            for slot, block in batch:
+                block.record_stream(stream)  # the allocator must not reuse block's memory mid-copy
+                self._events[slot] = event
         else:
-            dst.copy_(block)
-        self.counters.add("staging", "blocks_written")
-        self.counters.add("staging", "bytes_written", nbytes)
+            for dst, (_, block) in zip(dsts, batch):
+                dst.copy_(block)
+        self.counters.add("staging", "blocks_written", len(batch))
+        self.counters.add("staging", "bytes_written", sum(b.numel() * b.element_size() for _, b in batch))
         with self._cv:
-            self._issued[slot] = True
+            for slot, _ in batch:
+                self._issued[slot] = True
             self._cv.notify_all()
 
     def _drain_loop(self) -> None:
@@ -177,7 +207,7 @@ class StagingRing:
                     nxt = (slot, block, ready)
                 self._cv.notify_all()
             if nxt is not None:
-                self._issue(*nxt)
+                self._issue([nxt[:2]], nxt[2])
 
     def flush(self) -> None:
         """Wait until every submitted block was handed to ``on_ready``."""

@@ -284,38 +284,38 @@ class TieredStore:
         if start_block + blocks.shape[0] != len(keys):
             raise ConfigError(f"{blocks.shape[0]} blocks from block {start_block} do not end at the prompt's "
                               f"last full block ({len(keys)})")
-        return self._save(ns, keys, tokens_to_bytes(token_ids), start_block, list(blocks.unbind(0)))
+        return self._save(ns, keys, tokens_to_bytes(token_ids), start_block, list(blocks.unbind(0)), stacked=blocks)
 
     def _save(self, ns: Namespace, keys: Sequence[BlockKey], token_bytes: bytes, start: int,
-              blocks: Sequence[torch.Tensor]) -> int:
+              blocks: Sequence[torch.Tensor], stacked: torch.Tensor | None = None) -> int:
+        """``blocks`` are blocks ``start..`` (``stacked``: the same as one contiguous tensor, if they are)."""
         if not blocks:
             return 0
         self._register(ns)
         spec = KVSpec.of(ns)
         device = blocks[0].device
-        if self.gpu is not None and self.gpu.device == device:  # a device copy, on the compute stream
-            for i, block in enumerate(blocks, start):
-                self.gpu.put(keys[i], block)
+        if self.gpu is not None and self.gpu.device == device:  # device copies, on the compute stream
+            if stacked is not None:
+                self.gpu.put_many(keys[start:], stacked)
+            else:
+                for i, block in enumerate(blocks, start):
+                    self.gpu.put(keys[i], block)
         if self.host is None and self.disk is None and self.remote is None:
             return 0
         in_host = self.host.contains(keys[start:]) if self.host is not None else [False] * len(blocks)
         ring = self._ring_for(spec, device)
         B = ns.block_tokens
         now = self.clock()
-        kept = 0
-        for j, block in enumerate(blocks):
-            if in_host[j]:
-                continue
-            i = start + j
-            pending = _Pending(ns, spec, keys[i], keys[i - 1] if i else root_key(ns.digest),
-                               token_bytes[i * B * 4 : (i + 1) * B * 4], now)
-            if ring is not None:
-                # Model KV on a GPU is never written again: the ring may hold it while its slots are busy.
-                kept += ring.submit(block, pending, keep_reference=block.device.type == "cuda")  # False: dropped
-            else:
-                self._keep(block if block.device.type == "cpu" else block.cpu(), pending)
-                kept += 1
-        return kept
+        todo = [j for j in range(len(blocks)) if not in_host[j]]
+        pending = [_Pending(ns, spec, keys[start + j], keys[start + j - 1] if start + j else root_key(ns.digest),
+                            token_bytes[(start + j) * B * 4 : (start + j + 1) * B * 4], now) for j in todo]
+        if ring is not None:
+            # Model KV on a GPU is never written again: the ring may hold it while its slots are busy.
+            accepted = ring.submit_many([blocks[j] for j in todo], pending, keep_reference=device.type == "cuda")
+            return sum(accepted)
+        for j, p in zip(todo, pending):
+            self._keep(blocks[j] if device.type == "cpu" else blocks[j].cpu(), p)
+        return len(todo)
 
     def _ring_for(self, spec: KVSpec, device: torch.device) -> StagingRing | None:
         """The staging ring for blocks on ``device`` (made on first use), or None to copy directly."""

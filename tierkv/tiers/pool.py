@@ -113,9 +113,54 @@ class BlockPool:
                 self._ref(slot)
             return self._pool[slot]
 
+    def put_many(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+        """``put`` for a contiguous stack of blocks ``[N, ...]``: the new ones land in one indexed copy (one
+        kernel on a GPU) instead of one copy each. Returns how many were new; stops when no slot is free."""
+        n_blocks = blocks.shape[0]
+        nbytes = blocks[0].numel() * blocks.element_size() if n_blocks else 0
+        with self._lock:
+            if not n_blocks:
+                return 0
+            if self._pool is None:
+                if self.capacity_nbytes < nbytes:
+                    return 0
+                self._allocate(nbytes)
+            assert self._pool is not None
+            if nbytes != self.slot_nbytes:
+                return 0
+            picked, slots = [], []
+            for j, key in enumerate(keys):
+                slot = self._lru.get(key)
+                if slot is not None:
+                    self._lru.move_to_end(key)
+                    continue
+                slot = self._take_slot()
+                if slot is None:
+                    break
+                self._ref(slot)  # until copied: a later block of this batch must not evict this one
+                self._lru[key] = slot
+                picked.append(j)
+                slots.append(slot)
+            if not slots:
+                return 0
+            rows = blocks.reshape(n_blocks, -1).view(torch.uint8)
+            if len(picked) < n_blocks:
+                rows = rows.index_select(0, _index(picked, rows.device))
+            self._pool.index_copy_(0, _index(slots, self.device), rows)
+            for slot in slots:
+                self._unref(slot)
+            self.counters.add(self.name, "blocks_written", len(slots))
+            self.counters.add(self.name, "bytes_written", len(slots) * nbytes)
+            return len(slots)
+
     def _ref(self, slot: int) -> None:
         self._held += self._refs[slot] == 0
         self._refs[slot] += 1
+
+    def _unref(self, slot: int) -> None:
+        assert self._refs[slot] > 0, f"slot {slot} released more often than held"
+        self._refs[slot] -= 1
+        self._held -= self._refs[slot] == 0
 
     def can_hold(self) -> bool:
         """Whether a writer may hold one more slot (see ``MAX_HELD_FRACTION``)."""
@@ -144,9 +189,7 @@ class BlockPool:
         assert self._pool is not None
         slot = (view.data_ptr() - self._pool.data_ptr()) // self.slot_nbytes
         with self._lock:
-            assert self._refs[slot] > 0, f"slot {slot} released more often than held"
-            self._refs[slot] -= 1
-            self._held -= self._refs[slot] == 0
+            self._unref(slot)
 
     @contextlib.contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[torch.Tensor | None]]:
@@ -174,3 +217,12 @@ class BlockPool:
                 if self._refs[slot] == 0:
                     del self._lru[key]
                     self._free.append(slot)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An index tensor on ``device``; for a GPU through pinned memory, so the upload does not wait for the
+    compute stream."""
+    index = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    return index
