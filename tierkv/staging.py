@@ -62,6 +62,7 @@ class StagingRing:
         log.info("staging ring: %d slots of %d bytes%s in %.2f s", num_slots, slot_nbytes,
                  " (pinned)" if self.cuda else "", time.perf_counter() - t0)
         self.state = [SlotState.FREE] * num_slots
+        self._free: deque[int] = deque(range(num_slots))  # the FREE slots, oldest freed first
         self._events: list[Any] = [None] * num_slots
         self._meta: list[Any] = [None] * num_slots
         self._issued = [False] * num_slots  # the slot's copy has been started (and its event recorded)
@@ -83,6 +84,10 @@ class StagingRing:
     def _claim(self, slot: int, meta: Any) -> None:
         """FREE -> COPYING and a place in the drain order (under the lock; the copy is started after)."""
         self._move(slot, SlotState.FREE, SlotState.COPYING)
+        if self._free[0] == slot:  # submit's case; the drain thread re-claims the slot it just freed
+            self._free.popleft()
+        else:
+            self._free.remove(slot)
         self._meta[slot] = meta
         self._issued[slot] = False
         self._order.append(slot)
@@ -146,7 +151,7 @@ class StagingRing:
         """A free slot a new block may take: none while blocks are pending (they never get overtaken)."""
         if self._pending:
             return None
-        return next((i for i, s in enumerate(self.state) if s is SlotState.FREE), None)
+        return self._free[0] if self._free else None
 
     def _issue(self, batch: Sequence[tuple[int, torch.Tensor]], ready: Any) -> None:
         """Start the copies of ``(slot, block)`` pairs into their claimed slots (from ``submit_many`` or the
@@ -200,6 +205,7 @@ class StagingRing:
             nxt = None
             with self._cv:
                 self._move(slot, SlotState.DRAINING, SlotState.FREE)
+                self._free.append(slot)
                 if self._pending:  # the oldest waiting block takes the slot just freed
                     block, meta, ready = self._pending.popleft()
                     self._pending_held -= block.numel() * block.element_size()
@@ -212,7 +218,7 @@ class StagingRing:
     def flush(self) -> None:
         """Wait until every submitted block was handed to ``on_ready``."""
         with self._cv:
-            while self._pending or any(s is not SlotState.FREE for s in self.state):
+            while self._pending or len(self._free) < len(self.state):
                 self._cv.wait(0.05)
 
     def close(self) -> None:
