@@ -298,3 +298,16 @@ def test_cuda_worker_restores_exact_kv_from_every_tier(tmp_path) -> None:
         assert torch.equal(warm.logits, from_gpu.logits)
         assert int(warm.logits.argmax()) == int(cold.logits.argmax())
         assert (warm.logits - cold.logits).abs().max().item() <= 5e-2
+
+
+def test_host_runs_uploaded_block_major_land_in_place(ns) -> None:
+    """The GPU restore's upload of a run of host blocks (DMA per block, one device copy per run), on CPU."""
+    from tierkv.store import _source_runs, _upload_run
+
+    assert _source_runs([0, 0, 1, None, 1, 1, 0]) == [(0, 0, 2), (1, 2, 3), (1, 4, 6), (0, 6, 7)]
+    spec = KVSpec.of(ns)
+    kv = make_kv(ns, 80, seed=13)
+    slots = [kv[:, :, i * 16 : (i + 1) * 16].contiguous().view(-1).view(torch.uint8) for i in range(1, 4)]
+    dest = torch.zeros(spec.shape(80), dtype=spec.dtype)
+    _upload_run(dest, slots, 1, spec)
+    assert torch.equal(dest[:, :, 16:64], kv[:, :, 16:64]) and not dest[:, :, :16].any() and not dest[:, :, 64:].any()

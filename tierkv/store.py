@@ -135,6 +135,30 @@ class _Stager:
             self._events[k] = event
 
 
+def _source_runs(src: Sequence[int | None]) -> list[tuple[int, int, int]]:
+    """``(tier, first, end)`` runs of consecutive blocks served by the same memory tier."""
+    runs: list[tuple[int, int, int]] = []
+    for i, k in enumerate(src):
+        if k is None:
+            continue
+        if runs and runs[-1][0] == k and runs[-1][2] == i:
+            runs[-1] = (k, runs[-1][1], i + 1)
+        else:
+            runs.append((k, i, i + 1))
+    return runs
+
+
+def _upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
+    """Blocks ``first..`` of ``dest`` from host slots: each slot is one contiguous DMA into a block-major
+    buffer on ``dest``'s device, then one device copy puts the run in place (instead of a staged copy and
+    a strided copy per block)."""
+    n, B = len(slots), spec.block_tokens
+    run = torch.empty((n, *spec.block_shape), dtype=spec.dtype, device=dest.device)
+    for j, slot in enumerate(slots):
+        run[j].copy_(slot.view(spec.dtype).view(spec.block_shape), non_blocking=True)
+    dest[:, :, first * B : (first + n) * B].copy_(run.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(n * B)))
+
+
 def _wait_for_copies(t: torch.Tensor) -> None:
     """Wait until the copies queued into ``t`` (a GPU tensor: asynchronous ones) are done."""
     if t.device.type == "cuda":
@@ -465,11 +489,13 @@ class TieredStore:
             # Memory-tier blocks first: on a GPU these copies (device copies, DMA from pinned host slots) run
             # while the disk blocks are read. Past a block that then fails verification, ``dest`` is
             # unspecified, as documented.
-            for i in range(n):
-                if src[i] is not None:
-                    view = views[src[i]][i]
-                    dest[:, :, i * B : (i + 1) * B].copy_(view.view(spec.dtype).view(spec.block_shape),
-                                                          non_blocking=True)
+            for k, a, b in _source_runs(src[:n]):
+                if dest.device.type == "cuda" and self.pools[k].device.type == "cpu":
+                    _upload_run(dest, [views[k][i] for i in range(a, b)], a, spec)
+                else:
+                    for i in range(a, b):
+                        dest[:, :, i * B : (i + 1) * B].copy_(views[k][i].view(spec.dtype).view(spec.block_shape),
+                                                              non_blocking=True)
             with self._stager_for(dest, spec, needs_read) as stager:
                 ok_until = self._restore_from_disk(ns, spec, keys, token_bytes, disk_idx, entries, dest, stager)
                 n_local = min(n, ok_until)
