@@ -37,15 +37,23 @@ def test_scatter_inverts_gather() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_gather_equals_the_torch_fallback_bit_for_bit() -> None:
-    keys, values = _caches(L=4, H=8, T=4096, D=128, dtype=torch.bfloat16)
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 128), (torch.float32, 64), (torch.bfloat16, 12)])
+def test_cuda_gather_and_scatter_equal_the_torch_fallback_bit_for_bit(dtype, head_dim) -> None:
+    """head_dim 12 in bf16: 24-byte rows, so the kernel moves 8-byte words instead of 16."""
+    assert kernels._cuda_ext is not None, f"the CUDA extension is not built (backend {kernels.BACKEND})"
+    keys, values = _caches(L=4, H=8, T=4096, D=head_dim, dtype=dtype)
     keys = [k.cuda() for k in keys]
     values = [v.cuda() for v in values]
-    starts = torch.randperm(4096 // 64)[:40] * 64
-    fast = kernels.gather_blocks(keys, values, starts.cuda(), 64)
+    starts = (torch.randperm(4096 // 64)[:40] * 64).cuda()
+    fast = kernels.gather_blocks(keys, values, starts, 64)
+    k_fast, v_fast = [torch.zeros_like(k) for k in keys], [torch.zeros_like(v) for v in values]
+    kernels.scatter_blocks(fast, k_fast, v_fast, starts)
     backend, kernels._cuda_ext = kernels._cuda_ext, None
     try:
-        slow = kernels.gather_blocks(keys, values, starts.cuda(), 64)
+        slow = kernels.gather_blocks(keys, values, starts, 64)
+        k_slow, v_slow = [torch.zeros_like(k) for k in keys], [torch.zeros_like(v) for v in values]
+        kernels.scatter_blocks(slow, k_slow, v_slow, starts)
     finally:
         kernels._cuda_ext = backend
     assert torch.equal(fast, slow)
+    assert all(torch.equal(a, b) for a, b in zip(k_fast + v_fast, k_slow + v_slow))
