@@ -128,3 +128,16 @@ def test_submit_many_takes_what_fits_queues_the_rest_and_drops_past_the_bound() 
     assert all(torch.equal(t, blocks[m]) for m, t in got)
     assert ring.submit_many([torch.zeros(4)] * 4, list("abcd")) == [True] * 4  # slots free again
     ring.close()
+
+
+def test_a_failed_copy_frees_its_slot_and_is_never_handed_on() -> None:
+    got = []
+    ring = StagingRing(2, 64, on_ready=lambda slot, meta: got.append(meta), wait_s=0.01)
+    with pytest.raises(NotImplementedError):
+        ring.submit(torch.empty(4, device="meta"), "broken")  # a copy that cannot happen
+    ring.flush()  # returns: nothing is left claimed
+    assert ring.counters.snapshot()["staging"]["write_errors"] == 1
+    assert ring.submit(torch.ones(4), "fine") and ring.submit(torch.ones(4), "fine too")
+    ring.flush()
+    assert got == ["fine", "fine too"]
+    ring.close()

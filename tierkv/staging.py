@@ -158,27 +158,44 @@ class StagingRing:
         drain thread), then let the drain thread see them."""
         if not batch:
             return
-        dsts = [self.slots[slot, : b.numel() * b.element_size()].view(b.dtype).view(b.shape) for slot, b in batch]
-        if self.cuda:
-            stream = self._stream
-            assert stream is not None
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):  # any thread, the ring's device
-                stream.wait_event(ready)
+        try:
+            dsts = [self.slots[slot, : b.numel() * b.element_size()].view(b.dtype).view(b.shape) for slot, b in batch]
+            if self.cuda:
+                stream = self._stream
+                assert stream is not None
+                with torch.cuda.device(self.device), torch.cuda.stream(stream):  # any thread, the ring's device
+                    stream.wait_event(ready)
+                    for dst, (_, block) in zip(dsts, batch):
+                        dst.copy_(block, non_blocking=True)
+                    event = torch.cuda.Event()  # one for the batch: its copies finish in stream order
+                    event.record(stream)
+                for slot, block in batch:
+                    block.record_stream(stream)  # the allocator must not reuse block's memory mid-copy
+                    self._events[slot] = event
+            else:
                 for dst, (_, block) in zip(dsts, batch):
-                    dst.copy_(block, non_blocking=True)
-                event = torch.cuda.Event()  # one for the batch: its copies finish in stream order
-                event.record(stream)
-            for slot, block in batch:
-                block.record_stream(stream)  # the allocator must not reuse block's memory mid-copy
-                self._events[slot] = event
-        else:
-            for dst, (_, block) in zip(dsts, batch):
-                dst.copy_(block)
+                    dst.copy_(block)
+        except BaseException:
+            self._abandon([slot for slot, _ in batch])
+            raise
         self.counters.add("staging", "blocks_written", len(batch))
         self.counters.add("staging", "bytes_written", sum(b.numel() * b.element_size() for _, b in batch))
         with self._cv:
             for slot, _ in batch:
                 self._issued[slot] = True
+            self._cv.notify_all()
+
+    def _abandon(self, slots: Sequence[int]) -> None:
+        """Free claimed slots without handing them on: their copies failed, their bytes are not KV."""
+        with self._cv:
+            for slot in slots:
+                if slot in self._order:
+                    self._order.remove(slot)
+                self.state[slot] = SlotState.FREE  # from COPYING: the one transition outside the cycle
+                self._free.append(slot)
+                self._meta[slot] = self._events[slot] = None
+                self._issued[slot] = False
+            self.counters.add("staging", "write_errors", len(slots))
             self._cv.notify_all()
 
     def _drain_loop(self) -> None:
@@ -190,8 +207,13 @@ class StagingRing:
                     self._cv.wait(0.05)
                 slot = self._order[0]
             event = self._events[slot]
-            if event is not None and not event.query():
-                event.synchronize()  # the oldest copy first: order is kept
+            try:
+                if event is not None and not event.query():
+                    event.synchronize()  # the oldest copy first: order is kept
+            except Exception:  # the copy failed on the device: its slot holds no KV
+                log.exception("staging ring: a device-to-host copy failed")
+                self._abandon([slot])
+                continue
             with self._cv:
                 self._move(slot, SlotState.COPYING, SlotState.READY)
                 self._move(slot, SlotState.READY, SlotState.DRAINING)
@@ -213,7 +235,10 @@ class StagingRing:
                     nxt = (slot, block, ready)
                 self._cv.notify_all()
             if nxt is not None:
-                self._issue([nxt[:2]], nxt[2])
+                try:
+                    self._issue([nxt[:2]], nxt[2])
+                except Exception:  # abandoned and counted by _issue; the ring goes on
+                    log.exception("staging ring: starting a pending copy failed")
 
     def flush(self) -> None:
         """Wait until every submitted block was handed to ``on_ready``."""
