@@ -159,7 +159,9 @@ def test_admin_api_needs_the_token(server) -> None:
     assert _get(server.url + "/admin/stats", {"Authorization": "Bearer wrong"})[0] == 401
     assert _post(server.url + "/admin/gc", "{}")[0] == 401
     code, body = _get(server.url + "/admin/stats", {"Authorization": "Bearer sekret"})
-    assert code == 200 and json.loads(body)["policy"]["ttl_s"] == 86400
+    report = json.loads(body)
+    assert code == 200 and report["policy"]["ttl_s"] == 86400
+    assert report["live"]["host"]["capacity_nbytes"] > 0 and "hit_tokens" in report["live"]["disk"]
     code, out = _post(server.url + "/admin/gc", '{"all": true, "dry_run": true}', {"Authorization": "Bearer sekret"})
     assert code == 200 and out["dry_run"] is True
     code, out = _post(server.url + "/admin/gc", '{"ttl": "soon"}', {"Authorization": "Bearer sekret"})

@@ -274,7 +274,10 @@ def create_app(server: Server) -> FastAPI:
             return denied
         from tierkv.inspect import store_stats
 
-        return JSON(await asyncio.to_thread(store_stats, server.store.disk))  # type: ignore[union-attr]
+        report = await asyncio.to_thread(store_stats, server.store.disk)  # type: ignore[union-attr]
+        # What only this process knows: its memory tiers, the staging ring and the hit counters.
+        report["live"] = server.store.stats()  # type: ignore[union-attr]
+        return JSON(report)
 
     @app.get("/admin/misses")
     async def admin_misses(request: Request) -> JSON:
