@@ -64,7 +64,17 @@ def test_router_sends_same_prefix_requests_to_one_worker_and_survives_a_dead_wor
                 break
             except OSError:
                 time.sleep(0.1)
-        systems = [f"System prompt number {i}: " + "be brief and exact. " * 60 for i in range(6)]
+        # Three prefixes each worker owns (by the router's own ring: the ports, hence the owners, change
+        # from run to run, and six random prefixes all land on one worker about one run in thirty).
+        ring, owned = Ring([a.url, b.url]), {a.url: [], b.url: []}
+        for i in range(100):
+            system = f"System prompt number {i}: " + "be brief and exact. " * 60
+            key = routing_key({"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]},
+                              1024)
+            if len(owned[ring.owner(key)]) < 3:
+                owned[ring.owner(key)].append(system)
+        systems = owned[a.url] + owned[b.url]
+        assert len(systems) == 6
         first_worker = {}
         for round_ in range(3):
             for i, system in enumerate(systems):
