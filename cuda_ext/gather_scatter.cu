@@ -87,6 +87,17 @@ void launch_scatter(const Table& t, const torch::Tensor& blocks, const torch::Te
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Calls f with a value of the word type of that many bytes (16, 8, 4, else 2).
+template <typename F>
+void with_word(int64_t word_nbytes, F&& f) {
+  switch (word_nbytes) {
+    case 16: f(uint4{}); break;
+    case 8: f(uint2{}); break;
+    case 4: f(uint32_t{}); break;
+    default: f(uint16_t{}); break;
+  }
+}
+
 }  // namespace
 
 void gather(std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, torch::Tensor starts,
@@ -100,12 +111,9 @@ void gather(std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, 
   const Table t = pointer_table(keys, values, out, row_nbytes);
   const int64_t W = row_nbytes / t.word_nbytes;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (t.word_nbytes) {
-    case 16: launch_gather<uint4>(t, out, starts, N, L, block_tokens, H, W, T, stream); break;
-    case 8: launch_gather<uint2>(t, out, starts, N, L, block_tokens, H, W, T, stream); break;
-    case 4: launch_gather<uint32_t>(t, out, starts, N, L, block_tokens, H, W, T, stream); break;
-    default: launch_gather<uint16_t>(t, out, starts, N, L, block_tokens, H, W, T, stream); break;
-  }
+  with_word(t.word_nbytes, [&](auto word) {
+    launch_gather<decltype(word)>(t, out, starts, N, L, block_tokens, H, W, T, stream);
+  });
 }
 
 void scatter(torch::Tensor blocks, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
@@ -119,12 +127,9 @@ void scatter(torch::Tensor blocks, std::vector<torch::Tensor> keys, std::vector<
   const Table t = pointer_table(keys, values, blocks, row_nbytes);
   const int64_t W = row_nbytes / t.word_nbytes;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (t.word_nbytes) {
-    case 16: launch_scatter<uint4>(t, blocks, starts, N, L, B, H, W, T, stream); break;
-    case 8: launch_scatter<uint2>(t, blocks, starts, N, L, B, H, W, T, stream); break;
-    case 4: launch_scatter<uint32_t>(t, blocks, starts, N, L, B, H, W, T, stream); break;
-    default: launch_scatter<uint16_t>(t, blocks, starts, N, L, B, H, W, T, stream); break;
-  }
+  with_word(t.word_nbytes, [&](auto word) {
+    launch_scatter<decltype(word)>(t, blocks, starts, N, L, B, H, W, T, stream);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
