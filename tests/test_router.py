@@ -1,14 +1,12 @@
 """Prefix-aware routing: the ring, and a real router in front of two real workers."""
 
 import json
-import subprocess
-import sys
-import time
 import urllib.request
 
+from tierkv.bench.scaleout import start_router
 from tierkv.server.router import Ring, Router, routing_key
 
-from helpers import ServerProcess, free_port
+from helpers import ServerProcess
 
 
 def test_ring_is_stable_and_moves_only_a_failed_workers_share() -> None:
@@ -53,17 +51,8 @@ def _post(url: str, body: dict) -> tuple[dict, str]:
 
 def test_router_sends_same_prefix_requests_to_one_worker_and_survives_a_dead_worker(tmp_path) -> None:
     a, b = ServerProcess(cache_dir=tmp_path / "a"), ServerProcess(cache_dir=tmp_path / "b")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "route", "--workers", f"{a.url},{b.url}",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_router([a.url, b.url])
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
         # Three prefixes each worker owns (by the router's own ring: the ports, hence the owners, change
         # from run to run, and six random prefixes all land on one worker about one run in thirty).
         ring, owned = Ring([a.url, b.url]), {a.url: [], b.url: []}

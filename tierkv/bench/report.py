@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+
+def md_table(header: Sequence[str], align: str, rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: ``align`` has one letter per column, ``l`` (text) or ``r`` (numbers)."""
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
 def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> list[Path]:

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tierkv.bench.report import md_table
 from tierkv.bench.workloads import _Server
 
 
@@ -43,22 +44,27 @@ def _chat(url: str, system: str, user: str) -> tuple[float, dict[str, Any]]:
     return time.perf_counter() - t0, out["usage"]
 
 
+def start_router(worker_urls: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """``tierkv route`` in front of ``worker_urls`` on a free loopback port, once it answers /health."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "route", "--workers", ",".join(worker_urls),
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return proc, url
+
+
 def _one(workers: list[_Server], systems: list[str], rounds: int, remote: bool, routed: bool) -> dict[str, Any]:
     router = None
     url = None
     try:
         if routed:
-            port = _free_port()
-            router = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "route", "--workers",
-                                       ",".join(w.url for w in workers), "--port", str(port)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            url = f"http://127.0.0.1:{port}"
-            for _ in range(100):
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            router, url = start_router([w.url for w in workers])
         ttfts, cached, total, n = [], 0, 0, 0
         for r in range(rounds):
             for system in systems:
@@ -110,10 +116,9 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"{c['workers']} workers, {c['prompts']} shared prefixes x {c['rounds']} rounds; without routing "
              "requests alternate between the workers." + ("" if c["redis"] else " (No redis-server: remote rows "
                                                            "skipped.)"), "",
-             "| remote tier | routing | hit rate | prompt tokens computed | latency p50 (ms) | total (s) |",
-             "|---|---|---:|---:|---:|---:|"]
-    for r in res["rows"]:
-        lines.append(f"| {'Redis' if r['remote'] else 'none'} | {'prefix-aware' if r['routed'] else 'round robin'} | "
-                     f"{100 * r['hit_rate']:.1f}% | {r['computed_tokens']} | {r['ttft_p50_s'] * 1e3:.0f} | "
-                     f"{r['total_s']:.1f} |")
+             *md_table(["remote tier", "routing", "hit rate", "prompt tokens computed", "latency p50 (ms)",
+                        "total (s)"], "llrrrr",
+                       (["Redis" if r["remote"] else "none", "prefix-aware" if r["routed"] else "round robin",
+                         f"{100 * r['hit_rate']:.1f}%", r["computed_tokens"], f"{r['ttft_p50_s'] * 1e3:.0f}",
+                         f"{r['total_s']:.1f}"] for r in res["rows"]))]
     return "\n".join(lines)

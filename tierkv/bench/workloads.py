@@ -24,6 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tierkv.bench.report import md_table
+
 WORDS = ("cache prefix token block restore disk memory tier model request user system rule answer "
          "document context latency budget expire verify namespace tenant batch segment index").split()
 
@@ -157,13 +159,12 @@ def run(base: Path, *, quick: bool = False, max_tokens: int = 8) -> dict[str, An
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = ["| workload | cache | requests | hit rate | prompt tokens computed | TTFT p50 (ms) | TTFT p95 (ms) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in res["rows"]:
-        lines.append(f"| {r['workload']} | {r['mode']} | {r['requests']} | {100 * r['hit_rate']:.1f}% | "
-                     f"{r['computed_tokens']} of {r['prompt_tokens']} | {r['ttft_p50_s'] * 1e3:.0f} | "
-                     f"{r['ttft_p95_s'] * 1e3:.0f} |")
-    return "\n".join(lines)
+    return "\n".join(md_table(
+        ["workload", "cache", "requests", "hit rate", "prompt tokens computed", "TTFT p50 (ms)", "TTFT p95 (ms)"],
+        "llrrrrr",
+        ([r["workload"], r["mode"], r["requests"], f"{100 * r['hit_rate']:.1f}%",
+          f"{r['computed_tokens']} of {r['prompt_tokens']}", f"{r['ttft_p50_s'] * 1e3:.0f}",
+          f"{r['ttft_p95_s'] * 1e3:.0f}"] for r in res["rows"])))
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual entry point
