@@ -3,6 +3,7 @@
     TierKVError
     ├── RecordError          a block record failed to decode or verify (caller treats it as a miss)
     ├── StoreFormatError     the store on disk was written by another format version
+    ├── StoreOpenError       the store cannot be opened (permissions, read-only media, memory, lock file)
     ├── NamespaceConflictError  one digest registered with two different specs
     └── ConfigError          a caller's mistake in an argument (size, duration, shape)
 """
@@ -21,6 +22,10 @@ class RecordError(TierKVError):
 
 class StoreFormatError(TierKVError):
     """The store directory holds data of a format version this build cannot read."""
+
+
+class StoreOpenError(TierKVError):
+    """The store exists but cannot be opened for a reason other than corruption; its data is left as is."""
 
 
 class NamespaceConflictError(TierKVError):
