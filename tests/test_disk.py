@@ -154,14 +154,13 @@ def test_other_format_version_is_a_clear_error(tmp_path) -> None:
         DiskTier(tmp_path)
     r = subprocess.run([sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path)],
                        capture_output=True, text=True, check=False)
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "version 99" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "version 99" in r.stderr
 
 
 def test_namespace_conflict_is_detected(tmp_path, ns) -> None:
     with DiskTier(tmp_path, writer=False) as disk:
         disk.register_namespace(ns)
-        with disk._write_txn() as txn:
-            txn.put(ns.digest, b'{"model_id":"other"}', db=disk._db["namespaces"])
+        disk._write(lambda txn: txn.put(ns.digest, b'{"model_id":"other"}', db=disk._db["namespaces"]))
         with pytest.raises(NamespaceConflictError):
             disk.register_namespace(ns)
 

@@ -24,13 +24,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import numpy as np
 import torch
 
 from tierkv import codec
 from tierkv.errors import ConfigError, RecordError
-from tierkv.keys import BlockKey, Namespace, NamespaceDigest, block_keys, root_key, tokens_to_bytes
+from tierkv.keys import BlockKey, Namespace, block_keys, root_key, tokens_to_bytes
 from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
 from tierkv.staging import StagingRing
@@ -201,7 +200,6 @@ class TieredStore:
         self._ring_lock = threading.Lock()
         self._stager: _Stager | None = None  # chunk buffers of restores into a GPU
         self._restore_lock = threading.Lock()
-        self._registered: set[NamespaceDigest] = set()
 
     @classmethod
     def open(
@@ -220,6 +218,7 @@ class TieredStore:
         gpu_bytes: int = 0,
         device: str | torch.device = "cuda",
         staging: bool | None = None,
+        sweep_interval_s: float = 0.0,
         **disk_options: int,
     ) -> TieredStore:
         """Open (or create) a store. ``path=None`` gives a host-only store; ``host_bytes=0`` a disk-only one.
@@ -227,23 +226,25 @@ class TieredStore:
         ``remote`` (``redis://host:port`` or ``redis+cluster://host:port``) adds a tier shared by several
         workers; ``remote_admit_after`` shares a block only once that many requests contained it.
         ``gpu_bytes`` adds a GPU tier of that size on ``device`` (see ``tiers.gpu.gpu_budget_nbytes``).
+        ``sweep_interval_s`` > 0 runs the disk tier's expiry and budget sweep in the background that often
+        (a server does; 0 leaves sweeping to ``tierkv gc``). ``ttl_s`` applies to the memory tiers too.
         """
         if host_bytes < 0 or (disk_bytes is not None and disk_bytes <= 0):
             raise ConfigError("host_bytes must be >= 0 and disk_bytes > 0")
         counters = Counters()
         if isinstance(codec_, str):
             codec_ = codec.Codec[codec_.upper().replace("-", "_")]
-        host = HostTier(host_bytes, counters=counters) if host_bytes else None
+        host = HostTier(host_bytes, counters=counters, ttl_s=ttl_s, clock=clock) if host_bytes else None
         disk = None
         if path is not None:
             disk = DiskTier(Path(path), policy=Policy(disk_bytes, ttl_s, max_age_s), clock=clock, sync=sync,
-                            counters=counters, **disk_options)
+                            counters=counters, sweep_interval_s=sweep_interval_s, **disk_options)
         remote_tier = None
         if remote is not None:
             from tierkv.tiers.remote import RemoteTier
 
             remote_tier = RemoteTier(remote, ttl_s=ttl_s, admit_after=remote_admit_after, counters=counters)
-        gpu = GpuTier(gpu_bytes, device=device, counters=counters) if gpu_bytes else None
+        gpu = GpuTier(gpu_bytes, device=device, counters=counters, ttl_s=ttl_s, clock=clock) if gpu_bytes else None
         return cls(host, disk, codec_=codec_, clock=clock, counters=counters, remote=remote_tier, gpu=gpu,
                    staging=staging)
 
@@ -251,21 +252,12 @@ class TieredStore:
         """Add the GPU tier (a server does this once the model is loaded, before serving)."""
         if self.gpu is not None:
             raise ConfigError("this store already has a GPU tier")
-        self.gpu = GpuTier(capacity_nbytes, device=device, counters=self.counters)
+        ttl_s = self.host.ttl_s if self.host is not None else None
+        self.gpu = GpuTier(capacity_nbytes, device=device, counters=self.counters, ttl_s=ttl_s, clock=self.clock)
         self.pools.insert(0, self.gpu)
         self.tiers = ("gpu", *self.tiers)
 
     # ---------------------------------------------------------------- save
-
-    def _register(self, ns: Namespace) -> None:
-        if ns.digest not in self._registered:
-            if self.disk is not None:
-                try:
-                    self.disk.register_namespace(ns)
-                except lmdb.Error as exc:  # a full disk: the spec is only for stats; retried next save
-                    log.warning("could not register namespace %s: %s", ns.digest.hex()[:16], exc)
-                    return
-            self._registered.add(ns.digest)
 
     def _check_kv(self, ns: Namespace, kv: torch.Tensor, min_tokens: int) -> KVSpec:
         spec = KVSpec.of(ns)
@@ -315,7 +307,6 @@ class TieredStore:
         """``blocks`` are blocks ``start..`` (``stacked``: the same as one contiguous tensor, if they are)."""
         if not blocks:
             return 0
-        self._register(ns)
         spec = KVSpec.of(ns)
         device = blocks[0].device
         if self.gpu is not None and self.gpu.device == device:  # device copies, on the compute stream
@@ -327,6 +318,11 @@ class TieredStore:
         if self.host is None and self.disk is None and self.remote is None:
             return 0
         in_host = self.host.contains(keys[start:]) if self.host is not None else [False] * len(blocks)
+        if self.disk is not None and any(in_host):
+            # A block in RAM may have left the disk (expired, evicted, a dropped save): write it again, or
+            # a restart would lose what the RAM copy hid.
+            on_disk = self.disk.holds(keys[start:])
+            in_host = [h and d for h, d in zip(in_host, on_disk)]
         ring = self._ring_for(spec, device)
         B = ns.block_tokens
         now = self.clock()
@@ -378,7 +374,7 @@ class TieredStore:
             make, release = self._record_fn(p.ns, p.spec, p.parent, p.key, p.token_bytes, payload, held is not None,
                                             p.created_s)
             if not self.disk.put(p.ns.digest, p.key, make, p.spec.block_nbytes + codec.HEADER_NBYTES + len(p.token_bytes),
-                                 p.created_s, release=release):
+                                 p.created_s, release=release, ns_spec=p.ns.to_json().encode()):
                 release()
         if share:
             make, release = self._record_fn(p.ns, p.spec, p.parent, p.key, p.token_bytes, payload, held is not None,
@@ -512,6 +508,7 @@ class TieredStore:
                         if src[i] != 0:
                             self.gpu.put(keys[i], dest[:, :, i * B : (i + 1) * B])
                 _wait_for_copies(dest)  # before the host slots and the chunk buffers are let go
+                self._keep_on_disk(ns, spec, keys[:n], token_bytes, src[:n], views)
         if self.remote is not None and self.remote.admit_after > 1 and self.host is not None:
             self._share_newly_admitted(ns, spec, keys[:n], token_bytes)
         self.counters.add("store", "miss_blocks", len(keys) - n)
@@ -521,6 +518,33 @@ class TieredStore:
                 self.counters.add(tier, "hit_tokens", tokens)
         hit = Hit(n * B, by_tier, n, time.perf_counter() - t0)
         return hit, (dest[:, :, : n * B] if n else None)
+
+    def _keep_on_disk(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
+                      src: Sequence[int | None], views: Sequence[list[torch.Tensor | None]]) -> None:
+        """Blocks served from memory refresh their disk copy's TTL; one whose disk copy is gone (expired,
+        evicted, its save dropped) is written again from its host slot, so a restart does not lose it."""
+        if self.disk is None or self.disk.read_only:
+            return
+        mem = [i for i, t in enumerate(src) if t is not None]
+        if not mem:
+            return
+        self.disk.touch([keys[i] for i in mem])
+        if self.host is None:
+            return
+        h = self.pools.index(self.host)
+        lost = [i for i, held in zip(mem, self.disk.holds([keys[i] for i in mem])) if not held and src[i] == h]
+        B4 = ns.block_tokens * 4
+        now = self.clock()
+        for i in lost:
+            view = views[h][i]
+            assert view is not None
+            self.host.retain(view)  # the writer's reference, released once written
+            parent = keys[i - 1] if i else root_key(ns.digest)
+            make, release = self._record_fn(ns, spec, parent, keys[i], token_bytes[i * B4 : (i + 1) * B4], view,
+                                            True, now)
+            if not self.disk.put(ns.digest, keys[i], make, spec.block_nbytes + codec.HEADER_NBYTES + B4, now,
+                                 release=release, ns_spec=ns.to_json().encode()):
+                release()
 
     @contextlib.contextmanager
     def _stager_for(self, dest: torch.Tensor, spec: KVSpec, needed: bool) -> Iterator[_Stager | None]:

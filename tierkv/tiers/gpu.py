@@ -9,6 +9,7 @@ model is loaded, so the fraction sees the model's weights as used.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -24,8 +25,8 @@ AUTO_FRACTION = 0.1
 
 class GpuTier(BlockPool):
     def __init__(self, capacity_nbytes: int, *, device: torch.device | str = "cuda",
-                 counters: Counters | None = None) -> None:
-        super().__init__(capacity_nbytes, name="gpu", device=device, counters=counters)
+                 counters: Counters | None = None, **pool_options: Any) -> None:
+        super().__init__(capacity_nbytes, name="gpu", device=device, counters=counters, **pool_options)
 
 
 def gpu_budget_nbytes(spec: str | int | float, device: torch.device | str) -> int:

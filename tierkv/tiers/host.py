@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from tierkv.metrics import Counters
@@ -9,6 +12,8 @@ from tierkv.tiers.pool import BlockPool
 
 
 class HostTier(BlockPool):
-    def __init__(self, capacity_nbytes: int, *, pin: bool | None = None, counters: Counters | None = None) -> None:
+    def __init__(self, capacity_nbytes: int, *, pin: bool | None = None, counters: Counters | None = None,
+                 ttl_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
         super().__init__(capacity_nbytes, name="host", device="cpu",
-                         pin=torch.cuda.is_available() if pin is None else pin, counters=counters)
+                         pin=torch.cuda.is_available() if pin is None else pin, counters=counters, ttl_s=ttl_s,
+                         clock=clock)

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -29,8 +29,14 @@ MAX_HELD_FRACTION = 0.5
 
 class BlockPool:
     def __init__(self, capacity_nbytes: int, *, name: str, device: torch.device | str = "cpu", pin: bool = False,
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, ttl_s: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``ttl_s``: the store's sliding TTL, applied here too: a block idle longer is a miss in memory
+        as on disk (the TTL is a retention promise, not only a disk setting)."""
         self.name = name  # the tier's name in counters and logs
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._atime: dict[BlockKey, float] = {}  # last put or read, for the TTL
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": compared to tensors'
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -75,9 +81,23 @@ class BlockPool:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def _slot(self, key: BlockKey, now: float) -> int | None:
+        """The slot of ``key``, None if absent or idle past the TTL (then freed unless in use).
+        Caller holds the lock."""
+        slot = self._lru.get(key)
+        if slot is None or self.ttl_s is None or now - self._atime.get(key, now) <= self.ttl_s:
+            return slot
+        if self._refs[slot] == 0:
+            del self._lru[key]
+            self._atime.pop(key, None)
+            self._free.append(slot)
+            self.counters.add(self.name, "expirations")
+        return None
+
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        now = self.clock()
         with self._lock:
-            return [k in self._lru for k in keys]
+            return [self._slot(k, now) is not None for k in keys]
 
     def put(self, key: BlockKey, block: torch.Tensor, *, hold: bool = False) -> torch.Tensor | None:
         """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot.
@@ -93,12 +113,16 @@ class BlockPool:
             assert self._pool is not None
             if nbytes != self.slot_nbytes:
                 return None
+            now = self.clock()
+            self._slot(key, now)  # frees it if expired; an expired slot still in use is kept (same bytes)
             slot = self._lru.get(key)
+            self._atime[key] = now
             if slot is not None:
                 self._lru.move_to_end(key)
             else:
                 slot = self._take_slot()
                 if slot is None:
+                    self._atime.pop(key, None)
                     return None
                 # Copied under the lock: a block is ~1 MiB (tens of microseconds), and a reader must never
                 # see a half-written slot. On a GPU the copy is queued on the caller's stream, which is the
@@ -129,13 +153,17 @@ class BlockPool:
             if nbytes != self.slot_nbytes:
                 return 0
             picked, slots = [], []
+            now = self.clock()
             for j, key in enumerate(keys):
+                self._slot(key, now)
                 slot = self._lru.get(key)
+                self._atime[key] = now
                 if slot is not None:
                     self._lru.move_to_end(key)
                     continue
                 slot = self._take_slot()
                 if slot is None:
+                    self._atime.pop(key, None)
                     break
                 self._ref(slot)  # until copied: a later block of this batch must not evict this one
                 self._lru[key] = slot
@@ -173,6 +201,7 @@ class BlockPool:
         for key, slot in self._lru.items():  # least recently used first
             if self._refs[slot] == 0:
                 del self._lru[key]
+                self._atime.pop(key, None)
                 self.counters.add(self.name, "evictions")
                 return slot
         return None
@@ -195,12 +224,14 @@ class BlockPool:
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[torch.Tensor | None]]:
         """Hold the slots of ``keys`` for reading: one uint8 view per key, None where absent."""
         views: list[torch.Tensor | None] = []
+        now = self.clock()
         with self._lock:
             for key in keys:
-                slot = self._lru.get(key)
+                slot = self._slot(key, now) if self._pool is not None else None
                 if slot is None or self._pool is None:
                     views.append(None)
                     continue
+                self._atime[key] = now
                 self._lru.move_to_end(key)
                 self._ref(slot)
                 views.append(self._pool[slot])
@@ -216,6 +247,7 @@ class BlockPool:
             for key, slot in list(self._lru.items()):
                 if self._refs[slot] == 0:
                     del self._lru[key]
+                    self._atime.pop(key, None)
                     self._free.append(slot)
 
 

@@ -12,24 +12,38 @@ unlinked.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ALIGN = 4096  # file offsets and record footprints are page multiples: punchable, O_DIRECT-able
 READ_CHUNK_NBYTES = 8 << 20  # one preadv per chunk; several in flight keep the disk's queue full
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv / pwritev
+MAX_READ_FDS = 256  # cached read descriptors (two per segment); least recently used closed past it
+_TEMP = ".new-"  # a segment being created: <id>.seg.new-<pid>-<tid>, renamed once locked
 _ZEROS = memoryview(bytes(ALIGN))  # page padding between records
 _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a created or renamed file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def aligned(nbytes: int) -> int:
@@ -52,8 +66,10 @@ class SegmentDir:
     def __init__(self, path: Path, read_threads: int = 4) -> None:
         self.path = path
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._fds: dict[int, int] = {}
+        self._fds: OrderedDict[int, int] = OrderedDict()  # slot -> fd, least recently used first
         self._fds_lock = threading.Lock()
+        self._in_use: dict[int, int] = {}  # fd -> reads using it now
+        self._retired: set[int] = set()  # out of the cache, closed when their last read ends
         self._pool = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="tierkv-read")
         self._buf: mmap.mmap | None = None  # reused: fresh large buffers cost a page fault per 4 KiB
         self._pad = memoryview(bytearray(ALIGN))  # sink for the padding between records (content unused)
@@ -64,30 +80,101 @@ class SegmentDir:
     def list_ids(self) -> list[int]:
         return sorted(int(p.stem) for p in self.path.glob("*.seg") if p.stem.isdigit())
 
-    def _read_fd(self, seg_id: int, sequential: bool = True) -> int | None:
-        """A cached read descriptor; two per file, since readahead is a per-descriptor setting.
+    def is_active(self, seg_id: int) -> bool:
+        """Whether a live writer (in any process, any PID namespace) holds the segment: it may still grow."""
+        try:
+            fd = os.open(self.file(seg_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # also drops the lock this test took
+        return False
+
+    def remove_stale_temp_files(self) -> int:
+        """Segments whose creator died before naming them (unlocked temp files): never indexed."""
+        n = 0
+        for p in self.path.glob(f"*.seg{_TEMP}*"):
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    p.unlink()
+                    n += 1
+                except BlockingIOError:
+                    pass
+                finally:
+                    os.close(fd)
+        return n
+
+    def forget_removed(self) -> int:
+        """Drop cached descriptors of segments another process unlinked (each pins the file's space)."""
+        with self._fds_lock:
+            gone = [slot for slot, fd in self._fds.items() if os.fstat(fd).st_nlink == 0]
+            for slot in gone:
+                self._retire(self._fds.pop(slot))
+        return len(gone)
+
+    @contextlib.contextmanager
+    def _read_fd(self, seg_id: int, sequential: bool = True) -> Iterator[int | None]:
+        """A cached read descriptor, held for the ``with`` block; two per file, since readahead is a
+        per-descriptor setting. None if the segment is gone (the caller sees a miss).
 
         A run of adjacent records is read with readahead (it streams on past each request); a lone record
         without (readahead would read its neighbours, which belong to other prefixes, halving bandwidth).
+        The cache is bounded (``MAX_READ_FDS``, least recently used out): weeks of segments rolling must
+        not exhaust descriptors. A descriptor leaving the cache is closed once no read uses it, so its
+        number is never reused under a read in flight.
         """
         slot = seg_id * 2 + sequential
         with self._fds_lock:
             fd = self._fds.get(slot)
-            if fd is None:
+            if fd is not None:
+                self._fds.move_to_end(slot)
+            else:
                 try:
                     fd = os.open(self.file(seg_id), os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
-                    return None  # swept by another process: the caller sees zeros, a miss
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM)
-                self._fds[slot] = fd
-            return fd
+                    fd = None
+                else:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM)
+                    self._fds[slot] = fd
+                    while len(self._fds) > MAX_READ_FDS:
+                        self._retire(self._fds.popitem(last=False)[1])
+            if fd is not None:
+                self._in_use[fd] = self._in_use.get(fd, 0) + 1
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                with self._fds_lock:
+                    self._in_use[fd] -= 1
+                    if not self._in_use[fd]:
+                        del self._in_use[fd]
+                        if fd in self._retired:
+                            self._retired.discard(fd)
+                            os.close(fd)
+
+    def _retire(self, fd: int) -> None:
+        """Close ``fd`` (out of the cache) now, or when its last read ends. Caller holds ``_fds_lock``."""
+        if self._in_use.get(fd):
+            self._retired.add(fd)
+        else:
+            os.close(fd)
 
     def forget(self, seg_id: int) -> None:
         with self._fds_lock:
-            fds = [self._fds.pop(seg_id * 2 + seq, None) for seq in (0, 1)]
-        for fd in fds:
-            if fd is not None:
-                os.close(fd)
+            for seq in (0, 1):
+                fd = self._fds.pop(seg_id * 2 + seq, None)
+                if fd is not None:
+                    self._retire(fd)
+
+    def open_fds(self) -> int:
+        with self._fds_lock:
+            return len(self._fds) + len(self._retired)
 
     def read(self, locations: Sequence[tuple[int, int, int]]) -> list[memoryview]:
         """Read records ``(seg_id, offset, nbytes)``; returns one view per record, in the given order.
@@ -128,10 +215,9 @@ class SegmentDir:
         return [buf[starts[i] : starts[i] + locations[i][2]] for i in range(len(locations))]
 
     def _read_chunk(self, buf: memoryview, seg_id: int, offset: int, bpos: int, nbytes: int) -> None:
-        fd = self._read_fd(seg_id)
         got = 0
-        if fd is not None:
-            while got < nbytes:
+        with self._read_fd(seg_id) as fd:
+            while fd is not None and got < nbytes:
                 n = os.preadv(fd, [buf[bpos + got : bpos + nbytes]], offset + got)
                 if n <= 0:
                     break
@@ -182,9 +268,11 @@ class SegmentDir:
         return ok
 
     def _readv_one(self, seg_id: int, offset: int, views: list[memoryview], sequential: bool) -> bool:
-        fd = self._read_fd(seg_id, sequential)
-        if fd is None:
-            return False
+        with self._read_fd(seg_id, sequential) as fd:
+            return fd is not None and self._preadv_all(fd, offset, views)
+
+    @staticmethod
+    def _preadv_all(fd: int, offset: int, views: list[memoryview]) -> bool:
         while views:
             n = os.preadv(fd, views, offset)
             if n <= 0:
@@ -233,22 +321,42 @@ class SegmentDir:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         with self._fds_lock:
-            for fd in self._fds.values():
+            for fd in [*self._fds.values(), *self._retired]:
                 os.close(fd)
             self._fds.clear()
+            self._retired.clear()
         if self._buf is not None:
             self._buf.close()
             self._buf = None
 
 
 class SegmentWriter:
-    """Appends records to one segment file; owned by the disk tier's writer thread."""
+    """Appends records to one segment file; owned by the disk tier's writer thread.
 
-    def __init__(self, path: Path, seg_id: int, sync: bool) -> None:
+    The file is created under a temporary name, locked (flock, held until ``close``) and only then given
+    its name, so every segment file another process can see is locked for as long as its writer lives:
+    ``SegmentDir.is_active`` tells a live writer's segment from a dead one's without trusting pids.
+    """
+
+    def __init__(self, segments: SegmentDir, seg_id: int, sync: bool) -> None:
         self.seg_id = seg_id
         self.sync = sync
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self.end = aligned(os.fstat(self.fd).st_size)  # never overwrite what a crashed writer left
+        final = segments.file(seg_id)
+        temp = final.with_name(f"{final.name}{_TEMP}{os.getpid()}-{threading.get_native_id()}")
+        self.fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A file of this id can exist only if a power cut lost the index commit that allocated the id:
+            # nothing indexed can point into it, so replacing it is safe.
+            os.rename(temp, final)
+            if sync:  # the new name must survive a power cut before any record in it is indexed
+                fsync_dir(segments.path)
+        except BaseException:
+            os.close(self.fd)
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+            raise
+        self.end = 0
 
     def append(self, records: Sequence[Sequence[bytes | memoryview]]) -> list[int]:
         """Write records (each a list of buffers) back to back, each padded to a page, with gathered
@@ -281,4 +389,4 @@ class SegmentWriter:
         return offsets
 
     def close(self) -> None:
-        os.close(self.fd)
+        os.close(self.fd)  # releases the flock: the segment is now inactive for every process
