@@ -6,6 +6,7 @@ from tierkv.errors import (
     NamespaceConflictError,
     RecordError,
     StoreFormatError,
+    StoreOpenError,
     TierKVError,
 )
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest, block_keys
@@ -22,6 +23,7 @@ __all__ = [
     "NamespaceDigest",
     "RecordError",
     "StoreFormatError",
+    "StoreOpenError",
     "TierKVError",
     "TieredStore",
     "block_keys",

@@ -102,7 +102,7 @@ class SegmentDir:
                 fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    p.unlink()
+                    os.unlink(p)
                     n += 1
                 except BlockingIOError:
                     pass
@@ -301,10 +301,8 @@ class SegmentDir:
 
     def unlink(self, seg_id: int) -> None:
         self.forget(seg_id)
-        try:
-            self.file(seg_id).unlink()
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.file(seg_id))
 
     def disk_nbytes(self) -> tuple[int, int]:
         """(allocated bytes, apparent bytes) of all segment files."""
@@ -354,7 +352,7 @@ class SegmentWriter:
         except BaseException:
             os.close(self.fd)
             with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
+                os.unlink(temp)
             raise
         self.end = 0
 

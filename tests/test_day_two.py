@@ -1,0 +1,473 @@
+"""Day two: the store's promises after expiry, beside gc, with several processes, a full map, and
+descriptors that accumulate. Each test here failed against the store as it was at 29e5fab."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import lmdb
+import pytest
+import torch
+
+from tierkv import StoreOpenError, TieredStore, block_keys
+from tierkv.tiers import segments as segments_mod
+from tierkv.tiers.disk import _SEG_ID, _SEGMENT, DiskTier
+
+from helpers import REPO, make_kv, run_python
+
+
+def _toks(p: int, n: int = 64) -> list[int]:
+    return [p * 1000 + t for t in range(n)]
+
+
+def check_consistent(disk: DiskTier) -> None:
+    """Totals and per-segment live counts equal a full scan of the index."""
+    by_ns: dict[bytes, list[int]] = {}
+    by_seg: dict[int, list[int]] = {}
+    for _, e in disk.snapshot_entries():
+        row = by_ns.setdefault(e.ns_digest, [0, 0])
+        row[0] += 1
+        row[1] += e.footprint
+        seg = by_seg.setdefault(e.seg_id, [0, 0])
+        seg[0] += e.footprint
+        seg[1] += 1
+    assert disk.totals() == {k: tuple(v) for k, v in by_ns.items()}
+    with disk._read() as txn:
+        rows = {_SEG_ID.unpack(bytes(k))[0]: _SEGMENT.unpack(v) for k, v in txn.cursor(db=disk._db["segments"])}
+    for seg_id, (nbytes, records) in by_seg.items():
+        assert rows[seg_id][:2] == (nbytes, records), f"segment {seg_id}"
+    for seg_id, row in rows.items():
+        if seg_id not in by_seg:
+            assert row[:2] == (0, 0), f"segment {seg_id} counts records nobody indexes"
+
+
+# ------------------------------------------------------------------------------------------ 1: expiry
+
+
+def test_an_expired_block_is_cached_again_with_exact_totals(tmp_path, ns) -> None:
+    now = [1000.0]
+    with TieredStore.open(tmp_path, host_bytes=0, ttl_s=60, clock=lambda: now[0]) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        store.flush()
+        now[0] += 90  # idle past the TTL; nothing swept it
+        assert store.lookup(ns, _toks(0)).num_tokens == 0
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        store.flush()
+        assert store.lookup(ns, _toks(0)).num_tokens == 64
+        n, kv = store.load(ns, _toks(0))
+        assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=0))
+        check_consistent(store.disk)
+        assert store.disk.totals()[ns.digest][0] == 4  # replaced, not added beside the old records
+        assert store.disk.usage()["segment_allocated_nbytes"] <= store.disk.usage()["live_nbytes"] + 4096
+
+
+def test_a_server_store_sweeps_on_its_own(tmp_path, ns) -> None:
+    now = [1000.0]
+    with TieredStore.open(tmp_path, host_bytes=0, ttl_s=60, clock=lambda: now[0], sweep_interval_s=0.05) as store:
+        for p in range(3):
+            store.save(ns, _toks(p), make_kv(ns, 64, seed=p))
+        store.flush()
+        assert store.disk.totals()[ns.digest][0] == 12
+        now[0] += 120
+        deadline = time.monotonic() + 10
+        while store.disk.totals() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.disk.totals() == {}
+        assert store.stats()["disk"]["sweeps"] >= 1
+        assert store.disk.usage()["segment_allocated_nbytes"] == 0 or not store.disk.segments.list_ids() or \
+            store.disk.usage()["segment_allocated_nbytes"] <= 4096
+
+
+# ------------------------------------------------------------------------------------------ 9: RAM and disk
+
+
+def test_memory_tiers_apply_the_ttl(tmp_path, ns) -> None:
+    now = [1000.0]
+    with TieredStore.open(None, host_bytes=1 << 20, ttl_s=60, clock=lambda: now[0]) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        now[0] += 50
+        assert store.load(ns, _toks(0))[0] == 64  # a hit refreshes it
+        now[0] += 50
+        assert store.lookup(ns, _toks(0)).num_tokens == 64
+        now[0] += 61
+        assert store.lookup(ns, _toks(0)).num_tokens == 0
+        assert store.load(ns, _toks(0)) == (0, None)
+
+
+def test_a_block_served_from_ram_survives_a_restart_after_its_disk_copy_expired(tmp_path, ns) -> None:
+    now = [1000.0]
+    with TieredStore.open(tmp_path, host_bytes=1 << 20, ttl_s=60, clock=lambda: now[0]) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        store.flush()
+        for _ in range(4):  # served from RAM every 40 s: RAM and disk copies both stay fresh
+            now[0] += 40
+            assert store.restore(ns, _toks(0))[0].by_tier["host"] == 64
+            store.flush()
+        assert store.disk.lookup(block_keys(ns, _toks(0))) == 4
+        store.disk.enforce_budget(1)  # `tierkv gc --budget` from cron: the disk copy is gone
+        assert store.disk.totals() == {}
+        now[0] += 1
+        assert store.restore(ns, _toks(0))[0].by_tier["host"] == 64  # RAM still serves it...
+        store.flush()  # ...and wrote it back
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))  # a save of a RAM-held prefix writes what disk lost
+        store.flush()
+        assert store.disk.totals()[ns.digest][0] == 4
+    with TieredStore.open(tmp_path, host_bytes=1 << 20, ttl_s=60, clock=lambda: now[0]) as store:
+        n, kv = store.load(ns, _toks(0))
+        assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=0))
+
+
+# ------------------------------------------------------------------------------------------ 3: processes
+
+SAVER = """
+import sys
+from tierkv import Namespace, TieredStore
+from helpers import make_kv
+ns = Namespace.from_json(sys.argv[1])
+with TieredStore.open(sys.argv[2], host_bytes=0, batch_nbytes=16 * 1024) as store:
+    print("open", flush=True)
+    sys.stdin.readline()  # all processes start saving together
+    for p in range(int(sys.argv[3])):
+        store.save(ns, [p * 1000 + t for t in range(96)], make_kv(ns, 96, seed=p))
+        if p % 5 == 0:
+            store.flush()
+    store.flush()
+    print("segment", store.disk._writer_seg.seg_id if store.disk._writer_seg else -1, flush=True)
+"""
+
+
+def test_several_processes_saving_the_same_prefixes_keep_totals_exact(tmp_path, ns) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    procs = [subprocess.Popen([sys.executable, "-c", SAVER, ns.to_json(), str(tmp_path), "60"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "open", p.stderr.read()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    segs = {int(out.split()[-1]) for out, _ in outs}
+    assert len(segs) == 3  # each process appended to its own segment
+    with DiskTier(tmp_path) as disk:
+        check_consistent(disk)
+        assert disk.totals()[ns.digest][0] == 60 * 6  # every block once, whoever wrote it
+        assert disk.check().corrupt == 0
+    # The budget then evicts exactly what it must: no double-counted bytes.
+    with DiskTier(tmp_path) as disk:
+        live = disk.totals()[ns.digest][1]
+        report = disk.enforce_budget(live // 2)
+        assert disk.totals()[ns.digest][1] <= live // 2
+        assert disk.totals()[ns.digest][1] > live // 2 - 2 * 4096
+        assert report.evicted == 60 * 6 - disk.totals()[ns.digest][0]
+        check_consistent(disk)
+
+
+# ------------------------------------------------------------------------------------------ 2: gc beside a writer
+
+BIG_WRITER = """
+import sys, time
+from tierkv import Namespace, TieredStore
+from helpers import make_kv
+ns = Namespace.from_json(sys.argv[1])
+prompts = int(sys.argv[3])
+with TieredStore.open(sys.argv[2], host_bytes=0, batch_nbytes=96 * 1024, segment_nbytes=2 << 20) as store:
+    print("open", flush=True)
+    kv = make_kv(ns, 16 * 40, seed=1)
+    for p in range(prompts):
+        store.save(ns, [p * 1000 + t for t in range(16 * 40)], kv)
+        if p % 8 == 7:
+            store.flush()
+    store.flush()
+    print("done", store.stats()["disk"]["blocks_written"], flush=True)
+"""
+
+
+def check_gc_beside_a_writer(tmp_path, ns, prompts: int) -> dict[str, int]:
+    """A writer saves ``prompts`` prompts of 40 blocks (many thousands of entries, segments of 2 MiB that
+    roll over every ~500 records) while gc runs every option in a loop from other processes."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    proc = subprocess.Popen([sys.executable, "-c", BIG_WRITER, ns.to_json(), str(tmp_path), str(prompts)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "open"
+    runs = 0
+    while proc.poll() is None:
+        for args in (["--compact"], ["--check"], ["--compact", "--ttl", "1h"], ["--budget", "1TiB", "--compact"]):
+            r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), *args, "--json"],
+                               capture_output=True, text=True, check=False)
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["corrupt"] == 0
+            runs += 1
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    written = int(out.split()[-1])
+    assert written == prompts * 40
+    kv = make_kv(ns, 16 * 40, seed=1)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        disk = store.disk
+        check_consistent(disk)
+        assert disk.totals()[ns.digest][0] == prompts * 40
+        for p in range(prompts):  # every prompt whole and exact: compaction destroyed nothing
+            n, got = store.load(ns, [p * 1000 + t for t in range(16 * 40)])
+            assert n == 16 * 40, f"prompt {p}: {n} tokens"
+            assert torch.equal(got, kv)
+        assert disk.check().corrupt == 0
+        segments_rolled = len({e.seg_id for _, e in disk.snapshot_entries()})
+    return {"runs": runs, "entries": written, "segments": segments_rolled}
+
+
+def test_gc_every_option_beside_a_writer_destroys_nothing(tmp_path, ns) -> None:
+    stats = check_gc_beside_a_writer(tmp_path, ns, 160)  # 6400 entries: crosses every 4096 and 256 batch
+    assert stats["runs"] >= 4 and stats["segments"] >= 10
+
+
+@pytest.mark.slow
+def test_gc_every_option_beside_a_writer_long(tmp_path, ns) -> None:
+    stats = check_gc_beside_a_writer(tmp_path, ns, 1000)
+    assert stats["runs"] >= 20 and stats["segments"] >= 60
+
+
+def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_path, ns) -> None:
+    """A server in another PID namespace looks dead to a pid check: liveness is the segment's flock."""
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        store.flush()
+        seg_id = store.disk._writer_seg.seg_id
+        key = _SEG_ID.pack(seg_id)
+        store.disk._write(lambda txn: txn.put(key, _SEGMENT.pack(*_SEGMENT.unpack(txn.get(key, db=store.disk._db[
+            "segments"]))[:2], 2**31 - 2, 0), db=store.disk._db["segments"]))  # a pid nobody has here
+        r = run_python(f"""
+            from tierkv.tiers.disk import DiskTier
+            with DiskTier({str(tmp_path)!r}) as disk:  # a second writer starting: seals dead writers' segments
+                disk.compact()
+                disk.expire(ttl_s=3600)
+        """)
+        assert r.returncode == 0, r.stderr
+        store.save(ns, _toks(1), make_kv(ns, 64, seed=1))  # appends to the same segment after the gc
+        store.flush()
+        assert store.disk._writer_seg.seg_id == seg_id
+        r = run_python(f"""
+            from tierkv.tiers.disk import DiskTier
+            with DiskTier({str(tmp_path)!r}) as disk:
+                disk.compact()
+        """)
+        assert r.returncode == 0, r.stderr
+        for p in (0, 1):
+            n, kv = store.load(ns, _toks(p))
+            assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=p))
+
+
+def test_gc_check_purges_the_record_it_read_not_its_replacement(tmp_path, ns) -> None:
+    now = [1000.0]
+    with TieredStore.open(tmp_path, host_bytes=0, ttl_s=60, clock=lambda: now[0]) as store:
+        store.save(ns, _toks(0, 16), make_kv(ns, 16, seed=0))
+        store.flush()
+        (_, e), = store.disk.snapshot_entries()
+        path = store.disk.segments.file(e.seg_id)
+        data = bytearray(path.read_bytes())
+        data[e.offset + e.nbytes - 8] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+        def rewrite_after_the_read(_n: int) -> None:  # a writer replaces the (expired) key meanwhile
+            now[0] += 90
+            store.save(ns, _toks(0, 16), make_kv(ns, 16, seed=0))
+            store.flush()
+
+        report = store.disk.check(progress=rewrite_after_the_read)
+        assert report.checked == 1 and report.corrupt == 0  # the bad record was already replaced
+        n, kv = store.load(ns, _toks(0, 16))
+        assert n == 16 and torch.equal(kv, make_kv(ns, 16, seed=0))
+        check_consistent(store.disk)
+
+
+# ------------------------------------------------------------------------------------------ 4: the map
+
+
+def test_the_index_map_grows_beside_readers(tmp_path, ns) -> None:
+    with TieredStore.open(tmp_path, host_bytes=0, map_nbytes=256 * 1024, batch_nbytes=64 * 1024) as store:
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    store.lookup(ns, _toks(0, 256))
+                    store.disk.totals()
+                except BaseException as exc:  # noqa: BLE001 - the test reports any
+                    errors.append(exc)
+                    return
+
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        for t in readers:
+            t.start()
+        for p in range(120):
+            store.save(ns, _toks(p, 256), make_kv(ns, 256, seed=p % 3))
+        assert store.disk.flush(timeout_s=120)
+        stop.set()
+        for t in readers:
+            t.join()
+        assert not errors, errors
+        assert store.disk._env.info()["map_size"] > 256 * 1024
+        assert store.disk._thread.is_alive()
+        assert store.disk.totals()[ns.digest][0] == 120 * 16
+        assert store.stats()["disk"]["write_errors"] == 0
+        check_consistent(store.disk)
+
+
+def test_another_process_growing_the_map_is_adopted(tmp_path, ns) -> None:
+    with TieredStore.open(tmp_path, host_bytes=0, map_nbytes=256 * 1024) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        store.flush()
+        r = run_python(f"""
+            from tierkv import Namespace, TieredStore
+            from helpers import make_kv
+            ns = Namespace.from_json({ns.to_json()!r})
+            with TieredStore.open({str(tmp_path)!r}, host_bytes=0, map_nbytes=256 * 1024) as s:
+                for p in range(1, 80):
+                    s.save(ns, [p * 1000 + t for t in range(256)], make_kv(ns, 256, seed=0))
+        """, timeout=180)
+        assert r.returncode == 0, r.stderr
+        assert store.lookup(ns, _toks(79, 256)).num_tokens == 256  # reads past our old map size
+        store.save(ns, _toks(500), make_kv(ns, 64, seed=0))
+        assert store.disk.flush(timeout_s=60)
+        assert store.lookup(ns, _toks(500)).num_tokens == 64
+        check_consistent(store.disk)
+
+
+def test_the_writer_survives_any_error_and_flush_never_hangs(tmp_path, ns, monkeypatch, caplog) -> None:
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        real = store.disk._write_fresh
+        calls = [0]
+
+        def flaky(puts):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("generator didn't stop after throw()")
+            return real(puts)
+
+        monkeypatch.setattr(store.disk, "_write_fresh", flaky)
+        with caplog.at_level(logging.ERROR):
+            store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+            assert store.disk.flush(timeout_s=30)
+        assert store.stats()["disk"]["write_errors"] == 1
+        assert store.disk._thread.is_alive()
+        store.save(ns, _toks(1), make_kv(ns, 64, seed=1))
+        assert store.disk.flush(timeout_s=30)
+        assert store.lookup(ns, _toks(1)).num_tokens == 64
+        assert any("writer goes on" in r.message for r in caplog.records)
+
+
+def test_flush_returns_when_the_writer_is_stuck(tmp_path, ns, monkeypatch) -> None:
+    gate = threading.Event()
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        real = store.disk._write_fresh
+        monkeypatch.setattr(store.disk, "_write_fresh", lambda puts: (gate.wait(), real(puts)))
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        t0 = time.monotonic()
+        assert store.disk.flush(timeout_s=0.5) is False
+        assert time.monotonic() - t0 < 5
+        gate.set()
+        assert store.disk.flush(timeout_s=30)
+
+
+# ------------------------------------------------------------------------------------------ 5: opening
+
+
+def test_a_store_that_cannot_be_opened_is_left_where_it_is(tmp_path, ns) -> None:
+    with TieredStore.open(tmp_path / "cache", host_bytes=0) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+    lock = tmp_path / "cache" / "index" / "lock.mdb"
+    lock.unlink()
+    lock.mkdir()  # not corruption: an environment problem (as permissions or read-only media are)
+    with pytest.raises(StoreOpenError, match="cannot open the store"):
+        TieredStore.open(tmp_path / "cache", host_bytes=0)
+    assert not list(tmp_path.glob("cache.corrupt-*"))
+    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path / "cache")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "cannot open the store" in r.stderr
+    lock.rmdir()
+    with TieredStore.open(tmp_path / "cache", host_bytes=0) as store:  # and the data is all there
+        assert store.lookup(ns, _toks(0)).num_tokens == 64
+
+
+def test_a_reader_never_moves_a_damaged_store_aside(tmp_path, ns) -> None:
+    with TieredStore.open(tmp_path / "cache", host_bytes=0) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+    with open(tmp_path / "cache" / "index" / "data.mdb", "r+b") as f:
+        f.write(os.urandom(8192))
+    with pytest.raises(StoreOpenError, match="damaged"):
+        DiskTier(tmp_path / "cache", writer=False)
+    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path / "cache")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode != 0 and "damaged" in r.stderr
+    assert not list(tmp_path.glob("cache.corrupt-*"))
+
+
+# ------------------------------------------------------------------------------------------ 6: descriptors
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_read_descriptors_are_bounded_and_dropped_when_segments_go(tmp_path, ns, monkeypatch) -> None:
+    monkeypatch.setattr(segments_mod, "MAX_READ_FDS", 16)
+    with TieredStore.open(tmp_path, host_bytes=0, segment_nbytes=8192) as store:  # a segment every 2 records
+        for p in range(40):
+            store.save(ns, _toks(p, 32), make_kv(ns, 32, seed=p))
+            store.flush()
+        base = _fd_count()
+        for p in range(40):
+            assert store.load(ns, _toks(p, 32))[0] == 32
+        assert store.disk.segments.open_fds() <= 16
+        assert _fd_count() <= base + 16
+        # Another process removes every segment (gc purges all): the cached descriptors pin them no more.
+        r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--all", "--json"], capture_output=True, text=True, check=False)
+        assert r.returncode == 0, r.stderr
+        assert store.disk.segments.forget_removed() > 0
+        assert store.disk.segments.open_fds() <= 2  # the writer's own segment (still there) at most
+        assert store.lookup(ns, _toks(3, 32)).num_tokens == 0
+
+
+# ------------------------------------------------------------------------------------------ holes
+
+
+def test_a_file_system_without_hole_punching_is_counted_and_logged_once(tmp_path, ns, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(segments_mod, "punch_hole", lambda fd, off, n: False)
+    with caplog.at_level(logging.WARNING), TieredStore.open(tmp_path, host_bytes=0) as store:
+        for p in range(3):
+            store.save(ns, _toks(p), make_kv(ns, 64, seed=p))
+        store.flush()
+        store.disk.expire(ttl_s=0)
+        store.disk.purge_namespace(None)
+        assert store.stats()["disk"]["punch_unsupported"] == 12
+    assert sum("cannot punch holes" in r.message for r in caplog.records) == 1
+
+
+def test_lmdb_errors_on_reads_never_escape_as_map_resized(tmp_path, ns) -> None:
+    """Sanity for the transaction gate: a resize waits for open transactions of every thread."""
+    with DiskTier(tmp_path, map_nbytes=64 * 1024) as disk:
+        entered, release = threading.Event(), threading.Event()
+
+        def hold_a_read() -> None:
+            with disk._read():
+                entered.set()
+                release.wait(10)
+
+        t = threading.Thread(target=hold_a_read)
+        t.start()
+        entered.wait(5)
+        done = threading.Event()
+        threading.Thread(target=lambda: (disk._resize(128 * 1024), done.set())).start()
+        assert not done.wait(0.3)  # the resize waits for the open read transaction
+        release.set()
+        assert done.wait(5)
+        t.join()
+        assert disk._env.info()["map_size"] == 128 * 1024
+        with pytest.raises(lmdb.Error):
+            disk._write(lambda txn: txn.put(b"", b"x"))  # LMDB's own errors still surface
