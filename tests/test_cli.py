@@ -1,4 +1,8 @@
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -66,3 +70,52 @@ def test_bad_arguments_one_line_exit_2(store_dir, args) -> None:
 def test_missing_store_is_exit_1(tmp_path) -> None:
     r = CliRunner().invoke(main, ["stats", "--cache-dir", str(tmp_path / "none")])
     assert r.exit_code == 1 and "no tierkv store" in r.output
+
+
+def _one_error_line(r) -> str:
+    assert r.exit_code == 2, r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("tierkv: error:"), r.output
+    assert "Traceback" not in r.output
+    return r.output
+
+
+@pytest.mark.parametrize("command", ["stats", "gc"])
+def test_store_of_another_format_is_one_line_exit_2_and_kept(store_dir, command) -> None:
+    import lmdb
+
+    env = lmdb.open(str(store_dir / "index"), max_dbs=8, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"99", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    before = sorted(p.name for p in store_dir.iterdir())
+    out = _one_error_line(CliRunner().invoke(main, [command, "--cache-dir", str(store_dir)]))
+    assert "format version 99" in out
+    assert sorted(p.name for p in store_dir.iterdir()) == before  # nothing moved aside
+    assert not list(store_dir.parent.glob(store_dir.name + ".corrupt-*"))
+
+
+def _without_root_powers() -> list[str]:
+    """A command prefix under which chmod 000 denies: none for a user, for root one without DAC overrides."""
+    if os.geteuid() != 0:
+        return []
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+    if shutil.which("setpriv") is None or subprocess.run([*drop, "true"], check=False).returncode != 0:
+        pytest.skip("root reads through chmod 000, and setpriv cannot drop that power here")
+    return [*drop, "--"]
+
+
+@pytest.mark.parametrize("command", ["stats", "gc"])
+def test_unreadable_store_is_one_line_exit_2_and_kept(store_dir, command) -> None:
+    prefix = _without_root_powers()
+    index = store_dir / "index"
+    index.chmod(0)
+    try:
+        r = subprocess.run([*prefix, sys.executable, "-m", "tierkv.cli", command, "--cache-dir", str(store_dir)],
+                           capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        index.chmod(0o700)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("tierkv: error:"), r.stderr
+    assert "Permission denied" in r.stderr
+    r = CliRunner().invoke(main, ["stats", "--cache-dir", str(store_dir), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["blocks"] == 8  # the data stayed where it was

@@ -41,12 +41,14 @@ def _parse(fn: Callable[[str], Any]) -> Callable[[click.Context, click.Parameter
 def _open_disk(cache_dir: str) -> Iterator[Any]:
     from tierkv.tiers.disk import DiskTier
 
-    if not (Path(cache_dir) / "index" / "data.mdb").exists():
-        _fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", 1)
     try:
+        if not (Path(cache_dir) / "index" / "data.mdb").exists():
+            _fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", 1)
         disk = DiskTier(cache_dir, writer=False)
-    except TierKVError as exc:
-        _fail(str(exc), 1)
+    except TierKVError as exc:  # another format version; permissions, read-only media, a lock file
+        _fail(str(exc), 2)
+    except OSError as exc:
+        _fail(f"cannot open the store at {cache_dir}: {exc}", 2)
     try:
         yield disk
     finally:
@@ -152,10 +154,16 @@ def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | N
 @click.option("--host-cache", help="Host RAM for cached blocks.  [default: 2GiB]")
 @click.option("--disk-budget", help="Disk budget.  [default: 20GiB]")
 @click.option("--ttl", help="Sliding TTL of cached blocks.  [default: 24h]")
+@click.option("--sweep-interval", "sweep_interval_s",
+              help="Sweep expired blocks and hold the disk budget in the background this often; 0: never.  "
+              "[default: 5m]")
 @click.option("--no-cache", is_flag=True, default=None, help="Serve without any caching (a baseline).")
 @click.option("--remote", help="A tier shared by several workers: redis://HOST:PORT or redis+cluster://HOST:PORT.")
 @click.option("--remote-admit-after", type=int, help="Share a block once this many requests contained it.  [default: 1]")
-@click.option("--admin-token", help="Enables /admin/* for requests bearing this token.")
+@click.option("--admin-token", help="Enables /admin/* for requests bearing this token (visible in ps: prefer "
+              "--admin-token-file or $TIERKV_ADMIN_TOKEN).")
+@click.option("--admin-token-file",
+              help="Read the admin token from this file (one line).")
 @click.option("--debug-prompts", is_flag=True, default=None,
               help="Keep recent prompts' tokens so /admin/misses can quote where they diverged.")
 @click.option("--max-queue", type=int, help="Requests waiting or running before 503.  [default: 16]")

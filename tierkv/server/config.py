@@ -27,10 +27,12 @@ class ServeConfig:
     host_cache: int = 2 << 30  # bytes of host RAM for KV blocks
     disk_budget: int = 20 << 30  # bytes on disk
     ttl: float = 86400.0  # seconds, sliding from the last hit
+    sweep_interval_s: float = 300.0  # seconds between background sweeps (expiry, budget); 0: none
     no_cache: bool = False
     remote: str | None = None  # redis://host:port or redis+cluster://host:port: a tier shared by workers
     remote_admit_after: int = 1  # share a block once this many requests contained it
     admin_token: str | None = None  # admin API disabled without one
+    admin_token_file: str | None = None  # read into admin_token at load (not on the command line: ps shows it)
     max_queue: int = 16  # requests waiting or running; past it: 503 with Retry-After
     max_context: int = 0  # tokens; 0 -> the model's max_position_embeddings
     debug_prompts: bool = False  # keep recent prompts' tokens to show where misses diverged (text!)
@@ -41,24 +43,51 @@ class ServeConfig:
     def load(cls, cli: dict[str, Any], config_file: str | None = None,
              env: dict[str, str] | None = None) -> ServeConfig:
         env = dict(os.environ) if env is None else env
-        values: dict[str, Any] = {}
+        layers: list[dict[str, Any]] = []  # file < environment < command line
         if config_file:
             try:
-                values.update(tomllib.loads(Path(config_file).read_text()))
+                layers.append(tomllib.loads(Path(config_file).read_text()))
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigError(f"--config {config_file}: {exc}") from None
-        for f in dataclasses.fields(cls):
-            key = "TIERKV_" + f.name.upper()
-            if key in env:
-                values[f.name] = env[key]
-        values.update({k: v for k, v in cli.items() if v is not None})
+        names = [f.name for f in dataclasses.fields(cls)] + list(_ALIASES)
+        layers.append({name: env["TIERKV_" + name.upper()] for name in names if "TIERKV_" + name.upper() in env})
+        layers.append({k: v for k, v in cli.items() if v is not None})
+        values: dict[str, Any] = {}
+        for layer in layers:
+            layer = {_ALIASES.get(k, k): v for k, v in layer.items()}
+            token_keys = {"admin_token", "admin_token_file"} & set(layer)
+            if len(token_keys) == 2:
+                raise ConfigError("give the admin token one way: admin_token or admin_token_file, not both")
+            if token_keys:  # a token from a later layer replaces the earlier one, however it was given
+                values.pop("admin_token", None)
+                values.pop("admin_token_file", None)
+            values.update(layer)
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        if values.get("admin_token_file"):
+            values["admin_token"] = read_token_file(str(values["admin_token_file"]))
         return cls(**{name: _coerce(name, value) for name, value in values.items()})
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or os.environ.get("TIERKV_CACHE_DIR") or str(Path.home() / ".cache" / "tierkv")
+
+
+# Option names as given (--sweep-interval, TIERKV_SWEEP_INTERVAL, sweep_interval in TOML) -> field names.
+_ALIASES = {"sweep_interval": "sweep_interval_s"}
+
+
+def read_token_file(path: str) -> str:
+    """The admin token in ``path``: the file's one line, without its line end."""
+    try:
+        token = Path(path).read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"admin token file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    if not token.strip():
+        raise ConfigError(f"admin token file {path}: it is empty")
+    if "\n" in token:
+        raise ConfigError(f"admin token file {path}: it holds more than one line")
+    return token
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -73,6 +102,11 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_size(value if isinstance(value, (str, int)) else int(value))
         if name in ("ttl", "body_timeout"):
             return parse_duration(value)
+        if name == "sweep_interval_s":
+            seconds = parse_duration(value)
+            if not seconds >= 0:  # also NaN
+                raise ConfigError(f"must be 0 (no background sweep) or a positive duration, got {value!r}")
+            return seconds
         if name in ("port", "block_tokens", "max_queue", "max_context", "remote_admit_after"):
             return int(value)
         if name in ("no_cache", "debug_prompts"):

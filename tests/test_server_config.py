@@ -1,0 +1,85 @@
+"""`tierkv serve` options that need no model: the background sweep's interval and the admin token's sources."""
+
+import pytest
+from click.testing import CliRunner
+
+from tierkv import TieredStore
+from tierkv.cli import main
+from tierkv.errors import ConfigError
+from tierkv.server import app as app_module
+from tierkv.server.config import ServeConfig
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """`tierkv serve ...` up to the point where it would load the model: the ServeConfig it built."""
+    configs: list[ServeConfig] = []
+    monkeypatch.setattr(app_module, "serve", configs.append)
+    for name in ("TIERKV_ADMIN_TOKEN", "TIERKV_ADMIN_TOKEN_FILE", "TIERKV_SWEEP_INTERVAL", "TIERKV_SWEEP_INTERVAL_S"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*args: str, env: dict | None = None) -> tuple[int, str, ServeConfig | None]:
+        r = CliRunner().invoke(main, ["serve", *args], env=env)
+        return r.exit_code, r.output, configs.pop() if configs else None
+
+    return run
+
+
+def test_sweep_interval_default_units_and_sources(served, tmp_path) -> None:
+    assert ServeConfig().sweep_interval_s == 300.0
+    assert served()[2].sweep_interval_s == 300.0
+    assert served("--sweep-interval", "5m")[2].sweep_interval_s == 300.0
+    assert served("--sweep-interval", "0")[2].sweep_interval_s == 0.0  # no background sweep
+    assert served(env={"TIERKV_SWEEP_INTERVAL": "90s"})[2].sweep_interval_s == 90.0
+    toml = tmp_path / "serve.toml"
+    toml.write_text('sweep_interval = "2m"\n')
+    assert served("--config", str(toml))[2].sweep_interval_s == 120.0
+    assert served("--config", str(toml), "--sweep-interval", "1h")[2].sweep_interval_s == 3600.0
+    for bad in ("soon", "-5s"):
+        code, out, _ = served("--sweep-interval", bad)
+        assert code == 2 and out.count("\n") == 1 and "sweep_interval" in out, out
+    with pytest.raises(ConfigError):
+        ServeConfig.load({"sweep_interval_s": -1.0}, env={})
+
+
+def test_sweep_interval_reaches_the_store(tmp_path, monkeypatch) -> None:
+    real, seen = TieredStore.open, {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(TieredStore, "open", spy)
+    config = ServeConfig.load({"cache_dir": str(tmp_path), "sweep_interval_s": "30s", "host_cache": "1MiB"}, env={})
+    app_module.open_store(config).close()
+    assert seen["sweep_interval_s"] == 30.0
+
+
+def test_admin_token_from_a_file_or_the_environment(served, tmp_path) -> None:
+    path = tmp_path / "token"
+    path.write_text("s3cret\n")
+    assert served("--admin-token-file", str(path))[2].admin_token == "s3cret"
+    assert served(env={"TIERKV_ADMIN_TOKEN": "from-env"})[2].admin_token == "from-env"
+    # The command line over the environment, however each gives the token.
+    assert served("--admin-token-file", str(path), env={"TIERKV_ADMIN_TOKEN": "from-env"})[2].admin_token == "s3cret"
+    assert served("--admin-token", "cli", env={"TIERKV_ADMIN_TOKEN_FILE": str(path)})[2].admin_token == "cli"
+    path.write_text("no-newline")
+    assert served("--admin-token-file", str(path))[2].admin_token == "no-newline"
+
+
+@pytest.mark.parametrize(("content", "args", "words"), [
+    (None, ["--admin-token-file", "{missing}"], "cannot read it (No such file or directory)"),
+    (None, ["--admin-token-file", "{dir}"], "cannot read it"),
+    ("\n", ["--admin-token-file", "{file}"], "is empty"),
+    ("", ["--admin-token-file", "{file}"], "is empty"),
+    ("one\ntwo\n", ["--admin-token-file", "{file}"], "more than one line"),
+    ("tok\n", ["--admin-token-file", "{file}", "--admin-token", "x"], "not both"),
+])
+def test_a_bad_admin_token_file_is_one_line_exit_2(served, tmp_path, content, args, words) -> None:
+    file = tmp_path / "token"
+    if content is not None:
+        file.write_text(content)
+    paths = {"missing": tmp_path / "nope", "dir": tmp_path, "file": file}
+    code, out, config = served(*[a.format(**paths) for a in args])
+    assert code == 2 and config is None
+    assert out.count("\n") == 1 and out.startswith("tierkv: error:") and words in out, out
