@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from tierkv.cli import main
 from tierkv.default_model import ByteTokenizer
-from tierkv.explain import diverge, lint
+from tierkv.explain import MAX_LABEL, MissLog, diverge, lint
 from tierkv.server.engine import render_chat
 
 from helpers import ServerProcess
@@ -119,3 +119,45 @@ def test_server_miss_log_explains_where_a_prompt_diverged(tmp_path) -> None:
         assert tmpl["template"] == "support-bot" and tmpl["requests"] == 2 and tmpl["hit_rate"] == 0.0
     finally:
         assert srv.stop() == 0
+
+
+def _log_ids(text: str, add_bos: bool = True) -> list[int]:
+    return TOK.encode(text, add_bos=add_bos)
+
+
+def test_miss_log_never_explains_a_miss_by_another_tenants_prompt(ns) -> None:
+    log = MissLog(debug_prompts=True)
+    tenant_a, tenant_b = ns.with_salt("a"), ns.with_salt("b")
+    log.record(tenant_b, _log_ids("SECRET plans of tenant b. " + RULES), 0, "bot", TOK)
+    log.record(tenant_a, _log_ids("Hello from tenant a. " + RULES), 0, "bot", TOK)
+    assert log.report()["misses"] == []  # nothing of a's own to compare with: a cold prompt, not a miss
+    log.record(tenant_a, _log_ids("Hello from tenant A. " + RULES), 0, "bot", TOK)
+    (miss,) = log.report()["misses"]
+    assert "SECRET" not in json.dumps(log.report())
+    assert "from tenant a" in miss["snippets"]["earlier"] and "from tenant A" in miss["snippets"]["this"]
+
+
+def test_miss_log_picks_the_earlier_prompt_sharing_the_most_blocks(ns) -> None:
+    log = MissLog(debug_prompts=True)
+    B = ns.block_tokens
+    base = _log_ids(RULES)
+    log.record(ns, base[: 3 * B] + _log_ids("first branch " * 8, add_bos=False), 0, None, TOK)
+    log.record(ns, base[: B] + _log_ids("other branch " * 8, add_bos=False), 0, None, TOK)
+    log.record(ns, base[: 3 * B] + _log_ids("third branch " * 8, add_bos=False), B, None, TOK)
+    misses = log.report()["misses"]  # latest first
+    assert misses[0]["closest_earlier_shared_blocks"] == 3 and "first branch" in misses[0]["snippets"]["earlier"]
+    # A prompt sharing no block with anything earlier, of no known template: not a miss to explain.
+    log.record(ns, _log_ids("entirely new " * 20), 0, None, TOK)
+    assert log.report()["misses"] == misses
+
+
+def test_miss_log_template_table_is_bounded_least_recent_out(ns) -> None:
+    log = MissLog(max_templates=8)
+    for i in range(20):
+        log.record(ns, _log_ids(f"prompt {i} " * 10), 0, f"user-{i}", TOK)
+    log.record(ns, _log_ids("again " * 10), 0, "user-19", TOK)
+    log.record(ns, _log_ids("long " * 10), 0, "u" * 10_000, TOK)  # labels are cut
+    rows = log.report()["templates"]
+    assert len(rows) == 8
+    assert {r["template"] for r in rows} == {f"user-{i}" for i in range(13, 20)} | {"u" * MAX_LABEL}
+    assert next(r for r in rows if r["template"] == "user-19")["requests"] == 2

@@ -116,45 +116,59 @@ def suggestion(findings: list[Finding]) -> str:
 # ------------------------------------------------------------------------------------------ miss log
 
 
+MAX_LABEL = 64  # characters of a request's ``user`` kept as its template label
+
+
 @dataclasses.dataclass
 class _Seen:
     at_s: float
-    user: str | None
+    ns: bytes  # the namespace digest: model and tenant (cache_salt); prompts are compared only within one
+    template: str
     keys: list[BlockKey]
-    hit_blocks: int
-    prompt_tokens: int
     ids: list[int] | None  # only with debug_prompts
 
 
 class MissLog:
-    """Recent prompts' block-key chains (keys only, no text unless ``debug_prompts``), bounded."""
+    """Recent prompts' block-key chains (keys only, no text unless ``debug_prompts``), bounded.
 
-    def __init__(self, capacity: int = 256, debug_prompts: bool = False) -> None:
+    Holds the last ``capacity`` prompts and misses, and at most ``max_templates`` rows of the hit rate per
+    template (the row updated least recently goes first). A miss is explained only by an earlier prompt of
+    the same namespace, so never by another tenant's (another ``cache_salt``) prompt or text.
+    """
+
+    def __init__(self, capacity: int = 256, debug_prompts: bool = False, max_templates: int = 1024) -> None:
         self.debug_prompts = debug_prompts
+        self.max_templates = max_templates
         self._recent: collections.deque[_Seen] = collections.deque(maxlen=capacity)
         self._misses: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
-        self._by_template: dict[str, list[int]] = {}  # template -> [cached tokens, prompt tokens, requests]
+        # (namespace, template) -> [cached tokens, prompt tokens, requests], least recently updated first
+        self._by_template: collections.OrderedDict[tuple[str, str], list[int]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def record(self, ns: Namespace, ids: Sequence[int], cached_tokens: int, user: str | None, tokenizer: Any) -> None:
         keys = block_keys(ns, ids)
         B = ns.block_tokens
         hit_blocks = cached_tokens // B
+        user = user[:MAX_LABEL] if user else None
         template = user or (keys[0].hex()[:16] if keys else "short prompts")
+        digest = bytes(ns.digest)
         with self._lock:
-            # The earlier prompt sharing the longest chain of block keys: the one this request resembles.
-            best, best_blocks = None, -1
-            for seen in self._recent:
+            # The earlier prompt this one resembles: of this namespace only, the longest shared chain of
+            # block keys (the latest of equals); one sharing no block only if it is of the same template.
+            best, best_blocks = None, 0
+            for seen in reversed(self._recent):
+                if seen.ns != digest:
+                    continue
                 n = 0
                 while n < min(len(seen.keys), len(keys)) and seen.keys[n] == keys[n]:
                     n += 1
-                if n > best_blocks:
+                if n > best_blocks or (best is None and seen.template == template):
                     best, best_blocks = seen, n
             possible = (len(ids) - 1) // B  # blocks that could have been restored
-            if best is not None and hit_blocks < possible and best_blocks >= 0:
+            if best is not None and hit_blocks < possible:
                 miss: dict[str, Any] = {
-                    "at_s": time.time(), "user": user, "template": template, "prompt_tokens": len(ids),
-                    "cached_tokens": cached_tokens, "restorable_tokens": possible * B,
+                    "at_s": time.time(), "user": user, "template": template, "namespace": digest.hex()[:16],
+                    "prompt_tokens": len(ids), "cached_tokens": cached_tokens, "restorable_tokens": possible * B,
                     "closest_earlier_shared_blocks": best_blocks,
                     "diverged_in_block": best_blocks, "diverged_at_token_at_most": (best_blocks + 1) * B,
                 }
@@ -168,17 +182,19 @@ class MissLog:
                                                f"{_diff_text(tokenizer, ids, best.ids, d.first_divergent_token)}")
                         miss["snippets"] = {"earlier": a_txt, "this": b_txt}
                 self._misses.append(miss)
-            self._recent.append(_Seen(time.time(), user, keys, hit_blocks, len(ids),
-                                      list(ids) if self.debug_prompts else None))
-            row = self._by_template.setdefault(template, [0, 0, 0])
+            self._recent.append(_Seen(time.time(), digest, template, keys, list(ids) if self.debug_prompts else None))
+            row = self._by_template.setdefault((digest.hex()[:16], template), [0, 0, 0])
+            self._by_template.move_to_end((digest.hex()[:16], template))
             row[0] += cached_tokens
             row[1] += len(ids)
             row[2] += 1
+            while len(self._by_template) > self.max_templates:
+                self._by_template.popitem(last=False)
 
     def report(self, limit: int = 50) -> dict[str, Any]:
         with self._lock:
-            templates = [{"template": t, "requests": r, "cached_tokens": c, "prompt_tokens": p,
-                          "hit_rate": c / p if p else 0.0} for t, (c, p, r) in self._by_template.items()]
+            templates = [{"template": t, "namespace": ns, "requests": r, "cached_tokens": c, "prompt_tokens": p,
+                          "hit_rate": c / p if p else 0.0} for (ns, t), (c, p, r) in self._by_template.items()]
             return {"misses": list(self._misses)[-limit:][::-1],
                     "templates": sorted(templates, key=lambda r: -r["requests"])}
 
