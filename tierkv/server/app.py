@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ from tierkv.tiers.gpu import gpu_budget_nbytes
 from tierkv.worker import CachedModel, GenerateResult, PrefillResult, StreamEvent
 
 log = logging.getLogger("tierkv.server")
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM does): logits / T would overflow float32
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # top_p is compared in float32: below this it rounds to 0
 
 
 class JSON(Response):
@@ -59,6 +63,9 @@ class Server:
                              use_cache=not config.no_cache and store is not None)
         self.metrics = Metrics(self)
         self.model_name = cm.base_namespace.model_id
+        # Token ids the model's embedding can look up: any other id is an IndexError on CPU and a
+        # device-side assert on a GPU (which poisons the CUDA context for every later request).
+        self.vocab_size = int(cm.model.get_input_embeddings().num_embeddings)
         from tierkv.explain import MissLog
 
         self.misses = MissLog(debug_prompts=config.debug_prompts)
@@ -78,11 +85,7 @@ def load_server(config: ServeConfig) -> Server:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     else:
         dtype = getattr(torch, config.dtype)
-    store = None
-    if not config.no_cache:
-        store = TieredStore.open(config.resolved_cache_dir(), host_bytes=config.host_cache,
-                                 disk_bytes=config.disk_budget, ttl_s=config.ttl, remote=config.remote,
-                                 remote_admit_after=config.remote_admit_after)
+    store = None if config.no_cache else open_store(config)
     if config.model:
         cm = CachedModel.from_pretrained(config.model, store, dtype=dtype, device=device,
                                          block_tokens=config.block_tokens, revision=config.revision)
@@ -93,6 +96,67 @@ def load_server(config: ServeConfig) -> Server:
         if gpu_nbytes:
             store.add_gpu_tier(gpu_nbytes, cm.device)
     return Server(config, cm, store)
+
+
+def open_store(config: ServeConfig) -> TieredStore:
+    return TieredStore.open(config.resolved_cache_dir(), host_bytes=config.host_cache,
+                            disk_bytes=config.disk_budget, ttl_s=config.ttl, remote=config.remote,
+                            remote_admit_after=config.remote_admit_after,
+                            sweep_interval_s=config.sweep_interval_s)
+
+
+def sampling(temperature: float, top_p: float) -> tuple[float, float]:
+    """The (temperature, top_p) to sample with: what the request asks, in a range float32 can compute.
+
+    A temperature below ``GREEDY_BELOW`` is greedy. A top_p below float32's smallest normal keeps only
+    the most likely token, which is what it asks for anyway (that token's probability is far above it).
+    """
+    if temperature < GREEDY_BELOW:
+        return 0.0, 1.0
+    return temperature, max(top_p, FLOAT32_TINY)
+
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class _CountAndCatch:
+    """Counts each request by its route's template (``unmatched`` when none matched, so probes of random
+    paths add no series), and answers an unexpected error with a 500 after which the connection lives on.
+
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then closes the kept-alive
+    connection: the client's next request on it fails too. An error after the response has started
+    (a broken stream) still propagates: that response cannot be completed, so its connection must end.
+    """
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        started = False
+
+        async def send_(message: dict[str, Any]) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                started, status = True, message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception:
+            if started:
+                raise
+            log.exception("internal error on %s", scope.get("path"))
+            await _error(500, "internal server error", "server_error")(scope, receive, send_)
+        finally:
+            route = getattr(scope.get("route"), "path", None)  # set by the router once a route matched
+            self.metrics.requests.labels(route or "unmatched", str(status)).inc()
 
 
 def create_app(server: Server) -> FastAPI:
@@ -109,9 +173,12 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSON:
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        errs = list(exc.errors())
+        # Of a union's errors, the one about the value rather than "not this type of the union".
+        first = next((e for e in errs if not str(e.get("type", "")).endswith("_type")), errs[0] if errs else {})
+        # Without pydantic's union branch tags (stop.list[str] -> stop).
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]
+                         if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))) or None
         if first.get("type") == "json_invalid":
             return _error(400, "the request body is not valid JSON", code="invalid_json")
         return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
@@ -121,16 +188,7 @@ def create_app(server: Server) -> FastAPI:
         return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
                       "invalid_request_error")
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSON:
-        log.exception("internal error on %s", request.url.path)
-        return _error(500, "internal server error", "server_error")
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Any) -> Response:
-        response = await call_next(request)
-        m.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountAndCatch, metrics=m)  # type: ignore[arg-type]
 
     @app.get("/health")
     async def health() -> JSON:
@@ -151,13 +209,24 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         def tokenize() -> list[int]:
-            if isinstance(req.prompt, list):
-                if not req.prompt or any(t < 0 for t in req.prompt):
-                    raise ClientError("prompt: token ids must be a non-empty list of non-negative ints", "prompt")
-                return list(req.prompt)
-            if not req.prompt:
+            prompt = req.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+                if len(prompt) != 1:
+                    raise ClientError("prompt: a batch of several prompts is not supported (send one per request)",
+                                      "prompt")
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                vocab = server.vocab_size
+                bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)  # type: ignore[operator]
+                if not prompt or bad is not None:
+                    raise ClientError("prompt: token ids must be a non-empty list of ids from 0 to "
+                                      f"{vocab - 1} (this model's vocabulary)"
+                                      + (f"; got {prompt[bad]} at position {bad}" if bad is not None else ""),
+                                      "prompt")
+                return list(prompt)  # type: ignore[arg-type]
+            if not prompt:
                 raise ClientError("prompt must not be empty", "prompt")
-            return encode_text(server.cm.tokenizer, req.prompt)
+            return encode_text(server.cm.tokenizer, prompt)
         return await _generate(req, tokenize, chat=False, default_max_tokens=16)
 
     @app.post("/v1/chat/completions")
@@ -173,13 +242,16 @@ def create_app(server: Server) -> FastAPI:
         t_start = time.perf_counter()
         max_tokens = max_tokens or req.max_tokens
         engine = server.engine
+        if (unsupported := req.unsupported()) is not None:
+            return _error(400, unsupported[1], param=unsupported[0])
+        temperature, top_p = sampling(req.temperature, req.top_p)
 
         def make() -> Iterator[StreamEvent]:
             ids = tokenize()
             budget = max_tokens or min(default_max_tokens, max(1, engine.max_context - len(ids)))
-            engine.check_length(len(ids), budget)
+            engine.check_length(len(ids), budget, "messages" if chat else "prompt")
             salt = req.cache_salt or ""
-            events = server.cm.stream(ids, budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+            events = server.cm.stream(ids, budget, temperature=temperature, top_p=top_p, seed=req.seed,
                                       stop=req.stop_list(), cache_salt=salt, use_cache=engine.use_cache)
             first = next(events)
             if engine.use_cache and first.prefill is not None:
@@ -242,6 +314,10 @@ def create_app(server: Server) -> FastAPI:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": server.model_name,
                                 "choices": [], "usage": _usage(result)})
                 yield b"data: [DONE]\n\n"
+            except Exception:  # the status line is sent: say so in the stream and end it cleanly
+                log.exception("internal error while streaming")
+                yield _sse(error_body("internal server error", "server_error"))
+                yield b"data: [DONE]\n\n"
             finally:
                 await events.aclose()
 
@@ -262,7 +338,8 @@ def create_app(server: Server) -> FastAPI:
         token = server.config.admin_token
         if not token:
             return _error(404, "the admin API is disabled (start the server with --admin-token)", "not_found_error")
-        if request.headers.get("authorization", "") != f"Bearer {token}":
+        given = request.headers.get("authorization", "").encode("latin-1")  # as the bytes were sent
+        if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # constant time: no timing oracle
             return _error(401, "missing or wrong admin token", "authentication_error")
         if server.store is None or server.store.disk is None:
             return _error(409, "this server runs without a disk tier (--no-cache)")
@@ -367,7 +444,8 @@ def serve(config: ServeConfig) -> None:
     ns = server.cm.base_namespace
     tiers = ["none (--no-cache)"] if server.store is None else [
         f"{pool.name} {pool.capacity_nbytes / 2**30:.1f} GiB" for pool in server.store.pools] + [
-        f"disk {config.disk_budget / 2**30:.1f} GiB at {config.resolved_cache_dir()} (ttl {config.ttl:.0f}s)"]
+        f"disk {config.disk_budget / 2**30:.1f} GiB at {config.resolved_cache_dir()} (ttl {config.ttl:.0f}s, "
+        + (f"swept every {config.sweep_interval_s:g}s)" if config.sweep_interval_s else "no background sweep)")]
     log.info("tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
              ns.model_id, server.cm.device, ns.dtype, ns.digest.hex()[:16], ns.block_tokens, ", ".join(tiers),
              config.host, config.port)

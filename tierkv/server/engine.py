@@ -35,12 +35,17 @@ class ClientError(Exception):
         self.code = code
 
 
-def encode_text(tokenizer: Any, text: str, special: bool = True) -> list[int]:
+def encode_text(tokenizer: Any, text: str, special: bool = True, param: str = "prompt") -> list[int]:
     from tierkv.default_model import ByteTokenizer
 
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode(text, add_bos=special)
-    return list(tokenizer.encode(text, add_special_tokens=special))
+    try:
+        if isinstance(tokenizer, ByteTokenizer):
+            return tokenizer.encode(text, add_bos=special)
+        text.encode("utf-8")  # JSON may carry lone surrogates (\ud800): no tokenizer takes them
+        return list(tokenizer.encode(text, add_special_tokens=special))
+    except UnicodeEncodeError as exc:
+        raise ClientError(f"{param}: the text is not valid Unicode ({exc.reason} at character {exc.start})",
+                          param) from None
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -52,9 +57,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return encode_text(tokenizer, text, special=False)
+        return encode_text(tokenizer, text, special=False, param="messages")
     text = "".join(PLAIN_CHAT_TEMPLATE.format(**m) for m in messages) + PLAIN_CHAT_GENERATION_PROMPT
-    return encode_text(tokenizer, text)
+    return encode_text(tokenizer, text, param="messages")
 
 
 _END = object()
@@ -80,11 +85,11 @@ class Engine:
         with self._lock:
             self.queued -= 1
 
-    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+    def check_length(self, prompt_tokens: int, max_tokens: int, param: str = "messages") -> None:
         if prompt_tokens + max_tokens > self.max_context:
             raise ClientError(
                 f"this model's maximum context length is {self.max_context} tokens; the request asks for "
-                f"{prompt_tokens} prompt tokens and {max_tokens} completion tokens", "messages",
+                f"{prompt_tokens} prompt tokens and {max_tokens} completion tokens", param,
                 "context_length_exceeded")
 
     async def stream(self, make: Callable[[], Iterator[StreamEvent]]) -> AsyncIterator[StreamEvent]:

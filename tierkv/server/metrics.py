@@ -83,7 +83,7 @@ def gpu_metrics() -> Iterator[Any]:
 class Metrics:
     def __init__(self, server: Any) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("tierkv_requests", "HTTP requests by endpoint and status",
+        self.requests = Counter("tierkv_requests", "HTTP requests by route template (unmatched: no route) and status",
                                 ["endpoint", "status"], registry=self.registry)
         self.prompt_tokens = Counter("tierkv_prompt_tokens", "Prompt tokens by where their KV came from",
                                      ["source"], registry=self.registry)  # host, disk, computed

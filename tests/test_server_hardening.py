@@ -1,0 +1,298 @@
+"""Requests that pass the schema but not the model, errors inside the server, metrics by route, the admin
+token: real HTTP against the real app (uvicorn in a thread of this process, so a failure can be injected).
+"""
+
+import hmac
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierkv.explain import MissLog
+from tierkv.server import app as app_module
+from tierkv.server.app import create_app, load_server
+from tierkv.server.config import ServeConfig
+from tierkv.server.guard import BodyGuard
+
+from helpers import free_port
+
+MAX_CONTEXT = 512
+TOKEN = "sekret"
+
+
+class LiveServer:
+    def __init__(self, config: ServeConfig) -> None:
+        self.server = load_server(config)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(self.server)
+        app = BodyGuard(self.app, max_nbytes=config.max_body, timeout_s=config.body_timeout)
+        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uv.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        self.http = self.client()  # one kept-alive connection, shared by the fuzzing
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60)
+
+    def stop(self) -> None:
+        self.http.close()
+        self.uv.should_exit = True  # the app's lifespan closes (flushes) the store
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    # One model thread shares 2 cores with the test client: torch's second thread only spins (10x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    srv = LiveServer(ServeConfig(cache_dir=str(tmp_path_factory.mktemp("cache")), host_cache=64 << 20,
+                                 device="cpu", max_context=MAX_CONTEXT, admin_token=TOKEN, debug_prompts=True))
+    yield srv
+    srv.stop()
+    torch.set_num_threads(threads)
+
+
+def _post(client: httpx.Client, path: str, body: dict) -> httpx.Response:
+    return client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+
+def _complete(client: httpx.Client, **body) -> httpx.Response:
+    return _post(client, "/v1/completions", {"max_tokens": 2, **body})
+
+
+def _chat(client: httpx.Client, **body) -> httpx.Response:
+    return _post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                  **body})
+
+
+def _local_port(r: httpx.Response) -> int:
+    return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def _assert_400(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+# ------------------------------------------------------------------------------------ numeric fields
+
+
+def test_token_ids_must_be_in_the_vocabulary(live) -> None:
+    vocab = live.server.vocab_size
+    assert vocab == 259  # the default model: 256 bytes and 3 specials
+    with live.client() as c:
+        for prompt in ([1, vocab], [1, 2**64], [1, 2**63], [-1], [[1, vocab]], []):
+            _assert_400(_complete(c, prompt=prompt), "prompt")
+        assert _complete(c, prompt=[0, 1, vocab - 1]).status_code == 200  # both ends of the vocabulary
+        assert _complete(c, prompt=[[1, 70, 71]]).status_code == 200  # a batch of one
+        _assert_400(_complete(c, prompt=[[1, 70], [1, 71]]), "prompt")  # a batch of several
+
+
+def test_seed_must_fit_torch_on_both_endpoints(live) -> None:
+    with live.client() as c:
+        for send in (_complete, _chat):
+            kw = {"prompt": "seeded"} if send is _complete else {}
+            for seed in (2**64, -(2**63) - 1, 10**30):
+                _assert_400(send(c, seed=seed, temperature=1.0, **kw), "seed")
+            for seed in (0, 2**64 - 1, -(2**63), -1):
+                assert send(c, seed=seed, temperature=1.0, **kw).status_code == 200
+
+
+def test_extreme_temperature_and_top_p_sample_greedily(live) -> None:
+    with live.client() as c:
+        greedy = _complete(c, prompt="Once upon a time", temperature=0, max_tokens=4).json()["choices"][0]["text"]
+        for extreme in ({"top_p": 1e-320}, {"top_p": 5e-324}, {"top_p": 1e-45}, {"top_p": 1e-39},
+                        {"temperature": 5e-324}, {"temperature": 1e-300}, {"temperature": 1e-40},
+                        {"temperature": 1e-6}):
+            r = _complete(c, prompt="Once upon a time", max_tokens=4, seed=1, **extreme)
+            assert r.status_code == 200, (extreme, r.text)
+            assert r.json()["choices"][0]["text"] == greedy, extreme
+
+
+def test_max_tokens_past_the_context_is_400_naming_the_field(live) -> None:
+    with live.client() as c:
+        r = _complete(c, prompt="x", max_tokens=2**64)
+        _assert_400(r, "prompt")
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        r = _chat(c, max_completion_tokens=MAX_CONTEXT)
+        _assert_400(r, "messages")
+
+
+def test_text_that_is_not_unicode_is_400(live) -> None:
+    with live.client() as c:
+        _assert_400(_complete(c, prompt="lone \ud800 surrogate"), "prompt")
+        _assert_400(_chat(c, messages=[{"role": "user", "content": "\udfff"}]), "messages")
+        _assert_400(_chat(c, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+                    "messages.0.content")
+        assert _complete(c, prompt="fine é 漢字 🙂").status_code == 200
+
+
+def test_unsupported_fields_are_400_naming_them(live) -> None:
+    with live.client() as c:
+        _assert_400(_complete(c, prompt="x", n=2), "n")
+        _assert_400(_complete(c, prompt="x", n=1000), "n")
+        _assert_400(_complete(c, prompt="x", logprobs=3), "logprobs")
+        _assert_400(_complete(c, prompt="x", logprobs=0), "logprobs")
+        _assert_400(_complete(c, prompt="x", best_of=2), "best_of")
+        _assert_400(_complete(c, prompt="x", echo=True), "echo")
+        _assert_400(_chat(c, n=3), "n")
+        _assert_400(_chat(c, logprobs=True), "logprobs")
+        _assert_400(_chat(c, top_logprobs=2), "top_logprobs")
+        _assert_400(_chat(c, stop=["s"] * 65), "stop")
+        # What asks for what we do is still accepted.
+        assert _complete(c, prompt="x", n=1, logprobs=None, best_of=1, echo=False).status_code == 200
+        assert _chat(c, n=1, logprobs=False, top_logprobs=0, stop=["s"] * 64).status_code == 200
+
+
+# ------------------------------------------------------------------------------------ errors inside
+
+
+def test_an_internal_error_is_a_500_and_the_connection_lives(live, monkeypatch) -> None:
+    real = live.server.cm.stream
+
+    def stream(ids, *args, **kwargs):
+        if ord("!") + 3 in ids:  # the byte tokenizer: id = byte + 3
+            raise RuntimeError("injected failure")
+        return real(ids, *args, **kwargs)
+
+    monkeypatch.setattr(live.server.cm, "stream", stream)
+    with live.client() as c:
+        r = _complete(c, prompt="break!")
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        port = _local_port(r)
+        after = _complete(c, prompt="fine")  # on the same kept-alive connection
+        assert after.status_code == 200 and _local_port(after) == port
+        r = _chat(c, messages=[{"role": "user", "content": "break!"}], stream=True)
+        assert r.status_code == 500 and _local_port(r) == port
+        assert _chat(c).status_code == 200
+
+
+def test_an_error_mid_stream_ends_the_stream_and_the_connection_lives(live, monkeypatch) -> None:
+    real = live.server.cm.stream
+
+    def stream(*args, **kwargs):
+        events = real(*args, **kwargs)
+        yield next(events)  # the prefill: the response starts
+        raise RuntimeError("injected failure while generating")
+
+    monkeypatch.setattr(live.server.cm, "stream", stream)
+    with live.client() as c:
+        r = _complete(c, prompt="stream", stream=True)
+        assert r.status_code == 200
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+        monkeypatch.setattr(live.server.cm, "stream", real)
+        after = _complete(c, prompt="fine")
+        assert after.status_code == 200 and _local_port(after) == _local_port(r)
+
+
+# ------------------------------------------------------------------------------------ metrics, admin
+
+
+def test_metrics_label_requests_by_route_not_by_path(live) -> None:
+    with live.client() as c:
+        for i in range(5):
+            assert c.get(f"/probe-{i}/../../etc/passwd?x={i}").status_code == 404
+        assert c.get("/v1/models").status_code == 200
+        assert c.get("/admin/stats").status_code == 401
+        text = c.get("/metrics").text
+    series = [line for line in text.splitlines() if line.startswith("tierkv_requests_total{")]
+    assert not [s for s in series if "probe" in s or "passwd" in s], series
+    unmatched = [s for s in series if 'endpoint="unmatched",status="404"' in s]
+    assert unmatched and float(unmatched[0].split()[-1]) >= 5
+    assert any('endpoint="/v1/models",status="200"' in s for s in series)
+    assert any('endpoint="/admin/stats",status="401"' in s for s in series)
+    endpoints = {s.split('endpoint="')[1].split('"')[0] for s in series}
+    assert endpoints <= {route.path for route in live.app.routes} | {"unmatched"}, endpoints
+
+
+def test_admin_token_is_compared_in_constant_time(live, monkeypatch) -> None:
+    calls = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    with live.client() as c:
+        assert c.get("/admin/stats", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+        assert c.get("/admin/stats", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        # Bytes that are not ASCII (compare_digest refuses non-ASCII str): still a 401, not a 500.
+        r = c.get("/admin/stats", headers={"Authorization": "Bearer s\xe9kret".encode("latin-1")})
+        assert r.status_code == 401
+    assert len(calls) == 3 and all(isinstance(a, bytes) for a, _ in calls)
+
+
+def test_miss_log_of_one_tenant_never_shows_another_tenants_prompt(live, monkeypatch) -> None:
+    monkeypatch.setattr(live.server, "misses", MissLog(debug_prompts=True))  # only this test's requests
+    rules = " ".join(f"Rule {i}: be exact." for i in range(15))
+    with live.client() as c:
+        assert _complete(c, prompt="SECRET of tenant b. " + rules, cache_salt="b", user="bot").status_code == 200
+        for day in ("07", "08"):
+            assert _complete(c, prompt=f"Today is 2026-09-{day}. " + rules, cache_salt="a",
+                             user="bot").status_code == 200
+        report = c.get("/admin/misses", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert "SECRET" not in json.dumps(report)
+    (miss,) = [m for m in report["misses"] if m["user"] == "bot"]  # a's second request, explained by a's first
+    assert "'2026-09-08.' against '2026-09-07.'" in miss["explanation"]
+    rows = [t for t in report["templates"] if t["template"] == "bot"]
+    assert sorted(t["requests"] for t in rows) == [1, 2]  # one row per tenant
+
+
+# ------------------------------------------------------------------------------------ fuzzing the engine
+
+VOCAB = 259
+edge_ints = st.sampled_from([0, 1, 2, VOCAB - 1, VOCAB, VOCAB + 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1,
+                             2**64, 2**80, -1, -(2**63), -(2**63) - 1])
+token_id = st.one_of(st.integers(0, VOCAB - 1), edge_ints)
+tiny_floats = st.sampled_from([5e-324, 1e-320, 1e-310, 1.4e-45, 1e-45, 1.1754943508222875e-38, 1e-38, 1e-30,
+                               1e-6, 1e-5, 0.0, 1.0, 2.0, 1 - 1e-16])
+text = st.text(st.characters(codec="utf-8") | st.sampled_from(["\ud800", "\udc80", "\uf780", "\x00"]),
+               max_size=40)
+prompt = st.one_of(text, st.lists(token_id, max_size=24), st.lists(st.lists(token_id, max_size=8), max_size=2),
+                   st.lists(text, min_size=1, max_size=2))
+content = st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2))
+message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": content})
+bodies = st.fixed_dictionaries({
+    # Within the context (the model's work stays short) or far past it (a 400).
+    "max_tokens": st.sampled_from([1, 2, 3, MAX_CONTEXT, 2**63, 2**64 + 1]),
+}, optional={
+    "temperature": st.floats(0, 2, allow_subnormal=True) | tiny_floats,
+    "top_p": st.floats(0, 1, exclude_min=True, allow_subnormal=True) | tiny_floats,
+    "seed": st.integers(-(2**64), 2**65) | edge_ints,
+    "stop": st.one_of(text, st.lists(text, max_size=70)),
+    "stream": st.booleans(),
+    "user": text,
+    "cache_salt": st.text(max_size=8),
+    "n": st.sampled_from([1, 2, 1000]),
+    "logprobs": st.sampled_from([None, False, True, 0, 5]),
+})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=bodies, chat=st.booleans(), data=st.data())
+def test_fuzzed_bodies_that_pass_the_schema_never_give_5xx(live, body, chat, data) -> None:
+    if chat:
+        body["messages"] = data.draw(st.lists(message, min_size=1, max_size=3))
+    else:
+        body["prompt"] = data.draw(prompt)
+    r = _post(live.http, "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert r.status_code < 500, r.text
+    assert "server_error" not in r.text
+    if r.status_code >= 400:
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    # The server, and this kept-alive connection, still serve a normal request.
+    assert _complete(live.http, prompt=[1, 72, 105], max_tokens=1).status_code == 200
