@@ -245,7 +245,7 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
             from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:  # a second writer starting: seals dead writers' segments
                 disk.compact()
-                disk.expire(ttl_s=3600)
+                disk.purge_namespace(None)  # the segment empties: a sealed one would be unlinked now
         """)
         assert r.returncode == 0, r.stderr
         store.save(ns, _toks(1), make_kv(ns, 64, seed=1))  # appends to the same segment after the gc
@@ -257,9 +257,9 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
                 disk.compact()
         """)
         assert r.returncode == 0, r.stderr
-        for p in (0, 1):
-            n, kv = store.load(ns, _toks(p))
-            assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=p))
+        assert store.disk.segments.file(seg_id).exists()
+        n, kv = store.load(ns, _toks(1))
+        assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=1))
 
 
 def test_gc_check_purges_the_record_it_read_not_its_replacement(tmp_path, ns) -> None:
@@ -471,3 +471,95 @@ def test_lmdb_errors_on_reads_never_escape_as_map_resized(tmp_path, ns) -> None:
         assert disk._env.info()["map_size"] == 128 * 1024
         with pytest.raises(lmdb.Error):
             disk._write(lambda txn: txn.put(b"", b"x"))  # LMDB's own errors still surface
+
+
+# ------------------------------------------------------------------------------------------ review findings
+
+
+def test_max_age_applies_in_ram_and_a_rewrite_keeps_the_age(tmp_path, ns) -> None:
+    now = [1000.0]
+    with TieredStore.open(tmp_path, host_bytes=1 << 20, ttl_s=1000, max_age_s=100, clock=lambda: now[0]) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        store.flush()
+        store.disk.enforce_budget(1)  # the disk copy goes; RAM serves and writes it back
+        for _ in range(3):
+            now[0] += 30
+            assert store.restore(ns, _toks(0))[0].by_tier["host"] == 64
+            store.flush()
+        assert {e.created_s for _, e in store.disk.snapshot_entries()} == {1000.0}  # its age, not now
+        now[0] += 20  # 110 s after it was created: past the max age everywhere, however often it is hit
+        assert store.lookup(ns, _toks(0)).num_tokens == 0
+
+
+def test_a_lock_file_problem_never_moves_a_store_others_have_open(tmp_path, ns) -> None:
+    """LMDB reports a lock file of another build (or a damaged one) as VersionMismatch / Invalid, the same
+    errors as a damaged data file. The bundled LMDB here reinitialises a foreign lock file when it is alone,
+    so the error is injected into the second process's first open, as another build would raise it."""
+    cache = tmp_path / "cache"
+    opener = f"""
+        import lmdb
+        from tierkv import TieredStore, StoreOpenError
+        from tierkv.tiers import disk
+        real, calls = disk.DiskTier._open_env, [0]
+        def fail_once(self, *args):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise lmdb.VersionMismatchError("mdb_env_open: MDB_VERSION_MISMATCH")
+            return real(self, *args)
+        disk.DiskTier._open_env = fail_once
+        try:
+            with TieredStore.open({str(cache)!r}, host_bytes=0) as s:
+                print("opened", s.lookup(__import__("tierkv").Namespace.from_json({ns.to_json()!r}),
+                                         [t for t in range(64)]).num_tokens)
+        except StoreOpenError as exc:
+            print("refused:", exc)
+    """
+    with TieredStore.open(cache, host_bytes=0) as store:
+        store.save(ns, list(range(64)), make_kv(ns, 64, seed=0))
+        store.flush()
+        r = run_python(opener)
+        assert "refused" in r.stdout and "other processes have it open" in r.stdout, r.stdout + r.stderr
+        assert not list(tmp_path.glob("cache.corrupt-*"))
+        assert store.lookup(ns, list(range(64))).num_tokens == 64
+    r = run_python(opener)  # alone now: the lock file is recreated, the data kept
+    assert r.stdout.split() == ["opened", "64"], r.stdout + r.stderr
+    assert not list(tmp_path.glob("cache.corrupt-*"))
+
+
+def test_flush_never_waits_on_another_process_holding_the_write_lock(tmp_path, ns) -> None:
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+        holder = subprocess.Popen([sys.executable, "-c", f"""
+import lmdb, sys, time
+env = lmdb.open({str(tmp_path / "index")!r}, max_dbs=8)
+with env.begin(write=True):
+    print("held", flush=True)
+    time.sleep(6)
+"""], stdout=subprocess.PIPE, text=True, env=env)
+        assert holder.stdout.readline().strip() == "held"
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+        store.load(ns, _toks(0))
+        t0 = time.monotonic()
+        ok = store.disk.flush(timeout_s=1)
+        assert not ok and time.monotonic() - t0 < 4
+        holder.wait(30)
+        assert store.disk.flush(timeout_s=30)
+        assert store.lookup(ns, _toks(0)).num_tokens == 64
+
+
+def test_reader_slots_of_killed_processes_are_cleared(tmp_path, ns) -> None:
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+    proc = subprocess.Popen([sys.executable, "-c", f"""
+import lmdb, time
+env = lmdb.open({str(tmp_path / "index")!r}, max_dbs=8)
+txn = env.begin()
+print("reading", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "reading"
+    proc.kill()
+    proc.wait()
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        assert store.stats()["disk"]["stale_readers"] >= 1
+        assert store.lookup(ns, _toks(0)).num_tokens == 64

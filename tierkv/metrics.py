@@ -8,7 +8,7 @@ from collections import defaultdict
 COUNTER_NAMES = (
     "hit_blocks", "hit_tokens", "miss_blocks", "bytes_read", "bytes_written", "blocks_written",
     "evictions", "expirations", "corrupt_blocks", "dropped_saves", "write_errors", "read_errors",
-    "sweeps", "sweep_errors", "punch_unsupported", "totals_errors",
+    "sweeps", "sweep_errors", "punch_unsupported", "totals_errors", "stale_readers",
 )
 
 

@@ -234,7 +234,8 @@ class TieredStore:
         counters = Counters()
         if isinstance(codec_, str):
             codec_ = codec.Codec[codec_.upper().replace("-", "_")]
-        host = HostTier(host_bytes, counters=counters, ttl_s=ttl_s, clock=clock) if host_bytes else None
+        ages = {"ttl_s": ttl_s, "max_age_s": max_age_s, "clock": clock}
+        host = HostTier(host_bytes, counters=counters, **ages) if host_bytes else None
         disk = None
         if path is not None:
             disk = DiskTier(Path(path), policy=Policy(disk_bytes, ttl_s, max_age_s), clock=clock, sync=sync,
@@ -244,7 +245,7 @@ class TieredStore:
             from tierkv.tiers.remote import RemoteTier
 
             remote_tier = RemoteTier(remote, ttl_s=ttl_s, admit_after=remote_admit_after, counters=counters)
-        gpu = GpuTier(gpu_bytes, device=device, counters=counters, ttl_s=ttl_s, clock=clock) if gpu_bytes else None
+        gpu = GpuTier(gpu_bytes, device=device, counters=counters, **ages) if gpu_bytes else None
         return cls(host, disk, codec_=codec_, clock=clock, counters=counters, remote=remote_tier, gpu=gpu,
                    staging=staging)
 
@@ -252,8 +253,8 @@ class TieredStore:
         """Add the GPU tier (a server does this once the model is loaded, before serving)."""
         if self.gpu is not None:
             raise ConfigError("this store already has a GPU tier")
-        ttl_s = self.host.ttl_s if self.host is not None else None
-        self.gpu = GpuTier(capacity_nbytes, device=device, counters=self.counters, ttl_s=ttl_s, clock=self.clock)
+        ages = {"ttl_s": self.host.ttl_s, "max_age_s": self.host.max_age_s} if self.host is not None else {}
+        self.gpu = GpuTier(capacity_nbytes, device=device, counters=self.counters, clock=self.clock, **ages)
         self.pools.insert(0, self.gpu)
         self.tiers = ("gpu", *self.tiers)
 
@@ -362,7 +363,7 @@ class TieredStore:
         share = self.remote is not None and self.remote.admitted(p.key)
         sinks = (self.disk is not None) + share
         hold = sinks > 0 and self.host is not None and self.host.can_hold()
-        slot = self.host.put(p.key, block, hold=hold) if self.host is not None else None
+        slot = self.host.put(p.key, block, hold=hold, created_s=p.created_s) if self.host is not None else None
         if not sinks:
             return
         held = slot if hold else None
@@ -534,15 +535,15 @@ class TieredStore:
         h = self.pools.index(self.host)
         lost = [i for i, held in zip(mem, self.disk.holds([keys[i] for i in mem])) if not held and src[i] == h]
         B4 = ns.block_tokens * 4
-        now = self.clock()
         for i in lost:
             view = views[h][i]
             assert view is not None
+            created_s = self.host.created_s(keys[i])  # its age goes with it: max-age still applies
             self.host.retain(view)  # the writer's reference, released once written
             parent = keys[i - 1] if i else root_key(ns.digest)
             make, release = self._record_fn(ns, spec, parent, keys[i], token_bytes[i * B4 : (i + 1) * B4], view,
-                                            True, now)
-            if not self.disk.put(ns.digest, keys[i], make, spec.block_nbytes + codec.HEADER_NBYTES + B4, now,
+                                            True, created_s)
+            if not self.disk.put(ns.digest, keys[i], make, spec.block_nbytes + codec.HEADER_NBYTES + B4, created_s,
                                  release=release, ns_spec=ns.to_json().encode()):
                 release()
 
@@ -649,8 +650,9 @@ class TieredStore:
         good = [i for i in idx if i < failed_at]
         self.disk.touch([keys[i] for i in good], sum(e.nbytes for i, e in zip(idx, entries) if i < failed_at))
         if self.host is not None:  # promote: the next hit on these blocks comes from RAM
+            created = {i: e.created_s for i, e in zip(idx, entries)}
             for i in good:
-                self.host.put(keys[i], target[:, :, pos[i] * B : (pos[i] + 1) * B])
+                self.host.put(keys[i], target[:, :, pos[i] * B : (pos[i] + 1) * B], created_s=created[i])
         return failed_at
 
     def _restore_from_remote(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
@@ -691,8 +693,7 @@ class TieredStore:
             if self.host is not None:
                 self.host.put(keys[i], block)
             if self.disk is not None:  # the verified record as it is: no re-encoding
-                self._register(ns)
-                self.disk.put(ns.digest, keys[i], rec, len(rec), now)
+                self.disk.put(ns.digest, keys[i], rec, len(rec), now, ns_spec=ns.to_json().encode())
         return len(records)
 
     def _share_newly_admitted(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes) -> None:

@@ -12,6 +12,7 @@ prompt that is entirely cached restores all full blocks but the one holding its 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -232,12 +233,17 @@ def _cache_len(cache: Any) -> int:
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
-    if temperature <= 0:
+    # Values float32 cannot compute with are taken for what they ask: a temperature this small is greedy
+    # (1/T overflows), a top_p below the smallest normal keeps the most likely token (it underflows).
+    if temperature < 1e-5 or not math.isfinite(temperature):
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        return int(torch.argmax(logits))
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < max(top_p, float(torch.finfo(torch.float32).tiny))
+        keep[0] = True  # the most likely token always stays
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
     return int(torch.multinomial(probs, 1, generator=rng))
 

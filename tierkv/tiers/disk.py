@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ import lmdb
 from tierkv.errors import NamespaceConflictError, StoreFormatError, StoreOpenError
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
-from tierkv.tiers.segments import SegmentDir, SegmentWriter, aligned
+from tierkv.tiers.segments import SegmentDir, SegmentWriter, aligned, fsync_dir
 
 log = logging.getLogger("tierkv.disk")
 
@@ -147,6 +148,13 @@ class _Put:
 
 
 @dataclasses.dataclass(slots=True)
+class _Barrier:
+    """Queued by ``flush``: the writer writes access times when it reaches it."""
+
+    nbytes: int = 0
+
+
+@dataclasses.dataclass(slots=True)
 class _Purge:
     key: bytes
     location: tuple[int, int, int]  # purge only if the index still points here (not a concurrent rewrite)
@@ -237,7 +245,7 @@ class DiskTier:
         self._queued_nbytes = 0
         self._queued_keys: dict[bytes, int] = {}  # key -> puts in the queue: a second save is not queued
         self._queued_lock = threading.Lock()
-        self._queue: queue.Queue[_Put | _Purge | None] = queue.Queue()
+        self._queue: queue.Queue[_Put | _Purge | _Barrier | None] = queue.Queue()
         self._degraded_until = 0.0
         self._degraded = False  # in a failure episode (logged once)
         self._punch_warned = False
@@ -247,6 +255,7 @@ class DiskTier:
         self._sweeper: threading.Thread | None = None
         self._stop_sweeper = threading.Event()
         if writer:
+            self._clear_stale_readers()
             self._seal_dead_writers()
             self._thread = threading.Thread(target=self._writer_loop, name="tierkv-disk-writer", daemon=True)
             self._thread.start()
@@ -258,10 +267,45 @@ class DiskTier:
     # ---------------------------------------------------------------- opening
 
     def _open(self, map_nbytes: int, writer: bool) -> None:
+        """Open the index. Every process holds ``owners.lock`` shared while it has the store open, so one
+        that finds the environment damaged can prove it is alone (exclusive) before it repairs anything:
+        a lock-file problem is repaired by recreating ``lock.mdb`` (it holds no data); a damaged
+        ``data.mdb`` is moved aside, only by a writer, and only when no other process has the store open.
+        Anything else (permissions, read-only media, memory) is a ``StoreOpenError``: the data stays."""
         try:
             _make_private_dir(self.path)
-            self._open_env(map_nbytes, writer)
-        except _CORRUPT as exc:
+            self._owner_fd = _lock_owner(self.path, exclusive=False)
+        except OSError as exc:
+            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}") from exc
+        try:
+            try:
+                self._open_env(map_nbytes, writer)
+            except _CORRUPT as exc:
+                self._repair(map_nbytes, writer, exc)
+        except lmdb.Error as exc:
+            hint = ""
+            if "Resource temporarily unavailable" in str(exc):  # LMDB's reader table is keyed by pid
+                hint = ("; another process with the same pid holds it: processes sharing a cache directory "
+                        "must share a PID namespace (containers: --pid=host or one pod)")
+            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}{hint}") from exc
+        except BaseException:
+            os.close(self._owner_fd)
+            raise
+
+    def _repair(self, map_nbytes: int, writer: bool, exc: lmdb.Error) -> None:
+        if not _try_exclusive(self._owner_fd):
+            raise StoreOpenError(f"the store at {self.path} cannot be opened ({exc}) and other processes have it "
+                                 "open: stop them, then start again") from exc
+        try:
+            lock = self.path / "index" / "lock.mdb"
+            if lock.exists():  # a lock file of another LMDB build, or damaged: recreate it and retry
+                lock.unlink()
+                try:
+                    self._open_env(map_nbytes, writer)
+                    log.warning("the store's lock file at %s was unusable (%s): recreated it", lock, exc)
+                    return
+                except _CORRUPT as again:
+                    exc = again
             if not writer:  # a reader (``tierkv stats``) never moves a store: the server owns that
                 raise StoreOpenError(f"the store at {self.path} is damaged ({exc}); the next server started "
                                      f"on it moves it aside and starts empty") from exc
@@ -271,9 +315,11 @@ class DiskTier:
                       self.path, exc, aside)
             self.path.rename(aside)
             _make_private_dir(self.path)
+            os.close(self._owner_fd)
+            self._owner_fd = _lock_owner(self.path, exclusive=True)
             self._open_env(map_nbytes, writer)
-        except (lmdb.Error, OSError) as exc:  # permissions, read-only media, memory, lock file: data stays
-            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}") from exc
+        finally:
+            fcntl.flock(self._owner_fd, fcntl.LOCK_SH)  # back to shared: others may open it now
 
     def _open_env(self, map_nbytes: int, writer: bool) -> None:
         self._env = lmdb.open(
@@ -303,9 +349,9 @@ class DiskTier:
         if raw is None and writer:
             self._write(lambda txn: txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(),
                                             db=self._db["meta"], overwrite=False))
-        elif raw is not None and int(raw) != STORE_FORMAT_VERSION:
+        elif raw is not None and _parse_version(raw) != STORE_FORMAT_VERSION:
             raise StoreFormatError(
-                f"{self.path} holds a tierkv store of format version {int(raw)}; this build reads version "
+                f"{self.path} holds a tierkv store of format version {bytes(raw)[:16]!r}; this build reads version "
                 f"{STORE_FORMAT_VERSION}. Use another --cache-dir, or delete this one to start afresh.")
 
     def _load_policy(self, given: Policy | None, persist: bool) -> Policy:
@@ -367,7 +413,7 @@ class DiskTier:
     def _read(self) -> Iterator[lmdb.Transaction]:
         """A read-only transaction; adopts the map size another process grew the map to."""
         for _ in range(3):
-            with self._gate.shared():
+            with _normal_priority(), self._gate.shared():
                 try:
                     txn = self._env.begin()
                 except lmdb.MapResizedError:
@@ -384,7 +430,7 @@ class DiskTier:
         again in a fresh transaction, so ``fn`` must return what it did rather than record it elsewhere."""
         for _ in range(MAP_GROW_ATTEMPTS):
             try:
-                with self._gate.shared(), self._env.begin(write=True) as txn:
+                with _normal_priority(), self._gate.shared(), self._env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
                 self._resize(self._env.info()["map_size"] * 2)
@@ -392,9 +438,19 @@ class DiskTier:
                 self._resize(0)
         raise lmdb.MapFullError(f"{self.path}: the index map is still full after {MAP_GROW_ATTEMPTS} growths")
 
+    def _clear_stale_readers(self) -> None:
+        """Free reader slots of processes that died inside a read transaction: each pins an old snapshot,
+        and LMDB cannot reuse any page freed since, so the index would grow without bound."""
+        cleared = self._env.reader_check()
+        if cleared:
+            log.warning("disk tier: cleared %d reader slots left by dead processes", cleared)
+            self.counters.add("disk", "stale_readers", cleared)
+
     def _resize(self, map_nbytes: int) -> None:
         """Grow the map to ``map_nbytes`` (0: adopt the size another process set), with no transaction of
         this process open, as LMDB requires."""
+        if map_nbytes:
+            self._clear_stale_readers()  # often the map is "full" only of pages a dead reader pins
         with self._gate.exclusive():
             if map_nbytes:
                 log.info("disk tier index full: growing its map to %d bytes", map_nbytes)
@@ -485,7 +541,7 @@ class DiskTier:
                 if release is not None:
                     release()
                 return True
-            if self.clock() < self._degraded_until or self._queued_nbytes + nbytes > self.queue_nbytes:
+            if time.monotonic() < self._degraded_until or self._queued_nbytes + nbytes > self.queue_nbytes:
                 self.counters.add("disk", "dropped_saves")
                 return False
             self._queued_nbytes += nbytes
@@ -505,9 +561,13 @@ class DiskTier:
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Wait until every queued record is durable (or dropped) and access times are written.
 
-        Never waits for ever: returns False (logged) after ``timeout_s`` or when the writer is gone."""
+        Never waits for ever: returns False (logged) after ``timeout_s`` or when the writer is gone. With a
+        writer thread, the caller's thread opens no write transaction (LMDB's write lock may be held by
+        another process for long): the access times go through the queue like the records."""
         ok = True
         if self._thread is not None:
+            if self._thread.is_alive():
+                self._queue.put(_Barrier())
             deadline = time.monotonic() + timeout_s
             with self._queue.all_tasks_done:
                 while self._queue.unfinished_tasks:
@@ -518,6 +578,7 @@ class DiskTier:
                         ok = False
                         break
                     self._queue.all_tasks_done.wait(min(left, 1.0))
+            return ok
         try:
             self._flush_touched()
         except (OSError, lmdb.Error) as exc:
@@ -612,7 +673,7 @@ class DiskTier:
         if not puts:
             return
         try:
-            degraded = self.clock() < self._degraded_until
+            degraded = time.monotonic() < self._degraded_until
             if degraded:
                 self.counters.add("disk", "dropped_saves", len(puts))
             else:
@@ -693,7 +754,7 @@ class DiskTier:
 
     def _degrade(self, exc: Exception, dropped: int) -> None:
         """A write failed (a full disk, say): drop saves for a while, then retry. Logged once per episode."""
-        self._degraded_until = self.clock() + DEGRADED_RETRY_S
+        self._degraded_until = time.monotonic() + DEGRADED_RETRY_S
         self.counters.add("disk", "write_errors")
         self.counters.add("disk", "dropped_saves", dropped)
         if not self._degraded:
@@ -854,11 +915,14 @@ class DiskTier:
 
     def _sweep_loop(self, interval_s: float) -> None:
         """The server's own gc: expiry and budget every ``interval_s``, at idle priority, off the model
-        thread; also drops read descriptors of segments other processes removed."""
+        thread; also seals segments of writers that died and drops read descriptors of segments other
+        processes removed."""
         _idle_priority()
         while not self._stop_sweeper.wait(interval_s):
             try:
                 report = self.expire() + self.enforce_budget()
+                self._seal_dead_writers()  # a crashed neighbour's segment can be freed once empty
+                self._clear_stale_readers()
                 self.segments.forget_removed()
                 if report.expired or report.evicted:
                     log.info("disk sweep: %d expired, %d evicted", report.expired, report.evicted)
@@ -1014,6 +1078,8 @@ class DiskTier:
                     decode_payload(header, stored)
                 except RecordError:
                     bad.append(_Purge(bytes(key), e.location))
+                finally:  # views into the reused read buffer must not outlive the lock (it may be replaced)
+                    view = header = token_bytes = stored = None
             checked += 1
             if progress:
                 progress(1)
@@ -1095,6 +1161,14 @@ class DiskTier:
             self.flush()
             self._queue.put(None)
             self._thread.join(timeout=FLUSH_TIMEOUT_S)
+            if self._thread.is_alive():
+                # Stuck (another process holds LMDB's write lock?): closing its segment would release the
+                # flock under a live append and closing the environment would pull it from under a
+                # commit. Leave both to the process exit.
+                log.error("disk tier writer still busy after %.0f s: its segment and the index stay open until "
+                          "the process exits", FLUSH_TIMEOUT_S)
+                self._closed = True
+                return
             if self._writer_seg is not None:
                 seg = self._writer_seg
                 with contextlib.suppress(OSError, lmdb.Error):
@@ -1107,6 +1181,7 @@ class DiskTier:
         self._closed = True
         self.segments.close()
         self._env.close()
+        os.close(self._owner_fd)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -1115,14 +1190,67 @@ class DiskTier:
         self.close()
 
 
+_priority = threading.local()  # .idle: this thread runs at idle priority outside transactions
+
+
 def _idle_priority() -> None:
     """Run the calling thread only on otherwise idle CPU (SCHED_IDLE), else at the lowest nice."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        _priority.idle = True
     except (OSError, AttributeError):
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+
+
+@contextlib.contextmanager
+def _normal_priority() -> Iterator[None]:
+    """An idle-priority thread holding LMDB's write lock (or a place in the resize gate) would make the
+    model thread and other processes wait for CPU nobody gives it: transactions run at normal priority."""
+    if not getattr(_priority, "idle", False):
+        yield
+        return
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:  # not permitted here: stay idle
+        yield
+        return
+    _priority.idle = False
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        _priority.idle = True
+
+
+def _parse_version(raw: bytes) -> int | None:
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _lock_owner(path: Path, exclusive: bool) -> int:
+    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open)."""
+    fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _try_exclusive(fd: int) -> bool:
+    """Upgrade our shared owner lock to exclusive if no other process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _make_private_dir(path: Path) -> None:
@@ -1131,7 +1259,13 @@ def _make_private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not existed:
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    created = not existed
     for sub in ("index", "segments"):
+        created |= not (path / sub).exists()
         (path / sub).mkdir(mode=0o700, exist_ok=True)
         if (path / sub).stat().st_mode & 0o077:
             os.chmod(path / sub, 0o700)
+    if created:  # the new directories themselves must survive a power cut
+        fsync_dir(path)
+        with contextlib.suppress(OSError):
+            fsync_dir(path.parent)

@@ -29,14 +29,16 @@ MAX_HELD_FRACTION = 0.5
 
 class BlockPool:
     def __init__(self, capacity_nbytes: int, *, name: str, device: torch.device | str = "cpu", pin: bool = False,
-                 counters: Counters | None = None, ttl_s: float | None = None,
+                 counters: Counters | None = None, ttl_s: float | None = None, max_age_s: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        """``ttl_s``: the store's sliding TTL, applied here too: a block idle longer is a miss in memory
-        as on disk (the TTL is a retention promise, not only a disk setting)."""
+        """``ttl_s`` (sliding) and ``max_age_s`` (from the block's creation): the store's retention, applied
+        here too: a block past either is a miss in memory as on disk (a promise, not a disk setting)."""
         self.name = name  # the tier's name in counters and logs
         self.ttl_s = ttl_s
+        self.max_age_s = max_age_s
         self.clock = clock
         self._atime: dict[BlockKey, float] = {}  # last put or read, for the TTL
+        self._ctime: dict[BlockKey, float] = {}  # the block's creation (first save), for the max age
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": compared to tensors'
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -85,21 +87,36 @@ class BlockPool:
         """The slot of ``key``, None if absent or idle past the TTL (then freed unless in use).
         Caller holds the lock."""
         slot = self._lru.get(key)
-        if slot is None or self.ttl_s is None or now - self._atime.get(key, now) <= self.ttl_s:
+        if slot is None or not self._expired(key, now):
             return slot
         if self._refs[slot] == 0:
             del self._lru[key]
-            self._atime.pop(key, None)
+            self._forget(key)
             self._free.append(slot)
             self.counters.add(self.name, "expirations")
         return None
+
+    def _expired(self, key: BlockKey, now: float) -> bool:
+        if self.ttl_s is not None and now - self._atime.get(key, now) > self.ttl_s:
+            return True
+        return self.max_age_s is not None and now - self._ctime.get(key, now) > self.max_age_s
+
+    def _forget(self, key: BlockKey) -> None:
+        self._atime.pop(key, None)
+        self._ctime.pop(key, None)
+
+    def created_s(self, key: BlockKey) -> float:
+        """When the block was first saved (as its record says), for a rewrite that keeps its age."""
+        with self._lock:
+            return self._ctime.get(key, self.clock())
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         now = self.clock()
         with self._lock:
             return [self._slot(k, now) is not None for k in keys]
 
-    def put(self, key: BlockKey, block: torch.Tensor, *, hold: bool = False) -> torch.Tensor | None:
+    def put(self, key: BlockKey, block: torch.Tensor, *, hold: bool = False,
+            created_s: float | None = None) -> torch.Tensor | None:
         """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot.
 
         None when the tier is off, the block is of another size than the slots, or every slot is in use.
@@ -117,12 +134,14 @@ class BlockPool:
             self._slot(key, now)  # frees it if expired; an expired slot still in use is kept (same bytes)
             slot = self._lru.get(key)
             self._atime[key] = now
+            if slot is None or key not in self._ctime:
+                self._ctime[key] = now if created_s is None else created_s
             if slot is not None:
                 self._lru.move_to_end(key)
             else:
                 slot = self._take_slot()
                 if slot is None:
-                    self._atime.pop(key, None)
+                    self._forget(key)
                     return None
                 # Copied under the lock: a block is ~1 MiB (tens of microseconds), and a reader must never
                 # see a half-written slot. On a GPU the copy is queued on the caller's stream, which is the
@@ -158,12 +177,13 @@ class BlockPool:
                 self._slot(key, now)
                 slot = self._lru.get(key)
                 self._atime[key] = now
+                self._ctime.setdefault(key, now)
                 if slot is not None:
                     self._lru.move_to_end(key)
                     continue
                 slot = self._take_slot()
                 if slot is None:
-                    self._atime.pop(key, None)
+                    self._forget(key)
                     break
                 self._ref(slot)  # until copied: a later block of this batch must not evict this one
                 self._lru[key] = slot
@@ -201,7 +221,7 @@ class BlockPool:
         for key, slot in self._lru.items():  # least recently used first
             if self._refs[slot] == 0:
                 del self._lru[key]
-                self._atime.pop(key, None)
+                self._forget(key)
                 self.counters.add(self.name, "evictions")
                 return slot
         return None
@@ -247,7 +267,7 @@ class BlockPool:
             for key, slot in list(self._lru.items()):
                 if self._refs[slot] == 0:
                     del self._lru[key]
-                    self._atime.pop(key, None)
+                    self._forget(key)
                     self._free.append(slot)
 
 

@@ -19,6 +19,7 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -94,11 +95,15 @@ class SegmentDir:
             os.close(fd)  # also drops the lock this test took
         return False
 
-    def remove_stale_temp_files(self) -> int:
-        """Segments whose creator died before naming them (unlocked temp files): never indexed."""
+    def remove_stale_temp_files(self, min_age_s: float = 600.0) -> int:
+        """Segments whose creator died before naming them (unlocked temp files): never indexed. Only files
+        older than ``min_age_s``: a live writer holds its temp file for microseconds, between its creation
+        and its flock, and must not lose it then."""
         n = 0
         for p in self.path.glob(f"*.seg{_TEMP}*"):
             with contextlib.suppress(FileNotFoundError):
+                if time.time() - p.stat().st_mtime < min_age_s:
+                    continue
                 fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
