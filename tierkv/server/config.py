@@ -15,7 +15,7 @@ from tierkv.units import parse_duration, parse_size
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    model: str | None = None  # a local Hugging Face directory; None: the embedded default model
+    model: str | None = None  # smollm2, tiny or a local Hugging Face directory; None: tiny (the embedded model)
     revision: str | None = None  # vouch for the weights instead of fingerprinting them
     host: str = "127.0.0.1"  # loopback unless asked: the admin API and the cache are not for the internet
     port: int = 8000
