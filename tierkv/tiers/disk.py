@@ -351,7 +351,8 @@ class DiskTier:
                                             db=self._db["meta"], overwrite=False))
         elif raw is not None and _parse_version(raw) != STORE_FORMAT_VERSION:
             raise StoreFormatError(
-                f"{self.path} holds a tierkv store of format version {bytes(raw)[:16]!r}; this build reads version "
+                f"{self.path} holds a tierkv store of format version {bytes(raw)[:16].decode(errors='replace')}; "
+                f"this build reads version "
                 f"{STORE_FORMAT_VERSION}. Use another --cache-dir, or delete this one to start afresh.")
 
     def _load_policy(self, given: Policy | None, persist: bool) -> Policy:
