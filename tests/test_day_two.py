@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tierkv import StoreOpenError, TieredStore, block_keys
-from tierkv.tiers import segments as segments_mod
-from tierkv.tiers.disk import _SEG_ID, _SEGMENT, DiskTier
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk import segments as segments_mod
+from tierkv.tiers.disk.schema import SEG_ID, SEGMENT
 
 from helpers import REPO, make_kv, run_python
 
@@ -36,8 +37,8 @@ def check_consistent(disk: DiskTier) -> None:
         seg[0] += e.footprint
         seg[1] += 1
     assert disk.totals() == {k: tuple(v) for k, v in by_ns.items()}
-    with disk._read() as txn:
-        rows = {_SEG_ID.unpack(bytes(k))[0]: _SEGMENT.unpack(v) for k, v in txn.cursor(db=disk._db["segments"])}
+    with disk.index.read() as txn:
+        rows = {SEG_ID.unpack(bytes(k))[0]: SEGMENT.unpack(v) for k, v in txn.cursor(db=disk.index.db["segments"])}
     for seg_id, (nbytes, records) in by_seg.items():
         assert rows[seg_id][:2] == (nbytes, records), f"segment {seg_id}"
     for seg_id, row in rows.items():
@@ -74,7 +75,7 @@ def test_a_server_store_sweeps_on_its_own(tmp_path, ns) -> None:
         assert store.disk.totals()[ns.digest][0] == 12
         now[0] += 120
         deadline = time.monotonic() + 10
-        while store.disk.totals() and time.monotonic() < deadline:
+        while (store.disk.totals() or not store.stats()["disk"]["sweeps"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert store.disk.totals() == {}
         assert store.stats()["disk"]["sweeps"] >= 1
@@ -136,7 +137,7 @@ with TieredStore.open(sys.argv[2], host_bytes=0, batch_nbytes=16 * 1024) as stor
         if p % 5 == 0:
             store.flush()
     store.flush()
-    print("segment", store.disk._writer_seg.seg_id if store.disk._writer_seg else -1, flush=True)
+    print("segment", store.disk.writer.segment.seg_id if store.disk.writer.segment else -1, flush=True)
 """
 
 
@@ -237,10 +238,10 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
         store.flush()
-        seg_id = store.disk._writer_seg.seg_id
-        key = _SEG_ID.pack(seg_id)
-        store.disk._write(lambda txn: txn.put(key, _SEGMENT.pack(*_SEGMENT.unpack(txn.get(key, db=store.disk._db[
-            "segments"]))[:2], 2**31 - 2, 0), db=store.disk._db["segments"]))  # a pid nobody has here
+        seg_id = store.disk.writer.segment.seg_id
+        key = SEG_ID.pack(seg_id)
+        store.disk.index.write(lambda txn: txn.put(key, SEGMENT.pack(*SEGMENT.unpack(txn.get(key, db=store.disk.index.db[
+            "segments"]))[:2], 2**31 - 2, 0), db=store.disk.index.db["segments"]))  # a pid nobody has here
         r = run_python(f"""
             from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:  # a second writer starting: seals dead writers' segments
@@ -250,7 +251,7 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
         assert r.returncode == 0, r.stderr
         store.save(ns, _toks(1), make_kv(ns, 64, seed=1))  # appends to the same segment after the gc
         store.flush()
-        assert store.disk._writer_seg.seg_id == seg_id
+        assert store.disk.writer.segment.seg_id == seg_id
         r = run_python(f"""
             from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:
@@ -313,8 +314,8 @@ def test_the_index_map_grows_beside_readers(tmp_path, ns) -> None:
         for t in readers:
             t.join()
         assert not errors, errors
-        assert store.disk._env.info()["map_size"] > 256 * 1024
-        assert store.disk._thread.is_alive()
+        assert store.disk.index.env.info()["map_size"] > 256 * 1024
+        assert store.disk.writer.thread.is_alive()
         assert store.disk.totals()[ns.digest][0] == 120 * 16
         assert store.stats()["disk"]["write_errors"] == 0
         check_consistent(store.disk)
@@ -342,7 +343,7 @@ def test_another_process_growing_the_map_is_adopted(tmp_path, ns) -> None:
 
 def test_the_writer_survives_any_error_and_flush_never_hangs(tmp_path, ns, monkeypatch, caplog) -> None:
     with TieredStore.open(tmp_path, host_bytes=0) as store:
-        real = store.disk._write_fresh
+        real = store.disk.writer._write_fresh
         calls = [0]
 
         def flaky(puts):
@@ -351,12 +352,12 @@ def test_the_writer_survives_any_error_and_flush_never_hangs(tmp_path, ns, monke
                 raise RuntimeError("generator didn't stop after throw()")
             return real(puts)
 
-        monkeypatch.setattr(store.disk, "_write_fresh", flaky)
+        monkeypatch.setattr(store.disk.writer, "_write_fresh", flaky)
         with caplog.at_level(logging.ERROR):
             store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
             assert store.disk.flush(timeout_s=30)
         assert store.stats()["disk"]["write_errors"] == 1
-        assert store.disk._thread.is_alive()
+        assert store.disk.writer.thread.is_alive()
         store.save(ns, _toks(1), make_kv(ns, 64, seed=1))
         assert store.disk.flush(timeout_s=30)
         assert store.lookup(ns, _toks(1)).num_tokens == 64
@@ -366,8 +367,8 @@ def test_the_writer_survives_any_error_and_flush_never_hangs(tmp_path, ns, monke
 def test_flush_returns_when_the_writer_is_stuck(tmp_path, ns, monkeypatch) -> None:
     gate = threading.Event()
     with TieredStore.open(tmp_path, host_bytes=0) as store:
-        real = store.disk._write_fresh
-        monkeypatch.setattr(store.disk, "_write_fresh", lambda puts: (gate.wait(), real(puts)))
+        real = store.disk.writer._write_fresh
+        monkeypatch.setattr(store.disk.writer, "_write_fresh", lambda puts: (gate.wait(), real(puts)))
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
         t0 = time.monotonic()
         assert store.disk.flush(timeout_s=0.5) is False
@@ -456,7 +457,7 @@ def test_lmdb_errors_on_reads_never_escape_as_map_resized(tmp_path, ns) -> None:
         entered, release = threading.Event(), threading.Event()
 
         def hold_a_read() -> None:
-            with disk._read():
+            with disk.index.read():
                 entered.set()
                 release.wait(10)
 
@@ -464,14 +465,14 @@ def test_lmdb_errors_on_reads_never_escape_as_map_resized(tmp_path, ns) -> None:
         t.start()
         entered.wait(5)
         done = threading.Event()
-        threading.Thread(target=lambda: (disk._resize(128 * 1024), done.set())).start()
+        threading.Thread(target=lambda: (disk.index.resize(128 * 1024), done.set())).start()
         assert not done.wait(0.3)  # the resize waits for the open read transaction
         release.set()
         assert done.wait(5)
         t.join()
-        assert disk._env.info()["map_size"] == 128 * 1024
+        assert disk.index.env.info()["map_size"] == 128 * 1024
         with pytest.raises(lmdb.Error):
-            disk._write(lambda txn: txn.put(b"", b"x"))  # LMDB's own errors still surface
+            disk.index.write(lambda txn: txn.put(b"", b"x"))  # LMDB's own errors still surface
 
 
 # ------------------------------------------------------------------------------------------ review findings
@@ -500,14 +501,14 @@ def test_a_lock_file_problem_never_moves_a_store_others_have_open(tmp_path, ns) 
     opener = f"""
         import lmdb
         from tierkv import TieredStore, StoreOpenError
-        from tierkv.tiers import disk
-        real, calls = disk.DiskTier._open_env, [0]
+        from tierkv.tiers.disk import index as disk
+        real, calls = disk.Index._open_env, [0]
         def fail_once(self, *args):
             calls[0] += 1
             if calls[0] == 1:
                 raise lmdb.VersionMismatchError("mdb_env_open: MDB_VERSION_MISMATCH")
             return real(self, *args)
-        disk.DiskTier._open_env = fail_once
+        disk.Index._open_env = fail_once
         try:
             with TieredStore.open({str(cache)!r}, host_bytes=0) as s:
                 print("opened", s.lookup(__import__("tierkv").Namespace.from_json({ns.to_json()!r}),

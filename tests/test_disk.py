@@ -12,7 +12,7 @@ import torch
 from tierkv import Namespace, NamespaceConflictError, StoreFormatError, TieredStore
 from tierkv.codec import HEADER_NBYTES
 from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.segments import aligned
+from tierkv.tiers.disk.segments import aligned
 
 from helpers import REPO, make_kv, run_python
 
@@ -160,7 +160,7 @@ def test_other_format_version_is_a_clear_error(tmp_path) -> None:
 def test_namespace_conflict_is_detected(tmp_path, ns) -> None:
     with DiskTier(tmp_path, writer=False) as disk:
         disk.register_namespace(ns)
-        disk._write(lambda txn: txn.put(ns.digest, b'{"model_id":"other"}', db=disk._db["namespaces"]))
+        disk.index.write(lambda txn: txn.put(ns.digest, b'{"model_id":"other"}', db=disk.index.db["namespaces"]))
         with pytest.raises(NamespaceConflictError):
             disk.register_namespace(ns)
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from tierkv import TieredStore
-from tierkv.tiers import disk as disk_mod
-from tierkv.tiers import segments as segments_mod
+from tierkv.tiers.disk import index as index_mod
+from tierkv.tiers.disk import segments as segments_mod
 
 from helpers import make_kv
 
@@ -43,7 +43,7 @@ class Op:
 
 
 class RecordingOS:
-    """Stands in for ``os`` inside ``tierkv.tiers.segments``: records what reaches the file layer."""
+    """Stands in for ``os`` inside ``tierkv.tiers.disk.segments``: records what reaches the file layer."""
 
     def __init__(self, log: list[Op]) -> None:
         self._log = log
@@ -168,7 +168,7 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
         return ok
 
     monkeypatch.setattr(segments_mod, "punch_hole", punch)
-    real_write = disk_mod.DiskTier._write
+    real_write = index_mod.Index.write
 
     def write(self, fn):
         result = real_write(self, fn)
@@ -179,7 +179,7 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
                              segment_nbytes=64 * 1024, map_nbytes=1 << 20)
     store.flush()
     base_index = (root / "index" / "data.mdb").read_bytes()
-    monkeypatch.setattr(disk_mod.DiskTier, "_write", write)
+    monkeypatch.setattr(index_mod.Index, "write", write)
     with store:
         for p in range(8):
             store.save(ns, [p * 1000 + t for t in range(48)], make_kv(ns, 48, seed=p))

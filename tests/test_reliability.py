@@ -189,7 +189,7 @@ def small_fs(tmp_path):
 
 
 def test_full_file_system_degrades_then_resumes(small_fs, ns, monkeypatch) -> None:
-    import tierkv.tiers.disk as disk_mod
+    import tierkv.tiers.disk.writer as disk_mod
 
     monkeypatch.setattr(disk_mod, "DEGRADED_RETRY_S", 0.5)
     filler = small_fs / "filler"

@@ -146,8 +146,8 @@ def test_a_writer_that_falls_behind_never_starves_the_host_tier(tmp_path, ns, mo
     kv = make_kv(ns, 16 * 12, seed=2)
     block_nbytes = kv[:, :, :16].numel() * 2
     with TieredStore.open(tmp_path, host_bytes=8 * block_nbytes) as store:
-        write_batch = store.disk._write_batch
-        monkeypatch.setattr(store.disk, "_write_batch", lambda items: (gate.wait(10), write_batch(items)))
+        write_batch = store.disk.writer._write_batch
+        monkeypatch.setattr(store.disk.writer, "_write_batch", lambda items: (gate.wait(10), write_batch(items)))
         for k in range(1, 13):  # one block per request, as a server saves them
             store.save(ns, toks[: 16 * k], kv[:, :, : 16 * k], start_block=k - 1)
         in_host = store.host.contains(block_keys(ns, toks))

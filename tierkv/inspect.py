@@ -36,7 +36,7 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
         row["newest_created_s"] = max(e.created_s, row["newest_created_s"] or e.created_s)
         idle = now - e.last_access_s
         row["last_access_histogram"][next(n for n, ub in AGE_BUCKETS_S if idle < ub)] += 1
-        if disk._expired(e, now):
+        if disk.policy.expired(e, now):
             row["expired_unswept"] += 1
     usage = disk.usage()
     return {

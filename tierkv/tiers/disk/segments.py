@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import threading
@@ -24,6 +25,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from tierkv.metrics import Counters
+
+log = logging.getLogger("tierkv.disk")
 
 ALIGN = 4096  # file offsets and record footprints are page multiples: punchable, O_DIRECT-able
 READ_CHUNK_NBYTES = 8 << 20  # one preadv per chunk; several in flight keep the disk's queue full
@@ -64,8 +69,10 @@ def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
 class SegmentDir:
     """The folder of segment files: paths, cached read descriptors, coalesced parallel reads."""
 
-    def __init__(self, path: Path, read_threads: int = 4) -> None:
+    def __init__(self, path: Path, read_threads: int = 4, counters: Counters | None = None) -> None:
         self.path = path
+        self.counters = counters or Counters()
+        self._punch_warned = False
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._fds: OrderedDict[int, int] = OrderedDict()  # slot -> fd, least recently used first
         self._fds_lock = threading.Lock()
@@ -73,6 +80,7 @@ class SegmentDir:
         self._retired: set[int] = set()  # out of the cache, closed when their last read ends
         self._pool = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="tierkv-read")
         self._buf: mmap.mmap | None = None  # reused: fresh large buffers cost a page fault per 4 KiB
+        self.read_lock = threading.Lock()  # held by callers of ``read`` while they use its views
         self._pad = memoryview(bytearray(ALIGN))  # sink for the padding between records (content unused)
 
     def file(self, seg_id: int) -> Path:
@@ -185,7 +193,7 @@ class SegmentDir:
         """Read records ``(seg_id, offset, nbytes)``; returns one view per record, in the given order.
 
         The views share one reused buffer: they are valid until the next ``read`` (callers hold the
-        disk tier's read lock). A record that cannot be read comes back as zeros and fails verification.
+        ``read_lock``). A record that cannot be read comes back as zeros and fails verification.
         """
         order = sorted(range(len(locations)), key=lambda i: locations[i][:2])
         total = sum(aligned(n) for _, _, n in locations)
@@ -303,6 +311,27 @@ class SegmentDir:
             finally:
                 os.close(fd)
         return done
+
+    def release(self, holes: Sequence[tuple[int, int, int, bool]]) -> int:
+        """After the commit that freed them: punch dead records ``(seg_id, offset, nbytes, emptied)``, unlink
+        segments that emptied. Returns how many segments were removed.
+
+        Emptied segments are punched too: another process may hold the file open, which would keep an
+        unlinked file's pages allocated."""
+        if not holes:
+            return 0
+        done = self.punch([(s, o, n) for s, o, n, _ in holes])
+        if done < len(holes):
+            self.counters.add("disk", "punch_unsupported", len(holes) - done)
+            if not self._punch_warned:
+                self._punch_warned = True
+                log.warning("the file system under %s cannot punch holes: freed records keep their disk space "
+                            "until their segment empties, so the byte budget is not held on disk; run "
+                            "`tierkv gc --compact` or use ext4/xfs/btrfs", self.path)
+        emptied = {s for s, _, _, empty in holes if empty}
+        for seg_id in emptied:
+            self.unlink(seg_id)
+        return len(emptied)
 
     def unlink(self, seg_id: int) -> None:
         self.forget(seg_id)

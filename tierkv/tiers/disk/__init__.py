@@ -1,0 +1,242 @@
+"""The durable disk tier: an LMDB index (``index.py``, schema in ``schema.py``) over append-only segment
+files (``segments.py``), written behind by one thread per process (``writer.py``) and swept by
+``sweeps.py``. This module is the façade the store and the CLI use.
+
+Several processes share one directory (workers, an engine's processes, ``tierkv gc``): LMDB serialises
+their write transactions, every decision that depends on the index is taken inside the write transaction
+that acts on it, and each writing process appends to a segment of its own, flock-held while it lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import lmdb
+
+from tierkv.keys import BlockKey, Namespace, NamespaceDigest
+from tierkv.metrics import Counters
+from tierkv.tiers.disk.index import Index
+from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Policy, SweepReport
+from tierkv.tiers.disk.segments import SegmentDir
+from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
+from tierkv.tiers.disk.writer import (
+    DEFAULT_BATCH_NBYTES,
+    DEFAULT_QUEUE_NBYTES,
+    DEFAULT_SEGMENT_NBYTES,
+    FLUSH_TIMEOUT_S,
+    AccessTimes,
+    Purge,
+    Put,
+    Record,
+    Writer,
+)
+
+__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "STORE_FORMAT_VERSION", "DiskTier", "Entry", "Policy", "SweepReport"]
+
+DEFAULT_MAP_NBYTES = 1 << 30  # the index only (about 200 B per block); a sparse file, grown when full
+
+
+class DiskTier:
+    """Durable, content-addressed block store. Thread-safe; one instance per process and directory, any
+    number of processes per directory."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.time,
+        writer: bool = True,
+        sync: bool = True,
+        queue_nbytes: int = DEFAULT_QUEUE_NBYTES,
+        batch_nbytes: int = DEFAULT_BATCH_NBYTES,
+        segment_nbytes: int = DEFAULT_SEGMENT_NBYTES,
+        map_nbytes: int = DEFAULT_MAP_NBYTES,
+        read_threads: int = 4,
+        sweep_interval_s: float = 0.0,
+        counters: Counters | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.clock = clock
+        self.counters = counters or Counters()
+        self.read_only = not writer
+        self.index = Index(self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy,
+                           counters=self.counters)
+        self.segments = SegmentDir(self.path / "segments", read_threads=read_threads, counters=self.counters)
+        self.sweeps = Sweeps(self.index, self.segments, self.counters)
+        self.times = AccessTimes(self.index)
+        self.writer: Writer | None = None
+        self._sweeper: Sweeper | None = None
+        self._closed = False
+        if writer:
+            self.index.clear_stale_readers()
+            self.sweeps.seal_dead_writers()
+            self.writer = Writer(self.index, self.segments, self.times, clock=clock, sync=sync,
+                                 counters=self.counters, queue_nbytes=queue_nbytes, batch_nbytes=batch_nbytes,
+                                 segment_nbytes=segment_nbytes)
+            if sweep_interval_s > 0:
+                self._sweeper = Sweeper(lambda: self.expire() + self.enforce_budget(), self.sweeps,
+                                        sweep_interval_s)
+
+    @property
+    def policy(self) -> Policy:
+        return self.index.policy
+
+    # ---------------------------------------------------------------- reads
+
+    def locate(self, keys: Sequence[BlockKey]) -> list[Entry]:
+        """Entries of the leading ``keys`` the tier holds, unexpired (the index only: no payload read)."""
+        now = self.clock()
+        out: list[Entry] = []
+        with self.index.read() as txn:
+            for key in keys:
+                raw = txn.get(key, db=self.index.db["index"])
+                if raw is None:
+                    break
+                e = Entry.unpack(raw)
+                e.last_access_s = max(e.last_access_s, self.times.last(key))
+                if self.policy.expired(e, now):
+                    self.counters.add("disk", "expirations")
+                    break
+                out.append(e)
+        return out
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` the tier holds, unexpired."""
+        return len(self.locate(keys))
+
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key: stored and unexpired, or queued to be written (a save need not queue it again)."""
+        now = self.clock()
+        out = self.writer.queued(keys) if self.writer is not None else [False] * len(keys)
+        with self.index.read() as txn:
+            for i, key in enumerate(keys):
+                if not out[i]:
+                    raw = txn.get(key, db=self.index.db["index"])
+                    out[i] = raw is not None and not self.policy.expired(Entry.unpack(raw), now)
+        return out
+
+    @contextlib.contextmanager
+    def read(self, entries: Sequence[Entry]) -> Iterator[list[memoryview]]:
+        """The whole records of ``entries``, as views valid inside the ``with`` block only."""
+        with self.segments.read_lock:
+            yield self.segments.read([e.location for e in entries]) if entries else []
+
+    def read_into(self, requests: Sequence[tuple[Entry, list[memoryview]]],
+                  verify: Callable[[int], bool] | None = None) -> list[bool]:
+        """Scatter each record into its destination views; ``verify(i)`` runs on the reading thread."""
+        return self.segments.readv([(*e.location, views) for e, views in requests], verify)
+
+    def still_indexed(self, key: BlockKey, location: tuple[int, int, int]) -> bool:
+        return self.index.still_indexed(key, location)
+
+    def totals(self) -> dict[NamespaceDigest, tuple[int, int]]:
+        return self.index.totals()
+
+    def namespaces(self) -> dict[NamespaceDigest, Namespace]:
+        return self.index.namespaces()
+
+    def iter_entries(self) -> Iterator[tuple[BlockKey, Entry]]:
+        return self.index.iter_entries()
+
+    def snapshot_entries(self) -> list[tuple[BlockKey, Entry]]:
+        return self.index.snapshot_entries()
+
+    def usage(self) -> dict[str, int]:
+        with self.index.read() as txn:
+            live = self.index.total_nbytes(txn)
+        allocated, apparent = self.segments.disk_nbytes()
+        index_nbytes = sum(p.stat().st_size for p in (self.path / "index").glob("*.mdb"))
+        return {"live_nbytes": live, "segment_allocated_nbytes": allocated, "segment_apparent_nbytes": apparent,
+                "index_file_nbytes": index_nbytes, "budget_nbytes": self.policy.budget_nbytes or 0}
+
+    # ---------------------------------------------------------------- writes
+
+    def touch(self, keys: Sequence[BlockKey], nbytes: int = 0) -> None:
+        """Record hits: refreshes the sliding TTL (written in batches by the writer thread)."""
+        self.times.touch(keys, self.clock())
+        if nbytes:
+            self.counters.add("disk", "bytes_read", nbytes)
+
+    def put(self, ns_digest: NamespaceDigest, key: BlockKey, record: bytes | Callable[[], Record],
+            nbytes: int, created_s: float, release: Callable[[], None] | None = None,
+            ns_spec: bytes | None = None) -> bool:
+        """Queue one record (its bytes, or a function the writer thread calls to encode it).
+
+        ``release`` runs on the writer thread once the record is written or skipped. Returns False (and
+        counts a dropped save) when the queue is full, the tier is degraded or its writer is gone; then
+        nothing runs and the caller still owns what ``release`` would have freed. ``ns_spec`` (the
+        namespace's JSON) is recorded with the namespace's first block, for stats.
+        """
+        if self.writer is None or self._closed:
+            raise RuntimeError("this DiskTier was opened without a writer")
+        make = record if callable(record) else (lambda r=record: [r])
+        return self.writer.put(Put(ns_digest, bytes(key), make, nbytes, created_s, release, ns_spec))
+
+    def purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
+        """Remove a record that failed verification, if the index still points at what was read."""
+        self.counters.add("disk", "corrupt_blocks")
+        if self.writer is None or self._closed or not self.writer.purge(Purge(bytes(key), location)):
+            self.segments.release(self.index.remove_at([(bytes(key), location)]))
+
+    def register_namespace(self, ns: Namespace) -> None:
+        """Record a namespace's spec (for stats). Saves do this themselves, in the transaction that indexes
+        a namespace's first block; the row goes with its last block, so hostile salts cannot grow it."""
+        spec = ns.to_json().encode()
+        self.index.write(lambda txn: self.index.put_namespace(txn, ns.digest, spec))
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every queued record is durable (or dropped) and access times are written; never for
+        ever (False after ``timeout_s``)."""
+        if self.writer is not None:
+            return self.writer.flush(timeout_s)
+        self.times.flush()
+        return True
+
+    # ---------------------------------------------------------------- maintenance (gc, stats)
+
+    def expire(self, *, ttl_s: float | None = None, max_age_s: float | None = None, dry_run: bool = False,
+               progress: Progress = None) -> SweepReport:
+        """Delete blocks idle longer than ``ttl_s`` or older than ``max_age_s`` (defaults: the policy)."""
+        self.times.flush()
+        return self.sweeps.expire(self.clock(), ttl_s=ttl_s, max_age_s=max_age_s, dry_run=dry_run,
+                                  progress=progress)
+
+    def enforce_budget(self, budget_nbytes: int | None = None, *, dry_run: bool = False,
+                       progress: Progress = None) -> SweepReport:
+        return self.sweeps.enforce_budget(budget_nbytes, dry_run=dry_run, progress=progress)
+
+    def purge_namespace(self, digest: bytes | None, *, dry_run: bool = False,
+                        progress: Progress = None) -> SweepReport:
+        return self.sweeps.purge_namespace(digest, dry_run=dry_run, progress=progress)
+
+    def check(self, *, dry_run: bool = False, progress: Progress = None) -> SweepReport:
+        return self.sweeps.check(dry_run=dry_run, progress=progress)
+
+    def compact(self, *, dry_run: bool = False) -> SweepReport:
+        return self.sweeps.compact(dry_run=dry_run)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.stop()
+        if self.writer is not None:
+            if not self.writer.close():
+                return  # a stuck writer keeps its segment and the index (see Writer.close)
+        else:
+            with contextlib.suppress(OSError, lmdb.Error):
+                self.times.flush()
+        self.segments.close()
+        self.index.close()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,427 @@
+"""The disk tier's LMDB index: opening (and what may be repaired, by whom), transactions, and the row
+updates that keep totals and segment counts exact.
+
+Several processes share one index. Every decision that depends on it (is this key new or expired, is
+this still the record that was read, is this range dead) is taken inside the write transaction that
+acts on it, through ``write(fn)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from tierkv.errors import NamespaceConflictError, StoreFormatError, StoreOpenError
+from tierkv.keys import BlockKey, Namespace, NamespaceDigest
+from tierkv.metrics import Counters
+from tierkv.tiers.disk.schema import (
+    DBS,
+    SEG_ID,
+    SEGMENT,
+    STORE_FORMAT_VERSION,
+    TIME,
+    TOTALS,
+    Entry,
+    Hole,
+    Policy,
+    time_key,
+)
+from tierkv.tiers.disk.segments import fsync_dir
+from tierkv.tiers.disk.txn import TxnGate, normal_priority
+
+log = logging.getLogger("tierkv.disk")
+
+MAP_GROW_ATTEMPTS = 8  # doublings of the map within one write before giving up
+# Errors that mean the environment itself is damaged or foreign: only these may lead to a repair.
+CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
+T = TypeVar("T")
+Txn = Any  # lmdb.Transaction (py-lmdb ships no type information)
+
+
+class Index:
+    def __init__(self, path: Path, *, map_nbytes: int, writer: bool, sync: bool, policy: Policy | None,
+                 counters: Counters) -> None:
+        self.path = path
+        self.sync = sync
+        self.counters = counters
+        self.gate = TxnGate()
+        self.db: dict[str, Any] = {}
+        self._open(map_nbytes, writer)
+        self.policy = self._load_policy(policy, persist=writer)
+
+    # ---------------------------------------------------------------- opening
+
+    def _open(self, map_nbytes: int, writer: bool) -> None:
+        """Every process holds ``owners.lock`` shared while it has the store open, so one that finds the
+        environment damaged can prove it is alone (exclusive) before it repairs anything: a lock-file
+        problem is repaired by recreating ``lock.mdb`` (it holds no data); a damaged ``data.mdb`` is moved
+        aside, only by a writer, and only when no other process has the store open. Anything else
+        (permissions, read-only media, memory) is a ``StoreOpenError``: the data stays."""
+        try:
+            make_private_dir(self.path)
+            self._owner_fd = _lock_owner(self.path, exclusive=False)
+        except OSError as exc:
+            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}") from exc
+        try:
+            try:
+                self._open_env(map_nbytes, writer)
+            except CORRUPT as exc:
+                self._repair(map_nbytes, writer, exc)
+        except lmdb.Error as exc:
+            hint = ""
+            if "Resource temporarily unavailable" in str(exc):  # LMDB's reader table is keyed by pid
+                hint = ("; another process with the same pid holds it: processes sharing a cache directory "
+                        "must share a PID namespace (containers: --pid=host or one pod)")
+            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}{hint}") from exc
+        except BaseException:
+            os.close(self._owner_fd)
+            raise
+
+    def _repair(self, map_nbytes: int, writer: bool, exc: lmdb.Error) -> None:
+        if not _try_exclusive(self._owner_fd):
+            raise StoreOpenError(f"the store at {self.path} cannot be opened ({exc}) and other processes have it "
+                                 "open: stop them, then start again") from exc
+        try:
+            lock = self.path / "index" / "lock.mdb"
+            if lock.exists():  # a lock file of another LMDB build, or damaged: recreate it and retry
+                lock.unlink()
+                try:
+                    self._open_env(map_nbytes, writer)
+                    log.warning("the store's lock file at %s was unusable (%s): recreated it", lock, exc)
+                    return
+                except CORRUPT as again:
+                    exc = again
+            if not writer:  # a reader (``tierkv stats``) never moves a store: the server owns that
+                raise StoreOpenError(f"the store at {self.path} is damaged ({exc}); the next server started "
+                                     f"on it moves it aside and starts empty") from exc
+            # Damaged meta pages, a truncated or foreign file: keep it for a post-mortem, start empty.
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+            log.error("cannot open the store at %s (%s): moved aside to %s, starting an empty store",
+                      self.path, exc, aside)
+            self.path.rename(aside)
+            make_private_dir(self.path)
+            os.close(self._owner_fd)
+            self._owner_fd = _lock_owner(self.path, exclusive=True)
+            self._open_env(map_nbytes, writer)
+        finally:
+            fcntl.flock(self._owner_fd, fcntl.LOCK_SH)  # back to shared: others may open it now
+
+    def _open_env(self, map_nbytes: int, writer: bool) -> None:
+        self.env = lmdb.open(
+            str(self.path / "index"), map_size=map_nbytes, max_dbs=8, subdir=True,
+            sync=self.sync, metasync=self.sync, mode=0o600,
+            readahead=False,  # index pages are read at random: readahead only pollutes the page cache
+            max_readers=512, max_spare_txns=4,
+        )
+        try:
+            db = None if writer else self._open_tables_read_only()
+            if db is None:  # a writer, or a store some table of which was never created
+                db = self.write(lambda txn: {n: self.env.open_db(n.encode(), txn=txn) for n in DBS})
+            self.db = db
+            self._check_format(writer)
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _open_tables_read_only(self) -> dict[str, Any] | None:
+        try:  # (py-lmdb keeps handles opened this way; not those opened in a read transaction of ours)
+            return {n: self.env.open_db(n.encode(), create=False) for n in DBS}
+        except lmdb.NotFoundError:
+            return None
+
+    def _check_format(self, writer: bool) -> None:
+        with self.read() as txn:
+            raw = txn.get(b"format_version", db=self.db["meta"])
+        if raw is None and writer:
+            self.write(lambda txn: txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(),
+                                           db=self.db["meta"], overwrite=False))
+        elif raw is not None and _parse_version(raw) != STORE_FORMAT_VERSION:
+            version = bytes(raw)[:16].decode(errors="replace")
+            raise StoreFormatError(
+                f"{self.path} holds a tierkv store of format version {version}; this build reads version "
+                f"{STORE_FORMAT_VERSION}. Use another --cache-dir, or delete this one to start afresh.")
+
+    def _load_policy(self, given: Policy | None, persist: bool) -> Policy:
+        """The stored policy, with the fields ``given`` sets (not None) replacing it; persisted by writers."""
+        with self.read() as txn:
+            raw = txn.get(b"policy", db=self.db["meta"])
+        stored = Policy(**json.loads(raw)) if raw else Policy()
+        if given is None:
+            return stored
+        merged = Policy(*(g if g is not None else s for g, s in
+                          zip(dataclasses.astuple(given), dataclasses.astuple(stored))))
+        if persist and merged != stored:
+            self.write(lambda txn: txn.put(b"policy", json.dumps(dataclasses.asdict(merged)).encode(),
+                                           db=self.db["meta"]))
+        return merged
+
+    def close(self) -> None:
+        self.env.close()
+        os.close(self._owner_fd)
+
+    # ---------------------------------------------------------------- transactions
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Txn]:
+        """A read-only transaction; adopts the map size another process grew the map to."""
+        for _ in range(3):
+            with normal_priority(), self.gate.shared():
+                try:
+                    txn = self.env.begin()
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            self.resize(0)
+        raise StoreOpenError(f"{self.path}: the index map keeps being resized by another process")
+
+    def write(self, fn: Callable[[Txn], T]) -> T:
+        """Run ``fn`` in a write transaction and commit. A full map is grown (doubled) and ``fn`` runs
+        again in a fresh transaction, so ``fn`` must return what it did rather than record it elsewhere."""
+        for _ in range(MAP_GROW_ATTEMPTS):
+            try:
+                with normal_priority(), self.gate.shared(), self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self.resize(self.env.info()["map_size"] * 2)
+            except lmdb.MapResizedError:
+                self.resize(0)
+        raise lmdb.MapFullError(f"{self.path}: the index map is still full after {MAP_GROW_ATTEMPTS} growths")
+
+    def clear_stale_readers(self) -> None:
+        """Free reader slots of processes that died inside a read transaction: each pins an old snapshot,
+        and LMDB cannot reuse any page freed since, so the index would grow without bound."""
+        cleared = self.env.reader_check()
+        if cleared:
+            log.warning("disk tier: cleared %d reader slots left by dead processes", cleared)
+            self.counters.add("disk", "stale_readers", cleared)
+
+    def resize(self, map_nbytes: int) -> None:
+        """Grow the map to ``map_nbytes`` (0: adopt the size another process set), with no transaction of
+        this process open, as LMDB requires."""
+        if map_nbytes:
+            self.clear_stale_readers()  # often the map is "full" only of pages a dead reader pins
+        with self.gate.exclusive():
+            if map_nbytes:
+                log.info("disk tier index full: growing its map to %d bytes", map_nbytes)
+            self.env.set_mapsize(map_nbytes)
+
+    # ---------------------------------------------------------------- row updates (inside write(fn))
+
+    def insert(self, txn: Txn, key: bytes, e: Entry) -> None:
+        txn.put(key, e.pack(), db=self.db["index"])
+        txn.put(time_key(e.last_access_s, key), b"", db=self.db["atime"])
+        txn.put(time_key(e.created_s, key), b"", db=self.db["ctime"])
+        self._add_totals(txn, e.ns_digest, 1, e.footprint)
+        self._add_segment(txn, e.seg_id, 1, e.footprint)
+
+    def remove(self, txn: Txn, key: bytes, e: Entry) -> bool:
+        """Drop an entry and its index rows; True if its segment is now empty and sealed (unlink it)."""
+        txn.delete(key, db=self.db["index"])
+        txn.delete(time_key(e.last_access_s, key), db=self.db["atime"])
+        txn.delete(time_key(e.created_s, key), db=self.db["ctime"])
+        self._add_totals(txn, e.ns_digest, -1, -e.footprint)
+        return self._add_segment(txn, e.seg_id, -1, -e.footprint)
+
+    def touch(self, txn: Txn, key: bytes, t: float) -> None:
+        """Move an entry's last access to ``t`` (never back; an expired entry stays expired)."""
+        raw = txn.get(key, db=self.db["index"])
+        if raw is None:
+            return
+        e = Entry.unpack(raw)
+        if t <= e.last_access_s or self.policy.expired(e, t):
+            return
+        txn.delete(time_key(e.last_access_s, key), db=self.db["atime"])
+        e.last_access_s = t
+        txn.put(key, e.pack(), db=self.db["index"])
+        txn.put(time_key(t, key), b"", db=self.db["atime"])
+
+    def _add_totals(self, txn: Txn, ns: bytes, blocks: int, nbytes: int) -> None:
+        raw = txn.get(ns, db=self.db["totals"])
+        b, n = TOTALS.unpack(raw) if raw else (0, 0)
+        if b + blocks < 0 or n + nbytes < 0:  # an index that disagrees with itself: never below zero
+            log.error("disk tier totals underflow for namespace %s: %d%+d blocks, %d%+d bytes", ns.hex()[:16],
+                      b, blocks, n, nbytes)
+            self.counters.add("disk", "totals_errors")
+        if b + blocks <= 0:
+            txn.delete(ns, db=self.db["totals"])
+            txn.delete(ns, db=self.db["namespaces"])  # its last block: the spec goes too
+        else:
+            txn.put(ns, TOTALS.pack(b + blocks, max(0, n + nbytes)), db=self.db["totals"])
+
+    def _add_segment(self, txn: Txn, seg_id: int, records: int, nbytes: int) -> bool:
+        k = SEG_ID.pack(seg_id)
+        raw = txn.get(k, db=self.db["segments"])
+        live_nbytes, live_records, pid, sealed = SEGMENT.unpack(raw) if raw else (0, 0, 0, 1)
+        live_nbytes, live_records = max(0, live_nbytes + nbytes), max(0, live_records + records)
+        if live_records == 0 and sealed:
+            txn.delete(k, db=self.db["segments"])
+            return True
+        txn.put(k, SEGMENT.pack(live_nbytes, live_records, pid, sealed), db=self.db["segments"])
+        return False
+
+    def add_segment_row(self, txn: Txn, seg_id: int) -> None:
+        txn.put(SEG_ID.pack(seg_id), SEGMENT.pack(0, 0, os.getpid(), 0), db=self.db["segments"])
+
+    def seal_segment(self, txn: Txn, seg_id: int) -> bool:
+        """Seal a segment's row; True if it is empty (its row is gone: unlink the file)."""
+        k = SEG_ID.pack(seg_id)
+        raw = txn.get(k, db=self.db["segments"])
+        if raw is None:
+            return False
+        live_nbytes, live_records, pid, _ = SEGMENT.unpack(raw)
+        if live_records == 0:
+            txn.delete(k, db=self.db["segments"])
+            return True
+        txn.put(k, SEGMENT.pack(live_nbytes, live_records, pid, 1), db=self.db["segments"])
+        return False
+
+    def allocate_segment(self) -> int:
+        def allocate(txn: Txn) -> int:
+            raw = txn.get(b"next_segment", db=self.db["meta"])
+            seg_id = int(raw) if raw else 1
+            txn.put(b"next_segment", str(seg_id + 1).encode(), db=self.db["meta"])
+            return seg_id
+
+        return self.write(allocate)
+
+    def segment_rows(self, txn: Txn) -> dict[int, tuple[int, int, int, int]]:
+        return {SEG_ID.unpack(bytes(k))[0]: SEGMENT.unpack(v) for k, v in txn.cursor(db=self.db["segments"])}
+
+    def put_namespace(self, txn: Txn, digest: bytes, spec: bytes) -> None:
+        existing = txn.get(digest, db=self.db["namespaces"])
+        if existing is not None and existing != spec:
+            raise NamespaceConflictError(
+                f"namespace {digest.hex()[:16]} is registered with another spec: {bytes(existing).decode()}")
+        if existing is None:
+            txn.put(digest, spec, db=self.db["namespaces"])
+
+    def evict_over(self, txn: Txn, budget: int) -> list[Hole]:
+        """Evict least-recently-used blocks until the live bytes fit in ``budget``."""
+        total = self.total_nbytes(txn)
+        holes: list[Hole] = []
+        cur = txn.cursor(db=self.db["atime"])
+        while total > budget and cur.first():
+            tkey = bytes(cur.key())
+            key = tkey[TIME.size:]
+            raw = txn.get(key, db=self.db["index"])
+            if raw is None:  # stale row (cannot happen in a consistent store): drop it
+                txn.delete(tkey, db=self.db["atime"])
+                continue
+            e = Entry.unpack(raw)
+            holes.append((*e.location, self.remove(txn, key, e)))
+            total -= e.footprint
+        return holes
+
+    def remove_at(self, found: Sequence[tuple[bytes, tuple[int, int, int]]]) -> list[Hole]:
+        """Remove each key only if the index still points at the location given (a writer may have
+        replaced the record since it was found)."""
+        def remove(txn: Txn) -> list[Hole]:
+            holes = []
+            for key, location in found:
+                raw = txn.get(key, db=self.db["index"])
+                if raw is not None and Entry.unpack(raw).location == location:
+                    holes.append((*location, self.remove(txn, key, Entry.unpack(raw))))
+            return holes
+
+        return self.write(remove) if found else []
+
+    # ---------------------------------------------------------------- queries
+
+    def total_nbytes(self, txn: Txn) -> int:
+        return sum(TOTALS.unpack(v)[1] for _, v in txn.cursor(db=self.db["totals"]))
+
+    def totals(self) -> dict[NamespaceDigest, tuple[int, int]]:
+        """Exact (blocks, footprint bytes) per namespace; O(namespaces), no scan."""
+        with self.read() as txn:
+            return {NamespaceDigest(bytes(k)): TOTALS.unpack(v) for k, v in txn.cursor(db=self.db["totals"])}
+
+    def namespaces(self) -> dict[NamespaceDigest, Namespace]:
+        with self.read() as txn:
+            return {NamespaceDigest(bytes(k)): Namespace.from_json(bytes(v).decode())
+                    for k, v in txn.cursor(db=self.db["namespaces"])}
+
+    def still_indexed(self, key: BlockKey, location: tuple[int, int, int]) -> bool:
+        """Whether ``key`` still names the record at ``location`` (a failed read may have raced a sweep)."""
+        with self.read() as txn:
+            raw = txn.get(key, db=self.db["index"])
+        return raw is not None and Entry.unpack(raw).location == location
+
+    def iter_entries(self) -> Iterator[tuple[BlockKey, Entry]]:
+        """Every entry, in key order, read in short transactions (safe beside a live writer, but not one
+        snapshot: see ``snapshot_entries``)."""
+        last: bytes | None = None
+        while True:
+            batch: list[tuple[BlockKey, Entry]] = []
+            with self.read() as txn:
+                cur = txn.cursor(db=self.db["index"])
+                ok = cur.set_range(last + b"\0") if last is not None else cur.first()
+                while ok and len(batch) < 4096:
+                    batch.append((BlockKey(bytes(cur.key())), Entry.unpack(cur.value())))
+                    ok = cur.next()
+            if not batch:
+                return
+            yield from batch
+            last = batch[-1][0]
+
+    def snapshot_entries(self) -> list[tuple[BlockKey, Entry]]:
+        """Every entry as of one instant (one read transaction: LMDB's MVCC snapshot)."""
+        with self.read() as txn:
+            return [(BlockKey(bytes(k)), Entry.unpack(v)) for k, v in txn.cursor(db=self.db["index"])]
+
+
+def make_private_dir(path: Path) -> None:
+    """The store's directories are the owner's alone (0700): KV blocks reveal what tenants sent."""
+    existed = path.exists()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not existed:
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    created = not existed
+    for sub in ("index", "segments"):
+        created |= not (path / sub).exists()
+        (path / sub).mkdir(mode=0o700, exist_ok=True)
+        if (path / sub).stat().st_mode & 0o077:
+            os.chmod(path / sub, 0o700)
+    if created:  # the new directories themselves must survive a power cut
+        fsync_dir(path)
+        with contextlib.suppress(OSError):
+            fsync_dir(path.parent)
+
+
+def _parse_version(raw: bytes) -> int | None:
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _lock_owner(path: Path, exclusive: bool) -> int:
+    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open)."""
+    fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _try_exclusive(fd: int) -> bool:
+    """Upgrade our shared owner lock to exclusive if no other process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True

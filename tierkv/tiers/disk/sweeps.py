@@ -1,0 +1,273 @@
+"""The disk tier's sweeps: expiry, budget, purges, verification, compaction, and the background sweeper.
+
+Safe beside writers in this and other processes: deletions go in small transactions (a server's writer
+is never starved), each decision is taken in the transaction that acts on it, and space is released
+only after the commit that freed it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+
+from tierkv.codec import decode_header, decode_payload
+from tierkv.errors import RecordError
+from tierkv.keys import chain_key
+from tierkv.metrics import Counters
+from tierkv.tiers.disk.index import Index, Txn
+from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_of
+from tierkv.tiers.disk.segments import SegmentDir, aligned
+from tierkv.tiers.disk.txn import idle_priority
+
+log = logging.getLogger("tierkv.disk")
+
+SWEEP_BATCH = 256  # deletions per transaction
+DEFAULT_SWEEP_INTERVAL_S = 300.0  # a server's own expiry and budget sweep
+Progress = Callable[[int], None] | None
+
+
+class Sweeps:
+    def __init__(self, index: Index, segments: SegmentDir, counters: Counters) -> None:
+        self.index = index
+        self.segments = segments
+        self.counters = counters
+
+    def seal_dead_writers(self) -> None:
+        """Segments left open by a writer that died are sealed, so they can be freed once empty.
+
+        A writer holds an flock on its open segment for its whole life, so "dead" is "unlocked": true
+        across PID namespaces and containers, unlike a pid check."""
+        def seal(txn: Txn) -> list[int]:
+            emptied = []
+            for seg_id, row in self.index.segment_rows(txn).items():
+                if not row[3] and not self.segments.is_active(seg_id) and self.index.seal_segment(txn, seg_id):
+                    emptied.append(seg_id)
+            return emptied
+
+        for seg_id in self.index.write(seal):
+            self.segments.unlink(seg_id)
+
+    def _sweep(self, table: str, stop: Callable[[Txn, float, bytes], bool], dry_run: bool,
+               progress: Progress) -> int:
+        """Delete from the oldest end of a time table until ``stop(txn, time_s, key)``."""
+        db = self.index.db
+        if dry_run:
+            n = 0
+            with self.index.read() as txn:
+                for tkey, _ in txn.cursor(db=db[table]):
+                    if stop(txn, time_of(tkey), bytes(tkey[TIME.size:])):
+                        break
+                    n += 1
+            return n
+
+        def batch(txn: Txn) -> tuple[int, list[Hole]]:
+            holes: list[Hole] = []
+            n = 0
+            cur = txn.cursor(db=db[table])
+            while n < SWEEP_BATCH and cur.first():
+                tkey = bytes(cur.key())
+                key = tkey[TIME.size:]
+                if stop(txn, time_of(tkey), key):
+                    break
+                n += 1
+                raw = txn.get(key, db=db["index"])
+                if raw is None:
+                    txn.delete(tkey, db=db[table])
+                else:
+                    e = Entry.unpack(raw)
+                    holes.append((*e.location, self.index.remove(txn, key, e)))
+            return n, holes
+
+        removed = 0
+        while True:
+            n, holes = self.index.write(batch)
+            self.segments.release(holes)
+            removed += len(holes)
+            if progress:
+                progress(n)
+            if n < SWEEP_BATCH:
+                return removed
+
+    def expire(self, now: float, *, ttl_s: float | None = None, max_age_s: float | None = None,
+               dry_run: bool = False, progress: Progress = None) -> SweepReport:
+        """Delete blocks idle longer than ``ttl_s`` or older than ``max_age_s`` (defaults: the policy)."""
+        policy = self.index.policy
+        ttl_s = policy.ttl_s if ttl_s is None else ttl_s
+        max_age_s = policy.max_age_s if max_age_s is None else max_age_s
+        n = 0
+        if ttl_s is not None:
+            n += self._sweep("atime", lambda _txn, t, _k: now - t <= ttl_s, dry_run, progress)
+        if max_age_s is not None:
+            n += self._sweep("ctime", lambda _txn, t, _k: now - t <= max_age_s, dry_run, progress)
+        self.counters.add("disk", "expirations", n)
+        return SweepReport(expired=n)
+
+    def enforce_budget(self, budget_nbytes: int | None = None, *, dry_run: bool = False,
+                       progress: Progress = None) -> SweepReport:
+        budget = self.index.policy.budget_nbytes if budget_nbytes is None else budget_nbytes
+        if budget is None:
+            return SweepReport()
+        freed = [0]
+        dry_total = [-1]
+
+        def stop(txn: Txn, _t: float, key: bytes) -> bool:
+            if dry_run:  # nothing is deleted: count down a copy of the total
+                if dry_total[0] < 0:
+                    dry_total[0] = self.index.total_nbytes(txn)
+                over = dry_total[0] - freed[0] > budget
+            else:
+                over = self.index.total_nbytes(txn) > budget
+            if not over:
+                return True
+            raw = txn.get(key, db=self.index.db["index"])
+            freed[0] += Entry.unpack(raw).footprint if raw else 0
+            return False
+
+        n = self._sweep("atime", stop, dry_run, progress)
+        self.counters.add("disk", "evictions", n)
+        return SweepReport(evicted=n, freed_nbytes=freed[0])
+
+    def remove_at(self, found: list[tuple[bytes, tuple[int, int, int]]], progress: Progress = None) -> int:
+        """Remove the records found at these locations (not what may have replaced them), in batches."""
+        n = 0
+        for start in range(0, len(found), SWEEP_BATCH):
+            part = found[start : start + SWEEP_BATCH]
+            holes = self.index.remove_at(part)
+            self.segments.release(holes)
+            n += len(holes)
+            if progress:
+                progress(len(part))
+        return n
+
+    def purge_namespace(self, digest: bytes | None, *, dry_run: bool = False,
+                        progress: Progress = None) -> SweepReport:
+        """Delete every block of one namespace (``None``: of all namespaces)."""
+        found = [(bytes(k), e.location) for k, e in self.index.iter_entries()
+                 if digest is None or e.ns_digest == digest]
+        if dry_run:
+            return SweepReport(purged=len(found))
+        return SweepReport(purged=self.remove_at(found, progress))
+
+    def check(self, *, dry_run: bool = False, progress: Progress = None) -> SweepReport:
+        """Read and verify every record (header, tokens, key, payload checksum); purge the bad ones.
+
+        Only records still indexed where they were read count: a sweep or a rewrite that raced the read is
+        not corruption, and its replacement is never purged."""
+        bad: list[tuple[bytes, tuple[int, int, int]]] = []
+        checked = 0
+        for key, e in self.index.iter_entries():
+            if not self._verifies(key, e):
+                bad.append((bytes(key), e.location))
+            checked += 1
+            if progress:
+                progress(1)
+        if dry_run:
+            corrupt = sum(self.index.still_indexed(k, loc) for k, loc in bad)
+        else:
+            corrupt = self.remove_at(bad)
+        self.counters.add("disk", "corrupt_blocks", corrupt)
+        return SweepReport(checked=checked, corrupt=corrupt)
+
+    def _verifies(self, key: bytes, e: Entry) -> bool:
+        with self.segments.read_lock:
+            (view,) = self.segments.read([e.location])
+            try:
+                header, token_bytes, stored = decode_header(view)
+                if header.key != key or header.ns_digest != e.ns_digest:
+                    raise RecordError("record names another key or namespace")
+                if chain_key(header.parent_key, bytes(token_bytes)) != key:
+                    raise RecordError("token ids do not hash to the key")
+                decode_payload(header, stored)
+                return True
+            except RecordError:
+                return False
+            finally:  # views into the reused read buffer must not outlive the lock (it may be replaced)
+                view = header = token_bytes = stored = None
+
+    def compact(self, *, dry_run: bool = False) -> SweepReport:
+        """Release every byte no live record uses: gaps a crash left, whole orphan files, empty segments.
+
+        Segments whose writer is alive hold its flock: they are never removed, and only gaps before their
+        last live record are punched (a writer only appends past its committed records). Which segments
+        are inactive is decided *before* the live set is read, in one snapshot: an inactive segment never
+        gains a record, so the snapshot is final for it."""
+        ids = self.segments.list_ids()
+        inactive = {s for s in ids if not self.segments.is_active(s)}
+        live: dict[int, list[tuple[int, int]]] = {}
+        for _, e in self.index.snapshot_entries():
+            live.setdefault(e.seg_id, []).append((e.offset, e.footprint))
+        before, _ = self.segments.disk_nbytes()
+        removed = 0
+        for seg_id in ids:
+            ranges = sorted(live.get(seg_id, []))
+            if not ranges and seg_id in inactive:
+                removed += 1
+                if not dry_run:
+                    self._drop_segment(seg_id)
+                continue
+            if dry_run:
+                continue
+            holes, pos = [], 0
+            for off, n in ranges:
+                if off > pos:
+                    holes.append((seg_id, pos, off - pos))
+                pos = max(pos, off + n)
+            if seg_id in inactive:  # nobody appends to it any more: its tail past the last record is dead
+                with contextlib.suppress(FileNotFoundError):
+                    size = self.segments.file(seg_id).stat().st_size
+                    if size > pos:
+                        holes.append((seg_id, pos, aligned(size) - pos))
+            self.segments.punch(holes)
+        if not dry_run:
+            self.segments.remove_stale_temp_files()
+        after, _ = self.segments.disk_nbytes()
+        return SweepReport(segments_removed=removed, freed_nbytes=max(0, before - after))
+
+    def _drop_segment(self, seg_id: int) -> None:
+        """Unlink an inactive segment with no live record, and its row (unless the row disagrees)."""
+        def drop(txn: Txn) -> bool:
+            row = self.index.segment_rows(txn).get(seg_id)
+            if row is not None and row[1] > 0:
+                return False  # the row disagrees with the snapshot: leave both for a later pass
+            if row is not None:
+                self.index.seal_segment(txn, seg_id)
+            return True
+
+        if self.index.write(drop):
+            self.segments.unlink(seg_id)
+
+
+class Sweeper:
+    """The server's own gc: ``sweep()`` every ``interval_s`` on a thread at idle priority, off the model
+    thread; it also seals segments of writers that died, clears stale reader slots and drops read
+    descriptors of segments other processes removed."""
+
+    def __init__(self, sweep: Callable[[], SweepReport], sweeps: Sweeps, interval_s: float) -> None:
+        self._sweep = sweep
+        self._sweeps = sweeps
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="tierkv-disk-sweep",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self, interval_s: float) -> None:
+        idle_priority()
+        counters = self._sweeps.counters
+        while not self._stop.wait(interval_s):
+            try:
+                report = self._sweep()
+                self._sweeps.seal_dead_writers()  # a crashed neighbour's segment can be freed once empty
+                self._sweeps.index.clear_stale_readers()
+                self._sweeps.segments.forget_removed()
+                if report.expired or report.evicted:
+                    log.info("disk sweep: %d expired, %d evicted", report.expired, report.evicted)
+                counters.add("disk", "sweeps")
+            except Exception:
+                log.exception("disk sweep failed (counted; retried next interval)")
+                counters.add("disk", "sweep_errors")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
