@@ -22,7 +22,7 @@ cat <<MSG
 tierkv: starting on http://127.0.0.1:${port}  (Ctrl-C or SIGTERM stops it cleanly)
 Try, in another shell (send it twice with a long system prompt: the second reports cached_tokens):
   curl -s http://127.0.0.1:${port}/v1/chat/completions -H 'Content-Type: application/json' -d '{
-    "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}' | python3 -m json.tool
+    "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' | python3 -m json.tool
 Metrics: http://127.0.0.1:${port}/metrics   Store: .venv/bin/tierkv stats
 MSG
 exec .venv/bin/tierkv serve "${args[@]}"

@@ -21,6 +21,7 @@ import dataclasses
 import fcntl
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -30,6 +31,8 @@ from pathlib import Path
 import xxhash
 
 from tierkv.errors import ConfigError
+
+log = logging.getLogger("tierkv.models")
 
 TINY = "tiny"
 SMOLLM2 = "smollm2"
@@ -103,25 +106,26 @@ def _is_current(target: Path, stamp: dict[str, object]) -> bool:
     return {k: have.get(k) for k in stamp} == stamp and (target / "config.json").is_file()
 
 
-def resolve(name: str, *, log: bool = True) -> Path:
+def resolve(name: str, *, verbose: bool = True) -> Path:
     """The local Hugging Face directory of a built-in GGUF model, converting it the first time."""
     spec = BUILTIN[name]
     source = gguf_path(spec)
     target = models_dir() / spec.dirname
     stamp = _stamp_of(source)
     if _is_current(target, stamp):
+        log.info("model %s: %s (converted from %s)", name, target, source)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{spec.dirname}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting: wait, then reuse its result
         if _is_current(target, stamp):
             return target
-        if log:
+        if verbose:
             print(f"tierkv: converting {spec.gguf_file} (from the {spec.package} package) into {target} "
                   "once; later starts reuse it", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         convert(source, target, stamp)
-        if log:
+        if verbose:
             print(f"tierkv: converted in {time.perf_counter() - t0:.0f} s: {target}", file=sys.stderr, flush=True)
     return target
 
