@@ -16,7 +16,7 @@ def md_table(header: Sequence[str], align: str, rows: Iterable[Sequence[object]]
 
 
 def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> list[Path]:
-    from tierkv.bench import plan, scaleout, tiers, ttft, workloads
+    from tierkv.bench import plan, restart, scaleout, tiers, ttft, workloads
 
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -33,10 +33,15 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
           f"GPU {machine['gpu'] or 'none'}; torch {machine['torch']}, Python {machine['python']}.", ""]
     for res in results.get("ttft", []):
         md += [f"## TTFT: `{res['config']['model']}`", "", ttft.markdown(res), ""]
+        if results.get("model"):
+            md += ["Beside the seeds' headline (a hit from the host tier; from disk after a restart with the page "
+                   "cache dropped in brackets):", "", ttft.beside_seeds(res), ""]
     if "tiers" in results:
         md += ["## Tier bandwidth", "", tiers.markdown(results["tiers"]), ""]
     if "workloads" in results:
         md += ["## Workloads through the HTTP server", "", workloads.markdown(results["workloads"]), ""]
+    if "restart" in results:
+        md += ["## A long prompt through HTTP: cold, again, after a restart", "", restart.markdown(results["restart"]), ""]
     if "scaleout" in results:
         md += ["## Two workers: shared remote tier and prefix-aware routing", "", scaleout.markdown(results["scaleout"]), ""]
     if "plan" in results:

@@ -143,12 +143,14 @@ def _stats(results: list[dict[str, Any]]) -> dict[str, Any]:
             "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": p95}
 
 
-def run(base: Path, *, quick: bool = False, max_tokens: int = 8) -> dict[str, Any]:
+def run(base: Path, *, quick: bool = False, max_tokens: int = 8, model: str | None = None) -> dict[str, Any]:
+    """``model``: what ``tierkv serve --model`` takes (smollm2, tiny, a directory); None: the embedded default."""
     specs = _workloads(quick)
     out: dict[str, Any] = {"config": {"quick": quick, "max_tokens": max_tokens,
-                                      "model": "embedded default (CPU)"}, "rows": []}
+                                      "model": f"{model} (CPU)" if model else "embedded default (CPU)"}, "rows": []}
+    model_args = ["--model", model] if model else []
     for mode, args in (("cache on", ["--cache-dir", str(base / "cache")]), ("cache off", ["--no-cache"])):
-        srv = _Server(*args)
+        srv = _Server(*model_args, *args)
         try:
             srv.chat([{"role": "user", "content": "warm-up"}], 1)
             for name, spec in specs.items():
