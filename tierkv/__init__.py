@@ -9,11 +9,12 @@ from tierkv.errors import (
     StoreOpenError,
     TierKVError,
 )
-from tierkv.keys import BlockKey, Namespace, NamespaceDigest, block_keys
+from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest, block_keys
 from tierkv.store import Hit, TieredStore
 
 __version__ = "0.1.0"
 __all__ = [
+    "BlockChain",
     "BlockKey",
     "Codec",
     "ConfigError",

@@ -75,6 +75,9 @@ def root_key(digest: NamespaceDigest) -> BlockKey:
     return BlockKey(_blake(digest))
 
 
+TOKEN_NBYTES = 4  # uint32 little-endian: the one encoding hashed and stored (the only place that knows)
+
+
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """uint32 little-endian, the one encoding hashed and stored."""
     arr = np.asarray(token_ids)
@@ -87,13 +90,52 @@ def chain_key(parent: BlockKey, block_token_bytes: bytes) -> BlockKey:
     return BlockKey(_blake(parent + block_token_bytes))
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockChain:
+    """A prompt's full blocks, named once: made once per prompt and passed to lookup, restore and save.
+
+    ``keys[i]`` names blocks 0..i (a trailing partial block has none); ``token_bytes`` holds the full
+    blocks' tokens as they are hashed and stored."""
+
+    ns: Namespace
+    keys: tuple[BlockKey, ...]
+    token_bytes: bytes
+
+    @classmethod
+    def of(cls, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> BlockChain:
+        n_blocks = len(token_ids) // ns.block_tokens
+        data = tokens_to_bytes(np.asarray(token_ids)[: n_blocks * ns.block_tokens])
+        step = ns.block_tokens * TOKEN_NBYTES
+        keys: list[BlockKey] = []
+        parent = root_key(ns.digest)
+        for start in range(0, len(data), step):
+            parent = chain_key(parent, data[start : start + step])
+            keys.append(parent)
+        return cls(ns, tuple(keys), data)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.keys) * self.ns.block_tokens
+
+    @property
+    def block_token_nbytes(self) -> int:
+        return self.ns.block_tokens * TOKEN_NBYTES
+
+    def tokens(self, i: int) -> bytes:
+        """Block ``i``'s token ids, encoded."""
+        step = self.block_token_nbytes
+        return self.token_bytes[i * step : (i + 1) * step]
+
+    def parent(self, i: int) -> BlockKey:
+        return self.keys[i - 1] if i else root_key(self.ns.digest)
+
+    def prefix(self, n_blocks: int) -> BlockChain:
+        return BlockChain(self.ns, self.keys[:n_blocks], self.token_bytes[: n_blocks * self.block_token_nbytes])
+
+
 def block_keys(ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
     """Keys of every full block of ``token_ids`` (a trailing partial block has none)."""
-    data = tokens_to_bytes(token_ids)
-    step = ns.block_tokens * 4
-    keys: list[BlockKey] = []
-    parent = root_key(ns.digest)
-    for start in range(0, len(data) - step + 1, step):
-        parent = chain_key(parent, data[start : start + step])
-        keys.append(parent)
-    return keys
+    return list(BlockChain.of(ns, token_ids).keys)

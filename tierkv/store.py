@@ -29,7 +29,7 @@ import torch
 
 from tierkv import codec
 from tierkv.errors import ConfigError, RecordError
-from tierkv.keys import BlockKey, Namespace, block_keys, root_key, tokens_to_bytes
+from tierkv.keys import BlockChain, BlockKey, Namespace
 from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
 from tierkv.staging import StagingRing
@@ -166,10 +166,20 @@ def _wait_for_copies(t: torch.Tensor) -> None:
         event.synchronize()
 
 
-def _expected(ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes, i: int) -> codec.Expected:
+def _expected(chain: BlockChain, spec: KVSpec, i: int) -> codec.Expected:
     """What block ``i`` of a request must be to be served."""
-    B = ns.block_tokens
-    return codec.Expected(ns.digest, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4], ns.dtype, spec.block_shape)
+    return codec.Expected(chain.ns.digest, chain.keys[i], chain.tokens(i), chain.ns.dtype, spec.block_shape)
+
+
+Tokens = Sequence[int] | np.ndarray | BlockChain  # a prompt's token ids, or its chain if already made
+
+
+def _chain(ns: Namespace, tokens: Tokens) -> BlockChain:
+    if isinstance(tokens, BlockChain):
+        if tokens.ns != ns:
+            raise ConfigError("the block chain was made for another namespace")
+        return tokens
+    return BlockChain.of(ns, tokens)
 
 
 class TieredStore:
@@ -272,7 +282,7 @@ class TieredStore:
             raise ConfigError(f"kv holds {kv.shape[2]} tokens, fewer than the {min_tokens} asked for")
         return spec
 
-    def save(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, kv: torch.Tensor,
+    def save(self, ns: Namespace, token_ids: Tokens, kv: torch.Tensor,
              *, start_block: int = 0, kv_start: int = 0) -> int:
         """Keep the full blocks of ``token_ids`` (KV ``[layers, 2, tokens, kv_heads, head_dim]``, any device).
 
@@ -281,33 +291,34 @@ class TieredStore:
         ``start_block`` are known cached and skipped. ``kv`` may start at token ``kv_start``
         (<= ``start_block * block_tokens``) instead of 0. Returns the number of blocks handed on.
         """
-        keys = block_keys(ns, token_ids)
+        chain = _chain(ns, token_ids)
         if not 0 <= kv_start <= start_block * ns.block_tokens:
             raise ConfigError(f"kv_start {kv_start} must be in 0..start_block * block_tokens")
-        self._check_kv(ns, kv, len(keys) * ns.block_tokens - kv_start)
+        self._check_kv(ns, kv, chain.num_tokens - kv_start)
         B = ns.block_tokens
-        blocks = [kv[:, :, i * B - kv_start : (i + 1) * B - kv_start] for i in range(start_block, len(keys))]
-        return self._save(ns, keys, tokens_to_bytes(token_ids), start_block, blocks)
+        blocks = [kv[:, :, i * B - kv_start : (i + 1) * B - kv_start] for i in range(start_block, len(chain))]
+        return self._save(chain, start_block, blocks)
 
-    def save_blocks(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, blocks: torch.Tensor,
+    def save_blocks(self, ns: Namespace, token_ids: Tokens, blocks: torch.Tensor,
                     *, start_block: int = 0) -> int:
         """Like ``save`` for blocks ``start_block..`` given block-major, ``[N, layers, 2, block_tokens,
         kv_heads, head_dim]`` (as ``kernels.gather_blocks`` makes them: each block one contiguous piece)."""
-        keys = block_keys(ns, token_ids)
+        chain = _chain(ns, token_ids)
         spec = KVSpec.of(ns)
         if blocks.dim() != 6 or tuple(blocks.shape[1:]) != spec.block_shape or blocks.dtype != spec.dtype:
             raise ConfigError(f"blocks must be [N, {', '.join(map(str, spec.block_shape))}] of {ns.dtype}, "
                               f"got {list(blocks.shape)} of {blocks.dtype}")
-        if start_block + blocks.shape[0] != len(keys):
+        if start_block + blocks.shape[0] != len(chain):
             raise ConfigError(f"{blocks.shape[0]} blocks from block {start_block} do not end at the prompt's "
-                              f"last full block ({len(keys)})")
-        return self._save(ns, keys, tokens_to_bytes(token_ids), start_block, list(blocks.unbind(0)), stacked=blocks)
+                              f"last full block ({len(chain)})")
+        return self._save(chain, start_block, list(blocks.unbind(0)), stacked=blocks)
 
-    def _save(self, ns: Namespace, keys: Sequence[BlockKey], token_bytes: bytes, start: int,
-              blocks: Sequence[torch.Tensor], stacked: torch.Tensor | None = None) -> int:
+    def _save(self, chain: BlockChain, start: int, blocks: Sequence[torch.Tensor],
+              stacked: torch.Tensor | None = None) -> int:
         """``blocks`` are blocks ``start..`` (``stacked``: the same as one contiguous tensor, if they are)."""
         if not blocks:
             return 0
+        ns, keys = chain.ns, chain.keys
         spec = KVSpec.of(ns)
         device = blocks[0].device
         if self.gpu is not None and self.gpu.device == device:  # device copies, on the compute stream
@@ -325,11 +336,10 @@ class TieredStore:
             on_disk = self.disk.holds(keys[start:])
             in_host = [h and d for h, d in zip(in_host, on_disk)]
         ring = self._ring_for(spec, device)
-        B = ns.block_tokens
         now = self.clock()
         todo = [j for j in range(len(blocks)) if not in_host[j]]
-        pending = [_Pending(ns, spec, keys[start + j], keys[start + j - 1] if start + j else root_key(ns.digest),
-                            token_bytes[(start + j) * B * 4 : (start + j + 1) * B * 4], now) for j in todo]
+        pending = [_Pending(ns, spec, keys[start + j], chain.parent(start + j), chain.tokens(start + j), now)
+                   for j in todo]
         if ring is not None:
             # Model KV on a GPU is never written again: the ring may hold it while its slots are busy.
             accepted = ring.submit_many([blocks[j] for j in todo], pending, keep_reference=device.type == "cuda")
@@ -401,9 +411,9 @@ class TieredStore:
 
     # ---------------------------------------------------------------- lookup and load
 
-    def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> Hit:
+    def lookup(self, ns: Namespace, token_ids: Tokens) -> Hit:
         """How many leading tokens are cached, and where. Reads no payload."""
-        keys = block_keys(ns, token_ids)
+        keys = _chain(ns, token_ids).keys
         src = self._memory_sources(keys)
         in_mem = [t is not None for t in src]
         first_gap = next((i for i, h in enumerate(in_mem) if not h), len(keys))
@@ -438,7 +448,7 @@ class TieredStore:
         end = wanted[have] if have < len(wanted) else len(keys)
         return end - start
 
-    def load(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray,
+    def load(self, ns: Namespace, token_ids: Tokens,
              out: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
         """The KV of the longest verified cached prefix: ``(num_tokens, kv[:, :, :num_tokens])``.
 
@@ -449,20 +459,20 @@ class TieredStore:
         hit, kv = self.restore(ns, token_ids, out)
         return hit.num_tokens, kv
 
-    def restore(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray,
+    def restore(self, ns: Namespace, token_ids: Tokens,
                 out: torch.Tensor | None = None) -> tuple[Hit, torch.Tensor | None]:
         """Like ``load``, with the ``Hit`` (tokens per tier, restore time)."""
         t0 = time.perf_counter()
-        keys = block_keys(ns, token_ids)
+        chain = _chain(ns, token_ids)
         spec = KVSpec.of(ns)
         B = ns.block_tokens
         by_tier = dict.fromkeys(self.tiers, 0)
         if out is not None:
             self._check_kv(ns, out, 0)
-            keys = keys[: out.shape[2] // B]
+            chain = chain.prefix(out.shape[2] // B)
+        keys = chain.keys
         if not keys:
             return Hit(0, by_tier), None
-        token_bytes = tokens_to_bytes(np.asarray(token_ids)[: len(keys) * B])
         with contextlib.ExitStack() as held:
             views = [held.enter_context(p.read(keys)) for p in self.pools]
             src = [next((k for k in range(len(views)) if views[k][i] is not None), None) for i in range(len(keys))]
@@ -494,14 +504,14 @@ class TieredStore:
                         dest[:, :, i * B : (i + 1) * B].copy_(views[k][i].view(spec.dtype).view(spec.block_shape),
                                                               non_blocking=True)
             with self._stager_for(dest, spec, needs_read) as stager:
-                ok_until = self._restore_from_disk(ns, spec, keys, token_bytes, disk_idx, entries, dest, stager)
+                ok_until = self._restore_from_disk(chain, spec, disk_idx, entries, dest, stager)
                 n_local = min(n, ok_until)
                 for k, pool in enumerate(self.pools):
                     by_tier[pool.name] = sum(t == k for t in src[:n_local]) * B
                 by_tier["disk"] = n_local * B - sum(by_tier[p.name] for p in self.pools)
                 m = 0
                 if n_local == n and remote_records:
-                    m = self._restore_from_remote(ns, spec, keys, token_bytes, n, remote_records, dest, stager)
+                    m = self._restore_from_remote(chain, spec, n, remote_records, dest, stager)
                     by_tier["remote"] = m * B
                 n = n_local + m
                 if self.gpu is not None and self.gpu.device == dest.device:  # promote: next hit is a device copy
@@ -509,9 +519,9 @@ class TieredStore:
                         if src[i] != 0:
                             self.gpu.put(keys[i], dest[:, :, i * B : (i + 1) * B])
                 _wait_for_copies(dest)  # before the host slots and the chunk buffers are let go
-                self._keep_on_disk(ns, spec, keys[:n], token_bytes, src[:n], views)
+                self._keep_on_disk(chain, spec, src[:n], views)
         if self.remote is not None and self.remote.admit_after > 1 and self.host is not None:
-            self._share_newly_admitted(ns, spec, keys[:n], token_bytes)
+            self._share_newly_admitted(chain.prefix(n), spec)
         self.counters.add("store", "miss_blocks", len(keys) - n)
         for tier, tokens in by_tier.items():
             if tokens:
@@ -520,12 +530,13 @@ class TieredStore:
         hit = Hit(n * B, by_tier, n, time.perf_counter() - t0)
         return hit, (dest[:, :, : n * B] if n else None)
 
-    def _keep_on_disk(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                      src: Sequence[int | None], views: Sequence[list[torch.Tensor | None]]) -> None:
+    def _keep_on_disk(self, chain: BlockChain, spec: KVSpec, src: Sequence[int | None],
+                      views: Sequence[list[torch.Tensor | None]]) -> None:
         """Blocks served from memory refresh their disk copy's TTL; one whose disk copy is gone (expired,
         evicted, its save dropped) is written again from its host slot, so a restart does not lose it."""
         if self.disk is None or self.disk.read_only:
             return
+        ns, keys = chain.ns, chain.keys
         mem = [i for i, t in enumerate(src) if t is not None]
         if not mem:
             return
@@ -534,17 +545,16 @@ class TieredStore:
             return
         h = self.pools.index(self.host)
         lost = [i for i, held in zip(mem, self.disk.holds([keys[i] for i in mem])) if not held and src[i] == h]
-        B4 = ns.block_tokens * 4
         for i in lost:
             view = views[h][i]
             assert view is not None
             created_s = self.host.created_s(keys[i])  # its age goes with it: max-age still applies
             self.host.retain(view)  # the writer's reference, released once written
-            parent = keys[i - 1] if i else root_key(ns.digest)
-            make, release = self._record_fn(ns, spec, parent, keys[i], token_bytes[i * B4 : (i + 1) * B4], view,
-                                            True, created_s)
-            if not self.disk.put(ns.digest, keys[i], make, spec.block_nbytes + codec.HEADER_NBYTES + B4, created_s,
-                                 release=release, ns_spec=ns.to_json().encode()):
+            make, release = self._record_fn(ns, spec, chain.parent(i), keys[i], chain.tokens(i), view, True,
+                                            created_s)
+            nbytes = spec.block_nbytes + codec.HEADER_NBYTES + chain.block_token_nbytes
+            if not self.disk.put(ns.digest, keys[i], make, nbytes, created_s, release=release,
+                                 ns_spec=ns.to_json().encode()):
                 release()
 
     @contextlib.contextmanager
@@ -566,8 +576,8 @@ class TieredStore:
                 _wait_for_copies(dest)  # the next restore may overwrite the buffers
                 stager.dest = None
 
-    def _restore_from_disk(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                           idx: list[int], entries: list, dest: torch.Tensor, stager: _Stager | None) -> int:
+    def _restore_from_disk(self, chain: BlockChain, spec: KVSpec, idx: list[int], entries: list,
+                           dest: torch.Tensor, stager: _Stager | None) -> int:
         """Read and verify disk blocks ``idx`` into ``dest``; returns the first block index that failed
         (or ``len(keys)``). Blocks are verified in order, so everything before the returned index is exact.
 
@@ -575,28 +585,28 @@ class TieredStore:
         is uploaded to ``dest`` while the next is read into the other buffer.
         """
         if not idx:
-            return len(keys)
+            return len(chain)
         if stager is None:
-            return self._read_disk_blocks(ns, spec, keys, token_bytes, idx, entries, dest, {i: i for i in idx})
+            return self._read_disk_blocks(chain, spec, idx, entries, dest, {i: i for i in idx})
         for c in range(0, len(idx), stager.blocks):
             part, part_entries = idx[c : c + stager.blocks], entries[c : c + stager.blocks]
             k = stager.acquire()
             local = {i: j for j, i in enumerate(part)}
-            failed_at = self._read_disk_blocks(ns, spec, keys, token_bytes, part, part_entries, stager.buffers[k],
-                                               local)
+            failed_at = self._read_disk_blocks(chain, spec, part, part_entries, stager.buffers[k], local)
             stager.upload(k, [(i, local[i]) for i in part if i < failed_at])
-            if failed_at < len(keys):
+            if failed_at < len(chain):
                 return failed_at
-        return len(keys)
+        return len(chain)
 
-    def _read_disk_blocks(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                          idx: list[int], entries: list, target: torch.Tensor, pos: dict[int, int]) -> int:
+    def _read_disk_blocks(self, chain: BlockChain, spec: KVSpec, idx: list[int], entries: list,
+                          target: torch.Tensor, pos: dict[int, int]) -> int:
         """One read of disk blocks ``idx`` into ``target``, block ``i`` at block position ``pos[i]`` (records
         scattered in place, verified on the reading threads); returns the first index that failed or
         ``len(keys)``."""
         assert self.disk is not None
-        B = ns.block_tokens
-        prefix_nbytes = codec.HEADER_NBYTES + 4 * B
+        keys = chain.keys
+        B = chain.ns.block_tokens
+        prefix_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes
         raw_nbytes = prefix_nbytes + spec.block_nbytes
         # target's (layer, k/v) slabs as byte rows: a block's payload is one chunk of each row, so a raw
         # record is scattered by preadv straight into place (no bounce buffer, no second copy).
@@ -614,7 +624,7 @@ class TieredStore:
                 whole.append((i, e))
         def verify(j: int) -> bool:  # on a reading thread, as soon as record j is in
             i, e, views = scatter[j]
-            expected = _expected(ns, spec, keys, token_bytes, i)
+            expected = _expected(chain, spec, i)
             try:
                 header, toks = codec.parse_header(views[0], e.nbytes)
                 codec.check_expected(header, toks, expected)
@@ -639,7 +649,7 @@ class TieredStore:
                 for (i, e), rec in zip(whole, records):
                     if i >= failed_at:
                         break
-                    expected = _expected(ns, spec, keys, token_bytes, i)
+                    expected = _expected(chain, spec, i)
                     try:
                         payload = codec.decode(rec, expected)
                     except RecordError:
@@ -655,33 +665,34 @@ class TieredStore:
                 self.host.put(keys[i], target[:, :, pos[i] * B : (pos[i] + 1) * B], created_s=created[i])
         return failed_at
 
-    def _restore_from_remote(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                             start: int, records: list[bytes], dest: torch.Tensor, stager: _Stager | None) -> int:
+    def _restore_from_remote(self, chain: BlockChain, spec: KVSpec, start: int, records: list[bytes],
+                             dest: torch.Tensor, stager: _Stager | None) -> int:
         """Verify remote records for blocks ``start, start+1, ...`` into ``dest`` (through the stager's
         buffers, a chunk at a time, when it has one); promote them into the local tiers. Returns how many
         verified (a bad one is deleted remotely and ends the prefix)."""
         if stager is None:
-            return self._verify_remote(ns, spec, keys, token_bytes, start, records, dest, 0)
+            return self._verify_remote(chain, spec, start, records, dest, 0)
         done = 0
         for c in range(0, len(records), stager.blocks):
             part = records[c : c + stager.blocks]
             k = stager.acquire()
-            m = self._verify_remote(ns, spec, keys, token_bytes, start + c, part, stager.buffers[k], start + c)
+            m = self._verify_remote(chain, spec, start + c, part, stager.buffers[k], start + c)
             stager.upload(k, [(start + c + j, j) for j in range(m)])
             done += m
             if m < len(part):
                 break
         return done
 
-    def _verify_remote(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes,
-                       start: int, records: list[bytes], target: torch.Tensor, base: int) -> int:
+    def _verify_remote(self, chain: BlockChain, spec: KVSpec, start: int, records: list[bytes],
+                       target: torch.Tensor, base: int) -> int:
         """Decode remote records for blocks ``start, ...`` into ``target`` (block ``i`` at ``i - base``)."""
         assert self.remote is not None
+        ns, keys = chain.ns, chain.keys
         B = ns.block_tokens
         now = self.clock()
         for j, rec in enumerate(records):
             i = start + j
-            expected = _expected(ns, spec, keys, token_bytes, i)
+            expected = _expected(chain, spec, i)
             try:
                 payload = codec.decode(rec, expected)
             except RecordError:
@@ -696,10 +707,10 @@ class TieredStore:
                 self.disk.put(ns.digest, keys[i], rec, len(rec), now, ns_spec=ns.to_json().encode())
         return len(records)
 
-    def _share_newly_admitted(self, ns: Namespace, spec: KVSpec, keys: Sequence[BlockKey], token_bytes: bytes) -> None:
+    def _share_newly_admitted(self, chain: BlockChain, spec: KVSpec) -> None:
         """Blocks cached here that just reached the admission count go to the remote tier now."""
         assert self.remote is not None and self.host is not None
-        B = ns.block_tokens
+        ns, keys = chain.ns, chain.keys
         now = self.clock()
         due = [i for i, k in enumerate(keys) if self.remote.sightings(k) == self.remote.admit_after]
         if not due:
@@ -709,9 +720,7 @@ class TieredStore:
                 if view is None:
                     continue
                 self.host.retain(view)
-                parent = keys[i - 1] if i else root_key(ns.digest)
-                make, release = self._record_fn(ns, spec, parent, keys[i], token_bytes[i * B * 4 : (i + 1) * B * 4],
-                                                view, True, now)
+                make, release = self._record_fn(ns, spec, chain.parent(i), keys[i], chain.tokens(i), view, True, now)
                 if not self.remote.put(ns.digest, keys[i], make, release):
                     release()
 

@@ -24,7 +24,7 @@ from tierkv import kernels
 from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache
 from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
-from tierkv.keys import Namespace
+from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import DTYPE_NAMES
 from tierkv.store import Hit, TieredStore
 
@@ -156,20 +156,21 @@ class CachedModel:
         t0 = time.perf_counter()
         hit, cached = Hit(0, {"host": 0, "disk": 0}), None
         restorable = (len(token_ids) - 1) // B * B  # keep at least one token to compute
-        if use_cache and self.store is not None and restorable:
+        chain = BlockChain.of(ns, token_ids) if use_cache and self.store is not None else None  # hashed once
+        if chain is not None and restorable:
             # Restored straight into a buffer on the model's device; the cache's first update copies it.
             out = self._buffer("restore", (ns.num_layers, 2, restorable, ns.num_kv_heads, ns.head_dim), grow_dim=2)
-            hit, cached = self.store.restore(ns, token_ids[:restorable], out=out)
+            hit, cached = self.store.restore(ns, chain.prefix(restorable // B), out=out)
         n = hit.num_tokens
         cache = cache_from_kv(self.model, cached) if cached is not None else new_cache(self.model)
         t1 = time.perf_counter()
         logits, cache = self._forward(token_ids[n:], cache)
         t2 = time.perf_counter()
-        if use_cache:
-            self._save(ns, token_ids, cache, n)
+        if chain is not None:
+            self._save(chain, cache, n)
         return PrefillResult(logits, cache, hit, len(token_ids) - n, t1 - t0, t2 - t1)
 
-    def _save(self, ns: Namespace, token_ids: Sequence[int], cache: Any, cached_tokens: int) -> None:
+    def _save(self, chain: BlockChain, cache: Any, cached_tokens: int) -> None:
         """Hand the full blocks after ``cached_tokens`` to the store (it returns at once).
 
         The blocks are gathered from every layer of the cache in one batched call (one kernel launch with
@@ -177,8 +178,9 @@ class CachedModel:
         """
         if self.store is None:
             return
+        ns = chain.ns
         B = ns.block_tokens
-        first, end = cached_tokens // B, len(token_ids) // B
+        first, end = cached_tokens // B, len(chain)
         if end <= first:
             return
         keys, values = cache_layers(cache, self.layout)
@@ -187,7 +189,7 @@ class CachedModel:
         blocks = self._buffer("save", (end - first, ns.num_layers, 2, B, ns.num_kv_heads, ns.head_dim), grow_dim=0)
         kernels.gather_blocks(keys, values, range(first * B, end * B, B), B, out=blocks)
         # The CPU buffer is reused: the store copies (or stages) every block before save_blocks returns.
-        self.store.save_blocks(ns, token_ids[: end * B], blocks, start_block=first)
+        self.store.save_blocks(ns, chain, blocks, start_block=first)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> GenerateResult:
         """Greedy (temperature 0) or sampled (seeded) generation; ``stop`` strings end it early."""
@@ -243,7 +245,7 @@ class CachedModel:
             # The cache holds the prompt and every generated token but the last: save what that completes.
             held = (prompt_ids + out)[: _cache_len(cache)]
             with torch.inference_mode():  # as the prefill: the reused buffers are inference tensors
-                self._save(self.namespace(cache_salt), held, cache, len(prompt_ids))
+                self._save(BlockChain.of(self.namespace(cache_salt), held), cache, len(prompt_ids))
         yield StreamEvent(result=GenerateResult(out, final, finish, pre, len(prompt_ids)))
 
 
