@@ -124,3 +124,21 @@ class RedisServer:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def gc_beside(proc: subprocess.Popen[str], cache_dir: Path, options: list[list[str]]) -> tuple[int, str]:
+    """Run ``tierkv gc`` with each of ``options`` in turn, in other processes, until ``proc`` (a writer)
+    ends; every run must succeed and find nothing corrupt. Returns (gc runs, the writer's stdout)."""
+    import json
+
+    runs = 0
+    while proc.poll() is None:
+        for args in options:
+            r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(cache_dir), *args, "--json"],
+                               capture_output=True, text=True, check=False)
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["corrupt"] == 0
+            runs += 1
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    return runs, out

@@ -1,7 +1,6 @@
 """Day two: the store's promises after expiry, beside gc, with several processes, a full map, and
 descriptors that accumulate. Each test here failed against the store as it was at 29e5fab."""
 
-import json
 import logging
 import os
 import subprocess
@@ -18,7 +17,7 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk import segments as segments_mod
 from tierkv.tiers.disk.schema import SEG_ID, SEGMENT
 
-from helpers import REPO, make_kv, run_python
+from helpers import REPO, gc_beside, make_kv, run_python
 
 
 def _toks(p: int, n: int = 64) -> list[int]:
@@ -196,16 +195,8 @@ def check_gc_beside_a_writer(tmp_path, ns, prompts: int) -> dict[str, int]:
     proc = subprocess.Popen([sys.executable, "-c", BIG_WRITER, ns.to_json(), str(tmp_path), str(prompts)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "open"
-    runs = 0
-    while proc.poll() is None:
-        for args in (["--compact"], ["--check"], ["--compact", "--ttl", "1h"], ["--budget", "1TiB", "--compact"]):
-            r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), *args, "--json"],
-                               capture_output=True, text=True, check=False)
-            assert r.returncode == 0, r.stderr
-            assert json.loads(r.stdout)["corrupt"] == 0
-            runs += 1
-    out, err = proc.communicate()
-    assert proc.returncode == 0, err
+    runs, out = gc_beside(proc, tmp_path, [["--compact"], ["--check"], ["--compact", "--ttl", "1h"],
+                                           ["--budget", "1TiB", "--compact"]])
     written = int(out.split()[-1])
     assert written == prompts * 40
     kv = make_kv(ns, 16 * 40, seed=1)

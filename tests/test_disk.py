@@ -14,7 +14,7 @@ from tierkv.codec import HEADER_NBYTES
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.segments import aligned
 
-from helpers import REPO, make_kv, run_python
+from helpers import REPO, gc_beside, make_kv, run_python
 
 
 def _totals_by_scan(disk: DiskTier) -> dict[bytes, tuple[int, int]]:
@@ -194,16 +194,7 @@ def test_gc_in_another_process_while_a_writer_writes(tmp_path, ns) -> None:
     proc = _writer(tmp_path, ns, 150)
     assert proc.stdout is not None
     proc.stdout.readline()  # the store exists
-    gc_runs = 0
-    while proc.poll() is None:
-        for args in (["--budget", "60KiB"], ["--ttl", "1s"], ["--check"], ["--compact"]):
-            r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), *args, "--json"],
-                               capture_output=True, text=True, check=False)
-            assert r.returncode == 0, r.stderr
-            assert json.loads(r.stdout)["corrupt"] == 0
-            gc_runs += 1
-    out, err = proc.communicate()
-    assert proc.returncode == 0, err
+    gc_runs, out = gc_beside(proc, tmp_path, [["--budget", "60KiB"], ["--ttl", "1s"], ["--check"], ["--compact"]])
     assert gc_runs >= 4
     assert out.strip().splitlines()[-1] == "corrupt 0"  # the writer never saw a bad block
     with DiskTier(tmp_path, writer=False) as disk:
