@@ -215,12 +215,14 @@ def check_gc_beside_a_writer(tmp_path, ns, prompts: int) -> dict[str, int]:
 
 def test_gc_every_option_beside_a_writer_destroys_nothing(tmp_path, ns) -> None:
     stats = check_gc_beside_a_writer(tmp_path, ns, 160)  # 6400 entries: crosses every 4096 and 256 batch
+    print(f"gc beside a writer: {stats}")
     assert stats["runs"] >= 4 and stats["segments"] >= 10
 
 
 @pytest.mark.slow
 def test_gc_every_option_beside_a_writer_long(tmp_path, ns) -> None:
     stats = check_gc_beside_a_writer(tmp_path, ns, 1000)
+    print(f"gc beside a writer: {stats}")
     assert stats["runs"] >= 20 and stats["segments"] >= 60
 
 
