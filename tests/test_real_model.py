@@ -219,3 +219,18 @@ def test_models_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert models.models_dir() == tmp_path / "xdg" / "tierkv-models"
     assert os.fspath(models.models_dir()).endswith("tierkv-models")
+
+
+def test_explain_tokenizes_as_smollm2(smol_dir: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from tierkv.cli import main
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("Today is 2026-09-07. You are a geography tutor.")
+    b.write_text("Today is 2026-09-08. You are a geography tutor.")
+    out = CliRunner().invoke(main, ["explain", "--model", "smollm2", "--json", str(a), str(b)])
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.output)
+    # SmolLM2's BPE splits digits one by one: "Today is 2026-09-0" is 12 tokens (the byte model: 18)
+    assert got["first_divergent_token"] == 12, got

@@ -282,10 +282,17 @@ def route(workers: str, host: str, port: int, prefix_chars: int, max_inflight: i
 
 
 def _load_tokenizer(model_path: str | None) -> Any:
-    if model_path is None:
+    from tierkv import models
+
+    if model_path is None or model_path == models.TINY:
         from tierkv.default_model import ByteTokenizer
 
         return ByteTokenizer()
+    if models.is_builtin(model_path):
+        try:
+            model_path = str(models.resolve(model_path))
+        except ConfigError as exc:
+            _fail(str(exc), 2)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -318,7 +325,8 @@ def _read_prompt(path: str, tokenizer: Any) -> list[int]:
 @main.command()
 @click.argument("first", type=click.Path(dir_okay=False))
 @click.argument("second", type=click.Path(dir_okay=False))
-@click.option("--model", "model_path", help="Tokenize with this local Hugging Face model (default: the embedded one).")
+@click.option("--model", "model_path", help="Tokenize as this model does: smollm2, tiny or a local Hugging Face "
+              "directory.  [default: tiny]")
 @click.option("--block-tokens", type=int, default=64, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def explain(first: str, second: str, model_path: str | None, block_tokens: int, as_json: bool) -> None:
@@ -348,7 +356,8 @@ def explain(first: str, second: str, model_path: str | None, block_tokens: int, 
 
 @main.command(name="lint")
 @click.argument("template", type=click.Path(dir_okay=False))
-@click.option("--model", "model_path", help="Tokenize with this local Hugging Face model (default: the embedded one).")
+@click.option("--model", "model_path", help="Tokenize as this model does: smollm2, tiny or a local Hugging Face "
+              "directory.  [default: tiny]")
 @click.option("--min-tokens", type=int, default=64, show_default=True,
               help="Report dynamic content only with at least this many tokens after it.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
