@@ -10,6 +10,7 @@ that acts on it, and each writing process appends to a segment of its own, flock
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,8 @@ from tierkv.tiers.disk.writer import (
     Record,
     Writer,
 )
+
+log = logging.getLogger("tierkv.disk")
 
 __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "STORE_FORMAT_VERSION", "DiskTier", "Entry", "Policy", "SweepReport"]
 
@@ -187,6 +190,9 @@ class DiskTier:
         """Record a namespace's spec (for stats). Saves do this themselves, in the transaction that indexes
         a namespace's first block; the row goes with its last block, so hostile salts cannot grow it."""
         spec = ns.to_json().encode()
+        with self.index.read() as txn:
+            if txn.get(ns.digest, db=self.index.db["namespaces"]) == spec:
+                return  # no write transaction (and no wait for LMDB's write lock) when nothing changes
         self.index.write(lambda txn: self.index.put_namespace(txn, ns.digest, spec))
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
@@ -194,7 +200,11 @@ class DiskTier:
         ever (False after ``timeout_s``)."""
         if self.writer is not None:
             return self.writer.flush(timeout_s)
-        self.times.flush()
+        try:
+            self.times.flush()
+        except (OSError, lmdb.Error) as exc:
+            log.warning("disk tier flush: access times not written: %s", exc)
+            return False
         return True
 
     # ---------------------------------------------------------------- maintenance (gc, stats)
@@ -223,15 +233,18 @@ class DiskTier:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
         if self._sweeper is not None:
             self._sweeper.stop()
+            self._sweeper = None
         if self.writer is not None:
+            # Saves arriving meanwhile still queue (or are dropped and counted): closed only once done.
             if not self.writer.close():
+                self._closed = True
                 return  # a stuck writer keeps its segment and the index (see Writer.close)
         else:
             with contextlib.suppress(OSError, lmdb.Error):
                 self.times.flush()
+        self._closed = True
         self.segments.close()
         self.index.close()
 
