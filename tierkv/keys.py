@@ -63,9 +63,14 @@ class Namespace:
         return cls(**json.loads(text))
 
     @functools.cached_property
+    def spec_bytes(self) -> bytes:
+        """``to_json()`` encoded; cached, as the save path stores it with a namespace's first block."""
+        return self.to_json().encode()
+
+    @functools.cached_property
     def digest(self) -> NamespaceDigest:
         # Cached: the hot paths ask for it on every call (a frozen dataclass never changes).
-        return NamespaceDigest(_blake(b"tierkv-namespace\0" + self.to_json().encode()))
+        return NamespaceDigest(_blake(b"tierkv-namespace\0" + self.spec_bytes))
 
     def with_salt(self, tenant_salt: str) -> Namespace:
         return dataclasses.replace(self, tenant_salt=tenant_salt)

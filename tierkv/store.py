@@ -385,7 +385,7 @@ class TieredStore:
             make, release = self._record_fn(p.ns, p.spec, p.parent, p.key, p.token_bytes, payload, held is not None,
                                             p.created_s)
             if not self.disk.put(p.ns.digest, p.key, make, p.spec.block_nbytes + codec.HEADER_NBYTES + len(p.token_bytes),
-                                 p.created_s, release=release, ns_spec=p.ns.to_json().encode()):
+                                 p.created_s, release=release, ns_spec=p.ns.spec_bytes):
                 release()
         if share:
             make, release = self._record_fn(p.ns, p.spec, p.parent, p.key, p.token_bytes, payload, held is not None,
@@ -554,7 +554,7 @@ class TieredStore:
                                             created_s)
             nbytes = spec.block_nbytes + codec.HEADER_NBYTES + chain.block_token_nbytes
             if not self.disk.put(ns.digest, keys[i], make, nbytes, created_s, release=release,
-                                 ns_spec=ns.to_json().encode()):
+                                 ns_spec=ns.spec_bytes):
                 release()
 
     @contextlib.contextmanager
@@ -704,7 +704,7 @@ class TieredStore:
             if self.host is not None:
                 self.host.put(keys[i], block)
             if self.disk is not None:  # the verified record as it is: no re-encoding
-                self.disk.put(ns.digest, keys[i], rec, len(rec), now, ns_spec=ns.to_json().encode())
+                self.disk.put(ns.digest, keys[i], rec, len(rec), now, ns_spec=ns.spec_bytes)
         return len(records)
 
     def _share_newly_admitted(self, chain: BlockChain, spec: KVSpec) -> None:

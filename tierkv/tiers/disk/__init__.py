@@ -189,7 +189,7 @@ class DiskTier:
     def register_namespace(self, ns: Namespace) -> None:
         """Record a namespace's spec (for stats). Saves do this themselves, in the transaction that indexes
         a namespace's first block; the row goes with its last block, so hostile salts cannot grow it."""
-        spec = ns.to_json().encode()
+        spec = ns.spec_bytes
         with self.index.read() as txn:
             if txn.get(ns.digest, db=self.index.db["namespaces"]) == spec:
                 return  # no write transaction (and no wait for LMDB's write lock) when nothing changes
