@@ -731,6 +731,54 @@ class TieredStore:
         if self.disk.still_indexed(key, location):
             self.disk.purge(key, location)
 
+    # ---------------------------------------------------------------- maintenance (the admin API's calls)
+
+    @property
+    def durable(self) -> bool:
+        """Whether the store has a durable tier (gc, purge and the disk report need one)."""
+        return self.disk is not None
+
+    def _durable(self) -> DiskTier:
+        if self.disk is None:
+            raise ConfigError("this store has no disk tier")
+        return self.disk
+
+    def gc(self, **options: Any) -> dict[str, Any]:
+        """One gc pass over the disk tier (``maintenance.run_gc``'s options); ConfigError without one."""
+        from tierkv.maintenance import run_gc
+
+        return run_gc(self._durable(), **options)
+
+    def purge(self, namespace: str | None = None, *, purge_all: bool = False) -> dict[str, Any]:
+        """Drop one namespace (a digest prefix) or everything from the disk tier, and empty the memory
+        tiers (they keep no namespace index, so they are cleared whole)."""
+        out = self.gc(namespace=namespace, purge_all=purge_all)
+        for pool in self.pools:
+            pool.clear()
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """``tierkv stats``' report of the disk tier, plus what only this process knows under ``live``."""
+        from tierkv.inspect import store_stats
+
+        out = store_stats(self._durable())
+        out["live"] = self.stats()
+        return out
+
+    def reserve(self, ns: Namespace) -> None:
+        """Allocate (and pre-fault) the memory tiers for ``ns``'s blocks now, not on the first request."""
+        for pool in self.pools:
+            pool.reserve(KVSpec.of(ns).block_nbytes)
+
+    def describe(self) -> list[str]:
+        """One phrase per tier, fastest first, for a start-up log line."""
+        out = [f"{pool.name} {pool.capacity_nbytes / 2**30:.1f} GiB" for pool in self.pools]
+        if self.disk is not None:
+            out.append(self.disk.describe())
+        if self.remote is not None:
+            out.append(f"remote {self.remote.url}")
+        return out
+
     # ---------------------------------------------------------------- lifecycle
 
     def flush(self) -> None:

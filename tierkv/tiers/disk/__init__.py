@@ -157,6 +157,14 @@ class DiskTier:
         return {"live_nbytes": live, "segment_allocated_nbytes": allocated, "segment_apparent_nbytes": apparent,
                 "index_file_nbytes": index_nbytes, "budget_nbytes": self.policy.budget_nbytes or 0}
 
+    def describe(self) -> str:
+        """How this tier is set up, in one phrase (the server's start-up line)."""
+        p = self.policy
+        budget = f"{p.budget_nbytes / 2**30:.1f} GiB" if p.budget_nbytes else "no budget"
+        ttl = f"ttl {p.ttl_s:.0f}s" if p.ttl_s else "no ttl"
+        sweep = f"swept every {self._sweeper.interval_s:g}s" if self._sweeper is not None else "no background sweep"
+        return f"disk {budget} at {self.path} ({ttl}, {sweep})"
+
     # ---------------------------------------------------------------- writes
 
     def touch(self, keys: Sequence[BlockKey], nbytes: int = 0) -> None:

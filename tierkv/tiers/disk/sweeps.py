@@ -248,6 +248,7 @@ class Sweeper:
         self._sweep = sweep
         self._sweeps = sweeps
         self._stop = threading.Event()
+        self.interval_s = interval_s
         self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="tierkv-disk-sweep",
                                         daemon=True)
         self._thread.start()
