@@ -790,7 +790,14 @@ class TieredStore:
         if self.remote is not None:
             self.remote.flush()
 
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers' names, fastest first (the ``tier`` label of metrics, the keys of ``Hit.by_tier``)."""
+        return list(self.tiers)
+
     def stats(self) -> dict[str, dict[str, int]]:
+        """Counters per tier name (``tier_names``), ``store`` and ``staging``; every tier with a size also
+        has ``used_nbytes`` and ``capacity_nbytes`` (0: no budget)."""
         snap = self.counters.snapshot()
         for tier in (*self.tiers, "store"):
             snap.setdefault(tier, dict.fromkeys(COUNTER_NAMES, 0))
@@ -798,7 +805,8 @@ class TieredStore:
             snap[pool.name].update(used_nbytes=pool.used_nbytes, capacity_nbytes=pool.capacity_nbytes,
                                    blocks=len(pool))
         if self.disk is not None:
-            snap["disk"].update(self.disk.usage())
+            usage = self.disk.usage()
+            snap["disk"].update(usage, used_nbytes=usage["live_nbytes"], capacity_nbytes=usage["budget_nbytes"])
         if self.remote is not None:
             snap["remote"].update(breaker_open=int(self.remote.breaker.state == "open"),
                                   breaker_trips=self.remote.breaker.trips)
