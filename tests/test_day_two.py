@@ -60,9 +60,9 @@ def test_an_expired_block_is_cached_again_with_exact_totals(tmp_path, ns) -> Non
         assert store.lookup(ns, _toks(0)).num_tokens == 64
         n, kv = store.load(ns, _toks(0))
         assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=0))
-        check_consistent(store.disk)
-        assert store.disk.totals()[ns.digest][0] == 4  # replaced, not added beside the old records
-        assert store.disk.usage()["segment_allocated_nbytes"] <= store.disk.usage()["live_nbytes"] + 4096
+        check_consistent(store.tier("disk"))
+        assert store.tier("disk").totals()[ns.digest][0] == 4  # replaced, not added beside the old records
+        assert store.tier("disk").usage()["segment_allocated_nbytes"] <= store.tier("disk").usage()["live_nbytes"] + 4096
 
 
 def test_a_server_store_sweeps_on_its_own(tmp_path, ns) -> None:
@@ -71,15 +71,15 @@ def test_a_server_store_sweeps_on_its_own(tmp_path, ns) -> None:
         for p in range(3):
             store.save(ns, _toks(p), make_kv(ns, 64, seed=p))
         store.flush()
-        assert store.disk.totals()[ns.digest][0] == 12
+        assert store.tier("disk").totals()[ns.digest][0] == 12
         now[0] += 120
         deadline = time.monotonic() + 10
-        while (store.disk.totals() or not store.stats()["disk"]["sweeps"]) and time.monotonic() < deadline:
+        while (store.tier("disk").totals() or not store.stats()["disk"]["sweeps"]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert store.disk.totals() == {}
+        assert store.tier("disk").totals() == {}
         assert store.stats()["disk"]["sweeps"] >= 1
-        assert store.disk.usage()["segment_allocated_nbytes"] == 0 or not store.disk.segments.list_ids() or \
-            store.disk.usage()["segment_allocated_nbytes"] <= 4096
+        assert store.tier("disk").usage()["segment_allocated_nbytes"] == 0 or not store.tier("disk").segments.list_ids() or \
+            store.tier("disk").usage()["segment_allocated_nbytes"] <= 4096
 
 
 # ------------------------------------------------------------------------------------------ 9: RAM and disk
@@ -107,15 +107,15 @@ def test_a_block_served_from_ram_survives_a_restart_after_its_disk_copy_expired(
             now[0] += 40
             assert store.restore(ns, _toks(0))[0].by_tier["host"] == 64
             store.flush()
-        assert store.disk.lookup(block_keys(ns, _toks(0))) == 4
-        store.disk.enforce_budget(1)  # `tierkv gc --budget` from cron: the disk copy is gone
-        assert store.disk.totals() == {}
+        assert store.tier("disk").lookup(block_keys(ns, _toks(0))) == 4
+        store.tier("disk").enforce_budget(1)  # `tierkv gc --budget` from cron: the disk copy is gone
+        assert store.tier("disk").totals() == {}
         now[0] += 1
         assert store.restore(ns, _toks(0))[0].by_tier["host"] == 64  # RAM still serves it...
         store.flush()  # ...and wrote it back
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))  # a save of a RAM-held prefix writes what disk lost
         store.flush()
-        assert store.disk.totals()[ns.digest][0] == 4
+        assert store.tier("disk").totals()[ns.digest][0] == 4
     with TieredStore.open(tmp_path, host_bytes=1 << 20, ttl_s=60, clock=lambda: now[0]) as store:
         n, kv = store.load(ns, _toks(0))
         assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=0))
@@ -136,7 +136,7 @@ with TieredStore.open(sys.argv[2], host_bytes=0, batch_nbytes=16 * 1024) as stor
         if p % 5 == 0:
             store.flush()
     store.flush()
-    print("segment", store.disk.writer.segment.seg_id if store.disk.writer.segment else -1, flush=True)
+    print("segment", store.tier("disk").writer.segment.seg_id if store.tier("disk").writer.segment else -1, flush=True)
 """
 
 
@@ -201,7 +201,7 @@ def check_gc_beside_a_writer(tmp_path, ns, prompts: int) -> dict[str, int]:
     assert written == prompts * 40
     kv = make_kv(ns, 16 * 40, seed=1)
     with TieredStore.open(tmp_path, host_bytes=0) as store:
-        disk = store.disk
+        disk = store.tier("disk")
         check_consistent(disk)
         assert disk.totals()[ns.digest][0] == prompts * 40
         for p in range(prompts):  # every prompt whole and exact: compaction destroyed nothing
@@ -231,10 +231,10 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
         store.flush()
-        seg_id = store.disk.writer.segment.seg_id
+        seg_id = store.tier("disk").writer.segment.seg_id
         key = SEG_ID.pack(seg_id)
-        store.disk.index.write(lambda txn: txn.put(key, SEGMENT.pack(*SEGMENT.unpack(txn.get(key, db=store.disk.index.db[
-            "segments"]))[:2], 2**31 - 2, 0), db=store.disk.index.db["segments"]))  # a pid nobody has here
+        store.tier("disk").index.write(lambda txn: txn.put(key, SEGMENT.pack(*SEGMENT.unpack(txn.get(key, db=store.tier("disk").index.db[
+            "segments"]))[:2], 2**31 - 2, 0), db=store.tier("disk").index.db["segments"]))  # a pid nobody has here
         r = run_python(f"""
             from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:  # a second writer starting: seals dead writers' segments
@@ -244,14 +244,14 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
         assert r.returncode == 0, r.stderr
         store.save(ns, _toks(1), make_kv(ns, 64, seed=1))  # appends to the same segment after the gc
         store.flush()
-        assert store.disk.writer.segment.seg_id == seg_id
+        assert store.tier("disk").writer.segment.seg_id == seg_id
         r = run_python(f"""
             from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:
                 disk.compact()
         """)
         assert r.returncode == 0, r.stderr
-        assert store.disk.segments.file(seg_id).exists()
+        assert store.tier("disk").segments.file(seg_id).exists()
         n, kv = store.load(ns, _toks(1))
         assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=1))
 
@@ -261,8 +261,8 @@ def test_gc_check_purges_the_record_it_read_not_its_replacement(tmp_path, ns) ->
     with TieredStore.open(tmp_path, host_bytes=0, ttl_s=60, clock=lambda: now[0]) as store:
         store.save(ns, _toks(0, 16), make_kv(ns, 16, seed=0))
         store.flush()
-        (_, e), = store.disk.snapshot_entries()
-        path = store.disk.segments.file(e.seg_id)
+        (_, e), = store.tier("disk").snapshot_entries()
+        path = store.tier("disk").segments.file(e.seg_id)
         data = bytearray(path.read_bytes())
         data[e.offset + e.nbytes - 8] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -272,11 +272,11 @@ def test_gc_check_purges_the_record_it_read_not_its_replacement(tmp_path, ns) ->
             store.save(ns, _toks(0, 16), make_kv(ns, 16, seed=0))
             store.flush()
 
-        report = store.disk.check(progress=rewrite_after_the_read)
+        report = store.tier("disk").check(progress=rewrite_after_the_read)
         assert report.checked == 1 and report.corrupt == 0  # the bad record was already replaced
         n, kv = store.load(ns, _toks(0, 16))
         assert n == 16 and torch.equal(kv, make_kv(ns, 16, seed=0))
-        check_consistent(store.disk)
+        check_consistent(store.tier("disk"))
 
 
 # ------------------------------------------------------------------------------------------ 4: the map
@@ -291,7 +291,7 @@ def test_the_index_map_grows_beside_readers(tmp_path, ns) -> None:
             while not stop.is_set():
                 try:
                     store.lookup(ns, _toks(0, 256))
-                    store.disk.totals()
+                    store.tier("disk").totals()
                 except BaseException as exc:  # noqa: BLE001 - the test reports any
                     errors.append(exc)
                     return
@@ -302,16 +302,16 @@ def test_the_index_map_grows_beside_readers(tmp_path, ns) -> None:
             t.start()
         for p in range(120):
             store.save(ns, _toks(p, 256), make_kv(ns, 256, seed=p % 3))
-        assert store.disk.flush(timeout_s=300)
+        assert store.tier("disk").flush(timeout_s=300)
         stop.set()
         for t in readers:
             t.join()
         assert not errors, errors
-        assert store.disk.index.env.info()["map_size"] > 256 * 1024
-        assert store.disk.writer.thread.is_alive()
-        assert store.disk.totals()[ns.digest][0] == 120 * 16
+        assert store.tier("disk").index.env.info()["map_size"] > 256 * 1024
+        assert store.tier("disk").writer.thread.is_alive()
+        assert store.tier("disk").totals()[ns.digest][0] == 120 * 16
         assert store.stats()["disk"]["write_errors"] == 0
-        check_consistent(store.disk)
+        check_consistent(store.tier("disk"))
 
 
 def test_another_process_growing_the_map_is_adopted(tmp_path, ns) -> None:
@@ -329,14 +329,14 @@ def test_another_process_growing_the_map_is_adopted(tmp_path, ns) -> None:
         assert r.returncode == 0, r.stderr
         assert store.lookup(ns, _toks(79, 256)).num_tokens == 256  # reads past our old map size
         store.save(ns, _toks(500), make_kv(ns, 64, seed=0))
-        assert store.disk.flush(timeout_s=60)
+        assert store.tier("disk").flush(timeout_s=60)
         assert store.lookup(ns, _toks(500)).num_tokens == 64
-        check_consistent(store.disk)
+        check_consistent(store.tier("disk"))
 
 
 def test_the_writer_survives_any_error_and_flush_never_hangs(tmp_path, ns, monkeypatch, caplog) -> None:
     with TieredStore.open(tmp_path, host_bytes=0) as store:
-        real = store.disk.writer._write_fresh
+        real = store.tier("disk").writer._write_fresh
         calls = [0]
 
         def flaky(puts):
@@ -345,14 +345,14 @@ def test_the_writer_survives_any_error_and_flush_never_hangs(tmp_path, ns, monke
                 raise RuntimeError("generator didn't stop after throw()")
             return real(puts)
 
-        monkeypatch.setattr(store.disk.writer, "_write_fresh", flaky)
+        monkeypatch.setattr(store.tier("disk").writer, "_write_fresh", flaky)
         with caplog.at_level(logging.ERROR):
             store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
-            assert store.disk.flush(timeout_s=30)
+            assert store.tier("disk").flush(timeout_s=30)
         assert store.stats()["disk"]["write_errors"] == 1
-        assert store.disk.writer.thread.is_alive()
+        assert store.tier("disk").writer.thread.is_alive()
         store.save(ns, _toks(1), make_kv(ns, 64, seed=1))
-        assert store.disk.flush(timeout_s=30)
+        assert store.tier("disk").flush(timeout_s=30)
         assert store.lookup(ns, _toks(1)).num_tokens == 64
         assert any("writer goes on" in r.message for r in caplog.records)
 
@@ -360,14 +360,14 @@ def test_the_writer_survives_any_error_and_flush_never_hangs(tmp_path, ns, monke
 def test_flush_returns_when_the_writer_is_stuck(tmp_path, ns, monkeypatch) -> None:
     gate = threading.Event()
     with TieredStore.open(tmp_path, host_bytes=0) as store:
-        real = store.disk.writer._write_fresh
-        monkeypatch.setattr(store.disk.writer, "_write_fresh", lambda puts: (gate.wait(), real(puts)))
+        real = store.tier("disk").writer._write_fresh
+        monkeypatch.setattr(store.tier("disk").writer, "_write_fresh", lambda puts: (gate.wait(), real(puts)))
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
         t0 = time.monotonic()
-        assert store.disk.flush(timeout_s=0.5) is False
+        assert store.tier("disk").flush(timeout_s=0.5) is False
         assert time.monotonic() - t0 < 5
         gate.set()
-        assert store.disk.flush(timeout_s=30)
+        assert store.tier("disk").flush(timeout_s=30)
 
 
 # ------------------------------------------------------------------------------------------ 5: opening
@@ -419,13 +419,13 @@ def test_read_descriptors_are_bounded_and_dropped_when_segments_go(tmp_path, ns,
         base = _fd_count()
         for p in range(40):
             assert store.load(ns, _toks(p, 32))[0] == 32
-        assert store.disk.segments.open_fds() <= 16
+        assert store.tier("disk").segments.open_fds() <= 16
         assert _fd_count() <= base + 16
         # Another process removes every segment (gc purges all): the cached descriptors pin them no more.
         r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--all", "--json"], capture_output=True, text=True, check=False)
         assert r.returncode == 0, r.stderr
-        assert store.disk.segments.forget_removed() > 0
-        assert store.disk.segments.open_fds() <= 2  # the writer's own segment (still there) at most
+        assert store.tier("disk").segments.forget_removed() > 0
+        assert store.tier("disk").segments.open_fds() <= 2  # the writer's own segment (still there) at most
         assert store.lookup(ns, _toks(3, 32)).num_tokens == 0
 
 
@@ -438,8 +438,8 @@ def test_a_file_system_without_hole_punching_is_counted_and_logged_once(tmp_path
         for p in range(3):
             store.save(ns, _toks(p), make_kv(ns, 64, seed=p))
         store.flush()
-        store.disk.expire(ttl_s=0)
-        store.disk.purge_namespace(None)
+        store.tier("disk").expire(ttl_s=0)
+        store.tier("disk").purge_namespace(None)
         assert store.stats()["disk"]["punch_unsupported"] == 12
     assert sum("cannot punch holes" in r.message for r in caplog.records) == 1
 
@@ -476,12 +476,12 @@ def test_max_age_applies_in_ram_and_a_rewrite_keeps_the_age(tmp_path, ns) -> Non
     with TieredStore.open(tmp_path, host_bytes=1 << 20, ttl_s=1000, max_age_s=100, clock=lambda: now[0]) as store:
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
         store.flush()
-        store.disk.enforce_budget(1)  # the disk copy goes; RAM serves and writes it back
+        store.tier("disk").enforce_budget(1)  # the disk copy goes; RAM serves and writes it back
         for _ in range(3):
             now[0] += 30
             assert store.restore(ns, _toks(0))[0].by_tier["host"] == 64
             store.flush()
-        assert {e.created_s for _, e in store.disk.snapshot_entries()} == {1000.0}  # its age, not now
+        assert {e.created_s for _, e in store.tier("disk").snapshot_entries()} == {1000.0}  # its age, not now
         now[0] += 20  # 110 s after it was created: past the max age everywhere, however often it is hit
         assert store.lookup(ns, _toks(0)).num_tokens == 0
 
@@ -535,10 +535,10 @@ with env.begin(write=True):
             store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
             store.load(ns, _toks(0))
             t0 = time.monotonic()
-            ok = store.disk.flush(timeout_s=1)
+            ok = store.tier("disk").flush(timeout_s=1)
             assert not ok and time.monotonic() - t0 < 4
             holder.wait(30)
-        assert store.disk.flush(timeout_s=30)
+        assert store.tier("disk").flush(timeout_s=30)
         assert store.lookup(ns, _toks(0)).num_tokens == 64
 
 

@@ -55,8 +55,8 @@ def test_sliding_ttl_and_max_age_with_injected_clock(tmp_path, ns) -> None:
         now[0] = 1260  # idle 170 s: expired before any sweep
         assert store.lookup(ns, toks).num_tokens == 0
         assert store.load(ns, toks) == (0, None)
-        report = store.disk.expire()
-        assert report.expired == 2 and store.disk.totals() == {}
+        report = store.tier("disk").expire()
+        assert report.expired == 2 and store.tier("disk").totals() == {}
 
         store.save(ns, toks, make_kv(ns, 32))
         store.flush()
@@ -76,15 +76,15 @@ def test_budget_holds_while_writing_ten_times_its_size(tmp_path, ns) -> None:
             store.save(ns, toks, make_kv(ns, 128, seed=p))
             if p % 5 == 0:
                 store.flush()
-                assert store.disk.usage()["live_nbytes"] <= budget
+                assert store.tier("disk").usage()["live_nbytes"] <= budget
         store.flush()
-        usage = store.disk.usage()
+        usage = store.tier("disk").usage()
         assert usage["live_nbytes"] <= budget
         assert usage["segment_allocated_nbytes"] <= budget + 64 * 1024  # holes punched: the file does not grow
         assert store.lookup(ns, [49 * 1000 + t for t in range(128)]).num_tokens == 128  # newest kept
         assert store.lookup(ns, list(range(128))).num_tokens == 0  # oldest evicted
         assert store.stats()["disk"]["evictions"] >= 360
-        assert store.disk.totals() == _totals_by_scan(store.disk)
+        assert store.tier("disk").totals() == _totals_by_scan(store.tier("disk"))
 
 
 def test_full_file_system_degrades_to_no_disk_writes(tmp_path, ns) -> None:
@@ -105,7 +105,7 @@ def test_full_file_system_degrades_to_no_disk_writes(tmp_path, ns) -> None:
                 store.flush()
             n, kv = store.load(ns, [39000 + t for t in range(64)])
             assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=39)), "host tier still serves"
-            store.host.clear()
+            store.tier("host").clear()
             n, kv = store.load(ns, list(range(64)))
             assert n == 64 and torch.equal(kv, make_kv(ns, 64)), "disk reads go on"
             s = store.stats()["disk"]
@@ -122,7 +122,7 @@ def test_flipped_bytes_are_misses_and_gc_check_purges_them(tmp_path, ns) -> None
         for p, toks in enumerate(prompts):
             store.save(ns, toks, make_kv(ns, 64, seed=p))
         store.flush()
-        entries = list(store.disk.iter_entries())
+        entries = list(store.tier("disk").iter_entries())
     segs = {}
     for _, e in entries[::4]:  # damage every 4th record somewhere in its payload or header
         path = tmp_path / "segments" / f"{e.seg_id:010d}.seg"
@@ -137,7 +137,7 @@ def test_flipped_bytes_are_misses_and_gc_check_purges_them(tmp_path, ns) -> None
     report = json.loads(r.stdout)
     assert report["checked"] == len(entries) and report["corrupt"] == bad
     with TieredStore.open(tmp_path, host_bytes=0) as store:
-        assert sum(b for b, _ in store.disk.totals().values()) == len(entries) - bad
+        assert sum(b for b, _ in store.tier("disk").totals().values()) == len(entries) - bad
         for p, toks in enumerate(prompts):
             n, kv = store.load(ns, toks)
             assert n < 64 or torch.equal(kv, make_kv(ns, 64, seed=p))
@@ -213,7 +213,7 @@ def test_sigkill_mid_batches_leaves_a_consistent_store(tmp_path, ns, kill_after_
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     with TieredStore.open(tmp_path, host_bytes=0) as store:
-        disk = store.disk
+        disk = store.tier("disk")
         assert disk.totals() == _totals_by_scan(disk)
         report = disk.check()
         assert report.corrupt == 0 and report.checked > 0

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tierkv import TieredStore
-from tierkv import store as store_mod
 from tierkv.layout import KVSpec
 from tierkv.telemetry import gpu_telemetry
+from tierkv.tiers import target as store_mod
 from tierkv.tiers.gpu import gpu_budget_nbytes
 from tierkv.worker import CachedModel
 
@@ -39,7 +39,7 @@ def test_tier_order_is_gpu_then_host_then_disk(tmp_path, ns) -> None:
     toks = list(range(160))  # 10 blocks
     kv = make_kv(ns, 160)
     with open_store(tmp_path, gpu_nbytes=3 * block_nbytes(ns), host_bytes=6 * block_nbytes(ns)) as store:
-        assert store.tiers == ("gpu", "host", "disk")
+        assert store.tier_names == ["gpu", "host", "disk"]
         for k in range(1, 11):  # one block at a time: the disk writer lets go of each host slot before the next
             store.save(ns, toks[: 16 * k], kv[:, :, : 16 * k], start_block=k - 1)
             store.flush()
@@ -110,7 +110,7 @@ def test_saves_through_the_staging_ring_reach_host_and_disk(tmp_path, ns) -> Non
         assert store.lookup(ns, toks).by_tier == {"host": 192, "disk": 0}
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         hit, got = store.restore(ns, toks)
-        assert hit.by_tier == {"host": 0, "disk": 192} and torch.equal(got, kv[:, :, :192])
+        assert hit.by_tier == {"disk": 192} and torch.equal(got, kv[:, :, :192])
 
 
 def test_a_full_staging_ring_drops_saves_and_counts_them(tmp_path, ns, monkeypatch) -> None:
@@ -118,9 +118,9 @@ def test_a_full_staging_ring_drops_saves_and_counts_them(tmp_path, ns, monkeypat
 
     gate = threading.Event()
     with TieredStore.open(None, host_bytes=2**20, staging=True) as store:
-        store.staging_nbytes, store.staging_wait_s = 2 * block_nbytes(ns), 0.01
-        original = store._drain
-        monkeypatch.setattr(store, "_drain", lambda slot, p: (gate.wait(10), original(slot, p)))
+        store.writes.staging_nbytes, store.writes.staging_wait_s = 2 * block_nbytes(ns), 0.01
+        original = store.writes._drain
+        monkeypatch.setattr(store.writes, "_drain", lambda slot, p: (gate.wait(10), original(slot, p)))
         kept = store.save(ns, list(range(80)), make_kv(ns, 80))  # 5 blocks, 2 slots, a stalled consumer
         assert kept == 2 and store.stats()["staging"]["dropped_saves"] == 3
         gate.set()
@@ -173,7 +173,7 @@ def test_a_corrupt_block_in_a_later_chunk_cuts_the_prefix_there(tmp_path, ns, mo
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         store.save(ns, toks, kv)
         store.flush()
-        entries = sorted(store.disk.iter_entries(), key=lambda ke: ke[1].offset)
+        entries = sorted(store.tier("disk").iter_entries(), key=lambda ke: ke[1].offset)
     e = entries[7][1]  # block 7: in the 4th chunk
     segment = tmp_path / "segments" / f"{e.seg_id:010d}.seg"
     data = bytearray(segment.read_bytes())
@@ -283,7 +283,7 @@ def test_cuda_worker_restores_exact_kv_from_every_tier(tmp_path) -> None:
         from_gpu = cm.prefill(ids)
         assert from_gpu.hit.by_tier["gpu"] == 288
         store.flush()  # the ring has handed every block to the host tier
-        store.gpu.clear()  # type: ignore[union-attr]
+        store.tier("gpu").clear()  # type: ignore[union-attr]
         from_host = cm.prefill(ids)
         assert from_host.hit.by_tier["host"] == 288
         assert cm.generate(ids, 16).token_ids == first.token_ids
@@ -303,9 +303,10 @@ def test_cuda_worker_restores_exact_kv_from_every_tier(tmp_path) -> None:
 
 def test_host_runs_uploaded_block_major_land_in_place(ns) -> None:
     """The GPU restore's upload of a run of host blocks (DMA per block, one device copy per run), on CPU."""
-    from tierkv.store import _source_runs, _upload_run
+    from tierkv.store import _runs
+    from tierkv.tiers.pool import _upload_run
 
-    assert _source_runs([0, 0, 1, None, 1, 1, 0]) == [(0, 0, 2), (1, 2, 3), (1, 4, 6), (0, 6, 7)]
+    assert _runs([0, 0, 1, 1, 1, 0, 2]) == [(0, 0, 2), (1, 2, 5), (0, 5, 6), (2, 6, 7)]
     spec = KVSpec.of(ns)
     kv = make_kv(ns, 80, seed=13)
     slots = [kv[:, :, i * 16 : (i + 1) * 16].contiguous().view(-1).view(torch.uint8) for i in range(1, 4)]

@@ -193,10 +193,10 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
             store.save(ns, [p * 1000 + t for t in range(48)], make_kv(ns, 48, seed=p))
         store.flush()
         log += [Op("flushed", prompt=q) for q in range(4)]
-        store.disk.expire()  # sweeps 4-7
+        store.tier("disk").expire()  # sweeps 4-7
         log += [Op("gone", prompt=q) for q in range(4)]  # a budget evicts some blocks of 0-3
-        store.disk.enforce_budget(store.disk.usage()["live_nbytes"] - 6 * 4096)
-        store.disk.compact()
+        store.tier("disk").enforce_budget(store.tier("disk").usage()["live_nbytes"] - 6 * 4096)
+        store.tier("disk").compact()
         for p in range(8, 11):
             store.save(ns, [p * 1000 + t for t in range(48)], make_kv(ns, 48, seed=p))
         store.flush()
@@ -223,7 +223,7 @@ def check_state(root: Path, ns, index: bytes, segs: dict[str, bytes], src_root: 
         elif op.kind == "gone":
             durable.discard(op.prompt)
     with TieredStore.open(root, host_bytes=0, clock=lambda: now) as store:
-        disk = store.disk
+        disk = store.tier("disk")
         by_ns: dict[bytes, list[int]] = {}
         for _, e in disk.snapshot_entries():
             row = by_ns.setdefault(e.ns_digest, [0, 0])

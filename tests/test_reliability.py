@@ -146,7 +146,7 @@ def test_truncated_and_zeroed_segments_are_misses_and_purged(tmp_path, ns) -> No
         store.flush()
         corrupt = store.stats()["disk"]["corrupt_blocks"]
         assert corrupt >= 2 and served < 4 * 64
-        assert sum(b for b, _ in store.disk.totals().values()) == 16 - corrupt  # purged
+        assert sum(b for b, _ in store.tier("disk").totals().values()) == 16 - corrupt  # purged
     # Damaged blocks behind a cut prefix were never read: gc --check finds those, then all is clean.
     r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--check", "--json"],
                        capture_output=True, text=True, check=True)
@@ -212,7 +212,7 @@ def test_full_file_system_degrades_then_resumes(small_fs, ns, monkeypatch) -> No
         fresh = [50000 + t for t in range(64)]
         store.save(ns, fresh, make_kv(ns, 64, seed=99))
         store.flush()
-        store.host.clear()
+        store.tier("host").clear()
         assert store.lookup(ns, fresh).by_tier["disk"] == 64  # saving resumed
 
 

@@ -32,7 +32,7 @@ def test_a_prefix_saved_by_worker_a_is_a_remote_hit_on_worker_b(tmp_path, ns, re
         assert hit.by_tier["remote"] == 96 and torch.equal(got, kv[:, :, :96])
         b.flush()
         assert b.lookup(ns, toks).by_tier == {"host": 96, "disk": 0, "remote": 0}  # promoted
-        b.host.clear()
+        b.tier("host").clear()
         assert b.lookup(ns, toks).by_tier["disk"] == 96  # and written to the local disk
     import redis
 
@@ -69,7 +69,7 @@ def test_redis_outage_degrades_to_local_tiers_and_the_breaker_closes_again(tmp_p
 
     monkeypatch.setattr(remote_mod, "DEFAULT_TIMEOUT_S", 0.2)
     with TieredStore.open(tmp_path, host_bytes=2**20, remote=redis_server.url) as store:
-        store.remote.breaker = CircuitBreaker(failures=2, cooldown_s=0.5)
+        store.tier("remote").breaker = CircuitBreaker(failures=2, cooldown_s=0.5)
         store.save(ns, list(range(32)), make_kv(ns, 32))
         store.flush()
         redis_server.kill()
@@ -80,7 +80,7 @@ def test_redis_outage_degrades_to_local_tiers_and_the_breaker_closes_again(tmp_p
             assert n == 32 and torch.equal(kv, make_kv(ns, 32, seed=p))
             assert store.lookup(ns, [9] + toks[1:]).num_tokens == 0
         store.flush()
-        assert store.remote.breaker.state in ("open", "half-open") and store.remote.breaker.trips >= 1
+        assert store.tier("remote").breaker.state in ("open", "half-open") and store.tier("remote").breaker.trips >= 1
         t0 = time.monotonic()
         assert store.lookup(ns, [7] * 32).num_tokens == 0
         assert time.monotonic() - t0 < 0.1  # an open breaker costs nothing
@@ -89,7 +89,7 @@ def test_redis_outage_degrades_to_local_tiers_and_the_breaker_closes_again(tmp_p
         toks = [9000 + t for t in range(32)]
         store.save(ns, toks, make_kv(ns, 32, seed=9))
         store.flush()
-        assert store.remote.breaker.state == "closed"
+        assert store.tier("remote").breaker.state == "closed"
     with TieredStore.open(None, host_bytes=2**20, remote=redis_server.url) as other:
         assert other.lookup(ns, toks).by_tier["remote"] == 32  # saving to the remote tier resumed
 
@@ -174,8 +174,8 @@ def test_two_servers_share_one_redis(tmp_path, redis_server) -> None:
 def test_remote_hits_staged_in_chunks_are_exact(tmp_path, ns, redis_server, monkeypatch) -> None:
     """Remote records restored into a destination records cannot be scattered into (a GPU's path): they go
     through the chunk buffers, a chunk at a time, after the local disk blocks."""
-    from tierkv import store as store_mod
     from tierkv.layout import KVSpec
+    from tierkv.tiers import target as store_mod
 
     spec = KVSpec.of(ns)
     monkeypatch.setattr(store_mod, "RESTORE_CHUNK_NBYTES", 2 * spec.block_nbytes)
@@ -189,5 +189,5 @@ def test_remote_hits_staged_in_chunks_are_exact(tmp_path, ns, redis_server, monk
         b.flush()
         out = torch.zeros(spec.num_layers, 2, spec.num_kv_heads, 160, spec.head_dim, dtype=spec.dtype).transpose(2, 3)
         hit, got = b.restore(ns, toks, out=out)
-        assert hit.by_tier == {"host": 0, "disk": 48, "remote": 112}
+        assert hit.by_tier == {"disk": 48, "remote": 112}
         assert got.data_ptr() == out.data_ptr() and torch.equal(out, kv)

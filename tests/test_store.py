@@ -111,7 +111,7 @@ def test_corrupt_disk_block_cuts_prefix_and_is_purged(tmp_path, ns) -> None:
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         store.save(ns, toks, kv)
         store.flush()
-        entries = sorted(store.disk.iter_entries(), key=lambda ke: ke[1].offset)
+        entries = sorted(store.tier("disk").iter_entries(), key=lambda ke: ke[1].offset)
     seg = tmp_path / "segments" / f"{entries[2][1].seg_id:010d}.seg"
     data = bytearray(seg.read_bytes())
     data[entries[2][1].offset + entries[2][1].nbytes - 5] ^= 0xFF  # one payload byte of block 2
@@ -146,16 +146,16 @@ def test_a_writer_that_falls_behind_never_starves_the_host_tier(tmp_path, ns, mo
     kv = make_kv(ns, 16 * 12, seed=2)
     block_nbytes = kv[:, :, :16].numel() * 2
     with TieredStore.open(tmp_path, host_bytes=8 * block_nbytes) as store:
-        write_batch = store.disk.writer._write_batch
-        monkeypatch.setattr(store.disk.writer, "_write_batch", lambda items: (gate.wait(10), write_batch(items)))
+        write_batch = store.tier("disk").writer._write_batch
+        monkeypatch.setattr(store.tier("disk").writer, "_write_batch", lambda items: (gate.wait(10), write_batch(items)))
         for k in range(1, 13):  # one block per request, as a server saves them
             store.save(ns, toks[: 16 * k], kv[:, :, : 16 * k], start_block=k - 1)
-        in_host = store.host.contains(block_keys(ns, toks))
+        in_host = store.tier("host").contains(block_keys(ns, toks))
         assert in_host[-4:] == [True] * 4  # the newest blocks are in RAM although the writer is stuck
-        assert sum(in_host) == 8 and store.host._held <= 4
+        assert sum(in_host) == 8 and store.tier("host")._held <= 4
         gate.set()
         store.flush()
-        assert store.host._held == 0
+        assert store.tier("host")._held == 0
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         hit, got = store.restore(ns, toks)
         assert hit.by_tier["disk"] == 16 * 12 and torch.equal(got, kv)

@@ -154,7 +154,7 @@ class CachedModel:
         ns = self.namespace(cache_salt)
         B = ns.block_tokens
         t0 = time.perf_counter()
-        hit, cached = Hit(0, {"host": 0, "disk": 0}), None
+        hit, cached = Hit(0, dict.fromkeys(self.store.tier_names if self.store is not None else (), 0)), None
         restorable = (len(token_ids) - 1) // B * B  # keep at least one token to compute
         chain = BlockChain.of(ns, token_ids) if use_cache and self.store is not None else None  # hashed once
         if chain is not None and restorable:

@@ -24,6 +24,8 @@ AUTO_FRACTION = 0.1
 
 
 class GpuTier(BlockPool):
+    direct = True  # a device copy on the compute stream, never through the staging ring
+
     def __init__(self, capacity_nbytes: int, *, device: torch.device | str = "cuda",
                  counters: Counters | None = None, **pool_options: Any) -> None:
         super().__init__(capacity_nbytes, name="gpu", device=device, counters=counters, **pool_options)

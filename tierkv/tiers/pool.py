@@ -17,8 +17,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from tierkv.keys import BlockKey
+from tierkv.keys import BlockChain, BlockKey
+from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
+from tierkv.tiers.base import BlockWrite, Tier
+from tierkv.tiers.target import Target
 
 log = logging.getLogger("tierkv.pool")
 
@@ -27,7 +30,10 @@ log = logging.getLogger("tierkv.pool")
 MAX_HELD_FRACTION = 0.5
 
 
-class BlockPool:
+class BlockPool(Tier):
+    memory = True
+    direct = False  # saves copy blocks in on the compute stream (only from its device), not written behind
+
     def __init__(self, capacity_nbytes: int, *, name: str, device: torch.device | str = "cpu", pin: bool = False,
                  counters: Counters | None = None, ttl_s: float | None = None, max_age_s: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -269,6 +275,52 @@ class BlockPool:
                     del self._lru[key]
                     self._forget(key)
                     self._free.append(slot)
+
+
+    # ---------------------------------------------------------------- the Tier calls
+
+    def probe(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
+        return self.contains([chain.keys[i] for i in idx])
+
+    def read_into(self, chain: BlockChain, first: int, count: int, target: Target) -> int:
+        """Slots are copied (asynchronously on a GPU) and stay held until the restore is over."""
+        keys = chain.keys[first : first + count]
+        views = target.hold(self.read(keys))
+        n = next((j for j, v in enumerate(views) if v is None), len(views))
+        dest, spec = target.dest, target.spec
+        if n and dest.device.type == "cuda" and self.device.type == "cpu":
+            _upload_run(dest, views[:n], first, spec)
+        else:
+            for j in range(n):
+                target.block(first + j).copy_(views[j].view(spec.dtype).view(spec.block_shape), non_blocking=True)
+        with self._lock:
+            now = self.clock()
+            target.created_s.update((first + j, self._ctime.get(keys[j], now)) for j in range(n))
+        return n
+
+    def write(self, block: BlockWrite) -> bool:
+        spec = KVSpec.of(block.ns)
+        kv = block.payload.view(spec.dtype).view(spec.block_shape)
+        ok = self.put(block.key, kv, created_s=block.created_s) is not None
+        block.done()
+        return ok
+
+    def stats(self) -> dict[str, int]:
+        return {"used_nbytes": self.used_nbytes, "capacity_nbytes": self.capacity_nbytes, "blocks": len(self)}
+
+    def describe(self) -> str:
+        return f"{self.name} {self.capacity_nbytes / 2**30:.1f} GiB"
+
+
+def _upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
+    """Blocks ``first..`` of ``dest`` (a GPU) from host slots: each slot is one contiguous DMA into a
+    block-major buffer on ``dest``'s device, then one device copy puts the run in place (instead of a
+    staged copy and a strided copy per block)."""
+    n, B = len(slots), spec.block_tokens
+    run = torch.empty((n, *spec.block_shape), dtype=spec.dtype, device=dest.device)
+    for j, slot in enumerate(slots):
+        run[j].copy_(slot.view(spec.dtype).view(spec.block_shape), non_blocking=True)
+    dest[:, :, first * B : (first + n) * B].copy_(run.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(n * B)))
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

@@ -17,10 +17,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tierkv.keys import BlockKey
+from tierkv import codec
+from tierkv.errors import RecordError
+from tierkv.keys import BlockChain, BlockKey
 from tierkv.metrics import Counters
+from tierkv.tiers.base import BlockWrite, Tier
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierkv.tiers.target import Target
 
 log = logging.getLogger("tierkv.remote")
 
@@ -29,6 +37,7 @@ BREAKER_FAILURES = 3  # consecutive failures that open the breaker
 BREAKER_COOLDOWN_S = 5.0
 WRITE_BATCH = 64  # records per pipelined write
 QUEUE_BLOCKS = 4096  # write-behind bound; past it saves are dropped and counted
+SENT_KEYS = 65536  # blocks remembered as sent, so saves of a cached prefix do not send it again
 
 
 class CircuitBreaker:
@@ -85,17 +94,18 @@ def connect(url: str, timeout_s: float) -> Any:
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
-class RemoteTier:
-    def __init__(self, url: str, *, ttl_s: float | None = None, admit_after: int = 1,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, counters: Counters | None = None,
-                 breaker: CircuitBreaker | None = None) -> None:
+class RemoteTier(Tier):
+    name = "remote"
+
+    def __init__(self, url: str, *, ttl_s: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 counters: Counters | None = None, breaker: CircuitBreaker | None = None) -> None:
         self.url = url
         self.ttl_s = ttl_s
-        self.admit_after = admit_after  # save a block only once it was seen this often (1: always)
         self.counters = counters or Counters()
         self.breaker = breaker or CircuitBreaker()
         self.client = connect(url, timeout_s)
-        self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # bounded sightings
+        # Blocks this process queued lately: a save does not send them again (bounded, oldest forgotten).
+        self._sent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_BLOCKS)
         self._closed = False
         self._thread = threading.Thread(target=self._writer_loop, name="tierkv-remote-writer", daemon=True)
@@ -137,38 +147,6 @@ class RemoteTier:
         self.counters.add("remote", "bytes_read", sum(len(v) for v in out))
         return out
 
-    def lookup(self, ns_digest: bytes, keys: Sequence[BlockKey]) -> int:
-        if not keys:
-            return 0
-
-        def exists() -> list[int]:
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self.redis_key(ns_digest, k))
-            return pipe.execute()
-
-        n = 0
-        for present in self._call(exists, []):
-            if not present:
-                break
-            n += 1
-        return n
-
-    def sighting(self, key: BlockKey) -> int:
-        """Count one more request that contains this block; returns the count (bounded memory, LRU)."""
-        count = self._seen.pop(key, 0) + 1
-        self._seen[key] = count
-        while len(self._seen) > 65536:
-            self._seen.popitem(last=False)
-        return count
-
-    def sightings(self, key: BlockKey) -> int:
-        return self._seen.get(key, 0)
-
-    def admitted(self, key: BlockKey) -> bool:
-        """The admission rule: a block goes to the shared tier once ``admit_after`` requests contained it."""
-        return self.admit_after <= 1 or self.sightings(key) >= self.admit_after
-
     def put(self, ns_digest: bytes, key: BlockKey, make: Callable[[], list[bytes | memoryview]],
             release: Callable[[], None] | None = None) -> bool:
         """Queue a record for the writer thread; False (counted) when the queue is full or the breaker open."""
@@ -181,6 +159,58 @@ class RemoteTier:
             self.counters.add("remote", "dropped_saves")
             return False
         return True
+
+    # ---------------------------------------------------------------- the Tier calls
+
+    def probe(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
+        if not idx:
+            return []
+
+        def exists() -> list[int]:
+            pipe = self.client.pipeline(transaction=False)
+            for i in idx:
+                pipe.exists(self.redis_key(chain.ns.digest, chain.keys[i]))
+            return pipe.execute()
+
+        return [bool(x) for x in self._call(exists, [0] * len(idx))]
+
+    def read_into(self, chain: BlockChain, first: int, count: int, target: Target) -> int:
+        """One pipelined round trip; a record that fails verification is deleted remotely."""
+        from tierkv.tiers.target import as_tensor, expected
+
+        records = self.get_many(chain.ns.digest, chain.keys[first : first + count])
+        spec = target.spec
+        B = spec.block_tokens
+
+        def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
+            for i in range(i0, i0 + n):
+                try:
+                    payload = codec.decode(records[i - first], expected(chain, i))
+                except RecordError:
+                    self.counters.add("remote", "corrupt_blocks")
+                    self.delete(chain.ns.digest, chain.keys[i])
+                    return i - i0
+                buf[:, :, (i - base) * B : (i - base + 1) * B].copy_(as_tensor(payload, spec.dtype, spec.block_shape))
+            return n
+
+        return target.fill(first, len(records), fill)
+
+    def needs(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
+        return [chain.keys[i] not in self._sent for i in idx]
+
+    def write(self, block: BlockWrite) -> bool:
+        ok = self.put(block.ns.digest, block.key, block.encode, block.release)
+        if ok:
+            self._sent[block.key] = None
+            while len(self._sent) > SENT_KEYS:
+                self._sent.popitem(last=False)
+        return ok
+
+    def stats(self) -> dict[str, int]:
+        return {"breaker_open": int(self.breaker.state == "open"), "breaker_trips": self.breaker.trips}
+
+    def describe(self) -> str:
+        return f"remote {self.url}"
 
     def delete(self, ns_digest: bytes, key: BlockKey) -> None:
         self._call(lambda: self.client.delete(self.redis_key(ns_digest, key)), None)

@@ -15,11 +15,13 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lmdb
 
-from tierkv.keys import BlockKey, Namespace, NamespaceDigest
+from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
+from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.disk.index import Index
 from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Policy, SweepReport
 from tierkv.tiers.disk.segments import SegmentDir
@@ -36,6 +38,11 @@ from tierkv.tiers.disk.writer import (
     Writer,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+    from tierkv.tiers.target import Target
+
 log = logging.getLogger("tierkv.disk")
 
 __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "STORE_FORMAT_VERSION", "DiskTier", "Entry", "Policy", "SweepReport"]
@@ -43,9 +50,11 @@ __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "STORE_FORMAT_VERSION", "DiskTier", "Entr
 DEFAULT_MAP_NBYTES = 1 << 30  # the index only (about 200 B per block); a sparse file, grown when full
 
 
-class DiskTier:
+class DiskTier(Tier):
     """Durable, content-addressed block store. Thread-safe; one instance per process and directory, any
     number of processes per directory."""
+
+    name = "disk"
 
     def __init__(
         self,
@@ -101,8 +110,7 @@ class DiskTier:
                 if raw is None:
                     break
                 e = Entry.unpack(raw)
-                e.last_access_s = max(e.last_access_s, self.times.last(key))
-                if self.policy.expired(e, now):
+                if self._expired(key, e, now):
                     self.counters.add("disk", "expirations")
                     break
                 out.append(e)
@@ -129,10 +137,68 @@ class DiskTier:
         with self.segments.read_lock:
             yield self.segments.read([e.location for e in entries]) if entries else []
 
-    def read_into(self, requests: Sequence[tuple[Entry, list[memoryview]]],
-                  verify: Callable[[int], bool] | None = None) -> list[bool]:
+    def read_scatter(self, requests: Sequence[tuple[Entry, list[memoryview]]],
+                     verify: Callable[[int], bool] | None = None) -> list[bool]:
         """Scatter each record into its destination views; ``verify(i)`` runs on the reading thread."""
         return self.segments.readv([(*e.location, views) for e, views in requests], verify)
+
+    # ---------------------------------------------------------------- the Tier calls
+
+    def probe(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
+        now = self.clock()
+        out = []
+        with self.index.read() as txn:
+            for i in idx:
+                raw = txn.get(chain.keys[i], db=self.index.db["index"])
+                out.append(raw is not None and not self._expired(chain.keys[i], Entry.unpack(raw), now))
+        return out
+
+    def _expired(self, key: BlockKey, e: Entry, now: float) -> bool:
+        e.last_access_s = max(e.last_access_s, self.times.last(key))
+        return self.policy.expired(e, now)
+
+    def read_into(self, chain: BlockChain, first: int, count: int, target: Target) -> int:
+        """Records verified on the reading threads; a bad one is purged (if still indexed: a sweep in
+        another process may have released it meanwhile, and then it is a plain miss)."""
+        from tierkv.tiers.disk.reader import read_records  # torch: not for the shell tools
+
+        entries = self.locate(chain.keys[first : first + count])
+
+        def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
+            part = entries[i0 - first : i0 - first + n]
+            return read_records(chain, part, i0, buf, base, self.read_scatter, self.read)
+
+        got = target.fill(first, len(entries), fill)
+        if got < len(entries):
+            key, location = chain.keys[first + got], entries[got].location
+            self.counters.add("disk", "corrupt_blocks")
+            if self.still_indexed(key, location):
+                self._purge(key, location)
+        self.touch(chain.keys[first : first + got], sum(e.nbytes for e in entries[:got]))
+        target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries[:got]))
+        return got
+
+    def needs(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
+        if self.read_only:
+            return [False] * len(idx)
+        return [not h for h in self.holds([chain.keys[i] for i in idx])]
+
+    def write(self, block: BlockWrite) -> bool:
+        return self.put(block.ns.digest, block.key, block.encode, block.nbytes, block.created_s,
+                        release=block.release, ns_spec=block.ns.spec_bytes)
+
+    def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
+        """A hit in memory refreshes the disk copy's TTL; a block whose disk copy is gone (expired,
+        evicted, its save dropped) is wanted again, so a restart does not lose it."""
+        if self.read_only or not idx:
+            return []
+        keys = [chain.keys[i] for i in idx]
+        self.touch(keys)
+        return [i for i, held in zip(idx, self.holds(keys)) if not held]
+
+    def stats(self) -> dict[str, int]:
+        usage = self.usage()
+        return {**usage, "used_nbytes": usage["live_nbytes"], "capacity_nbytes": usage["budget_nbytes"]}
 
     def still_indexed(self, key: BlockKey, location: tuple[int, int, int]) -> bool:
         return self.index.still_indexed(key, location)
@@ -191,6 +257,9 @@ class DiskTier:
     def purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
         """Remove a record that failed verification, if the index still points at what was read."""
         self.counters.add("disk", "corrupt_blocks")
+        self._purge(key, location)
+
+    def _purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
         if self.writer is None or self._closed or not self.writer.purge(Purge(bytes(key), location)):
             self.segments.release(self.index.remove_at([(bytes(key), location)]))
 

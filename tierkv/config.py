@@ -1,0 +1,115 @@
+"""What a store is made of: ``StoreConfig``, one part per tier, and the tiers it builds (fastest first).
+
+``TieredStore.open(path, host_bytes=..., ...)`` (the quickstart call) goes through ``StoreConfig.of``;
+``tierkv serve``'s ``ServeConfig`` builds a ``StoreConfig`` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tierkv.codec import Codec
+from tierkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tierkv.metrics import Counters
+    from tierkv.tiers.base import Tier
+
+__all__ = ["DiskConfig", "GpuConfig", "RemoteConfig", "StoreConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuConfig:
+    nbytes: int = 0  # 0: no GPU tier (see ``tiers.gpu.gpu_budget_nbytes`` for --gpu-cache)
+    device: str = "cuda"
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskConfig:
+    path: Path
+    budget_nbytes: int | None = None  # None: unbounded
+    sync: bool = True  # fdatasync each batch before indexing it (off only for tests and benchmarks)
+    sweep_interval_s: float = 0.0  # > 0: expiry and budget swept in the background that often
+    options: dict[str, int] = dataclasses.field(default_factory=dict)  # DiskTier's sizes (queue, segments...)
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteConfig:
+    url: str  # redis://host:port or redis+cluster://host:port
+    admit_after: int = 1  # share a block only once that many requests contained it
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    host_bytes: int = 1 << 30
+    disk: DiskConfig | None = None
+    remote: RemoteConfig | None = None
+    gpu: GpuConfig = GpuConfig()
+    ttl_s: float | None = None  # sliding, every tier
+    max_age_s: float | None = None  # from a block's creation, every tier
+    codec: Codec = Codec.RAW
+    staging: bool | None = None  # the write-behind's staging ring: None = when blocks are on a GPU
+    clock: Callable[[], float] = time.time
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str] | None, *, host_bytes: int = 1 << 30, disk_bytes: int | None = None,
+           ttl_s: float | None = None, max_age_s: float | None = None, codec_: Codec | str = Codec.RAW,
+           clock: Callable[[], float] = time.time, sync: bool = True, remote: str | None = None,
+           remote_admit_after: int = 1, gpu_bytes: int = 0, device: str = "cuda", staging: bool | None = None,
+           sweep_interval_s: float = 0.0, **disk_options: int) -> StoreConfig:
+        """The flat keywords of ``TieredStore.open``. ``path=None`` gives a memory-only store;
+        ``host_bytes=0`` one without a host tier."""
+        if isinstance(codec_, str):
+            codec_ = Codec[codec_.upper().replace("-", "_")]
+        disk = None if path is None else DiskConfig(Path(path), disk_bytes, sync, sweep_interval_s, disk_options)
+        return cls(host_bytes=host_bytes, disk=disk,
+                   remote=RemoteConfig(remote, remote_admit_after) if remote is not None else None,
+                   gpu=GpuConfig(gpu_bytes, str(device)), ttl_s=ttl_s, max_age_s=max_age_s, codec=codec_,
+                   staging=staging, clock=clock)
+
+    def check(self) -> None:
+        if self.host_bytes < 0 or (self.disk is not None and self.disk.budget_nbytes is not None
+                                   and self.disk.budget_nbytes <= 0):
+            raise ConfigError("host_bytes must be >= 0 and disk_bytes > 0")
+        if self.remote is not None and self.remote.admit_after < 1:
+            raise ConfigError("remote_admit_after must be >= 1")
+
+    def build(self, counters: Counters) -> list[Tier]:
+        """The tiers, fastest first."""
+        self.check()
+        ages: dict[str, Any] = {"ttl_s": self.ttl_s, "max_age_s": self.max_age_s, "clock": self.clock}
+        tiers: list[Tier] = []
+        try:
+            self._build(tiers, counters, ages)
+        except BaseException:
+            for tier in tiers:  # a disk tier opened before the remote one failed: closed, not leaked
+                tier.close()
+            raise
+        return tiers
+
+    def _build(self, tiers: list[Tier], counters: Counters, ages: dict[str, Any]) -> None:
+        from tierkv.tiers.disk import DiskTier, Policy
+        from tierkv.tiers.host import HostTier
+
+        if self.gpu.nbytes:
+            from tierkv.tiers.gpu import GpuTier
+
+            tiers.append(GpuTier(self.gpu.nbytes, device=self.gpu.device, counters=counters, **ages))
+        if self.host_bytes:
+            tiers.append(HostTier(self.host_bytes, counters=counters, **ages))
+        if self.disk is not None:
+            d = self.disk
+            tiers.append(DiskTier(d.path, policy=Policy(d.budget_nbytes, self.ttl_s, self.max_age_s),
+                                  clock=self.clock, sync=d.sync, counters=counters,
+                                  sweep_interval_s=d.sweep_interval_s, **d.options))
+        if self.remote is not None:
+            from tierkv.tiers.admission import Admission
+            from tierkv.tiers.remote import RemoteTier
+
+            remote: Tier = RemoteTier(self.remote.url, ttl_s=self.ttl_s, counters=counters)
+            tiers.append(Admission(remote, self.remote.admit_after) if self.remote.admit_after > 1 else remote)

@@ -1,0 +1,111 @@
+"""What every tier is to the store: one set of calls, so the store is a loop over a list of tiers.
+
+The store keeps its tiers fastest first (GPU pool, host pool, disk, remote). A restore asks each tier
+what it holds of a prompt's chain (``probe``), reads each run of blocks from the fastest tier holding it
+(``read_into``: the tier verifies what it reads and purges its own bad blocks), then writes what it
+restored into the faster tiers. Saves go to the write-behind (``write_behind.py``), which calls ``write``.
+
+Two kinds of tier exist: memory pools (``pool.BlockPool``: slots of raw KV on a device, written by a copy)
+and record tiers (disk, remote: self-verifying records, written behind by their own thread). Both are
+``Tier``s; ``memory`` says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from tierkv import codec
+from tierkv.keys import BlockChain, BlockKey, Namespace
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierkv.tiers.target import Target
+
+__all__ = ["BlockWrite", "Tier"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWrite:
+    """One block on its way into a record tier: encoded on that tier's writer thread, not the caller's.
+
+    ``payload`` is the block's bytes on the CPU (a held host slot, or a private copy); it stays valid
+    until ``release`` runs, which the tier calls once the record is written or dropped (or the caller,
+    when ``write`` returned False).
+    """
+
+    ns: Namespace
+    key: BlockKey
+    parent: BlockKey
+    token_bytes: bytes
+    created_s: float
+    payload: torch.Tensor
+    codec: codec.Codec = codec.Codec.RAW
+    release: Callable[[], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The record's size before compression (the writer queues' bound)."""
+        return codec.HEADER_NBYTES + len(self.token_bytes) + self.payload.numel()
+
+    def encode(self) -> list[bytes | memoryview]:
+        return codec.encode_parts(ns_digest=self.ns.digest, parent_key=self.parent, key=self.key,
+                                  token_bytes=self.token_bytes, dtype=self.ns.dtype,
+                                  shape=_block_shape(self.ns), payload=self.payload.numpy().data,
+                                  created_s=self.created_s, codec=self.codec)
+
+    def done(self) -> None:
+        if self.release is not None:
+            self.release()
+
+
+def _block_shape(ns: Namespace) -> tuple[int, ...]:
+    return (ns.num_layers, 2, ns.block_tokens, ns.num_kv_heads, ns.head_dim)
+
+
+class Tier:
+    """The calls the store makes. Defaults suit a tier without the feature; a tier overrides the rest."""
+
+    name: str = "tier"
+    memory: bool = False  # a pool of raw KV slots on a device (see ``pool.BlockPool``)
+
+    def probe(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
+        """Per block ``idx[j]`` of ``chain``: held here and servable (unexpired). Reads no payload, changes
+        nothing (a lookup has no side effects)."""
+        raise NotImplementedError
+
+    def read_into(self, chain: BlockChain, first: int, count: int, target: Target) -> int:
+        """Read blocks ``first .. first+count-1`` into ``target`` and verify them; returns how many
+        leading blocks are exact. A block that fails verification is purged here and ends the run."""
+        raise NotImplementedError
+
+    def needs(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
+        """Per block ``idx[j]``: whether a save should write it here (not held, not already queued)."""
+        return [not h for h in self.probe(chain, idx)]
+
+    def write(self, block: BlockWrite) -> bool:
+        """Queue a record (record tiers). False (counted) when it was dropped; then the caller still owns
+        what ``block.release`` frees."""
+        raise NotImplementedError
+
+    def requested(self, chain: BlockChain) -> None:
+        """A request for ``chain`` arrived (admission counting); called before the probe of a restore."""
+
+    def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
+        """Blocks ``idx`` were just served by faster tiers: refresh what this tier holds of them (a hit
+        keeps a block alive everywhere) and return those it wants written (lost here, or newly admitted)."""
+        return []
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def describe(self) -> str:
+        return self.name
+
+    def flush(self) -> object:
+        """Wait until what was written is durable (a no-op for memory)."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,174 @@
+"""Where a restore writes: the destination KV tensor, and how a tier's blocks get into it.
+
+A destination is ``[layers, 2, tokens, kv_heads, head_dim]`` on any device. Record tiers (disk, remote)
+fill CPU memory whose every (layer, k/v) slab is contiguous: a CPU destination is filled in place
+(records scattered straight into it); any other goes through two chunk buffers (pinned for a GPU):
+records are read into one while the other is uploaded. Memory pools copy slots straight in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from tierkv import codec
+from tierkv.keys import BlockChain
+from tierkv.layout import KVSpec
+
+log = logging.getLogger("tierkv.store")
+
+__all__ = ["RESTORE_CHUNK_NBYTES", "Stagers", "Target", "as_tensor", "expected", "wait_for_copies"]
+
+# Record-tier blocks restored into a GPU are read and uploaded in chunks of this many bytes: the upload of
+# one chunk overlaps the read of the next.
+RESTORE_CHUNK_NBYTES = 32 << 20
+
+# fill(buffer, first, count, base): put blocks first..first+count-1 into ``buffer`` (block i at block
+# position i - base, every slab contiguous) and verify them; returns how many leading blocks are exact.
+Fill = Callable[[torch.Tensor, int, int, int], int]
+
+
+def as_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    # Read-only use: torch warns that a bytes object is not writable; we never write through this view.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype).view(*shape)
+
+
+def expected(chain: BlockChain, i: int) -> codec.Expected:
+    """What block ``i`` of a request must be to be served."""
+    ns = chain.ns
+    return codec.Expected(ns.digest, chain.keys[i], chain.tokens(i), ns.dtype, KVSpec.of(ns).block_shape)
+
+
+def wait_for_copies(t: torch.Tensor) -> None:
+    """Wait until the copies queued into ``t`` (a GPU tensor: asynchronous ones) are done."""
+    if t.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        event.synchronize()
+
+
+def rows_scatterable(t: torch.Tensor) -> bool:
+    """Whether records can be scattered straight into ``t``: a CPU tensor whose every (layer, k/v) slab
+    ``[tokens, kv_heads, head_dim]`` is contiguous (a token-slice of a larger buffer qualifies)."""
+    _, _, _, H, D = t.shape
+    return t.device.type == "cpu" and t.stride(4) == 1 and t.stride(3) == D and t.stride(2) == H * D
+
+
+class _Stager:
+    """Two chunk buffers (pinned for a GPU, allocated once): records are read into one while the other is
+    uploaded to the destination, asynchronously on a GPU. Each holds ``blocks`` blocks."""
+
+    def __init__(self, spec: KVSpec, pin: bool) -> None:
+        self.spec = spec
+        self.pin = pin
+        self.blocks = max(1, RESTORE_CHUNK_NBYTES // spec.block_nbytes)
+        t0 = time.perf_counter()
+        self.buffers = [torch.empty(spec.shape(self.blocks * spec.block_tokens), dtype=spec.dtype, pin_memory=pin)
+                        for _ in range(2)]
+        log.info("restore staging: 2 x %d blocks (%.1f MiB%s) in %.2f s", self.blocks,
+                 2 * self.blocks * spec.block_nbytes / 2**20, ", pinned" if pin else "", time.perf_counter() - t0)
+        self._events: list[Any] = [None, None]
+        self._next = 0
+
+    def acquire(self) -> int:
+        """The next buffer, once its previous upload is done."""
+        k, self._next = self._next, self._next ^ 1
+        if self._events[k] is not None:
+            self._events[k].synchronize()
+            self._events[k] = None
+        return k
+
+    def upload(self, k: int, dest: torch.Tensor, first: int, count: int) -> None:
+        """Blocks ``0..count-1`` of buffer ``k`` to blocks ``first..`` of ``dest``."""
+        B = self.spec.block_tokens
+        buf = self.buffers[k]
+        for layer in range(self.spec.num_layers):  # per (layer, k/v): the run is contiguous there
+            for kv in (0, 1):
+                dest[layer, kv, first * B : (first + count) * B].copy_(buf[layer, kv, : count * B], non_blocking=True)
+        if dest.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dest.device))
+            self._events[k] = event
+
+
+class Stagers:
+    """The store's chunk buffers, made on first need and kept; one restore uses them at a time."""
+
+    def __init__(self) -> None:
+        self._stager: _Stager | None = None
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def target(self, dest: torch.Tensor, spec: KVSpec) -> Iterator[Target]:
+        """A ``Target`` over ``dest`` for one restore; on exit every queued copy into ``dest`` is done and
+        the memory the tiers held for it (slots being copied from) is let go."""
+        with contextlib.ExitStack() as held:
+            target = Target(dest, spec, held, self._acquire)
+            try:
+                yield target
+            finally:
+                wait_for_copies(dest)  # before the slots and the chunk buffers are let go
+                if target.locked:
+                    self._lock.release()
+
+    def _acquire(self, spec: KVSpec, pin: bool) -> _Stager:
+        self._lock.acquire()
+        stager = self._stager
+        if stager is None or stager.spec != spec or stager.pin != pin:
+            stager = self._stager = _Stager(spec, pin)
+        return stager
+
+
+class Target:
+    """One restore's destination, as tiers see it (made by ``Stagers.target``)."""
+
+    def __init__(self, dest: torch.Tensor, spec: KVSpec, held: contextlib.ExitStack,
+                 acquire: Callable[[KVSpec, bool], _Stager]) -> None:
+        self.dest = dest
+        self.spec = spec
+        self.created_s: dict[int, float] = {}  # block index -> creation time, where the source knows it
+        self._held = held
+        self._acquire = acquire
+        self._stager: _Stager | None = None
+        self.locked = False
+
+    def block(self, i: int) -> torch.Tensor:
+        B = self.spec.block_tokens
+        return self.dest[:, :, i * B : (i + 1) * B]
+
+    def hold(self, cm: contextlib.AbstractContextManager[Any]) -> Any:
+        """Keep ``cm`` entered until the restore is over and its copies are done (a memory tier's slots
+        being read by asynchronous copies)."""
+        return self._held.enter_context(cm)
+
+    def fill(self, first: int, count: int, fill: Fill) -> int:
+        """Have ``fill`` put blocks ``first..first+count-1`` into CPU memory with contiguous slabs: ``dest``
+        itself when it qualifies, else the chunk buffers, each chunk uploaded while the next is filled.
+        Returns how many leading blocks ``fill`` verified (blocks past them are unspecified in ``dest``)."""
+        if count <= 0:
+            return 0
+        if rows_scatterable(self.dest):
+            return fill(self.dest, first, count, 0)
+        if self._stager is None:
+            self._stager = self._acquire(self.spec, self.dest.device.type == "cuda")
+            self.locked = True
+        stager = self._stager
+        done = 0
+        while done < count:
+            n = min(stager.blocks, count - done)
+            k = stager.acquire()
+            got = fill(stager.buffers[k], first + done, n, first + done)
+            stager.upload(k, self.dest, first + done, got)
+            done += got
+            if got < n:
+                break
+        return done

@@ -1,0 +1,174 @@
+"""The write-behind: saved blocks reach the tiers without the inference thread waiting for them.
+
+Blocks on a GPU enter that GPU's memory tier by a device copy, on the compute stream. Every other tier is
+written behind: blocks leave the device through the staging ring (pinned slots, a side stream fenced on
+the compute stream), whose drain thread hands each block here; CPU blocks come straight here (the
+caller may reuse its buffer once ``save`` returns). Here each block is copied into the CPU memory tiers
+that need it and queued for the record tiers (disk, remote) that need it, which encode it on their own
+writer threads, straight from a held host slot when there is one (else from a private copy).
+
+The ring drains into this module only; nothing here calls back into the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tierkv import codec
+from tierkv.keys import BlockChain
+from tierkv.layout import KVSpec
+from tierkv.metrics import Counters
+from tierkv.staging import StagingRing
+from tierkv.tiers.base import BlockWrite, Tier
+from tierkv.tiers.pool import BlockPool
+
+__all__ = ["WriteBehind"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """Block ``i`` of ``chain`` on its way to ``dests`` (the staging ring carries it as metadata)."""
+
+    chain: BlockChain
+    i: int
+    dests: tuple[Tier, ...]
+    created_s: float
+
+
+class WriteBehind:
+    def __init__(self, tiers: list[Tier], *, codec_: codec.Codec, clock: Callable[[], float], counters: Counters,
+                 staging: bool | None, staging_nbytes: int, staging_wait_s: float) -> None:
+        """``tiers``: the store's list (fastest first), shared: a tier added later is seen here too.
+        ``staging``: blocks go through the staging ring; None (default) when they are on a CUDA device,
+        True also on CPU (the same code path, synchronous copies). ``staging_nbytes``: the ring's pinned
+        memory, and as much again of GPU blocks waiting for a slot; past that each block waits at most
+        ``staging_wait_s`` for a slot, then is dropped (counted)."""
+        self.tiers = tiers
+        self.codec = codec_
+        self.clock = clock
+        self.counters = counters
+        self.staging = staging
+        self.staging_nbytes = staging_nbytes
+        self.staging_wait_s = staging_wait_s
+        self._ring: StagingRing | None = None
+        self._ring_lock = threading.Lock()
+
+    def save(self, chain: BlockChain, start: int, blocks: Sequence[torch.Tensor],
+             stacked: torch.Tensor | None = None) -> int:
+        """``blocks`` are blocks ``start..`` of ``chain`` (``stacked``: the same as one contiguous tensor,
+        if they are). Returns how many were handed on to the tiers written behind."""
+        if not blocks:
+            return 0
+        device = blocks[0].device
+        keys = chain.keys[start:]
+        for pool in self._device_pools(device):  # device copies, on the compute stream
+            if stacked is not None:
+                pool.put_many(keys, stacked)
+            else:
+                for key, block in zip(keys, blocks):
+                    pool.put(key, block)
+        idx = list(range(start, start + len(blocks)))
+        dests = self._dests(chain, idx, [t for t in self.tiers if self._behind(t)])
+        return self._submit(chain, idx, lambda i: blocks[i - start], dests)
+
+    def write_back(self, chain: BlockChain, wants: dict[Tier, list[int]], block: Callable[[int], torch.Tensor],
+                   created_s: dict[int, float]) -> None:
+        """Write blocks of ``chain`` (restored ones, ``block(i)`` their KV) to the tiers that want them."""
+        per_block: dict[int, list[Tier]] = {}
+        for tier, idx in wants.items():
+            for i in idx:
+                per_block.setdefault(i, []).append(tier)
+        idx = sorted(per_block)
+        self._submit(chain, idx, block, [tuple(per_block[i]) for i in idx], created_s)
+
+    def _device_pools(self, device: torch.device) -> list[BlockPool]:
+        """Memory tiers written by a device copy: the direct ones on the blocks' device."""
+        return [t for t in self.tiers if isinstance(t, BlockPool) and t.direct and t.device == device]
+
+    @staticmethod
+    def _behind(tier: Tier) -> bool:
+        """Written behind: every tier but the direct pools (a GPU pool takes only its device's blocks)."""
+        return not (isinstance(tier, BlockPool) and tier.direct)
+
+    @staticmethod
+    def _dests(chain: BlockChain, idx: list[int], tiers: list[Tier]) -> list[tuple[Tier, ...]]:
+        """Per block, the tiers among ``tiers`` that need it (not held, not already queued)."""
+        needs = [t.needs(chain, idx) for t in tiers]
+        return [tuple(t for t, n in zip(tiers, col) if n) for col in zip(*needs)] if tiers else [() for _ in idx]
+
+    def _submit(self, chain: BlockChain, idx: list[int], block: Callable[[int], torch.Tensor],
+                dests: list[tuple[Tier, ...]], created_s: dict[int, float] | None = None) -> int:
+        todo = [(i, d) for i, d in zip(idx, dests) if d]
+        if not todo:
+            return 0
+        now = self.clock()
+        pending = [_Pending(chain, i, d, (created_s or {}).get(i, now)) for i, d in todo]
+        device = block(todo[0][0]).device
+        ring = self._ring_for(KVSpec.of(chain.ns), device)
+        if ring is not None:
+            # Model KV on a GPU is never written again: the ring may hold it while its slots are busy.
+            accepted = ring.submit_many([block(i) for i, _ in todo], pending, keep_reference=device.type == "cuda")
+            return sum(accepted)
+        for (i, _), p in zip(todo, pending):
+            self._keep(block(i) if device.type == "cpu" else block(i).cpu(), p)
+        return len(todo)
+
+    def _ring_for(self, spec: KVSpec, device: torch.device) -> StagingRing | None:
+        """The staging ring for blocks on ``device`` (made on first use), or None to copy directly."""
+        if not (self.staging or (self.staging is None and device.type == "cuda")):
+            return None
+        with self._ring_lock:
+            if self._ring is None:
+                slots = max(2, self.staging_nbytes // spec.block_nbytes)
+                self._ring = StagingRing(slots, spec.block_nbytes, device=device, on_ready=self._drain,
+                                         wait_s=self.staging_wait_s, pending_nbytes=self.staging_nbytes,
+                                         counters=self.counters)
+            ring = self._ring
+        if ring.device != device or ring.slots.shape[1] < spec.block_nbytes:
+            return None  # another device or a larger block than the slots: the direct path
+        return ring
+
+    def _drain(self, slot: torch.Tensor, p: _Pending) -> None:
+        """The staging ring's consumer (its drain thread): the slot is reused after this returns."""
+        spec = KVSpec.of(p.chain.ns)
+        self._keep(slot[: spec.block_nbytes].view(spec.dtype).view(spec.block_shape), p)
+
+    def _keep(self, block: torch.Tensor, p: _Pending) -> None:
+        """Copy a CPU block into the memory tiers among ``p.dests`` and queue it for the record tiers."""
+        key = p.chain.keys[p.i]
+        records = [t for t in p.dests if not isinstance(t, BlockPool)]
+        held: tuple[BlockPool, torch.Tensor] | None = None
+        for pool in (t for t in p.dests if isinstance(t, BlockPool)):
+            hold = bool(records) and held is None and pool.can_hold()
+            slot = pool.put(key, block, hold=hold, created_s=p.created_s)
+            if hold and slot is not None:
+                held = (pool, slot)
+        if not records:
+            return
+        # Without a held slot the writers share one private copy: the caller may reuse ``block`` at once.
+        payload = held[1] if held is not None else block.clone(memory_format=torch.contiguous_format).view(-1).view(
+            torch.uint8)
+        for n, tier in enumerate(records):
+            release = None
+            if held is not None:
+                if n:
+                    held[0].retain(held[1])  # one reference per writer
+                release = functools.partial(held[0].release, held[1])
+            write = BlockWrite(p.chain.ns, key, p.chain.parent(p.i), p.chain.tokens(p.i), p.created_s, payload,
+                               self.codec, release)
+            if not tier.write(write):
+                write.done()
+
+    def flush(self) -> None:
+        """Out of the staging ring: into the memory tiers and the record tiers' queues."""
+        if self._ring is not None:
+            self._ring.flush()
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
