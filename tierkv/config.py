@@ -35,7 +35,7 @@ class DiskConfig:
     budget_nbytes: int | None = None  # None: unbounded
     sync: bool = True  # fdatasync each batch before indexing it (off only for tests and benchmarks)
     sweep_interval_s: float = 0.0  # > 0: expiry and budget swept in the background that often
-    options: dict[str, int] = dataclasses.field(default_factory=dict)  # DiskTier's sizes (queue, segments...)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # DiskTier's sizes (queue, segments...)
 
 
 @dataclasses.dataclass(frozen=True)

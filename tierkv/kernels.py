@@ -27,7 +27,7 @@ SOURCE = Path(__file__).resolve().parent.parent / "cuda_ext" / "gather_scatter.c
 
 def _load_extension() -> tuple[Any, str]:
     try:  # built only on request, on a CUDA machine: never required
-        from tierkv import _cuda_ext  # type: ignore[attr-defined]
+        from tierkv import _cuda_ext
 
         return _cuda_ext, "cuda_ext (built)"
     except ImportError:

@@ -120,7 +120,7 @@ class CachedModel:
             attn_implementation = "eager"
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
                                                      attn_implementation=attn_implementation)
-        return cls(model.to(device), tokenizer, store, model_id=path.name, block_tokens=block_tokens,
+        return cls(model.to(device), tokenizer, store, model_id=path.name, block_tokens=block_tokens,  # type: ignore[arg-type]  # transformers' decorated .to()
                    revision=revision)
 
     def namespace(self, cache_salt: str = "") -> Namespace:
@@ -160,6 +160,7 @@ class CachedModel:
         if chain is not None and restorable:
             # Restored straight into a buffer on the model's device; the cache's first update copies it.
             out = self._buffer("restore", (ns.num_layers, 2, restorable, ns.num_kv_heads, ns.head_dim), grow_dim=2)
+            assert self.store is not None
             hit, cached = self.store.restore(ns, chain.prefix(restorable // B), out=out)
         n = hit.num_tokens
         cache = cache_from_kv(self.model, cached) if cached is not None else new_cache(self.model)

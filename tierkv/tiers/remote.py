@@ -185,7 +185,10 @@ class RemoteTier(Tier):
         def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
             for i in range(i0, i0 + n):
                 try:
-                    payload = codec.decode(records[i - first], expected(chain, i))
+                    header, token_bytes, stored = codec.decode_header(records[i - first])
+                    codec.check_expected(header, token_bytes, expected(chain, i))
+                    payload = codec.decode_payload(header, stored)
+                    target.created_s[i] = header.created_s  # its age goes with it: max-age still applies
                 except RecordError:
                     self.counters.add("remote", "corrupt_blocks")
                     self.delete(chain.ns.digest, chain.keys[i])

@@ -10,6 +10,7 @@ that acts on it, and each writing process appends to a segment of its own, flock
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -251,7 +252,7 @@ class DiskTier(Tier):
         """
         if self.writer is None or self._closed:
             raise RuntimeError("this DiskTier was opened without a writer")
-        make = record if callable(record) else (lambda r=record: [r])
+        make: Callable[[], Record] = record if callable(record) else functools.partial(list, (record,))
         return self.writer.put(Put(ns_digest, bytes(key), make, nbytes, created_s, release, ns_spec))
 
     def purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:

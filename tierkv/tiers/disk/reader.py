@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def read_records(chain: BlockChain, entries: Sequence[Entry], first: int, target
     B = spec.block_tokens
     prefix_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes
     raw_nbytes = prefix_nbytes + spec.block_nbytes
-    rows = [target[layer, kv].view(torch.uint8).reshape(-1).numpy()
+    rows: list[Any] = [target[layer, kv].view(torch.uint8).reshape(-1).numpy()
             for layer in range(spec.num_layers) for kv in (0, 1)]
     chunk = spec.block_nbytes // (spec.num_layers * 2)
     scratch = memoryview(bytearray(prefix_nbytes * len(entries)))

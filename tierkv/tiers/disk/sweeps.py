@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from tierkv.codec import decode_header, decode_payload
 from tierkv.errors import RecordError
-from tierkv.keys import chain_key
+from tierkv.keys import BlockKey, chain_key
 from tierkv.metrics import Counters
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_of
@@ -164,27 +164,17 @@ class Sweeps:
             if progress:
                 progress(1)
         if dry_run:
-            corrupt = sum(self.index.still_indexed(k, loc) for k, loc in bad)
+            corrupt = sum(self.index.still_indexed(BlockKey(k), loc) for k, loc in bad)
         else:
             corrupt = self.remove_at(bad)
         self.counters.add("disk", "corrupt_blocks", corrupt)
         return SweepReport(checked=checked, corrupt=corrupt)
 
     def _verifies(self, key: bytes, e: Entry) -> bool:
+        # Views into the reused read buffer must not outlive the lock (it may be replaced): they live in
+        # _record_ok's frame only.
         with self.segments.read_lock:
-            (view,) = self.segments.read([e.location])
-            try:
-                header, token_bytes, stored = decode_header(view)
-                if header.key != key or header.ns_digest != e.ns_digest:
-                    raise RecordError("record names another key or namespace")
-                if chain_key(header.parent_key, bytes(token_bytes)) != key:
-                    raise RecordError("token ids do not hash to the key")
-                decode_payload(header, stored)
-                return True
-            except RecordError:
-                return False
-            finally:  # views into the reused read buffer must not outlive the lock (it may be replaced)
-                view = header = token_bytes = stored = None
+            return _record_ok(key, e, self.segments.read([e.location])[0])
 
     def compact(self, *, dry_run: bool = False) -> SweepReport:
         """Release every byte no live record uses: gaps a crash left, whole orphan files, empty segments.
@@ -237,6 +227,19 @@ class Sweeps:
 
         if self.index.write(drop):
             self.segments.unlink(seg_id)
+
+
+def _record_ok(key: bytes, e: Entry, view: memoryview) -> bool:
+    try:
+        header, token_bytes, stored = decode_header(view)
+        if header.key != key or header.ns_digest != e.ns_digest:
+            raise RecordError("record names another key or namespace")
+        if chain_key(header.parent_key, bytes(token_bytes)) != key:
+            raise RecordError("token ids do not hash to the key")
+        decode_payload(header, stored)
+    except RecordError:
+        return False
+    return True
 
 
 class Sweeper:
