@@ -73,7 +73,7 @@ def test_a_server_store_sweeps_on_its_own(tmp_path, ns) -> None:
         store.flush()
         assert store.tier("disk").totals()[ns.digest][0] == 12
         now[0] += 120
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # the sweeper runs at idle priority: slow on a busy machine
         while (store.tier("disk").totals() or not store.stats()["disk"]["sweeps"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert store.tier("disk").totals() == {}

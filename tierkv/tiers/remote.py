@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ from tierkv.errors import RecordError
 from tierkv.keys import BlockChain, BlockKey
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
+from tierkv.tiers.batching import BatchQueue
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +36,7 @@ DEFAULT_TIMEOUT_S = 0.5  # a slow remote must cost less than recomputing: fail f
 BREAKER_FAILURES = 3  # consecutive failures that open the breaker
 BREAKER_COOLDOWN_S = 5.0
 WRITE_BATCH = 64  # records per pipelined write
+FLUSH_TIMEOUT_S = 120.0  # flush and close never wait longer for the writer
 QUEUE_BLOCKS = 4096  # write-behind bound; past it saves are dropped and counted
 SENT_KEYS = 65536  # blocks remembered as sent, so saves of a cached prefix do not send it again
 
@@ -106,10 +107,9 @@ class RemoteTier(Tier):
         self.client = connect(url, timeout_s)
         # Blocks this process queued lately: a save does not send them again (bounded, oldest forgotten).
         self._sent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_BLOCKS)
+        self._batches: BatchQueue[Any] = BatchQueue("tierkv-remote-writer", self._write, item_nbytes=lambda _: 1,
+                                                    batch_nbytes=WRITE_BATCH)
         self._closed = False
-        self._thread = threading.Thread(target=self._writer_loop, name="tierkv-remote-writer", daemon=True)
-        self._thread.start()
 
     @staticmethod
     def redis_key(ns_digest: bytes, key: BlockKey) -> bytes:
@@ -153,11 +153,10 @@ class RemoteTier(Tier):
         if self._closed or not self.breaker.allow():
             self.counters.add("remote", "dropped_saves")
             return False
-        try:
-            self._queue.put_nowait((ns_digest, key, make, release))
-        except queue.Full:
+        if self._batches.pending >= QUEUE_BLOCKS:
             self.counters.add("remote", "dropped_saves")
             return False
+        self._batches.put((ns_digest, key, make, release))
         return True
 
     # ---------------------------------------------------------------- the Tier calls
@@ -218,31 +217,6 @@ class RemoteTier(Tier):
     def delete(self, ns_digest: bytes, key: BlockKey) -> None:
         self._call(lambda: self.client.delete(self.redis_key(ns_digest, key)), None)
 
-    def _writer_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                self._queue.task_done()
-                return
-            batch = [item]
-            while len(batch) < WRITE_BATCH:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    self._queue.task_done()
-                    break
-                batch.append(nxt)
-            try:
-                self._write(batch)
-            except Exception:  # the writer survives anything
-                log.exception("remote writer: batch failed")
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-
     def _write(self, batch: list[Any]) -> None:
         records = []
         try:
@@ -268,15 +242,14 @@ class RemoteTier(Tier):
             self.counters.add("remote", "dropped_saves", len(records))
 
     def flush(self) -> None:
-        self._queue.join()
+        self._batches.join(FLUSH_TIMEOUT_S)
 
     def close(self) -> None:
         if self._closed:
             return
         self.flush()
         self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+        self._batches.stop(FLUSH_TIMEOUT_S)
         try:
             self.client.close()
         except Exception:  # closing a dead connection

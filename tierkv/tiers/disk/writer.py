@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ import lmdb
 
 from tierkv.errors import NamespaceConflictError
 from tierkv.metrics import Counters
+from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import Entry, Hole
 from tierkv.tiers.disk.segments import SegmentDir, SegmentWriter, aligned
@@ -121,14 +121,19 @@ class Writer:
         self.batch_nbytes = batch_nbytes
         self.segment_nbytes = segment_nbytes
         self.segment: SegmentWriter | None = None  # this process's own, flock-held while it lives
-        self._queue: queue.Queue[Item | None] = queue.Queue()
         self._queued_nbytes = 0
         self._queued_keys: dict[bytes, int] = {}  # keys in the queue: a second save is not queued
         self._lock = threading.Lock()
         self._degraded_until = 0.0
         self._degraded = False  # in a failure episode (logged once)
-        self.thread = threading.Thread(target=self._loop, name="tierkv-disk-writer", daemon=True)
-        self.thread.start()
+        # Background persistence must not slow the model down. On Linux, scheduling settings made with the
+        # thread's id apply to this thread only: SCHED_IDLE runs it only on otherwise idle CPU (measured: a
+        # server with no cache hits was 9 to 16% slower than with the cache off at nice 0 or 10, on 2 cores).
+        # Under constant load the queue then fills and saves are dropped and counted: a future miss only.
+        self._batches: BatchQueue[Item] = BatchQueue(
+            "tierkv-disk-writer", self._handle, item_nbytes=lambda i: i.nbytes, batch_nbytes=batch_nbytes,
+            idle_s=TOUCH_FLUSH_INTERVAL_S, on_idle=lambda: self._guarded(self.times.flush), on_start=idle_priority)
+        self.thread = self._batches.thread
 
     # ---------------------------------------------------------------- callers' side
 
@@ -148,7 +153,7 @@ class Writer:
                 return False
             self._queued_nbytes += item.nbytes
             self._queued_keys[item.key] = 1
-        self._queue.put(item)
+        self._batches.put(item)
         return True
 
     def queued(self, keys: Sequence[bytes]) -> list[bool]:
@@ -158,7 +163,7 @@ class Writer:
     def purge(self, item: Purge) -> bool:
         if not self.thread.is_alive():
             return False
-        self._queue.put(item)
+        self._batches.put(item)
         return True
 
     def flush(self, timeout_s: float) -> bool:
@@ -167,25 +172,18 @@ class Writer:
         Never waits for ever (False, logged, after ``timeout_s`` or when the writer is gone), and never
         opens a transaction on the caller's thread: LMDB's write lock may be held by another process."""
         if self.thread.is_alive():
-            self._queue.put(Barrier())
-        deadline = time.monotonic() + timeout_s
-        with self._queue.all_tasks_done:
-            while self._queue.unfinished_tasks:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.thread.is_alive():
-                    log.warning("disk tier flush: %d queued writes not done (%s)", self._queue.unfinished_tasks,
-                                "timed out" if self.thread.is_alive() else "writer thread gone")
-                    return False
-                self._queue.all_tasks_done.wait(min(left, 1.0))
-        return True
+            self._batches.put(Barrier())
+        if self._batches.join(timeout_s):
+            return True
+        log.warning("disk tier flush: %d queued writes not done (%s)", self._batches.pending,
+                    "timed out" if self.thread.is_alive() else "writer thread gone")
+        return False
 
     def close(self) -> bool:
         """Stop the thread and seal this process's segment. False if the thread is stuck: then its segment
         and the index stay open (closing them would pull them from under a live append or commit)."""
         self.flush(FLUSH_TIMEOUT_S)
-        self._queue.put(None)
-        self.thread.join(timeout=FLUSH_TIMEOUT_S)
-        if self.thread.is_alive():
+        if not self._batches.stop(FLUSH_TIMEOUT_S):
             log.error("disk tier writer still busy after %.0f s: its segment and the index stay open until "
                       "the process exits", FLUSH_TIMEOUT_S)
             return False
@@ -201,42 +199,13 @@ class Writer:
 
     # ---------------------------------------------------------------- the thread
 
-    def _loop(self) -> None:
-        # Background persistence must not slow the model down. On Linux, scheduling settings made with the
-        # thread's id apply to this thread only: SCHED_IDLE runs it only on otherwise idle CPU (measured: a
-        # server with no cache hits was 9 to 16% slower than with the cache off at nice 0 or 10, on 2 cores).
-        # Under constant load the queue then fills and saves are dropped and counted: a future miss only.
-        idle_priority()
-        while True:
-            try:
-                item = self._queue.get(timeout=TOUCH_FLUSH_INTERVAL_S)
-            except queue.Empty:
-                self._guarded(self.times.flush)
-                continue
-            if item is None:
-                self._queue.task_done()
-                return
-            items = [item]
-            nbytes = item.nbytes
-            while nbytes < self.batch_nbytes:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)  # handled on the next turn, after this batch
-                    self._queue.task_done()
-                    break
-                items.append(nxt)
-                nbytes += nxt.nbytes
-            try:
-                self._guarded(self._write_batch, [i for i in items if isinstance(i, Put)])
-                purges = [(i.key, i.location) for i in items if isinstance(i, Purge)]
-                self._guarded(lambda found=purges: self.segments.release(self.index.remove_at(found)))
-                self._guarded(self.times.flush)
-            finally:
-                for _ in items:
-                    self._queue.task_done()
+    def _handle(self, items: list[Item]) -> None:
+        """One batch, in queue order: records appended and indexed, purges, then access times."""
+        self._guarded(self._write_batch, [i for i in items if isinstance(i, Put)])
+        purges = [(i.key, i.location) for i in items if isinstance(i, Purge)]
+        if purges:
+            self._guarded(lambda: self.segments.release(self.index.remove_at(purges)))
+        self._guarded(self.times.flush)
 
     def _guarded(self, fn: Callable[..., object], *args: Any) -> None:
         """Run a step; nothing it raises may kill the writer thread (a lost batch is only future misses)."""
