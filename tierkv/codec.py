@@ -24,7 +24,7 @@ import xxhash
 import zstandard
 
 from tierkv.errors import RecordError
-from tierkv.keys import BlockKey, NamespaceDigest
+from tierkv.keys import DTYPES, BlockKey, NamespaceDigest
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
@@ -36,8 +36,8 @@ HEADER_NBYTES = _FIELDS.size + _CHECK.size
 # must not make us allocate terabytes).
 MAX_PAYLOAD_NBYTES = 1 << 34
 
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5}
-DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_CODES = {name: code for name, (code, _) in DTYPES.items()}
+DTYPE_ITEMSIZE = {name: itemsize for name, (_, itemsize) in DTYPES.items()}
 _CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 

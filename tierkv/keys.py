@@ -24,7 +24,11 @@ NamespaceDigest = NewType("NamespaceDigest", bytes)  # 32 bytes
 
 KEY_NBYTES = 32
 LAYOUT_VERSION = 1  # bump when the canonical block layout changes: old blocks then never match
-_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+# The one table of KV dtypes: name (as torch spells it) -> (its code in a record's header, bytes per element).
+# The codes are on disk: never renumber one. codec and layout derive their views from this.
+DTYPES: dict[str, tuple[int, int]] = {
+    "float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2), "float8_e4m3fn": (4, 1), "float8_e5m2": (5, 1),
+}
 
 
 def _blake(data: bytes) -> bytes:
@@ -46,8 +50,8 @@ class Namespace:
     tenant_salt: str = ""
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"unsupported KV dtype {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unsupported KV dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -10,15 +10,10 @@ import dataclasses
 
 import torch
 
+from tierkv import keys
 from tierkv.keys import Namespace
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in keys.DTYPES}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
@@ -43,7 +38,7 @@ class KVSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def token_nbytes(self) -> int:
