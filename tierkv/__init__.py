@@ -20,12 +20,13 @@ from tierkv.errors import (
 
 if TYPE_CHECKING:
     from tierkv.codec import Codec
+    from tierkv.config import StoreConfig
     from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest, block_keys
     from tierkv.store import Hit, TieredStore
 
 _LAZY = {"Codec": "tierkv.codec", "BlockChain": "tierkv.keys", "BlockKey": "tierkv.keys",
          "Namespace": "tierkv.keys", "NamespaceDigest": "tierkv.keys", "block_keys": "tierkv.keys",
-         "Hit": "tierkv.store", "TieredStore": "tierkv.store"}
+         "Hit": "tierkv.store", "TieredStore": "tierkv.store", "StoreConfig": "tierkv.config"}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,6 +50,7 @@ __all__ = [
     "NamespaceDigest",
     "RecordError",
     "StoreFormatError",
+    "StoreConfig",
     "StoreOpenError",
     "TierKVError",
     "TieredStore",

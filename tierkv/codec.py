@@ -26,6 +26,27 @@ import zstandard
 from tierkv.errors import RecordError
 from tierkv.keys import DTYPES, BlockKey, NamespaceDigest
 
+__all__ = [
+    "Codec",
+    "DTYPE_CODES",
+    "DTYPE_ITEMSIZE",
+    "Expected",
+    "FORMAT_VERSION",
+    "HEADER_NBYTES",
+    "Header",
+    "MAGIC",
+    "MAX_NDIM",
+    "MAX_PAYLOAD_NBYTES",
+    "check_expected",
+    "check_raw_pieces",
+    "decode",
+    "decode_header",
+    "decode_payload",
+    "encode",
+    "encode_parts",
+    "parse_header",
+]
+
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
 MAX_NDIM = 6

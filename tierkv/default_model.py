@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["ByteTokenizer", "DEFAULT_MODEL_ID", "DEFAULT_SEED", "build_default_model", "default_config"]
+
 DEFAULT_MODEL_ID = "tierkv-default-llama-35m"
 DEFAULT_SEED = 20261130
 PAD_ID, BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2, 3

@@ -8,6 +8,15 @@
     └── ConfigError          a caller's mistake in an argument (size, duration, shape)
 """
 
+__all__ = [
+    "ConfigError",
+    "NamespaceConflictError",
+    "RecordError",
+    "StoreFormatError",
+    "StoreOpenError",
+    "TierKVError",
+]
+
 
 class TierKVError(Exception):
     """Base class of every error tierkv raises on purpose."""

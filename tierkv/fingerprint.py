@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import xxhash
 
+__all__ = ["config_hash", "weights_fingerprint"]
+
 
 def config_hash(model: Any) -> str:
     cfg = model.config.to_dict()

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["BACKEND", "SOURCE", "gather_blocks", "scatter_blocks"]
+
 log = logging.getLogger("tierkv.kernels")
 
 SOURCE = Path(__file__).resolve().parent.parent / "cuda_ext" / "gather_scatter.cu"

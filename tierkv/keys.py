@@ -19,6 +19,21 @@ import numpy as np
 
 from tierkv.errors import ConfigError
 
+__all__ = [
+    "BlockChain",
+    "BlockKey",
+    "DTYPES",
+    "KEY_NBYTES",
+    "LAYOUT_VERSION",
+    "Namespace",
+    "NamespaceDigest",
+    "TOKEN_NBYTES",
+    "block_keys",
+    "chain_key",
+    "root_key",
+    "tokens_to_bytes",
+]
+
 BlockKey = NewType("BlockKey", bytes)  # 32 bytes
 NamespaceDigest = NewType("NamespaceDigest", bytes)  # 32 bytes
 

@@ -13,6 +13,8 @@ import torch
 from tierkv import keys
 from tierkv.keys import Namespace
 
+__all__ = ["DTYPES", "DTYPE_NAMES", "KVSpec"]
+
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in keys.DTYPES}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 

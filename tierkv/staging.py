@@ -32,6 +32,8 @@ import torch
 
 from tierkv.metrics import Counters
 
+__all__ = ["IllegalTransition", "SlotState", "StagingRing"]
+
 log = logging.getLogger("tierkv.staging")
 
 

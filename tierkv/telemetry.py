@@ -12,6 +12,8 @@ import logging
 import threading
 from typing import Any
 
+__all__ = ["GpuSample", "free_memory_nbytes", "gpu_telemetry"]
+
 log = logging.getLogger("tierkv.telemetry")
 
 _lock = threading.Lock()

@@ -6,6 +6,8 @@ import re
 
 from tierkv.errors import ConfigError
 
+__all__ = ["format_duration", "format_size", "parse_duration", "parse_size"]
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

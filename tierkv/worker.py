@@ -28,6 +28,8 @@ from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import DTYPE_NAMES
 from tierkv.store import Hit, TieredStore
 
+__all__ = ["CachedModel", "GenerateResult", "PrefillResult", "StreamEvent"]
+
 
 @dataclasses.dataclass
 class PrefillResult:

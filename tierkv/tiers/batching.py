@@ -7,6 +7,7 @@ queues, batches, runs the handler on its thread and lets callers wait for what t
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -95,7 +96,7 @@ class BatchQueue(Generic[T]):
                 batch.append(nxt)
                 nbytes += self._item_nbytes(nxt)
             try:
-                self._run(lambda: self._handle(batch))
+                self._run(functools.partial(self._handle, batch))
             finally:
                 for _ in batch:
                     self._queue.task_done()

@@ -18,6 +18,8 @@ from tierkv.telemetry import free_memory_nbytes
 from tierkv.tiers.pool import BlockPool
 from tierkv.units import parse_size
 
+__all__ = ["AUTO_FRACTION", "GpuTier", "gpu_budget_nbytes"]
+
 log = logging.getLogger("tierkv.gpu")
 
 AUTO_FRACTION = 0.1

@@ -10,6 +10,8 @@ import torch
 from tierkv.metrics import Counters
 from tierkv.tiers.pool import BlockPool
 
+__all__ = ["HostTier"]
+
 
 class HostTier(BlockPool):
     def __init__(self, capacity_nbytes: int, *, pin: bool | None = None, counters: Counters | None = None,

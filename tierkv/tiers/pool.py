@@ -23,6 +23,8 @@ from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.target import Target
 
+__all__ = ["BlockPool", "MAX_HELD_FRACTION"]
+
 log = logging.getLogger("tierkv.pool")
 
 # Writers (disk, remote) may hold at most this share of the slots: past it they get their own copy, so a

@@ -30,6 +30,19 @@ if TYPE_CHECKING:
 
     from tierkv.tiers.target import Target
 
+__all__ = [
+    "BREAKER_COOLDOWN_S",
+    "BREAKER_FAILURES",
+    "CircuitBreaker",
+    "DEFAULT_TIMEOUT_S",
+    "FLUSH_TIMEOUT_S",
+    "QUEUE_BLOCKS",
+    "RemoteTier",
+    "SENT_KEYS",
+    "WRITE_BATCH",
+    "connect",
+]
+
 log = logging.getLogger("tierkv.remote")
 
 DEFAULT_TIMEOUT_S = 0.5  # a slow remote must cost less than recomputing: fail fast, fall back

@@ -39,6 +39,8 @@ from tierkv.tiers.disk.schema import (
 from tierkv.tiers.disk.segments import fsync_dir
 from tierkv.tiers.disk.txn import TxnGate, normal_priority
 
+__all__ = ["CORRUPT", "Index", "MAP_GROW_ATTEMPTS", "Txn", "make_private_dir"]
+
 log = logging.getLogger("tierkv.disk")
 
 MAP_GROW_ATTEMPTS = 8  # doublings of the map within one write before giving up

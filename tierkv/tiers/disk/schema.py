@@ -18,6 +18,22 @@ import struct
 
 from tierkv.tiers.disk.segments import aligned
 
+__all__ = [
+    "DBS",
+    "ENTRY",
+    "Entry",
+    "Hole",
+    "Policy",
+    "SEGMENT",
+    "SEG_ID",
+    "STORE_FORMAT_VERSION",
+    "SweepReport",
+    "TIME",
+    "TOTALS",
+    "time_key",
+    "time_of",
+]
+
 STORE_FORMAT_VERSION = 1
 DBS = ("index", "atime", "ctime", "segments", "totals", "namespaces", "meta")
 ENTRY = struct.Struct("<32sIQIdd")  # ns digest, seg_id, offset, nbytes, created_s, last_access_s

@@ -28,6 +28,17 @@ from pathlib import Path
 
 from tierkv.metrics import Counters
 
+__all__ = [
+    "ALIGN",
+    "MAX_READ_FDS",
+    "READ_CHUNK_NBYTES",
+    "SegmentDir",
+    "SegmentWriter",
+    "aligned",
+    "fsync_dir",
+    "punch_hole",
+]
+
 log = logging.getLogger("tierkv.disk")
 
 ALIGN = 4096  # file offsets and record footprints are page multiples: punchable, O_DIRECT-able

@@ -21,6 +21,8 @@ from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_of
 from tierkv.tiers.disk.segments import SegmentDir, aligned
 from tierkv.tiers.disk.txn import idle_priority
 
+__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Progress", "SWEEP_BATCH", "Sweeper", "Sweeps"]
+
 log = logging.getLogger("tierkv.disk")
 
 SWEEP_BATCH = 256  # deletions per transaction

@@ -8,6 +8,8 @@ import os
 import threading
 from collections.abc import Iterator
 
+__all__ = ["TxnGate", "WRITER_NICE", "idle_priority", "normal_priority"]
+
 WRITER_NICE = 19  # where SCHED_IDLE is refused: the lowest priority
 
 

@@ -26,6 +26,22 @@ from tierkv.tiers.disk.schema import Entry, Hole
 from tierkv.tiers.disk.segments import SegmentDir, SegmentWriter, aligned
 from tierkv.tiers.disk.txn import idle_priority
 
+__all__ = [
+    "AccessTimes",
+    "Barrier",
+    "DEFAULT_BATCH_NBYTES",
+    "DEFAULT_QUEUE_NBYTES",
+    "DEFAULT_SEGMENT_NBYTES",
+    "DEGRADED_RETRY_S",
+    "FLUSH_TIMEOUT_S",
+    "Item",
+    "Purge",
+    "Put",
+    "Record",
+    "TOUCH_FLUSH_INTERVAL_S",
+    "Writer",
+]
+
 log = logging.getLogger("tierkv.disk")
 
 DEFAULT_SEGMENT_NBYTES = 1 << 30  # roll to a new file past this; a fully dead file is unlinked
