@@ -37,9 +37,10 @@ class StoreCollector:
         if store is None:
             return
         stats = store.stats()
+        tiers = store.tier_names
         for key, (name, help_) in _STORE_COUNTERS.items():
             fam = CounterMetricFamily(name, help_, labels=["tier"])
-            for tier in store.tiers:
+            for tier in tiers:
                 fam.add_metric([tier], stats.get(tier, {}).get(key, 0))
             yield fam
         staged = CounterMetricFamily("tierkv_staging_blocks", "Blocks through the GPU staging ring, by outcome",
@@ -49,12 +50,10 @@ class StoreCollector:
         yield staged
         used = GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes held by the tier", labels=["tier"])
         cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "The tier's budget (0: none)", labels=["tier"])
-        for pool in store.pools:
-            used.add_metric([pool.name], stats[pool.name].get("used_nbytes", 0))
-            cap.add_metric([pool.name], stats[pool.name].get("capacity_nbytes", 0))
-        if store.disk is not None:
-            used.add_metric(["disk"], stats["disk"].get("live_nbytes", 0))
-            cap.add_metric(["disk"], stats["disk"].get("budget_nbytes", 0))
+        for tier in tiers:  # the tiers with a size (not the remote tier)
+            if "capacity_nbytes" in stats.get(tier, {}):
+                used.add_metric([tier], stats[tier]["used_nbytes"])
+                cap.add_metric([tier], stats[tier]["capacity_nbytes"])
         yield used
         yield cap
         yield from gpu_metrics()
