@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from tierkv.cli import main
 from tierkv.default_model import ByteTokenizer
 from tierkv.explain import MAX_LABEL, MissLog, diverge, lint
-from tierkv.server.engine import render_chat
+from tierkv.prompts import render_chat
 
 from helpers import ServerProcess
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -14,11 +13,8 @@ from typing import Any
 import click
 
 from tierkv.errors import ConfigError, TierKVError
+from tierkv.paths import DEFAULT_CACHE_DIR_HELP, default_cache_dir
 from tierkv.units import format_duration, format_size, parse_duration, parse_size
-
-
-def default_cache_dir() -> str:
-    return os.environ.get("TIERKV_CACHE_DIR") or str(Path.home() / ".cache" / "tierkv")
 
 
 def _fail(message: str, code: int) -> None:
@@ -61,7 +57,7 @@ def main() -> None:
     """tierkv: a tiered KV-cache store for LLM inference."""
 
 
-cache_dir_option = click.option("--cache-dir", default=default_cache_dir, show_default="$TIERKV_CACHE_DIR or ~/.cache/tierkv",
+cache_dir_option = click.option("--cache-dir", default=default_cache_dir, show_default=DEFAULT_CACHE_DIR_HELP,
                                 help="The store's directory.")
 
 
@@ -300,26 +296,13 @@ def _load_tokenizer(model_path: str | None) -> Any:
 
 def _read_prompt(path: str, tokenizer: Any) -> list[int]:
     """Token ids of an OpenAI request body (chat or completion JSON), or of a plain text file."""
-    from tierkv.server.engine import encode_text, render_chat
+    from tierkv.prompts import encode_request
 
     try:
         text = Path(path).read_text()
     except OSError as exc:
         _fail(f"{path}: {exc.strerror}", 2)
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return encode_text(tokenizer, text)
-    if isinstance(body, dict) and isinstance(body.get("messages"), list):
-        msgs = [{"role": m.get("role", "user"), "content": m.get("content") if isinstance(m.get("content"), str)
-                 else "".join(p.get("text", "") for p in m.get("content") or [] if isinstance(p, dict))}
-                for m in body["messages"] if isinstance(m, dict)]
-        return render_chat(tokenizer, msgs)
-    if isinstance(body, dict) and isinstance(body.get("prompt"), str):
-        return encode_text(tokenizer, body["prompt"])
-    if isinstance(body, dict) and isinstance(body.get("prompt"), list):
-        return [int(t) for t in body["prompt"]]
-    return encode_text(tokenizer, text)
+    return encode_request(tokenizer, text)
 
 
 @main.command()
@@ -364,7 +347,7 @@ def explain(first: str, second: str, model_path: str | None, block_tokens: int, 
 def lint_cmd(template: str, model_path: str | None, min_tokens: int, as_json: bool) -> None:
     """Flag dynamic-looking content (dates, times, ids, counters) placed before large stable content."""
     from tierkv.explain import lint, suggestion
-    from tierkv.server.engine import encode_text
+    from tierkv.prompts import encode_text
 
     tok = _load_tokenizer(model_path)
     try:

@@ -19,8 +19,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierkv.errors import ConfigError
+from tierkv.prompts import PromptError, encode_text, render_chat
 from tierkv.server.config import ServeConfig
-from tierkv.server.engine import Busy, ClientError, Engine, encode_text, render_chat
+from tierkv.server.engine import Busy, ClientError, Engine
 from tierkv.server.metrics import Metrics
 from tierkv.server.schemas import ChatCompletionRequest, CompletionRequest, error_body
 from tierkv.store import TieredStore
@@ -265,7 +266,7 @@ def create_app(server: Server) -> FastAPI:
             first = await events.__anext__()  # the prefill: errors surface here, before any byte is sent
         except Busy as exc:
             return _error(503, str(exc), "server_busy", headers={"Retry-After": "1"})
-        except (ClientError, ConfigError) as exc:
+        except (ClientError, PromptError, ConfigError) as exc:
             return _error(400, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
         assert first.prefill is not None
         _observe_prefill(first.prefill, t_start)

@@ -10,6 +10,7 @@ from typing import Any
 import tomllib
 
 from tierkv.errors import ConfigError
+from tierkv.paths import default_cache_dir
 from tierkv.units import parse_duration, parse_size
 
 
@@ -70,7 +71,7 @@ class ServeConfig:
         return cls(**{name: _coerce(name, value) for name, value in values.items()})
 
     def resolved_cache_dir(self) -> str:
-        return self.cache_dir or os.environ.get("TIERKV_CACHE_DIR") or str(Path.home() / ".cache" / "tierkv")
+        return self.cache_dir or default_cache_dir()
 
 
 # Option names as given (--sweep-interval, TIERKV_SWEEP_INTERVAL, sweep_interval in TOML) -> field names.

@@ -14,12 +14,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+# render_chat lives in tierkv.prompts; re-exported while tests/test_real_model.py imports it from here.
+from tierkv.prompts import render_chat as render_chat
 from tierkv.worker import CachedModel, StreamEvent
 
 log = logging.getLogger("tierkv.server")
-
-PLAIN_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"  # per message; then "<|assistant|>\n" opens the reply
-PLAIN_CHAT_GENERATION_PROMPT = "<|assistant|>\n"
 
 
 class Busy(Exception):
@@ -33,33 +32,6 @@ class ClientError(Exception):
         super().__init__(message)
         self.param = param
         self.code = code
-
-
-def encode_text(tokenizer: Any, text: str, special: bool = True, param: str = "prompt") -> list[int]:
-    from tierkv.default_model import ByteTokenizer
-
-    try:
-        if isinstance(tokenizer, ByteTokenizer):
-            return tokenizer.encode(text, add_bos=special)
-        text.encode("utf-8")  # JSON may carry lone surrogates (\ud800): no tokenizer takes them
-        return list(tokenizer.encode(text, add_special_tokens=special))
-    except UnicodeEncodeError as exc:
-        raise ClientError(f"{param}: the text is not valid Unicode ({exc.reason} at character {exc.start})",
-                          param) from None
-
-
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat: the tokenizer's own chat template when it has one, else the plain template.
-
-    The plain template renders each message as ``<|role|>\\ncontent\\n`` and ends with ``<|assistant|>\\n``;
-    appending a message never changes how the earlier ones render, so a conversation's history is a
-    token-exact prefix of its next turn (and hits the cache).
-    """
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return encode_text(tokenizer, text, special=False, param="messages")
-    text = "".join(PLAIN_CHAT_TEMPLATE.format(**m) for m in messages) + PLAIN_CHAT_GENERATION_PROMPT
-    return encode_text(tokenizer, text, param="messages")
 
 
 _END = object()
@@ -95,7 +67,7 @@ class Engine:
     async def stream(self, make: Callable[[], Iterator[StreamEvent]]) -> AsyncIterator[StreamEvent]:
         """Run ``make()`` (tokenize, then ``cm.stream``) on the model thread; yield its events here.
 
-        Raises ``Busy`` at once when the queue is full, and whatever ``make`` raised (``ClientError``).
+        Raises ``Busy`` at once when the queue is full, and whatever ``make`` raised (``ClientError``, ``PromptError``).
         Closing the iterator early (a client that went away) stops generation after the current token.
         """
         self._admit()
