@@ -170,8 +170,8 @@ def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | N
 def serve(config_file: str | None, cache_dir: str, **options: Any) -> None:
     """Run the OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; /metrics; /health)."""
     try:
-        from tierkv.server.app import serve as run
         from tierkv.server.config import ServeConfig
+        from tierkv.server.startup import serve as run
     except ImportError as exc:
         _fail(f"the server needs the 'serve' extra: pip install 'tierkv[serve]' ({exc})", 1)
     cli = {k: v for k, v in options.items() if v is not None}

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -64,7 +64,7 @@ class Engine:
                 f"{prompt_tokens} prompt tokens and {max_tokens} completion tokens", param,
                 "context_length_exceeded")
 
-    async def stream(self, make: Callable[[], Iterator[StreamEvent]]) -> AsyncIterator[StreamEvent]:
+    async def stream(self, make: Callable[[], Iterator[StreamEvent]]) -> AsyncGenerator[StreamEvent, None]:
         """Run ``make()`` (tokenize, then ``cm.stream``) on the model thread; yield its events here.
 
         Raises ``Busy`` at once when the queue is full, and whatever ``make`` raised (``ClientError``, ``PromptError``).

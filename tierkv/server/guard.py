@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyGuard:
@@ -23,8 +19,7 @@ class BodyGuard:
         self.max_nbytes = max_nbytes
         self.timeout_s = timeout_s
 
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
-                       send: Callable[[Message], Awaitable[None]]) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
@@ -76,7 +71,7 @@ class BodyGuard:
         await self.app(scope, replay, send)
 
 
-async def _reply(send: Callable[[Message], Awaitable[None]], status: int, message: str) -> None:
+async def _reply(send: Send, status: int, message: str) -> None:
     kind = "invalid_request_error"
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
     await send({"type": "http.response.start", "status": status,

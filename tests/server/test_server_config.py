@@ -6,7 +6,7 @@ from click.testing import CliRunner
 from tierkv import TieredStore
 from tierkv.cli import main
 from tierkv.errors import ConfigError
-from tierkv.server import app as app_module
+from tierkv.server import startup, state
 from tierkv.server.config import ServeConfig
 
 
@@ -14,7 +14,7 @@ from tierkv.server.config import ServeConfig
 def served(monkeypatch):
     """`tierkv serve ...` up to the point where it would load the model: the ServeConfig it built."""
     configs: list[ServeConfig] = []
-    monkeypatch.setattr(app_module, "serve", configs.append)
+    monkeypatch.setattr(startup, "serve", configs.append)
     for name in ("TIERKV_ADMIN_TOKEN", "TIERKV_ADMIN_TOKEN_FILE", "TIERKV_SWEEP_INTERVAL", "TIERKV_SWEEP_INTERVAL_S"):
         monkeypatch.delenv(name, raising=False)
 
@@ -51,7 +51,7 @@ def test_sweep_interval_reaches_the_store(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(TieredStore, "open", spy)
     config = ServeConfig.load({"cache_dir": str(tmp_path), "sweep_interval_s": "30s", "host_cache": "1MiB"}, env={})
-    app_module.open_store(config).close()
+    state.open_store(config).close()
     assert seen["sweep_interval_s"] == 30.0
 
 

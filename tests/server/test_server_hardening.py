@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tierkv.explain import MissLog
-from tierkv.server import app as app_module
-from tierkv.server.app import create_app, load_server
+from tierkv.server import admin
+from tierkv.server.app import create_app
 from tierkv.server.config import ServeConfig
 from tierkv.server.guard import BodyGuard
+from tierkv.server.state import load_server
 
 from helpers import free_port
 
@@ -226,7 +227,7 @@ def test_admin_token_is_compared_in_constant_time(live, monkeypatch) -> None:
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(admin.hmac, "compare_digest", spy)
     with live.client() as c:
         assert c.get("/admin/stats", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
         assert c.get("/admin/stats", headers={"Authorization": "Bearer wrong"}).status_code == 401

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tierkv.default_model import ByteTokenizer
-from tierkv.server.engine import render_chat
+from tierkv.prompts import render_chat
 
 from helpers import ServerProcess
 

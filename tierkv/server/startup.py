@@ -1,0 +1,61 @@
+"""``tierkv serve``: load the model and the store, say what runs where, serve until SIGTERM, exit 0."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from tierkv.server.app import create_app
+from tierkv.server.config import ServeConfig
+from tierkv.server.guard import BodyGuard
+from tierkv.server.state import load_server
+
+log = logging.getLogger("tierkv.server")
+
+
+def serve(config: ServeConfig) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = load_server(config)
+    ns = server.cm.base_namespace
+    if server.store is not None:  # allocate (and pre-fault) the memory tiers now, not during the first request
+        server.store.reserve(ns)
+    tiers = ["none (--no-cache)"] if server.store is None else server.store.describe()
+    log.info("tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
+             ns.model_id, server.cm.device, ns.dtype, ns.digest.hex()[:16], ns.block_tokens, ", ".join(tiers),
+             config.host, config.port)
+    app = BodyGuard(create_app(server), max_nbytes=config.max_body, timeout_s=config.body_timeout)
+    _GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                   timeout_graceful_shutdown=60)).run()
+
+
+class _GracefulServer:
+    """uvicorn's server, but SIGTERM ends in exit code 0 after the graceful shutdown.
+
+    uvicorn re-raises a captured SIGTERM once it has shut down, which makes the process die of it (143):
+    service managers read that as a failure. We finish the running request and flush the store first.
+    """
+
+    def __new__(cls, config: Any) -> Any:
+        import signal
+        import threading
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+        return Server(config)

@@ -1,0 +1,66 @@
+"""What the app serves: the store, the model, the executor, the metrics and the miss log, built from a ServeConfig."""
+
+from __future__ import annotations
+
+import torch
+
+from tierkv.server.config import ServeConfig
+from tierkv.server.engine import Engine
+from tierkv.server.metrics import Metrics
+from tierkv.store import TieredStore
+from tierkv.tiers.gpu import gpu_budget_nbytes
+from tierkv.worker import CachedModel
+
+
+class Server:
+    """What the app serves: the store, the model, the executor and the metrics."""
+
+    def __init__(self, config: ServeConfig, cm: CachedModel, store: TieredStore | None) -> None:
+        self.config = config
+        self.cm = cm
+        self.store = store
+        max_context = config.max_context or int(getattr(cm.model.config, "max_position_embeddings", 4096))
+        self.engine = Engine(cm, max_queue=config.max_queue, max_context=max_context,
+                             use_cache=not config.no_cache and store is not None)
+        self.metrics = Metrics(self)
+        self.model_name = cm.base_namespace.model_id
+        # Token ids the model's embedding can look up: any other id is an IndexError on CPU and a
+        # device-side assert on a GPU (which poisons the CUDA context for every later request).
+        self.vocab_size = int(cm.model.get_input_embeddings().num_embeddings)
+        from tierkv.explain import MissLog
+
+        self.misses = MissLog(debug_prompts=config.debug_prompts)
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.store is not None:
+            self.store.flush()
+            self.store.close()
+
+
+def load_server(config: ServeConfig) -> Server:
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    else:
+        dtype = getattr(torch, config.dtype)
+    store = None if config.no_cache else open_store(config)
+    if config.model:
+        cm = CachedModel.from_pretrained(config.model, store, dtype=dtype, device=device,
+                                         block_tokens=config.block_tokens, revision=config.revision)
+    else:
+        cm = CachedModel.default(store, dtype=dtype, device=device, block_tokens=config.block_tokens)
+    if store is not None:  # sized after the model is loaded, so a fraction sees its weights as used
+        gpu_nbytes = gpu_budget_nbytes(config.gpu_cache, cm.device)
+        if gpu_nbytes:
+            store.add_gpu_tier(gpu_nbytes, cm.device)
+    return Server(config, cm, store)
+
+
+def open_store(config: ServeConfig) -> TieredStore:
+    return TieredStore.open(config.resolved_cache_dir(), host_bytes=config.host_cache,
+                            disk_bytes=config.disk_budget, ttl_s=config.ttl, remote=config.remote,
+                            remote_admit_after=config.remote_admit_after,
+                            sweep_interval_s=config.sweep_interval_s)
