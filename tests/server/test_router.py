@@ -3,7 +3,7 @@
 import json
 import urllib.request
 
-from tierkv.bench.scaleout import start_router
+from tierkv.bench.serving import start_router
 from tierkv.server.router import Ring, Router, routing_key
 
 from helpers import ServerProcess

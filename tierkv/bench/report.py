@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-
-def md_table(header: Sequence[str], align: str, rows: Iterable[Sequence[object]]) -> list[str]:
-    """A markdown table's lines: ``align`` has one letter per column, ``l`` (text) or ``r`` (numbers)."""
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+from tierkv.bench import plan, restart, scaleout, tiers, ttft, workloads
 
 
 def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> list[Path]:
-    from tierkv.bench import plan, restart, scaleout, tiers, ttft, workloads
-
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     previous = out_dir / "results.json"

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench.machine import drop_page_cache
-from tierkv.bench.report import md_table
-from tierkv.bench.workloads import WORDS, _Server
+from tierkv.bench.serving import ServeProcess
+from tierkv.bench.table import md_table
+from tierkv.bench.workloads import WORDS
 
 
 def _system_prompt(nwords: int) -> str:
@@ -40,7 +41,7 @@ def run(base: Path, *, model: str = "smollm2", tokens: int = 3000, max_tokens: i
         start_s = None
         if srv is None:
             t0 = time.perf_counter()
-            srv = _Server("--model", model, "--cache-dir", str(cache), "--host-cache", "1GiB", *server_args)
+            srv = ServeProcess("--model", model, "--cache-dir", str(cache), "--host-cache", "1GiB", *server_args)
             start_s = time.perf_counter() - t0
             srv.chat([{"role": "user", "content": "warm-up"}], 1)  # the code path, not this prompt's blocks
         r = srv.chat(messages, max_tokens)

@@ -5,29 +5,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench.report import md_table
-from tierkv.bench.workloads import _Server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tierkv.bench.serving import ServeProcess, free_port, start_router
+from tierkv.bench.table import md_table
 
 
 def _redis() -> tuple[subprocess.Popen[bytes], str] | None:
     if shutil.which("redis-server") is None:
         return None
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.3)
@@ -44,22 +36,7 @@ def _chat(url: str, system: str, user: str) -> tuple[float, dict[str, Any]]:
     return time.perf_counter() - t0, out["usage"]
 
 
-def start_router(worker_urls: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    """``tierkv route`` in front of ``worker_urls`` on a free loopback port, once it answers /health."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "route", "--workers", ",".join(worker_urls),
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    return proc, url
-
-
-def _one(workers: list[_Server], systems: list[str], rounds: int, remote: bool, routed: bool) -> dict[str, Any]:
+def _one(workers: list[ServeProcess], systems: list[str], rounds: int, remote: bool, routed: bool) -> dict[str, Any]:
     router = None
     url = None
     try:
@@ -93,7 +70,7 @@ def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
             extra = ["--remote", redis[1]] if remote and redis else []
             # One pair of workers per remote setting; each routing mode gets prompts of its own, so the
             # two modes never share cached blocks.
-            workers = [_Server("--cache-dir", str(base / f"{'remote' if remote else 'local'}-{w}"), *extra)
+            workers = [ServeProcess("--cache-dir", str(base / f"{'remote' if remote else 'local'}-{w}"), *extra)
                        for w in range(2)]
             try:
                 for routed in (False, True):

@@ -10,21 +10,16 @@ chunk, which the server sends right after the prefill).
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench.report import md_table
+from tierkv.bench.serving import ServeProcess
+from tierkv.bench.table import md_table
 
 WORDS = ("cache prefix token block restore disk memory tier model request user system rule answer "
          "document context latency budget expire verify namespace tenant batch segment index").split()
@@ -38,59 +33,6 @@ def _text(rng: random.Random, nchars: int) -> str:
         out.append(w)
         n += len(w) + 1
     return " ".join(out)[:nchars]
-
-
-class _Server:
-    def __init__(self, *args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "serve", "--port", str(self.port),
-                                      "--host-cache", "1GiB", "--max-queue", "64", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"server exited: {self.log.read()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError("server did not start")
-
-    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        t0 = time.perf_counter()
-        ttft = None
-        text, usage = [], None
-        with urllib.request.urlopen(req, timeout=600) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                if line == "data: [DONE]":
-                    break
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for c in chunk.get("choices", []):
-                    text.append(c.get("delta", {}).get("content") or "")
-        assert usage is not None and ttft is not None
-        return {"ttft_s": ttft, "usage": usage, "text": "".join(text)}
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
-        self.log.close()
 
 
 def _workloads(quick: bool) -> dict[str, list[list[list[dict[str, str]]]]]:
@@ -119,7 +61,7 @@ def _workloads(quick: bool) -> dict[str, list[list[list[dict[str, str]]]]]:
     return out
 
 
-def _run_one(srv: _Server, name: str, spec: Any, max_tokens: int) -> list[dict[str, Any]]:
+def _run_one(srv: ServeProcess, name: str, spec: Any, max_tokens: int) -> list[dict[str, Any]]:
     results = []
     if name == "multi-turn chat":
         for c in range(spec["conversations"]):
@@ -150,7 +92,7 @@ def run(base: Path, *, quick: bool = False, max_tokens: int = 8, model: str | No
                                       "model": f"{model} (CPU)" if model else "embedded default (CPU)"}, "rows": []}
     model_args = ["--model", model] if model else []
     for mode, args in (("cache on", ["--cache-dir", str(base / "cache")]), ("cache off", ["--no-cache"])):
-        srv = _Server(*model_args, *args)
+        srv = ServeProcess(*model_args, *args)
         try:
             srv.chat([{"role": "user", "content": "warm-up"}], 1)
             for name, spec in specs.items():
