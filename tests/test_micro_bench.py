@@ -58,9 +58,11 @@ def test_host_tier_put_get(benchmark) -> None:
     toks = list(range(1024))
     with TieredStore.open(None, host_bytes=64 * SPEC.block_nbytes) as store:
         out = torch.empty_like(kv)
+        host = store.tier("host")
+        assert host is not None
 
         def put_get() -> int:
-            store.host.clear()
+            host.clear()
             store.save(NS, toks, kv)
             return store.load(NS, toks, out=out)[0]
 

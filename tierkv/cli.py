@@ -226,8 +226,8 @@ def bench(quick: bool, only: str, plan_only: bool, model_path: str | None, confi
             click.echo(plan.markdown(results["plan"]["measured"], results["plan"]["computed"]) + "\n")
         if "ttft" in parts:
             results["ttft"] = []
-            models = [model_path or config_name] if (model_path or config_name) else (
-                ["default"] if quick else list(ttft.MODELS))
+            chosen = model_path or config_name
+            models = [chosen] if chosen else (["default"] if quick else list(ttft.MODELS))
             for name in models:
                 lengths: tuple[int, ...] | None
                 if quick:

@@ -55,7 +55,7 @@ def ring_vs_torch(nbytes: int = 1 << 30, block_nbytes: int = 8 << 20) -> dict[st
 
 
 def gather_vs_loop(num_blocks: int = 1000, layers: int = 16, heads: int = 8, head_dim: int = 128,
-                   block_tokens: int = 64) -> dict[str, float]:
+                   block_tokens: int = 64) -> dict[str, Any]:
     from tierkv import kernels
 
     T = num_blocks * block_tokens
@@ -93,7 +93,7 @@ def restore_h2d(nbytes: int = 1 << 30) -> dict[str, float]:
         store.save(ns, ids, kv)
         out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
         hit, got = store.restore(ns, ids, out=out)
-        assert hit.by_tier["host"] == tokens and torch.equal(got.cpu(), kv), "restore is not exact"
+        assert got is not None and hit.by_tier["host"] == tokens and torch.equal(got.cpu(), kv), "restore is not exact"
         restore_s = _timed(lambda: store.restore(ns, ids, out=out))
     return {"torch_h2d_GBps": nbytes / torch_s / 1e9, "restore_h2d_GBps": nbytes / restore_s / 1e9,
             "restore_over_torch": torch_s / restore_s}
@@ -104,10 +104,12 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
 
     from tierkv import TieredStore
     from tierkv.default_model import ByteTokenizer, build_default_model
+    from tierkv.tiers.pool import BlockPool
     from tierkv.worker import CachedModel
 
-    cfg = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, max_position_embeddings=32768)
+    cfg: dict[str, Any] = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                               max_position_embeddings=32768)
     model = build_default_model(torch.bfloat16, **cfg).cuda()
     tok = ByteTokenizer()
     rows = []
@@ -130,7 +132,9 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
                 row["gpu_ms"] = _timed(lambda cm=cm, ids=ids, hits=hits: hits.append(cm.prefill(ids).hit.by_tier),
                                        repeat=3) * 1e3
                 assert hits[-1]["gpu"] == L, hits[-1]
-                row["host_ms"] = _timed(lambda cm=cm, ids=ids: (store.gpu.clear(), cm.prefill(ids)),  # type: ignore[union-attr]
+                gpu = store.tier("gpu")
+                assert isinstance(gpu, BlockPool)
+                row["host_ms"] = _timed(lambda cm=cm, ids=ids, gpu=gpu: (gpu.clear(), cm.prefill(ids)),
                                         repeat=3) * 1e3
                 store.flush()
             with TieredStore.open(d, host_bytes=0) as store:  # the disk tier, page cache warm

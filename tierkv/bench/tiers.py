@@ -113,7 +113,7 @@ def _naive_lmdb(dirpath: Path, blocks: list[bytes], runs: int) -> list[float]:
         total = 0
         with env.begin(buffers=True) as txn:
             for k in order:
-                total += len(txn.get(k))
+                total += len(txn.get(k) or b"")
         results.append(total / (time.perf_counter() - t0))
         env.close()
     shutil.rmtree(dirpath)
@@ -193,7 +193,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             for toks in prompts:
                 store.save(NS, toks, kv)
             store.flush()
-            ratio = data_nbytes / store.disk.usage()["live_nbytes"]
+            ratio = data_nbytes / store.stats()["disk"]["used_nbytes"]
         rows[f"restore {codec_} (ratio {ratio:.2f}), cold"] = summary(
             _restores(store_dir, prompts, out, runs, cold=True)[0])
 

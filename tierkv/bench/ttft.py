@@ -109,7 +109,8 @@ def run(base: Path, *, model: str = "default", lengths: tuple[int, ...] | None =
         row: dict[str, Any] = {"tokens": L + 1, "kv_nbytes": L * token_nbytes}
         with TieredStore.open(store_dir, host_bytes=L * token_nbytes + (64 << 20)) as store:
             cm.store = store
-            cold, nohit = [], []
+            cold: list[float] = []
+            nohit: list[float] = []
             cm.prefill(ids[: L // 2], use_cache=False)  # warm-up
             for r in range(runs):
                 fresh = [(t + r + 1) % (vocab - 3) + 3 for t in ids]  # nothing cached: a new prompt each run
