@@ -10,14 +10,7 @@ import torch
 from tierkv import TieredStore
 from tierkv.tiers.remote import CircuitBreaker
 
-from helpers import RedisServer, ServerProcess, make_kv
-
-
-@pytest.fixture
-def redis_server():
-    srv = RedisServer()
-    yield srv
-    srv.kill()
+from helpers import ServerProcess, make_kv
 
 
 def test_a_prefix_saved_by_worker_a_is_a_remote_hit_on_worker_b(tmp_path, ns, redis_server) -> None:
