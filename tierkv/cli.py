@@ -383,5 +383,8 @@ def _progress(show: bool, label: str) -> Iterator[Callable[[int], None] | None]:
         click.echo("", err=True)
 
 
+__all__ = ["main"]
+
+
 if __name__ == "__main__":
     main()

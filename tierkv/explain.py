@@ -208,3 +208,6 @@ def _diff_text(tokenizer: Any, this: Sequence[int], earlier: Sequence[int], pos:
         tail = re.match(r"\S*", after)
         return repr((head.group(0) if head else "") + (tail.group(0) if tail else ""))
     return f"{word(this)} against {word(earlier)}"
+
+
+__all__ = ["MAX_LABEL", "Divergence", "Finding", "MissLog", "around", "diverge", "lint", "show", "suggestion"]

@@ -51,3 +51,6 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
         "namespaces": sorted(per_ns.values(), key=lambda r: -r["nbytes"]),
         "gpus": [dataclasses.asdict(g) for g in gpu_telemetry()],  # NVML, device-wide; [] without a GPU
     }
+
+
+__all__ = ["AGE_BUCKETS_S", "store_stats"]

@@ -50,3 +50,6 @@ def run_gc(disk: DiskTier, *, ttl_s: float | None = None, max_age_s: float | Non
     if compact:
         report += disk.compact(dry_run=dry_run)
     return {**dataclasses.asdict(report), "dry_run": dry_run, "live_nbytes": disk.usage()["live_nbytes"]}
+
+
+__all__ = ["ProgressFactory", "resolve_namespace", "run_gc"]

@@ -7,3 +7,5 @@ prompt across a server restart), ``scaleout`` (two workers), ``plan`` (break-eve
 markdown, plots, over the parts), ``serving`` (server and router subprocesses), ``table`` (markdown tables),
 ``machine`` (what it ran on, dropping the page cache).
 """
+
+__all__: list[str] = []

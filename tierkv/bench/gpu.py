@@ -199,5 +199,8 @@ def main() -> None:
               f"{t['pcie_rx_Bps'] / 1e9:.2f} GB/s in")
 
 
+__all__ = ["gather_vs_loop", "main", "restore_h2d", "ring_vs_torch", "ttft_1b"]
+
+
 if __name__ == "__main__":
     main()

@@ -65,3 +65,6 @@ def drop_page_cache(paths: list[Path]) -> str:
 def summary(xs: list[float]) -> dict[str, float]:
     """Median and spread of repeated measurements."""
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+__all__ = ["describe", "drop_page_cache", "summary", "tag"]

@@ -89,3 +89,6 @@ def markdown(m: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['shape']} | {r['kv_bytes_per_token'] / 1024:.0f} KiB | {r['prefill_tokens_per_s']:.0f} | "
                          f"{r['break_even_Bps'] / 1e9:.2f} GB/s |")
     return "\n".join(lines)
+
+
+__all__ = ["GPUS", "SHAPES", "computed", "markdown", "measured"]

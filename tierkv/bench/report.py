@@ -89,3 +89,6 @@ def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         fig.savefig(files[-1], dpi=110)
         plt.close(fig)
     return files
+
+
+__all__ = ["write"]

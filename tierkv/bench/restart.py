@@ -77,3 +77,6 @@ def markdown(res: dict[str, Any]) -> str:
     return (f"Model `{res['config']['model']}`{' (' + extra + ')' if extra else ''} through HTTP, greedy, {res['config']['max_tokens']} tokens: {same} "
             f"(\"{res['calls'][0]['text'].strip()[:80]}\"); page cache dropped via {res['config']['cold_method']}.\n\n"
             + table)
+
+
+__all__ = ["markdown", "run"]

@@ -99,3 +99,6 @@ def markdown(res: dict[str, Any]) -> str:
                          f"{100 * r['hit_rate']:.1f}%", r["computed_tokens"], f"{r['ttft_p50_s'] * 1e3:.0f}",
                          f"{r['total_s']:.1f}"] for r in res["rows"]))]
     return "\n".join(lines)
+
+
+__all__ = ["markdown", "run"]

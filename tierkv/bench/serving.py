@@ -85,3 +85,6 @@ def start_router(worker_urls: list[str]) -> tuple[subprocess.Popen[bytes], str]:
         except OSError:
             time.sleep(0.1)
     return proc, url
+
+
+__all__ = ["ServeProcess", "free_port", "start_router"]

@@ -254,3 +254,6 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", "| ratio | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in res["ratios"].items()]
     return "\n".join(lines)
+
+
+__all__ = ["NS", "PROMPT_TOKENS", "markdown", "run"]

@@ -192,3 +192,6 @@ def beside_seeds(res: dict[str, Any]) -> str:
         lines.append(f"| `{res['config']['model']}` | {r['tokens']:,} | {cold * 1e3:,.0f} ms | {host * 1e3:.0f} ms "
                      f"({disk * 1e3:.0f} ms) | {cold / host:.0f}x ({cold / disk:.0f}x) |")
     return "\n".join(lines)
+
+
+__all__ = ["MODELS", "SEED_HEADLINE", "beside_seeds", "default_lengths", "markdown", "run"]

@@ -111,6 +111,9 @@ def markdown(res: dict[str, Any]) -> str:
           f"{r['ttft_p95_s'] * 1e3:.0f}"] for r in res["rows"])))
 
 
+__all__ = ["WORDS", "markdown", "run"]
+
+
 if __name__ == "__main__":  # pragma: no cover - a manual entry point
     with tempfile.TemporaryDirectory(dir=os.getcwd()) as d:
         print(markdown(run(Path(d), quick="--quick" in sys.argv)))

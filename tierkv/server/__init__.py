@@ -2,3 +2,5 @@
 
 Needs the ``serve`` extra (FastAPI, uvicorn, prometheus-client, transformers).
 """
+
+__all__: list[str] = []

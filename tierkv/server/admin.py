@@ -93,3 +93,6 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
         except ConfigError as exc:
             return error(400, str(exc))
         return JSON(out)
+
+
+__all__ = ["GC_OPTIONS", "add_admin_routes", "gc_options"]

@@ -75,3 +75,6 @@ def create_app(server: Server) -> FastAPI:
     add_completion_routes(app, server)
     add_admin_routes(app, server)
     return app
+
+
+__all__ = ["create_app"]

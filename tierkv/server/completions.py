@@ -184,3 +184,6 @@ def _usage(result: GenerateResult) -> dict[str, Any]:
         "tierkv": {"cached_tokens_by_tier": pre.hit.by_tier, "restore_ms": round(pre.restore_s * 1e3, 3),
                    "prefill_ms": round((pre.restore_s + pre.forward_s) * 1e3, 3)},
     }
+
+
+__all__ = ["FLOAT32_TINY", "GREEDY_BELOW", "add_completion_routes", "sampling"]

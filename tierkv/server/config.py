@@ -126,3 +126,6 @@ def _float_or(text: str, default: float) -> float:
         return float(text)
     except ValueError:
         return default
+
+
+__all__ = ["ServeConfig", "read_token_file"]

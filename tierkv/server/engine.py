@@ -110,3 +110,6 @@ class Engine:
         t0 = time.perf_counter()
         self._executor.shutdown(wait=True)
         log.info("model executor stopped in %.1f s", time.perf_counter() - t0)
+
+
+__all__ = ["Busy", "ClientError", "Engine", "render_chat"]

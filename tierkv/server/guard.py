@@ -78,3 +78,6 @@ async def _reply(send: Send, status: int, message: str) -> None:
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["BodyGuard"]

@@ -92,3 +92,6 @@ class Metrics:
         self.restore = Histogram("tierkv_restore_seconds", "Time to restore a cached prefix",
                                  buckets=_LATENCY_BUCKETS_S, registry=self.registry)
         self.registry.register(StoreCollector(server))
+
+
+__all__ = ["Metrics", "StoreCollector", "gpu_metrics"]

@@ -48,3 +48,6 @@ class CountAndCatch:
         finally:
             route = getattr(scope.get("route"), "path", None)  # set by the router once a route matched
             self.metrics.requests.labels(route or "unmatched", str(status)).inc()
+
+
+__all__ = ["CountAndCatch"]

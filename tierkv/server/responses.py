@@ -41,3 +41,6 @@ async def json_object(request: Request) -> dict[str, Any] | JSON:
     if not isinstance(obj, dict):
         return error(400, "the request body must be a JSON object")
     return obj
+
+
+__all__ = ["JSON", "error", "json_object", "sse"]

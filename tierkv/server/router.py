@@ -197,3 +197,6 @@ def route(workers: list[str], host: str, port: int, prefix_chars: int, max_infli
     log.info("tierkv route: %d workers, prefix %d chars, spill past %d in flight, http://%s:%d",
              len(workers), prefix_chars, max_inflight, host, port)
     uvicorn.run(create_router_app(router), host=host, port=port, log_level="warning")
+
+
+__all__ = ["VNODES", "Ring", "Router", "create_router_app", "route", "routing_key"]

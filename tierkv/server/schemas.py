@@ -97,3 +97,7 @@ class ChatCompletionRequest(_Common):
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+__all__ = ["MAX_STOP", "SEED_MAX", "SEED_MIN", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "StreamOptions", "error_body"]

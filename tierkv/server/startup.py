@@ -59,3 +59,6 @@ class _GracefulServer:
                         signal.signal(sig, handler)
 
         return Server(config)
+
+
+__all__ = ["serve"]

@@ -64,3 +64,6 @@ def open_store(config: ServeConfig) -> TieredStore:
                             disk_bytes=config.disk_budget, ttl_s=config.ttl, remote=config.remote,
                             remote_admit_after=config.remote_admit_after,
                             sweep_interval_s=config.sweep_interval_s)
+
+
+__all__ = ["Server", "load_server", "open_store"]
