@@ -1,0 +1,185 @@
+"""The write-behind (tierkv/write_behind.py) on real tiers: a host pool and a disk tier in a temp folder."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tierkv import codec
+from tierkv.keys import BlockChain
+from tierkv.layout import KVSpec
+from tierkv.metrics import Counters
+from tierkv.tiers.base import Tier
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.host import HostTier
+from tierkv.tiers.target import Stagers
+from tierkv.write_behind import WriteBehind
+
+from helpers import make_kv
+
+N = 4  # blocks per prompt
+
+
+def _wb(tiers: list[Tier], counters: Counters, staging: bool | None) -> WriteBehind:
+    return WriteBehind(tiers, codec_=codec.Codec.RAW, clock=time.time, counters=counters, staging=staging,
+                       staging_nbytes=1 << 20, staging_wait_s=1.0)
+
+
+@pytest.fixture
+def counters() -> Counters:
+    return Counters()
+
+
+@pytest.fixture
+def host(counters) -> HostTier:
+    return HostTier(1 << 20, pin=False, counters=counters)
+
+
+@pytest.fixture
+def disk(tmp_path, counters):
+    d = DiskTier(tmp_path / "disk", sync=False, counters=counters)
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def chain_kv(ns):
+    toks = list(range(N * ns.block_tokens))
+    return BlockChain.of(ns, toks), make_kv(ns, len(toks), seed=11)
+
+
+def _blocks(ns, kv: torch.Tensor, first: int = 0) -> list[torch.Tensor]:
+    B = ns.block_tokens
+    return [kv[:, :, i * B : (i + 1) * B] for i in range(first, kv.shape[2] // B)]
+
+
+def _read(tier: Tier, chain: BlockChain, count: int) -> torch.Tensor | None:
+    """Blocks 0..count-1 as the tier serves them, None unless it holds every one."""
+    spec = KVSpec.of(chain.ns)
+    dest = torch.zeros(spec.shape(count * spec.block_tokens), dtype=spec.dtype)
+    with Stagers().target(dest, spec) as target:
+        got = tier.read_into(chain, 0, count, target)
+    return dest if got == count else None
+
+
+def _written(counters: Counters, name: str) -> int:
+    return counters.snapshot().get(name, {}).get("blocks_written", 0)
+
+
+def _flush(wb: WriteBehind, *tiers: Tier) -> None:
+    wb.flush()
+    for t in tiers:
+        t.flush()
+
+
+@pytest.mark.parametrize("staging", [None, True], ids=["direct", "staging-ring"])
+def test_a_save_of_cpu_blocks_reaches_host_and_disk(ns, host, disk, counters, chain_kv, staging) -> None:
+    chain, kv = chain_kv
+    wb = _wb([host, disk], counters, staging)
+    try:
+        assert wb.save(chain, 0, _blocks(ns, kv)) == N
+        _flush(wb, disk)
+        assert host.probe(chain, range(N)) == [True] * N
+        assert disk.probe(chain, range(N)) == [True] * N
+        assert torch.equal(_read(host, chain, N), kv) and torch.equal(_read(disk, chain, N), kv)
+        assert _written(counters, "host") == N and _written(counters, "disk") == N
+    finally:
+        wb.close()
+
+
+def _stall(disk: DiskTier, ns) -> threading.Event:
+    """Hold the disk writer thread inside a batch until the returned event is set: what is queued next
+    is encoded only after that (the writer encodes records on its own thread)."""
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def record() -> list[bytes]:
+        entered.set()
+        gate.wait(60)
+        return [b"an unrelated record"]
+
+    assert disk.put(ns.digest, bytes(32), record, 32, time.time())
+    assert entered.wait(60)
+    return gate
+
+
+@pytest.mark.parametrize("with_host", [True, False], ids=["held-host-slot", "private-copy"])
+@pytest.mark.parametrize("staging", [None, True], ids=["direct", "staging-ring"])
+def test_a_reused_source_buffer_does_not_change_what_was_saved(ns, host, disk, counters, chain_kv, with_host,
+                                                               staging) -> None:
+    chain, kv = chain_kv
+    tiers: list[Tier] = [host, disk] if with_host else [disk]
+    wb = _wb(tiers, counters, staging)
+    gate = _stall(disk, ns)
+    try:
+        source = kv.clone()  # the caller's buffer
+        assert wb.save(chain, 0, _blocks(ns, source)) == N
+        source.fill_(0)  # reused at once, before the disk writer has encoded anything
+        gate.set()
+        _flush(wb, disk)
+        assert torch.equal(_read(disk, chain, N), kv)
+        if with_host:
+            assert torch.equal(_read(host, chain, N), kv)
+    finally:
+        gate.set()
+        wb.close()
+
+
+def test_blocks_every_destination_holds_are_not_written_again(ns, host, disk, counters, chain_kv) -> None:
+    chain, kv = chain_kv
+    wb = _wb([host, disk], counters, None)
+    first = chain.prefix(2)
+    assert wb.save(first, 0, _blocks(ns, kv[:, :, : 2 * ns.block_tokens])) == 2
+    _flush(wb, disk)
+    assert wb.save(first, 0, _blocks(ns, kv[:, :, : 2 * ns.block_tokens])) == 0  # nothing to do
+    assert wb.save(chain, 0, _blocks(ns, kv)) == N - 2  # only the new blocks
+    _flush(wb, disk)
+    assert _written(counters, "host") == N and _written(counters, "disk") == N
+    host.clear()  # the host lost them, the disk did not: only the host is written
+    assert wb.save(chain, 0, _blocks(ns, kv)) == N
+    _flush(wb, disk)
+    assert _written(counters, "host") == 2 * N and _written(counters, "disk") == N
+    assert torch.equal(_read(host, chain, N), kv)
+
+
+def test_a_block_queued_for_the_disk_is_not_queued_twice(ns, disk, counters, chain_kv) -> None:
+    chain, kv = chain_kv
+    wb = _wb([disk], counters, None)
+    gate = _stall(disk, ns)
+    try:
+        assert wb.save(chain, 0, _blocks(ns, kv)) == N
+        assert wb.save(chain, 0, _blocks(ns, kv)) == 0  # still in the queue: the disk does not need them
+    finally:
+        gate.set()
+    _flush(wb, disk)
+    assert _written(counters, "disk") == N + 1  # N blocks and the stalling record
+
+
+def test_start_block_skips_the_blocks_before_it(ns, host, counters, chain_kv) -> None:
+    chain, kv = chain_kv
+    wb = _wb([host], counters, None)
+    assert wb.save(chain, 2, _blocks(ns, kv, first=2)) == N - 2
+    assert host.probe(chain, range(N)) == [False, False, True, True]
+    with host.read([chain.keys[2]]) as (view,):
+        spec = KVSpec.of(ns)
+        assert torch.equal(view.view(spec.dtype).view(spec.block_shape), _blocks(ns, kv)[2])
+
+
+def test_write_back_writes_only_to_the_named_tiers(ns, host, disk, counters, chain_kv) -> None:
+    chain, kv = chain_kv
+    wb = _wb([host, disk], counters, None)
+    blocks = _blocks(ns, kv)
+    wb.write_back(chain, {disk: [0, 2]}, lambda i: blocks[i], {0: 123.0})
+    _flush(wb, disk)
+    assert disk.probe(chain, range(N)) == [True, False, True, False]
+    assert host.probe(chain, range(N)) == [False] * N and _written(counters, "host") == 0
+    entries = disk.locate(chain.keys[:1])
+    assert entries[0].created_s == 123.0  # a restored block keeps its age
+    wb.write_back(chain, {host: [1], disk: [1, 3]}, lambda i: blocks[i], {})
+    _flush(wb, disk)
+    assert host.probe(chain, range(N)) == [False, True, False, False]
+    assert disk.probe(chain, range(N)) == [True] * N
+    assert torch.equal(_read(disk, chain, N), kv)
