@@ -219,9 +219,6 @@ def test_the_tier_calls_of_a_pool(ns) -> None:
     assert not dest[:, :, :B].any()
 
 
-@pytest.mark.xfail(strict=True, reason="BlockPool.write calls block.done() also when put fails and it returns "
-                   "False; the Tier contract (and WriteBehind._keep, which then calls done() itself) gives the "
-                   "release back to the caller, so a held slot is released twice")
 def test_a_refused_write_leaves_the_release_to_the_caller(ns) -> None:
     spec = KVSpec.of(ns)
     chain, kv = _chain_and_kv(ns, 2)

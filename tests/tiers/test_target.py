@@ -169,9 +169,6 @@ def test_hold_keeps_a_context_until_the_restore_is_over(spec) -> None:
     assert events == ["held", "released"]
 
 
-@pytest.mark.xfail(strict=True, reason="Stagers._acquire takes the lock, then makes the chunk buffers; when that "
-                   "allocation fails (pinned or host memory short) it raises with the lock held and "
-                   "Target.locked still False, so no one releases it and every later chunked restore blocks")
 def test_a_failed_chunk_buffer_allocation_does_not_block_later_restores(spec, monkeypatch) -> None:
     stagers = Stagers()
     src = _expected(spec, 2)

@@ -303,9 +303,10 @@ class BlockPool(Tier):
     def write(self, block: BlockWrite) -> bool:
         spec = KVSpec.of(block.ns)
         kv = block.payload.view(spec.dtype).view(spec.block_shape)
-        ok = self.put(block.key, kv, created_s=block.created_s) is not None
+        if self.put(block.key, kv, created_s=block.created_s) is None:
+            return False  # the caller keeps what ``block.release`` frees (the Tier contract)
         block.done()
-        return ok
+        return True
 
     def stats(self) -> dict[str, int]:
         return {"used_nbytes": self.used_nbytes, "capacity_nbytes": self.capacity_nbytes, "blocks": len(self)}

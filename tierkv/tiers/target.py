@@ -122,9 +122,14 @@ class Stagers:
 
     def _acquire(self, spec: KVSpec, pin: bool) -> _Stager:
         self._lock.acquire()
-        stager = self._stager
-        if stager is None or stager.spec != spec or stager.pin != pin:
-            stager = self._stager = _Stager(spec, pin)
+        try:
+            stager = self._stager
+            if stager is None or stager.spec != spec or stager.pin != pin:
+                self._stager = None  # the old pair is let go before the new one is allocated
+                stager = self._stager = _Stager(spec, pin)
+        except BaseException:  # memory short: this restore fails, the next one may try again
+            self._lock.release()
+            raise
         return stager
 
 

@@ -310,12 +310,14 @@ class SegmentDir:
         return True
 
     def punch(self, holes: Sequence[tuple[int, int, int]]) -> int:
-        """Release ``(seg_id, offset, nbytes)`` ranges; returns how many could be punched."""
+        """Release ``(seg_id, offset, nbytes)`` ranges; returns how many are released (punched, or in a
+        file already gone: another process unlinked it, its space went with it)."""
         done = 0
         for seg_id, offset, nbytes in holes:
             try:
                 fd = os.open(self.file(seg_id), os.O_WRONLY | os.O_CLOEXEC)
             except FileNotFoundError:
+                done += 1
                 continue
             try:
                 done += punch_hole(fd, offset, aligned(nbytes))
