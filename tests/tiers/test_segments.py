@@ -131,9 +131,6 @@ def test_release_counts_punch_unsupported_and_still_unlinks(segdir, monkeypatch)
     assert segdir.counters.snapshot()["disk"]["punch_unsupported"] == 3
 
 
-@pytest.mark.xfail(strict=True, reason="SegmentDir.punch skips a segment file that is already gone without "
-                   "counting it done, so release() counts punch_unsupported (and warns that the file system "
-                   "cannot punch holes) for a hole in a segment another process unlinked first")
 def test_release_of_a_hole_in_an_already_unlinked_segment_is_not_punch_unsupported(segdir) -> None:
     offsets = _write(segdir, 8, [[os.urandom(ALIGN)] for _ in range(2)])
     segdir.unlink(8)  # another process freed the segment's last record and unlinked it meanwhile
