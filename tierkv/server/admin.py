@@ -49,6 +49,14 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
             return error(409, "this server runs without a disk tier (--no-cache)")
         return server.store
 
+    async def admitted_with_body(request: Request) -> tuple[TieredStore, dict[str, Any]] | JSON:
+        """The store and the request's JSON object, if the request may administer it; else the error."""
+        store = admitted(request)
+        if isinstance(store, JSON):
+            return store
+        opts = await json_object(request)
+        return opts if isinstance(opts, JSON) else (store, opts)
+
     @app.get("/admin/stats")
     async def admin_stats(request: Request) -> JSON:
         """``tierkv stats``' report, plus what only this process knows (memory tiers, staging, hit counters)."""
@@ -67,12 +75,9 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/admin/gc")
     async def admin_gc(request: Request) -> JSON:
-        store = admitted(request)
-        if isinstance(store, JSON):
-            return store
-        opts = await json_object(request)
-        if isinstance(opts, JSON):
-            return opts
+        if isinstance(got := await admitted_with_body(request), JSON):
+            return got
+        store, opts = got
         try:
             return JSON(await asyncio.to_thread(store.gc, **gc_options(opts)))
         except ConfigError as exc:
@@ -80,12 +85,9 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/admin/purge")
     async def admin_purge(request: Request) -> JSON:
-        store = admitted(request)
-        if isinstance(store, JSON):
-            return store
-        opts = await json_object(request)
-        if isinstance(opts, JSON):
-            return opts
+        if isinstance(got := await admitted_with_body(request), JSON):
+            return got
+        store, opts = got
         if bool(opts.get("namespace")) == bool(opts.get("all")):
             return error(400, "give exactly one of namespace (a digest prefix) or all: true")
         try:
