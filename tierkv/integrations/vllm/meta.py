@@ -1,0 +1,46 @@
+"""What the scheduler side tells the workers each step (``KVConnectorMetadata``), and back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+__all__ = ["BlockSpan", "TierKVMetadata", "TierKVWorkerMetadata"]
+
+
+@dataclasses.dataclass
+class BlockSpan:
+    """Blocks ``first .. first + len(block_ids)`` of a request's prompt, in vLLM blocks ``block_ids``.
+
+    ``token_ids`` are the prompt's tokens up to the span's end (its chain of keys runs from block 0);
+    ``salt`` is the request's ``cache_salt``."""
+
+    req_id: str
+    token_ids: list[int]
+    salt: str
+    first: int
+    block_ids: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.block_ids)
+
+
+@dataclasses.dataclass
+class TierKVMetadata(KVConnectorMetadata):
+    loads: list[BlockSpan] = dataclasses.field(default_factory=list)  # into vLLM's cache before the forward
+    saves: list[BlockSpan] = dataclasses.field(default_factory=list)  # out of it after the forward
+
+
+@dataclasses.dataclass
+class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """A worker that found the backend's layout unsupported says so once: the scheduler stops offering hits
+    (each would cost a failed load and a recompute)."""
+
+    disabled: str | None = None
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, TierKVWorkerMetadata) and other.disabled and not self.disabled:
+            return other
+        return self

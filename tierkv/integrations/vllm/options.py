@@ -1,0 +1,141 @@
+"""The connector's options (``kv_connector_extra_config``) and the one store a process opens for them.
+
+vLLM creates the connector twice, once per role (scheduler, worker); with one worker (the usual
+single-GPU or CPU setup) both live in the engine-core process, and a disk tier must be opened once per
+process and directory. ``shared_store`` hands every role of a process the same ``TieredStore`` and
+closes it (flushing the write-behind) when the last one lets go, or at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import ConfigError
+from tierkv.units import parse_duration, parse_size
+
+log = logging.getLogger("vllm.tierkv")
+
+__all__ = ["ConnectorOptions", "release_store", "shared_store"]
+
+
+def _default_cache_dir() -> str:
+    try:
+        from tierkv.paths import default_cache_dir
+    except ImportError:  # an older tierkv: the same rule, spelled out
+        return os.environ.get("TIERKV_CACHE_DIR") or str(Path.home() / ".cache" / "tierkv")
+    return default_cache_dir()
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorOptions:
+    """Defaults as ``tierkv serve``'s: 2 GiB of host RAM, 20 GiB on disk, a sliding TTL of 24 h."""
+
+    cache_dir: str = ""  # "": $TIERKV_CACHE_DIR or ~/.cache/tierkv
+    host_bytes: int = 2 << 30
+    disk_bytes: int | None = 20 << 30  # None: unbounded
+    ttl_s: float | None = 86400.0  # None: no TTL
+    remote: str | None = None  # redis://host:port, a tier shared by several machines
+    remote_admit_after: int = 1
+    sweep_interval_s: float = 300.0  # background expiry and budget sweeps; 0: none
+    revision: str | None = None  # vouch for the weights: skip hashing the checkpoint files
+    sync: bool = True  # fdatasync each disk batch (off only for tests and benchmarks)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        """Parse ``kv_connector_extra_config``; sizes and durations may be numbers or ``"20GiB"``, ``"24h"``."""
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"unknown tierkv connector option(s): {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        out: dict[str, Any] = {}
+        for name, value in extra.items():
+            if name == "host_bytes":
+                out[name] = parse_size(value or 0)  # 0: no host tier
+            elif name == "disk_bytes":
+                out[name] = parse_size(value) or None if value is not None else None  # 0 or None: unbounded
+            elif name == "ttl_s":
+                out[name] = parse_duration(value) or None if value is not None else None  # 0 or None: none
+            elif name == "sweep_interval_s":
+                out[name] = parse_duration(value or 0)
+            elif name == "remote_admit_after":
+                out[name] = int(value)
+            elif name == "sync":
+                out[name] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            else:
+                out[name] = None if value is None else str(value)
+        return cls(**out)
+
+    @property
+    def resolved_cache_dir(self) -> str:
+        return str(Path(self.cache_dir or _default_cache_dir()).expanduser())
+
+    def store_kwargs(self) -> dict[str, Any]:
+        """``TieredStore.open``'s keywords."""
+        return {"host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes, "ttl_s": self.ttl_s,
+                "remote": self.remote, "remote_admit_after": self.remote_admit_after,
+                "sweep_interval_s": self.sweep_interval_s, "sync": self.sync}
+
+
+class _Entry:
+    def __init__(self, store: Any, options: ConnectorOptions) -> None:
+        self.store = store
+        self.options = options
+        self.users = 0
+
+
+_lock = threading.Lock()
+_stores: dict[str, _Entry] = {}
+
+
+def shared_store(options: ConnectorOptions) -> Any:
+    """The process's store for ``options.cache_dir``, opened on first use (one per process and directory)."""
+    from tierkv.store import TieredStore
+
+    path = os.path.realpath(options.resolved_cache_dir)
+    with _lock:
+        entry = _stores.get(path)
+        if entry is None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            entry = _Entry(TieredStore.open(path, **options.store_kwargs()), options)
+            _stores[path] = entry
+            log.info("tierkv store at %s: %s", path, ", ".join(entry.store.describe()))
+        elif entry.options != options:
+            log.warning("tierkv store at %s is already open in this process with other options; reusing it", path)
+        entry.users += 1
+        return entry.store
+
+
+def release_store(store: Any) -> None:
+    """Let go of a ``shared_store``; the last user closes it (the write-behind is flushed to disk)."""
+    with _lock:
+        for path, entry in list(_stores.items()):
+            if entry.store is store:
+                entry.users -= 1
+                if entry.users <= 0:
+                    del _stores[path]
+                    break
+                return
+        else:
+            return
+    store.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    with _lock:
+        entries = list(_stores.values())
+        _stores.clear()
+    for entry in entries:
+        try:
+            entry.store.close()
+        except Exception:  # interpreter exit: report, never raise
+            log.exception("closing the tierkv store")

@@ -1,0 +1,197 @@
+"""The connector's worker side: restore hit blocks into vLLM's paged KV, hand computed ones to the store.
+
+    register_kv_caches   the layers' caches in the KV group's order; the backend's layout is learned
+                         from its own cache-write kernel (``layout.probe``), or the connector stays off
+    start_load_kv        per request: ``store.restore`` of the chain up to the hit's end (verified on
+                         read), then a scatter of blocks ``first..`` into the request's vLLM blocks. A
+                         block that did not restore (failed verification, expired meanwhile) and every
+                         block after it are reported by ``get_block_ids_with_load_errors``: vLLM
+                         recomputes them, so wrong KV is never used; that request saves nothing this step
+    wait_for_save        per request: the prompt blocks this step completed, gathered block-major in one
+                         pass over the layers and handed to ``store.save_blocks``, which returns at once
+                         (memory tiers copy now, disk and remote are written behind)
+
+Loads and saves are whole-step, not layer by layer: on CPU there is nothing to overlap them with, and a
+restore is one read of contiguous records per run of blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
+from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.integrations.vllm.namespace import kv_namespace, unsupported
+from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
+from tierkv.keys import BlockChain, Namespace
+from tierkv.layout import KVSpec
+
+log = logging.getLogger("vllm.tierkv")
+
+__all__ = ["WorkerSide"]
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no distributed state (a unit test): rank 0
+        return 0
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, options: ConnectorOptions) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.options = options
+        self.off = unsupported(vllm_config, kv_cache_config)
+        self.store: Any = None
+        self.layout: PagedLayout | None = None
+        self.caches: list[torch.Tensor] = []
+        self._errors: set[int] = set()
+        self._failed: set[str] = set()  # requests whose load failed this step: nothing of theirs is saved
+        self._reported = False
+        self._save_buffer: torch.Tensor | None = None
+        self._load_buffer: torch.Tensor | None = None
+        self.stats = {"load_blocks": 0, "load_failed_blocks": 0, "load_s": 0.0, "save_blocks": 0, "save_s": 0.0}
+        if self.off:
+            return
+        self.ns: Namespace = kv_namespace(vllm_config, kv_cache_config, revision=options.revision,
+                                          tp_rank=_tp_rank())
+        self.spec = KVSpec.of(self.ns)
+        self.store = shared_store(options)
+
+    # ------------------------------------------------------------------ set-up
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.off:
+            return
+        names = self.kv_cache_config.kv_cache_groups[0].layer_names
+        try:
+            self.caches = [kv_caches[name] for name in names]
+            page = PageShape.of(self.caches[0], self.kv_cache_config.num_blocks)
+            if any(c.shape != self.caches[0].shape or c.dtype != self.spec.dtype for c in self.caches):
+                raise UnsupportedLayout("the layers' KV caches differ in shape or dtype")
+            layer = self.vllm_config.compilation_config.static_forward_context[names[0]]
+            impl = layer.impl
+
+            def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+                impl.do_kv_cache_update(layer, key, value, cache, slots)
+
+            t0 = time.perf_counter()
+            self.layout = probe(write, block_tokens=self.ns.block_tokens, num_kv_heads=self.ns.num_kv_heads,
+                                head_dim=self.ns.head_dim, page=page, dtype=self.spec.dtype,
+                                device=self.caches[0].device)
+            log.info("tierkv connector (worker): %d layers, %s, layout learned from %s in %.3f s", len(names),
+                     self.ns.revision.rsplit("+", 2)[-2], type(impl).__name__, time.perf_counter() - t0)
+        except (UnsupportedLayout, KeyError, AttributeError, TypeError, RuntimeError) as exc:
+            self.off = f"{type(exc).__name__}: {exc}"
+            self.layout = None
+            log.warning("tierkv connector is off on this worker: %s", self.off)
+
+    def report(self) -> TierKVWorkerMetadata | None:
+        """Once, if this worker cannot load: the scheduler then stops offering hits."""
+        if self.off and self.store is not None and not self._reported:
+            self._reported = True
+            return TierKVWorkerMetadata(disabled=self.off)
+        return None
+
+    def _namespace(self, salt: str) -> Namespace:
+        return self.ns.with_salt(salt) if salt else self.ns
+
+    def _buffer(self, name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
+        """A reused CPU buffer (fresh allocations fault a page per 4 KiB); fresh on a GPU, where the
+        staging ring may still be reading the last one."""
+        device = self.caches[0].device
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=self.spec.dtype, device=device)
+        attr = f"_{name}_buffer"
+        buf = getattr(self, attr)
+        if buf is None or buf.shape[grow_dim] < shape[grow_dim]:
+            grown = list(shape)
+            grown[grow_dim] = max(shape[grow_dim], 2 * (buf.shape[grow_dim] if buf is not None else 0))
+            buf = torch.empty(grown, dtype=self.spec.dtype)
+            setattr(self, attr, buf)
+        return buf.narrow(grow_dim, 0, shape[grow_dim])
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load(self, meta: TierKVMetadata) -> None:
+        self._failed.clear()
+        for span in meta.loads:
+            self._load(span)
+
+    def _load(self, span: BlockSpan) -> None:
+        ids = span.block_ids
+        if self.layout is None or self.store is None:
+            self._fail(span, 0)
+            return
+        t0 = time.perf_counter()
+        B = self.ns.block_tokens
+        chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
+        out = self._buffer("load", self.spec.shape(span.end * B), grow_dim=2)
+        try:
+            hit, kv = self.store.restore(chain.ns, chain.prefix(span.end), out=out)
+        except Exception:  # the store failed (not a bad block: those end the prefix quietly)
+            log.exception("tierkv: restoring %s failed; its blocks are recomputed", span.req_id)
+            hit, kv = None, None
+        got = max(0, min(hit.num_blocks if hit is not None else 0, span.end) - span.first)
+        if got and kv is not None:
+            self.layout.scatter(kv, self.caches, torch.tensor(ids[:got], dtype=torch.long), span.first * B)
+        if got < len(ids):
+            self._fail(span, got)
+        self.stats["load_blocks"] += got
+        self.stats["load_s"] += time.perf_counter() - t0
+
+    def _fail(self, span: BlockSpan, loaded: int) -> None:
+        failed = span.block_ids[loaded:]
+        if failed:
+            log.info("tierkv: %d of %d blocks of %s did not restore; vLLM recomputes them", len(failed),
+                     len(span.block_ids), span.req_id)
+        self._errors.update(failed)
+        self._failed.add(span.req_id)
+        self.stats["load_failed_blocks"] += len(failed)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ saves
+
+    def save(self, meta: TierKVMetadata) -> None:
+        if self.layout is None or self.store is None:
+            return
+        for span in meta.saves:
+            if span.req_id not in self._failed:
+                self._save(span)
+        self._failed.clear()
+
+    def _save(self, span: BlockSpan) -> None:
+        t0 = time.perf_counter()
+        n = len(span.block_ids)
+        assert self.layout is not None
+        blocks = self._buffer("save", (n, *self.spec.block_shape), grow_dim=0)
+        self.layout.gather(self.caches, torch.tensor(span.block_ids, dtype=torch.long), out=blocks)
+        chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
+        try:
+            self.store.save_blocks(chain.ns, chain, blocks, start_block=span.first)
+        except Exception:  # a cache: a failed save is a future miss, never a failed request
+            log.exception("tierkv: saving %d blocks of %s failed", n, span.req_id)
+            return
+        self.stats["save_blocks"] += n
+        self.stats["save_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self.store is not None:
+            store, self.store = self.store, None
+            log.info("tierkv connector (worker): loaded %d blocks (%d failed) in %.2f s, saved %d in %.2f s",
+                     self.stats["load_blocks"], self.stats["load_failed_blocks"], self.stats["load_s"],
+                     self.stats["save_blocks"], self.stats["save_s"])
+            release_store(store)
