@@ -3,7 +3,6 @@
 import pytest
 from click.testing import CliRunner
 
-from tierkv import TieredStore
 from tierkv.cli import main
 from tierkv.errors import ConfigError
 from tierkv.server import startup, state
@@ -42,17 +41,14 @@ def test_sweep_interval_default_units_and_sources(served, tmp_path) -> None:
         ServeConfig.load({"sweep_interval_s": -1.0}, env={})
 
 
-def test_sweep_interval_reaches_the_store(tmp_path, monkeypatch) -> None:
-    real, seen = TieredStore.open, {}
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(TieredStore, "open", spy)
+def test_sweep_interval_reaches_the_store(tmp_path) -> None:
     config = ServeConfig.load({"cache_dir": str(tmp_path), "sweep_interval_s": "30s", "host_cache": "1MiB"}, env={})
-    state.open_store(config).close()
-    assert seen["sweep_interval_s"] == 30.0
+    assert config.store_config().disk.sweep_interval_s == 30.0
+    store = state.open_store(config)
+    try:
+        assert any("swept every 30s" in phrase for phrase in store.describe())
+    finally:
+        store.close()
 
 
 def test_admin_token_from_a_file_or_the_environment(served, tmp_path) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import tomllib
 
+from tierkv.config import DiskConfig, RemoteConfig, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.paths import default_cache_dir
 from tierkv.units import parse_duration, parse_size
@@ -72,6 +73,12 @@ class ServeConfig:
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or default_cache_dir()
+
+    def store_config(self) -> StoreConfig:
+        """The store this server runs on (its GPU tier is added once the model is loaded)."""
+        disk = DiskConfig(Path(self.resolved_cache_dir()), self.disk_budget, sweep_interval_s=self.sweep_interval_s)
+        remote = RemoteConfig(self.remote, self.remote_admit_after) if self.remote else None
+        return StoreConfig(host_bytes=self.host_cache, disk=disk, remote=remote, ttl_s=self.ttl)
 
 
 # Option names as given (--sweep-interval, TIERKV_SWEEP_INTERVAL, sweep_interval in TOML) -> field names.

@@ -60,10 +60,7 @@ def load_server(config: ServeConfig) -> Server:
 
 
 def open_store(config: ServeConfig) -> TieredStore:
-    return TieredStore.open(config.resolved_cache_dir(), host_bytes=config.host_cache,
-                            disk_bytes=config.disk_budget, ttl_s=config.ttl, remote=config.remote,
-                            remote_admit_after=config.remote_admit_after,
-                            sweep_interval_s=config.sweep_interval_s)
+    return TieredStore.from_config(config.store_config())
 
 
 __all__ = ["Server", "load_server", "open_store"]
