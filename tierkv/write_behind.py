@@ -49,12 +49,8 @@ class WriteBehind:
         memory, and as much again of GPU blocks waiting for a slot; past that each block waits at most
         ``staging_wait_s`` for a slot, then is dropped (counted)."""
         self.tiers = tiers
-        self.codec = codec_
-        self.clock = clock
-        self.counters = counters
-        self.staging = staging
-        self.staging_nbytes = staging_nbytes
-        self.staging_wait_s = staging_wait_s
+        self.codec, self.clock, self.counters = codec_, clock, counters
+        self.staging, self.staging_nbytes, self.staging_wait_s = staging, staging_nbytes, staging_wait_s
         self._ring: StagingRing | None = None
         self._ring_lock = threading.Lock()
 

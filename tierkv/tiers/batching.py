@@ -29,13 +29,9 @@ class BatchQueue(Generic[T]):
         """``handle(batch)`` runs on the thread for up to ``batch_items`` items or ``batch_nbytes`` bytes
         (whichever comes first, at least one item); ``on_idle`` runs after ``idle_s`` without items;
         ``on_start`` first, on the thread (its scheduling priority, say)."""
-        self._handle = handle
-        self._item_nbytes = item_nbytes
-        self.batch_nbytes = batch_nbytes
-        self.batch_items = batch_items
-        self._idle_s = idle_s
-        self._on_idle = on_idle
-        self._on_start = on_start
+        self._handle, self._item_nbytes = handle, item_nbytes
+        self.batch_nbytes, self.batch_items = batch_nbytes, batch_items
+        self._idle_s, self._on_idle, self._on_start = idle_s, on_idle, on_start
         self._queue: queue.Queue[T | None] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
