@@ -22,5 +22,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def ns() -> Namespace:
-    return Namespace(model_id="test-model", revision="r1", dtype="float16", num_layers=2, num_kv_heads=2,
-                     head_dim=8, block_tokens=16)
+    return Namespace(
+        model_id="test-model",
+        revision="r1",
+        dtype="float16",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_tokens=16,
+    )

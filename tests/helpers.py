@@ -25,8 +25,14 @@ def make_kv(ns: Namespace, num_tokens: int, seed: int = 0) -> torch.Tensor:
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (a real second process), failing loudly on error."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def free_port() -> int:
@@ -46,7 +52,17 @@ class ServerProcess:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tierkv.cli", "serve", "--port", str(self.port), "--host-cache", "64MiB", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tierkv.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--host-cache",
+            "64MiB",
+            *args,
+        ]
         if cache_dir is not None:
             cmd += ["--cache-dir", str(cache_dir)]
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tierkv-serve-{self.port}.log", "w+")  # noqa: SIM115
@@ -106,9 +122,24 @@ class RedisServer:
     def start(self) -> None:
         import time
 
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "yes", *self.extra],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         client = redis.Redis(port=self.port)
@@ -134,8 +165,12 @@ def gc_beside(proc: subprocess.Popen[str], cache_dir: Path, options: list[list[s
     runs = 0
     while proc.poll() is None:
         for args in options:
-            r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(cache_dir), *args, "--json"],
-                               capture_output=True, text=True, check=False)
+            r = subprocess.run(
+                [sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(cache_dir), *args, "--json"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             assert r.returncode == 0, r.stderr
             assert json.loads(r.stdout)["corrupt"] == 0
             runs += 1

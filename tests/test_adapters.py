@@ -12,8 +12,14 @@ from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, layer_kv, 
 from tierkv.default_model import build_default_model
 from tierkv.errors import ConfigError
 
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +61,9 @@ def test_layout_of_a_model_without_grouped_heads_or_head_dim() -> None:
 
 
 def test_a_config_without_the_sizes_is_a_config_error() -> None:
-    shapeless = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64), forward=lambda input_ids: None)
+    shapeless = types.SimpleNamespace(
+        config=types.SimpleNamespace(hidden_size=64), forward=lambda input_ids: None
+    )
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         CacheLayout.of(shapeless)
 
@@ -109,7 +117,11 @@ def test_cache_from_kv_views_the_kv_without_a_copy_where_the_cache_allows(model)
     kv = torch.randn(2, 2, 16, 2, 32)
     cache = cache_from_kv(model, kv)
     layers = getattr(cache, "layers", None)
-    if not layers or type(layers[0]).__name__ != "DynamicLayer" or not hasattr(layers[0], "lazy_initialization"):
+    if (
+        not layers
+        or type(layers[0]).__name__ != "DynamicLayer"
+        or not hasattr(layers[0], "lazy_initialization")
+    ):
         pytest.skip("this transformers' cache takes KV through update() (one copy)")
     k, v = layer_kv(cache, 1)
     assert k.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()

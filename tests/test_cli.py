@@ -46,7 +46,9 @@ def test_gc_dry_run_changes_nothing(store_dir) -> None:
 
 
 def test_gc_purge_namespace_by_prefix(store_dir, ns) -> None:
-    r = CliRunner().invoke(main, ["gc", "--cache-dir", str(store_dir), "--namespace", ns.digest.hex()[:8], "--json"])
+    r = CliRunner().invoke(
+        main, ["gc", "--cache-dir", str(store_dir), "--namespace", ns.digest.hex()[:8], "--json"]
+    )
     assert r.exit_code == 0 and json.loads(r.output)["purged"] == 8
     assert json.loads(r.output)["live_nbytes"] == 0
 
@@ -59,8 +61,10 @@ def test_gc_ttl_and_budget(store_dir) -> None:
     assert json.loads(r.output)["expired"] == 2
 
 
-@pytest.mark.parametrize("args", [["--ttl", "soon"], ["--budget", "lots"], ["--namespace", "ab", "--all"],
-                                  ["--namespace", "zzzzzz"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--ttl", "soon"], ["--budget", "lots"], ["--namespace", "ab", "--all"], ["--namespace", "zzzzzz"]],
+)
 def test_bad_arguments_one_line_exit_2(store_dir, args) -> None:
     r = CliRunner().invoke(main, ["gc", "--cache-dir", str(store_dir), *args])
     assert r.exit_code == 2
@@ -98,7 +102,11 @@ def _without_root_powers() -> list[str]:
     """A command prefix under which chmod 000 denies: none for a user, for root one without DAC overrides."""
     if os.geteuid() != 0:
         return []
-    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+    drop = [
+        "setpriv",
+        "--bounding-set=-dac_override,-dac_read_search",
+        "--inh-caps=-dac_override,-dac_read_search",
+    ]
     if shutil.which("setpriv") is None or subprocess.run([*drop, "true"], check=False).returncode != 0:
         pytest.skip("root reads through chmod 000, and setpriv cannot drop that power here")
     return [*drop, "--"]
@@ -110,8 +118,13 @@ def test_unreadable_store_is_one_line_exit_2_and_kept(store_dir, command) -> Non
     index = store_dir / "index"
     index.chmod(0)
     try:
-        r = subprocess.run([*prefix, sys.executable, "-m", "tierkv.cli", command, "--cache-dir", str(store_dir)],
-                           capture_output=True, text=True, timeout=120, check=False)
+        r = subprocess.run(
+            [*prefix, sys.executable, "-m", "tierkv.cli", command, "--cache-dir", str(store_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     finally:
         index.chmod(0o700)
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)

@@ -17,10 +17,17 @@ def _record(ns, codec_=Codec.RAW, seed=0):
     toks = list(range(100, 100 + ns.block_tokens))
     key = block_keys(ns, toks)[0]
     kv = make_kv(ns, ns.block_tokens, seed)
-    rec = codec.encode(ns_digest=ns.digest, parent_key=root_key(ns.digest), key=key,
-                       token_bytes=tokens_to_bytes(toks), dtype=ns.dtype, shape=spec.block_shape,
-                       payload=kv.contiguous().view(-1).view(torch.uint8).numpy().data, created_s=1.0,
-                       codec=codec_)
+    rec = codec.encode(
+        ns_digest=ns.digest,
+        parent_key=root_key(ns.digest),
+        key=key,
+        token_bytes=tokens_to_bytes(toks),
+        dtype=ns.dtype,
+        shape=spec.block_shape,
+        payload=kv.contiguous().view(-1).view(torch.uint8).numpy().data,
+        created_s=1.0,
+        codec=codec_,
+    )
     expected = Expected(ns.digest, key, tokens_to_bytes(toks), ns.dtype, spec.block_shape)
     return rec, expected, kv
 
@@ -29,6 +36,7 @@ def _record(ns, codec_=Codec.RAW, seed=0):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])
 def test_roundtrip_is_bit_exact(ns, codec_: Codec, dtype: str) -> None:
     import dataclasses
+
     ns = dataclasses.replace(ns, dtype=dtype)
     rec, expected, kv = _record(ns, codec_)
     payload = codec.decode(rec, expected)
@@ -44,9 +52,15 @@ def test_raw_record_is_header_tokens_payload(ns) -> None:
 @pytest.mark.parametrize("field", ["ns_digest", "key", "token_bytes", "dtype", "shape"])
 def test_mismatch_against_request_is_a_record_error(ns, field: str) -> None:
     import dataclasses
+
     rec, expected, _ = _record(ns)
-    wrong = {"ns_digest": b"\1" * 32, "key": b"\2" * 32, "token_bytes": b"\0" * len(expected.token_bytes),
-             "dtype": "float32", "shape": (1, 2, 3)}[field]
+    wrong = {
+        "ns_digest": b"\1" * 32,
+        "key": b"\2" * 32,
+        "token_bytes": b"\0" * len(expected.token_bytes),
+        "dtype": "float32",
+        "shape": (1, 2, 3),
+    }[field]
     with pytest.raises(RecordError):
         codec.decode(rec, dataclasses.replace(expected, **{field: wrong}))
 
@@ -70,8 +84,10 @@ def test_random_bytes_only_ever_raise_record_error(data: bytes) -> None:
 
 def _ns():
     from tierkv import Namespace
-    return Namespace(model_id="f", revision="r", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=4,
-                     block_tokens=4)
+
+    return Namespace(
+        model_id="f", revision="r", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4
+    )
 
 
 @pytest.mark.parametrize("codec_", list(Codec))
@@ -99,7 +115,7 @@ def test_random_splices_only_ever_raise_record_error(data: st.DataObject) -> Non
     rec, expected, _ = _record(_ns(), data.draw(st.sampled_from(list(Codec))))
     i = data.draw(st.integers(0, len(rec) - 1))
     patch = data.draw(st.binary(min_size=1, max_size=16))
-    bad = rec[:i] + patch + rec[i + len(patch):]
+    bad = rec[:i] + patch + rec[i + len(patch) :]
     if bad == rec:
         return
     with pytest.raises(RecordError):

@@ -37,7 +37,9 @@ def check_consistent(disk: DiskTier) -> None:
         seg[1] += 1
     assert disk.totals() == {k: tuple(v) for k, v in by_ns.items()}
     with disk.index.read() as txn:
-        rows = {SEG_ID.unpack(bytes(k))[0]: SEGMENT.unpack(v) for k, v in txn.cursor(db=disk.index.db["segments"])}
+        rows = {
+            SEG_ID.unpack(bytes(k))[0]: SEGMENT.unpack(v) for k, v in txn.cursor(db=disk.index.db["segments"])
+        }
     for seg_id, (nbytes, records) in by_seg.items():
         assert rows[seg_id][:2] == (nbytes, records), f"segment {seg_id}"
     for seg_id, row in rows.items():
@@ -62,24 +64,34 @@ def test_an_expired_block_is_cached_again_with_exact_totals(tmp_path, ns) -> Non
         assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=0))
         check_consistent(store.tier("disk"))
         assert store.tier("disk").totals()[ns.digest][0] == 4  # replaced, not added beside the old records
-        assert store.tier("disk").usage()["segment_allocated_nbytes"] <= store.tier("disk").usage()["live_nbytes"] + 4096
+        assert (
+            store.tier("disk").usage()["segment_allocated_nbytes"]
+            <= store.tier("disk").usage()["live_nbytes"] + 4096
+        )
 
 
 def test_a_server_store_sweeps_on_its_own(tmp_path, ns) -> None:
     now = [1000.0]
-    with TieredStore.open(tmp_path, host_bytes=0, ttl_s=60, clock=lambda: now[0], sweep_interval_s=0.05) as store:
+    with TieredStore.open(
+        tmp_path, host_bytes=0, ttl_s=60, clock=lambda: now[0], sweep_interval_s=0.05
+    ) as store:
         for p in range(3):
             store.save(ns, _toks(p), make_kv(ns, 64, seed=p))
         store.flush()
         assert store.tier("disk").totals()[ns.digest][0] == 12
         now[0] += 120
         deadline = time.monotonic() + 30  # the sweeper runs at idle priority: slow on a busy machine
-        while (store.tier("disk").totals() or not store.stats()["disk"]["sweeps"]) and time.monotonic() < deadline:
+        while (
+            store.tier("disk").totals() or not store.stats()["disk"]["sweeps"]
+        ) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert store.tier("disk").totals() == {}
         assert store.stats()["disk"]["sweeps"] >= 1
-        assert store.tier("disk").usage()["segment_allocated_nbytes"] == 0 or not store.tier("disk").segments.list_ids() or \
-            store.tier("disk").usage()["segment_allocated_nbytes"] <= 4096
+        assert (
+            store.tier("disk").usage()["segment_allocated_nbytes"] == 0
+            or not store.tier("disk").segments.list_ids()
+            or store.tier("disk").usage()["segment_allocated_nbytes"] <= 4096
+        )
 
 
 # ------------------------------------------------------------------------------------------ 9: RAM and disk
@@ -142,8 +154,17 @@ with TieredStore.open(sys.argv[2], host_bytes=0, batch_nbytes=16 * 1024) as stor
 
 def test_several_processes_saving_the_same_prefixes_keep_totals_exact(tmp_path, ns) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    procs = [subprocess.Popen([sys.executable, "-c", SAVER, ns.to_json(), str(tmp_path), "60"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SAVER, ns.to_json(), str(tmp_path), "60"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(3)
+    ]
     for p in procs:
         assert p.stdout.readline().strip() == "open", p.stderr.read()
     for p in procs:
@@ -192,11 +213,19 @@ def check_gc_beside_a_writer(tmp_path, ns, prompts: int) -> dict[str, int]:
     """A writer saves ``prompts`` prompts of 40 blocks (many thousands of entries, segments of 2 MiB that
     roll over every ~500 records) while gc runs every option in a loop from other processes."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.Popen([sys.executable, "-c", BIG_WRITER, ns.to_json(), str(tmp_path), str(prompts)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BIG_WRITER, ns.to_json(), str(tmp_path), str(prompts)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout.readline().strip() == "open"
-    runs, out = gc_beside(proc, tmp_path, [["--compact"], ["--check"], ["--compact", "--ttl", "1h"],
-                                           ["--budget", "1TiB", "--compact"]])
+    runs, out = gc_beside(
+        proc,
+        tmp_path,
+        [["--compact"], ["--check"], ["--compact", "--ttl", "1h"], ["--budget", "1TiB", "--compact"]],
+    )
     written = int(out.split()[-1])
     assert written == prompts * 40
     kv = make_kv(ns, 16 * 40, seed=1)
@@ -233,8 +262,17 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
         store.flush()
         seg_id = store.tier("disk").writer.segment.seg_id
         key = SEG_ID.pack(seg_id)
-        store.tier("disk").index.write(lambda txn: txn.put(key, SEGMENT.pack(*SEGMENT.unpack(txn.get(key, db=store.tier("disk").index.db[
-            "segments"]))[:2], 2**31 - 2, 0), db=store.tier("disk").index.db["segments"]))  # a pid nobody has here
+        store.tier("disk").index.write(
+            lambda txn: txn.put(
+                key,
+                SEGMENT.pack(
+                    *SEGMENT.unpack(txn.get(key, db=store.tier("disk").index.db["segments"]))[:2],
+                    2**31 - 2,
+                    0,
+                ),
+                db=store.tier("disk").index.db["segments"],
+            )
+        )  # a pid nobody has here
         r = run_python(f"""
             from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:  # a second writer starting: seals dead writers' segments
@@ -261,7 +299,7 @@ def test_gc_check_purges_the_record_it_read_not_its_replacement(tmp_path, ns) ->
     with TieredStore.open(tmp_path, host_bytes=0, ttl_s=60, clock=lambda: now[0]) as store:
         store.save(ns, _toks(0, 16), make_kv(ns, 16, seed=0))
         store.flush()
-        (_, e), = store.tier("disk").snapshot_entries()
+        ((_, e),) = store.tier("disk").snapshot_entries()
         path = store.tier("disk").segments.file(e.seg_id)
         data = bytearray(path.read_bytes())
         data[e.offset + e.nbytes - 8] ^= 0xFF
@@ -318,14 +356,17 @@ def test_another_process_growing_the_map_is_adopted(tmp_path, ns) -> None:
     with TieredStore.open(tmp_path, host_bytes=0, map_nbytes=256 * 1024) as store:
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
         store.flush()
-        r = run_python(f"""
+        r = run_python(
+            f"""
             from tierkv import Namespace, TieredStore
             from helpers import make_kv
             ns = Namespace.from_json({ns.to_json()!r})
             with TieredStore.open({str(tmp_path)!r}, host_bytes=0, map_nbytes=256 * 1024) as s:
                 for p in range(1, 80):
                     s.save(ns, [p * 1000 + t for t in range(256)], make_kv(ns, 256, seed=0))
-        """, timeout=180)
+        """,
+            timeout=180,
+        )
         assert r.returncode == 0, r.stderr
         assert store.lookup(ns, _toks(79, 256)).num_tokens == 256  # reads past our old map size
         store.save(ns, _toks(500), make_kv(ns, 64, seed=0))
@@ -382,8 +423,12 @@ def test_a_store_that_cannot_be_opened_is_left_where_it_is(tmp_path, ns) -> None
     with pytest.raises(StoreOpenError, match="cannot open the store"):
         TieredStore.open(tmp_path / "cache", host_bytes=0)
     assert not list(tmp_path.glob("cache.corrupt-*"))
-    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path / "cache")],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode != 0 and r.stderr.count("\n") == 1 and "cannot open the store" in r.stderr
     lock.rmdir()
     with TieredStore.open(tmp_path / "cache", host_bytes=0) as store:  # and the data is all there
@@ -397,8 +442,12 @@ def test_a_reader_never_moves_a_damaged_store_aside(tmp_path, ns) -> None:
         f.write(os.urandom(8192))
     with pytest.raises(StoreOpenError, match="damaged"):
         DiskTier(tmp_path / "cache", writer=False)
-    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path / "cache")],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode != 0 and "damaged" in r.stderr
     assert not list(tmp_path.glob("cache.corrupt-*"))
 
@@ -422,7 +471,12 @@ def test_read_descriptors_are_bounded_and_dropped_when_segments_go(tmp_path, ns,
         assert store.tier("disk").segments.open_fds() <= 16
         assert _fd_count() <= base + 16
         # Another process removes every segment (gc purges all): the cached descriptors pin them no more.
-        r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--all", "--json"], capture_output=True, text=True, check=False)
+        r = subprocess.run(
+            [sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--all", "--json"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert r.returncode == 0, r.stderr
         assert store.tier("disk").segments.forget_removed() > 0
         assert store.tier("disk").segments.open_fds() <= 2  # the writer's own segment (still there) at most
@@ -432,7 +486,9 @@ def test_read_descriptors_are_bounded_and_dropped_when_segments_go(tmp_path, ns,
 # ------------------------------------------------------------------------------------------ holes
 
 
-def test_a_file_system_without_hole_punching_is_counted_and_logged_once(tmp_path, ns, monkeypatch, caplog) -> None:
+def test_a_file_system_without_hole_punching_is_counted_and_logged_once(
+    tmp_path, ns, monkeypatch, caplog
+) -> None:
     monkeypatch.setattr(segments_mod, "punch_hole", lambda fd, off, n: False)
     with caplog.at_level(logging.WARNING), TieredStore.open(tmp_path, host_bytes=0) as store:
         for p in range(3):
@@ -473,7 +529,9 @@ def test_lmdb_errors_on_reads_never_escape_as_map_resized(tmp_path, ns) -> None:
 
 def test_max_age_applies_in_ram_and_a_rewrite_keeps_the_age(tmp_path, ns) -> None:
     now = [1000.0]
-    with TieredStore.open(tmp_path, host_bytes=1 << 20, ttl_s=1000, max_age_s=100, clock=lambda: now[0]) as store:
+    with TieredStore.open(
+        tmp_path, host_bytes=1 << 20, ttl_s=1000, max_age_s=100, clock=lambda: now[0]
+    ) as store:
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
         store.flush()
         store.tier("disk").enforce_budget(1)  # the disk copy goes; RAM serves and writes it back
@@ -524,13 +582,22 @@ def test_a_lock_file_problem_never_moves_a_store_others_have_open(tmp_path, ns) 
 def test_flush_never_waits_on_another_process_holding_the_write_lock(tmp_path, ns) -> None:
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-        with subprocess.Popen([sys.executable, "-c", f"""
+        with subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"""
 import lmdb, sys, time
 env = lmdb.open({str(tmp_path / "index")!r}, max_dbs=8)
 with env.begin(write=True):
     print("held", flush=True)
     time.sleep(6)
-"""], stdout=subprocess.PIPE, text=True, env=env) as holder:
+""",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        ) as holder:
             assert holder.stdout.readline().strip() == "held"
             store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
             store.load(ns, _toks(0))
@@ -549,13 +616,21 @@ def test_reader_slots_of_killed_processes_are_cleared(tmp_path, ns) -> None:
     with TieredStore.open(tmp_path, host_bytes=0, sweep_interval_s=0.05) as store:
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
         store.flush()
-        with subprocess.Popen([sys.executable, "-c", f"""
+        with subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"""
 import lmdb, time
 env = lmdb.open({str(tmp_path / "index")!r}, max_dbs=8)
 txn = env.begin()
 print("reading", flush=True)
 time.sleep(60)
-"""], stdout=subprocess.PIPE, text=True) as proc:
+""",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as proc:
             assert proc.stdout.readline().strip() == "reading"
             proc.kill()
         deadline = time.monotonic() + 20

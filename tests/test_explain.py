@@ -12,10 +12,17 @@ from tierkv.prompts import render_chat
 from helpers import ServerProcess
 
 TOK = ByteTokenizer()
-RULES = "Rules:\n" + "\n".join(f"{i}. Always cite the section you rely on, and keep answers short." for i in range(12))
-TOOLS = [f"tool {name}: {desc}" for name, desc in (("search", "find documents by keyword " * 3),
-                                                    ("calc", "evaluate arithmetic expressions " * 3),
-                                                    ("mail", "send an email to a colleague " * 3))]
+RULES = "Rules:\n" + "\n".join(
+    f"{i}. Always cite the section you rely on, and keep answers short." for i in range(12)
+)
+TOOLS = [
+    f"tool {name}: {desc}"
+    for name, desc in (
+        ("search", "find documents by keyword " * 3),
+        ("calc", "evaluate arithmetic expressions " * 3),
+        ("mail", "send an email to a colleague " * 3),
+    )
+]
 
 
 def _ids(system: str, user: str = "What changed?") -> list[int]:
@@ -49,9 +56,12 @@ def test_retrieved_text_before_the_rules_reuses_nothing() -> None:
 
 
 def test_rewritten_history_turn_stops_reuse_at_that_turn() -> None:
-    turns = [{"role": "system", "content": RULES}, {"role": "user", "content": "Summarise section 3. " * 4},
-             {"role": "assistant", "content": "Section 3 says to cite sections. " * 4},
-             {"role": "user", "content": "And section 4?"}]
+    turns = [
+        {"role": "system", "content": RULES},
+        {"role": "user", "content": "Summarise section 3. " * 4},
+        {"role": "assistant", "content": "Section 3 says to cite sections. " * 4},
+        {"role": "user", "content": "And section 4?"},
+    ]
     rewritten = [*turns[:2], {"role": "assistant", "content": "(summary) cite sections. " * 4}, turns[3]]
     a, b = render_chat(TOK, turns), render_chat(TOK, rewritten)
     d = diverge(a, b, 64)
@@ -68,8 +78,16 @@ def test_prefix_prompt_has_no_divergent_token() -> None:
 def test_explain_cli_json(tmp_path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path, day in ((a, "07"), (b, "08")):
-        path.write_text(json.dumps({"messages": [{"role": "system", "content": f"Date: 2026-09-{day}\n" + RULES},
-                                                 {"role": "user", "content": "hi"}]}))
+        path.write_text(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": f"Date: 2026-09-{day}\n" + RULES},
+                        {"role": "user", "content": "hi"},
+                    ]
+                }
+            )
+        )
     r = CliRunner().invoke(main, ["explain", str(a), str(b), "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
@@ -105,8 +123,15 @@ def test_server_miss_log_explains_where_a_prompt_diverged(tmp_path) -> None:
     try:
         client = srv.client()
         for day in ("07", "08"):
-            client.chat.completions.create(model="m", max_tokens=1, user="support-bot", messages=[
-                {"role": "system", "content": f"Today is 2026-09-{day}.\n" + RULES}, {"role": "user", "content": "hi"}])
+            client.chat.completions.create(
+                model="m",
+                max_tokens=1,
+                user="support-bot",
+                messages=[
+                    {"role": "system", "content": f"Today is 2026-09-{day}.\n" + RULES},
+                    {"role": "user", "content": "hi"},
+                ],
+            )
         import urllib.request
 
         req = urllib.request.Request(srv.url + "/admin/misses", headers={"Authorization": "Bearer t"})
@@ -142,10 +167,12 @@ def test_miss_log_picks_the_earlier_prompt_sharing_the_most_blocks(ns) -> None:
     B = ns.block_tokens
     base = _log_ids(RULES)
     log.record(ns, base[: 3 * B] + _log_ids("first branch " * 8, add_bos=False), 0, None, TOK)
-    log.record(ns, base[: B] + _log_ids("other branch " * 8, add_bos=False), 0, None, TOK)
+    log.record(ns, base[:B] + _log_ids("other branch " * 8, add_bos=False), 0, None, TOK)
     log.record(ns, base[: 3 * B] + _log_ids("third branch " * 8, add_bos=False), B, None, TOK)
     misses = log.report()["misses"]  # latest first
-    assert misses[0]["closest_earlier_shared_blocks"] == 3 and "first branch" in misses[0]["snippets"]["earlier"]
+    assert (
+        misses[0]["closest_earlier_shared_blocks"] == 3 and "first branch" in misses[0]["snippets"]["earlier"]
+    )
     # A prompt sharing no block with anything earlier, of no known template: not a miss to explain.
     log.record(ns, _log_ids("entirely new " * 20), 0, None, TOK)
     assert log.report()["misses"] == misses

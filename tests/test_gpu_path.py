@@ -40,7 +40,9 @@ def test_tier_order_is_gpu_then_host_then_disk(tmp_path, ns) -> None:
     kv = make_kv(ns, 160)
     with open_store(tmp_path, gpu_nbytes=3 * block_nbytes(ns), host_bytes=6 * block_nbytes(ns)) as store:
         assert store.tier_names == ["gpu", "host", "disk"]
-        for k in range(1, 11):  # one block at a time: the disk writer lets go of each host slot before the next
+        for k in range(
+            1, 11
+        ):  # one block at a time: the disk writer lets go of each host slot before the next
             store.save(ns, toks[: 16 * k], kv[:, :, : 16 * k], start_block=k - 1)
             store.flush()
         # LRU keeps the last 3 blocks in the GPU tier and the last 6 in the host tier; disk has all 10.
@@ -134,7 +136,11 @@ def test_a_reused_source_buffer_does_not_change_what_was_saved(tmp_path, ns) -> 
         with TieredStore.open(tmp_path / str(staging), host_bytes=0, staging=staging) as store:
             toks = list(range(32))
             kv = make_kv(ns, 32, seed=9)
-            blocks = kv.view(ns.num_layers, 2, 2, 16, ns.num_kv_heads, ns.head_dim).permute(2, 0, 1, 3, 4, 5).contiguous()
+            blocks = (
+                kv.view(ns.num_layers, 2, 2, 16, ns.num_kv_heads, ns.head_dim)
+                .permute(2, 0, 1, 3, 4, 5)
+                .contiguous()
+            )
             store.save_blocks(ns, toks, blocks)
             blocks.fill_(0)
             store.flush()
@@ -149,8 +155,9 @@ def _unscatterable_out(ns, num_tokens: int) -> torch.Tensor:
     # [L, 2, T, H, D] with heads outermost in memory: records cannot be scattered into it, so the store
     # reads into its staging buffer and uploads each verified chunk (the GPU restore's code path).
     spec = KVSpec.of(ns)
-    return torch.zeros(spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim,
-                       dtype=spec.dtype).transpose(2, 3)
+    return torch.zeros(
+        spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim, dtype=spec.dtype
+    ).transpose(2, 3)
 
 
 def test_chunked_restore_through_the_staging_buffer_is_exact(tmp_path, ns, monkeypatch) -> None:
@@ -217,8 +224,12 @@ def test_worker_save_gathers_blocks_in_canonical_order(tmp_path) -> None:
         ids = prompt(100, salt=6)
         pre = cm.prefill(ids)
         keys, values = cache_layers(pre.cache, cm.layout)
-        expect = torch.stack([torch.stack([k[:, :96].transpose(0, 1), v[:, :96].transpose(0, 1)]) for k, v in
-                              zip(keys, values)])
+        expect = torch.stack(
+            [
+                torch.stack([k[:, :96].transpose(0, 1), v[:, :96].transpose(0, 1)])
+                for k, v in zip(keys, values)
+            ]
+        )
         _, got = store.restore(cm.namespace(), ids[:96])
         assert torch.equal(got, expect)
 
@@ -254,8 +265,9 @@ def test_telemetry_on_a_gpu() -> None:
 def test_cuda_restore_from_every_tier_is_bit_exact(tmp_path, ns) -> None:
     toks = list(range(320))  # 20 blocks
     kv = make_kv(ns, 320, seed=21).cuda()
-    with open_store(tmp_path, gpu_nbytes=5 * block_nbytes(ns), device="cuda",
-                    host_bytes=10 * block_nbytes(ns)) as store:
+    with open_store(
+        tmp_path, gpu_nbytes=5 * block_nbytes(ns), device="cuda", host_bytes=10 * block_nbytes(ns)
+    ) as store:
         for k in range(1, 21):  # one block at a time, so the LRU order is exact (see the first test)
             store.save(ns, toks[: 16 * k], kv[:, :, : 16 * k], start_block=k - 1)
             store.flush()
@@ -312,4 +324,8 @@ def test_host_runs_uploaded_block_major_land_in_place(ns) -> None:
     slots = [kv[:, :, i * 16 : (i + 1) * 16].contiguous().view(-1).view(torch.uint8) for i in range(1, 4)]
     dest = torch.zeros(spec.shape(80), dtype=spec.dtype)
     _upload_run(dest, slots, 1, spec)
-    assert torch.equal(dest[:, :, 16:64], kv[:, :, 16:64]) and not dest[:, :, :16].any() and not dest[:, :, 64:].any()
+    assert (
+        torch.equal(dest[:, :, 16:64], kv[:, :, 16:64])
+        and not dest[:, :, :16].any()
+        and not dest[:, :, 64:].any()
+    )

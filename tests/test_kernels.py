@@ -19,8 +19,8 @@ def test_gather_matches_a_loop_of_copies(dtype) -> None:
     assert out.shape == (3, 3, 2, 16, 2, 4)
     for n, s in enumerate(starts.tolist()):
         for layer in range(3):
-            assert torch.equal(out[n, layer, 0], keys[layer][:, s:s + 16].transpose(0, 1))
-            assert torch.equal(out[n, layer, 1], values[layer][:, s:s + 16].transpose(0, 1))
+            assert torch.equal(out[n, layer, 0], keys[layer][:, s : s + 16].transpose(0, 1))
+            assert torch.equal(out[n, layer, 1], values[layer][:, s : s + 16].transpose(0, 1))
 
 
 def test_scatter_inverts_gather() -> None:
@@ -37,7 +37,9 @@ def test_scatter_inverts_gather() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 128), (torch.float32, 64), (torch.bfloat16, 12)])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.bfloat16, 128), (torch.float32, 64), (torch.bfloat16, 12)]
+)
 def test_cuda_gather_and_scatter_equal_the_torch_fallback_bit_for_bit(dtype, head_dim) -> None:
     """head_dim 12 in bf16: 24-byte rows, so the kernel moves 8-byte words instead of 16."""
     assert kernels._cuda_ext is not None, f"the CUDA extension is not built (backend {kernels.BACKEND})"

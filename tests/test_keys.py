@@ -10,8 +10,9 @@ from tierkv import Namespace, block_keys
 from tierkv.errors import ConfigError
 from tierkv.keys import chain_key, root_key, tokens_to_bytes
 
-NS = Namespace(model_id="m", revision="r", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-               block_tokens=4)
+NS = Namespace(
+    model_id="m", revision="r", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=4
+)
 tokens = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=64)
 
 
@@ -33,12 +34,26 @@ def test_changing_token_p_changes_exactly_blocks_from_p(toks: list[int], data: s
     assert all(x != y for x, y in zip(a[first:], b[first:]))
 
 
-@given(st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=32),
-       st.sampled_from(["model_id", "revision", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens",
-                        "tenant_salt", "layout_version"]))
+@given(
+    st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=32),
+    st.sampled_from(
+        [
+            "model_id",
+            "revision",
+            "dtype",
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "block_tokens",
+            "tenant_salt",
+            "layout_version",
+        ]
+    ),
+)
 def test_two_namespaces_never_share_a_key(toks: list[int], field: str) -> None:
     other_value = {"dtype": "float16", "model_id": "m2", "revision": "r2", "tenant_salt": "t"}.get(
-        field, getattr(NS, field) + 1 if isinstance(getattr(NS, field), int) else None)
+        field, getattr(NS, field) + 1 if isinstance(getattr(NS, field), int) else None
+    )
     other = dataclasses.replace(NS, **{field: other_value})
     assert other.digest != NS.digest
     assert not set(block_keys(NS, toks)) & set(block_keys(other, toks))
@@ -73,10 +88,20 @@ def test_chain_definition() -> None:
 
 
 def test_keys_identical_across_processes_whatever_the_hash_seed() -> None:
-    code = ("from tierkv import Namespace, block_keys; ns = Namespace(model_id='m', revision='r', dtype='bfloat16', "
-            "num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=4); print(block_keys(ns, list(range(12)))[-1].hex())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    code = (
+        "from tierkv import Namespace, block_keys; ns = Namespace(model_id='m', revision='r', dtype='bfloat16', "
+        "num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=4); print(block_keys(ns, list(range(12)))[-1].hex())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert outs == {block_keys(NS, list(range(12)))[-1].hex() + "\n"}
 
 

@@ -16,7 +16,13 @@ def test_the_one_dtype_table_agrees_with_torch_and_keeps_codes_unique() -> None:
 
 def test_record_dtype_codes_are_the_ones_on_disk() -> None:
     # Records written by earlier versions carry these codes: renumbering one would misread them.
-    assert codec.DTYPE_CODES == {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5}
+    assert codec.DTYPE_CODES == {
+        "float32": 1,
+        "float16": 2,
+        "bfloat16": 3,
+        "float8_e4m3fn": 4,
+        "float8_e5m2": 5,
+    }
 
 
 def test_kvspec_sizes() -> None:

@@ -8,8 +8,15 @@ from tierkv import Namespace, TieredStore, block_keys, codec
 from tierkv.keys import root_key, tokens_to_bytes
 from tierkv.layout import KVSpec
 
-NS = Namespace(model_id="bench", revision="0", dtype="float32", num_layers=6, num_kv_heads=4, head_dim=64,
-               block_tokens=64)
+NS = Namespace(
+    model_id="bench",
+    revision="0",
+    dtype="float32",
+    num_layers=6,
+    num_kv_heads=4,
+    head_dim=64,
+    block_tokens=64,
+)
 SPEC = KVSpec.of(NS)
 
 
@@ -32,8 +39,17 @@ def test_encode_decode_block(benchmark, block, codec_) -> None:
     expected = codec.Expected(NS.digest, key, toks, NS.dtype, SPEC.block_shape)
 
     def roundtrip() -> int:
-        rec = codec.encode(ns_digest=NS.digest, parent_key=root_key(NS.digest), key=key, token_bytes=toks,
-                           dtype=NS.dtype, shape=SPEC.block_shape, payload=payload, created_s=0.0, codec=codec_)
+        rec = codec.encode(
+            ns_digest=NS.digest,
+            parent_key=root_key(NS.digest),
+            key=key,
+            token_bytes=toks,
+            dtype=NS.dtype,
+            shape=SPEC.block_shape,
+            payload=payload,
+            created_s=0.0,
+            codec=codec_,
+        )
         return len(codec.decode(rec, expected))
 
     assert benchmark(roundtrip) == SPEC.block_nbytes

@@ -104,8 +104,9 @@ def _apply(content: bytearray, op: Op) -> None:
         content[op.offset : end] = bytes(max(0, end - op.offset))
 
 
-def crash_state(log: list[Op], cut: int, policy: str, rng: random.Random, base_index: bytes
-                ) -> tuple[bytes, dict[str, bytes]]:
+def crash_state(
+    log: list[Op], cut: int, policy: str, rng: random.Random, base_index: bytes
+) -> tuple[bytes, dict[str, bytes]]:
     """(index file, segment files) after a power cut at ``cut``. ``policy``: of what no sync made durable,
     ``synced`` keeps nothing, ``all`` everything, ``prefix`` the first k operations of each file,
     ``subset`` a random subset (reordered writes); directory changes not fsync'ed are lost under
@@ -175,8 +176,15 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
         log.append(Op("commit", data=(self.path / "index" / "data.mdb").read_bytes()))
         return result
 
-    store = TieredStore.open(root, host_bytes=0, ttl_s=TTL_S, clock=lambda: now[0], batch_nbytes=12 * 1024,
-                             segment_nbytes=64 * 1024, map_nbytes=1 << 20)
+    store = TieredStore.open(
+        root,
+        host_bytes=0,
+        ttl_s=TTL_S,
+        clock=lambda: now[0],
+        batch_nbytes=12 * 1024,
+        segment_nbytes=64 * 1024,
+        map_nbytes=1 << 20,
+    )
     store.flush()
     base_index = (root / "index" / "data.mdb").read_bytes()
     monkeypatch.setattr(index_mod.Index, "write", write)
@@ -205,7 +213,9 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
     return log, base_index
 
 
-def check_state(root: Path, ns, index: bytes, segs: dict[str, bytes], src_root: Path, log: list[Op], cut: int) -> None:
+def check_state(
+    root: Path, ns, index: bytes, segs: dict[str, bytes], src_root: Path, log: list[Op], cut: int
+) -> None:
     shutil.rmtree(root, ignore_errors=True)
     (root / "index").mkdir(parents=True, mode=0o700)
     (root / "segments").mkdir(mode=0o700)
@@ -249,8 +259,12 @@ def run_power_cuts(tmp_path: Path, ns, monkeypatch, samples_per_cut: int) -> dic
     src = tmp_path / "src"
     log, base_index = record_workload(src, ns, monkeypatch)
     rng = random.Random(7)
-    counts = {"ops": len(log), "states": 0, "commits": sum(op.kind == "commit" for op in log),
-              "syncs": sum(op.kind in ("sync", "dirsync") for op in log)}
+    counts = {
+        "ops": len(log),
+        "states": 0,
+        "commits": sum(op.kind == "commit" for op in log),
+        "syncs": sum(op.kind in ("sync", "dirsync") for op in log),
+    }
     for cut in range(len(log) + 1):
         if log[cut - 1].kind in ("flushed", "gone", "clock") and cut:
             continue  # markers change nothing on disk
@@ -277,7 +291,9 @@ def test_power_cuts_many_random_subsets(tmp_path, ns, monkeypatch) -> None:
 def test_the_harness_catches_a_missing_sync(tmp_path, ns, monkeypatch) -> None:
     """Without the segment's fdatasync before the index commit, some crash state serves damaged records:
     the harness would see it (so its passing above means something)."""
-    monkeypatch.setattr(segments_mod.SegmentWriter, "__init__", _no_sync_init(segments_mod.SegmentWriter.__init__))
+    monkeypatch.setattr(
+        segments_mod.SegmentWriter, "__init__", _no_sync_init(segments_mod.SegmentWriter.__init__)
+    )
     src = tmp_path / "src"
     log, base_index = record_workload(src, ns, monkeypatch)
     assert not any(op.kind == "sync" for op in log)
@@ -295,4 +311,5 @@ def _no_sync_init(init):
     def wrapped(self, segments, seg_id, sync):
         init(self, segments, seg_id, sync)
         self.sync = False  # appends are no longer fdatasync'ed
+
     return wrapped

@@ -42,9 +42,13 @@ def test_the_package_exports_what_the_readme_lists() -> None:
 
 def test_every_tierkv_import_in_the_readme_is_public() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    imports = [(node.module, alias.name) for block in blocks for node in ast.walk(ast.parse(block))
-               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tierkv")
-               for alias in node.names]
+    imports = [
+        (node.module, alias.name)
+        for block in blocks
+        for node in ast.walk(ast.parse(block))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tierkv")
+        for alias in node.names
+    ]
     assert imports
     for module, name in imports:
         assert name in importlib.import_module(module).__all__, f"README imports {name} from {module}"

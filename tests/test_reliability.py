@@ -41,9 +41,16 @@ def _post(url: str, body: bytes | str, timeout: float = 120) -> tuple[int, dict]
 
 
 def _chat_body(i: int, max_tokens: int = 4) -> str:
-    return json.dumps({"messages": [{"role": "system", "content": SYSTEM},
-                                    {"role": "user", "content": f"Question number {i}: " + "why? " * (i % 50)}],
-                       "max_tokens": max_tokens, "temperature": 0})
+    return json.dumps(
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Question number {i}: " + "why? " * (i % 50)},
+            ],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+    )
 
 
 def _totals_by_scan(disk: DiskTier) -> dict:
@@ -55,8 +62,12 @@ def _totals_by_scan(disk: DiskTier) -> dict:
 
 
 def _check_store(cache) -> int:
-    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(cache), "--check", "--json"],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(cache), "--check", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["corrupt"] == 0
@@ -81,7 +92,9 @@ def check_crash_cycles(tmp_path, cycles: int) -> None:
             i = 0
             while not stop.is_set():
                 with contextlib.suppress(OSError):
-                    code, _ = _post(srv.url + "/v1/chat/completions", _chat_body(cycle * 1000 + i), timeout=30)
+                    code, _ = _post(
+                        srv.url + "/v1/chat/completions", _chat_body(cycle * 1000 + i), timeout=30
+                    )
                     served += code == 200
                 i += 1
 
@@ -99,8 +112,10 @@ def check_crash_cycles(tmp_path, cycles: int) -> None:
     srv, plain = ServerProcess(cache_dir=cache), ServerProcess("--no-cache")
     try:
         for i in (0, 1, 1000):
-            a, b = _post(srv.url + "/v1/chat/completions", _chat_body(i, 12)), \
-                _post(plain.url + "/v1/chat/completions", _chat_body(i, 12))
+            a, b = (
+                _post(srv.url + "/v1/chat/completions", _chat_body(i, 12)),
+                _post(plain.url + "/v1/chat/completions", _chat_body(i, 12)),
+            )
             assert a[0] == b[0] == 200
             assert a[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert a[1]["choices"][0]["message"]["content"] == b[1]["choices"][0]["message"]["content"]
@@ -148,8 +163,12 @@ def test_truncated_and_zeroed_segments_are_misses_and_purged(tmp_path, ns) -> No
         assert corrupt >= 2 and served < 4 * 64
         assert sum(b for b, _ in store.tier("disk").totals().values()) == 16 - corrupt  # purged
     # Damaged blocks behind a cut prefix were never read: gc --check finds those, then all is clean.
-    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--check", "--json"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--check", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     more = json.loads(r.stdout)["corrupt"]
     assert _check_store(tmp_path) == 16 - corrupt - more
 
@@ -181,7 +200,9 @@ def test_cache_dir_is_private(tmp_path) -> None:
 def small_fs(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, check=False)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, check=False
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     yield mnt
@@ -250,13 +271,23 @@ def check_concurrency(tmp_path, seconds: float) -> None:
 
     def admin_loop() -> None:
         while time.monotonic() < stop:
-            for args in (["stats", "--json"], ["gc", "--budget", "1MiB", "--json"], ["gc", "--check", "--json"]):
-                r = subprocess.run([sys.executable, "-m", "tierkv.cli", args[0], "--cache-dir", str(cache), *args[1:]],
-                                   capture_output=True, text=True, check=False)
+            for args in (
+                ["stats", "--json"],
+                ["gc", "--budget", "1MiB", "--json"],
+                ["gc", "--check", "--json"],
+            ):
+                r = subprocess.run(
+                    [sys.executable, "-m", "tierkv.cli", args[0], "--cache-dir", str(cache), *args[1:]],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 if r.returncode != 0:
                     errors.append(r.stderr)
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)] + [threading.Thread(target=admin_loop)]
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)] + [
+        threading.Thread(target=admin_loop)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -267,7 +298,9 @@ def check_concurrency(tmp_path, seconds: float) -> None:
         assert not errors, errors[:3]
         assert codes.count(200) > 0
         assert peak_kib < 4 * 2**20, f"server peak RSS {peak_kib} KiB"
-        print(f"served {codes.count(200)} requests, {codes.count(503)} documented 503s, peak RSS {peak_kib // 1024} MiB")
+        print(
+            f"served {codes.count(200)} requests, {codes.count(503)} documented 503s, peak RSS {peak_kib // 1024} MiB"
+        )
     finally:
         assert srv.stop() == 0
     _check_store(cache)
@@ -287,22 +320,27 @@ def test_concurrent_clients_60s(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess("--max-context", "2048", "--body-timeout", "3s", cache_dir=tmp_path_factory.mktemp("cache"))
+    srv = ServerProcess(
+        "--max-context", "2048", "--body-timeout", "3s", cache_dir=tmp_path_factory.mktemp("cache")
+    )
     yield srv
     assert srv.stop() == 0
 
 
-@pytest.mark.parametrize(("body", "status"), [
-    ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000000}', 400),
-    ('{"prompt": "' + "y" * 3000 + '"}', 400),
-    (b'{"prompt": "\xff\xfe broken utf-8"}', 400),
-    ('{"prompt": "x", "temperature": NaN}', 400),
-    ('{"prompt": "x", "top_p": -1}', 400),
-    ('{"prompt": "x", "seed": "s"}', 400),
-    ('{"prompt": [1, -5, 3]}', 400),
-    ('{"prompt": "x", "stop": [1, 2]}', 400),
-    ('{"prompt": "x", "max_tokens": 1.5}', 400),
-])
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000000}', 400),
+        ('{"prompt": "' + "y" * 3000 + '"}', 400),
+        (b'{"prompt": "\xff\xfe broken utf-8"}', 400),
+        ('{"prompt": "x", "temperature": NaN}', 400),
+        ('{"prompt": "x", "top_p": -1}', 400),
+        ('{"prompt": "x", "seed": "s"}', 400),
+        ('{"prompt": [1, -5, 3]}', 400),
+        ('{"prompt": "x", "stop": [1, 2]}', 400),
+        ('{"prompt": "x", "max_tokens": 1.5}', 400),
+    ],
+)
 def test_hostile_bodies_are_4xx(server, body, status) -> None:
     url = server.url + ("/v1/chat/completions" if "messages" in str(body) else "/v1/completions")
     code, out = _post(url, body)
@@ -312,18 +350,24 @@ def test_hostile_bodies_are_4xx(server, body, status) -> None:
 
 def test_ten_megabyte_body_is_413(server) -> None:
     body = json.dumps({"prompt": "z" * (10 * 2**20)}).encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as s:  # refused from the header, before the body
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body))
+    with socket.create_connection(
+        ("127.0.0.1", server.port)
+    ) as s:  # refused from the header, before the body
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
         s.settimeout(30)
         assert b" 413 " in s.recv(4096).split(b"\r\n")[0]
     with socket.create_connection(("127.0.0.1", server.port)) as s:  # no length given: counted while read
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Transfer-Encoding: chunked\r\n\r\n")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         s.settimeout(30)
         with contextlib.suppress(OSError):  # the server may close while we still send
             for i in range(0, len(body), 2**20):
-                piece = body[i:i + 2**20]
+                piece = body[i : i + 2**20]
                 s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
         assert b" 413 " in s.recv(4096).split(b"\r\n")[0]
     assert _post(server.url + "/v1/completions", '{"prompt": "alive", "max_tokens": 1}')[0] == 200
@@ -331,8 +375,10 @@ def test_ten_megabyte_body_is_413(server) -> None:
 
 def test_slow_unfinished_body_times_out_and_others_are_served(server) -> None:
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": '
+        )
         t0 = time.monotonic()
         assert _post(server.url + "/v1/completions", '{"prompt": "others", "max_tokens": 1}')[0] == 200
         s.settimeout(30)
@@ -340,13 +386,27 @@ def test_slow_unfinished_body_times_out_and_others_are_served(server) -> None:
         assert b" 408 " in reply.split(b"\r\n")[0] and time.monotonic() - t0 < 10
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=5),
-                           max_leaves=20)
-fields = st.fixed_dictionaries({}, optional={
-    "prompt": json_values, "messages": json_values, "max_tokens": json_values, "temperature": json_values,
-    "top_p": json_values, "stop": json_values, "stream": json_values, "seed": json_values,
-    "cache_salt": json_values, "stream_options": json_values, "n": json_values})
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=5),
+    max_leaves=20,
+)
+fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": json_values,
+        "messages": json_values,
+        "max_tokens": json_values,
+        "temperature": json_values,
+        "top_p": json_values,
+        "stop": json_values,
+        "stream": json_values,
+        "seed": json_values,
+        "cache_salt": json_values,
+        "stream_options": json_values,
+        "n": json_values,
+    },
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

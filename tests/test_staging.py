@@ -9,7 +9,9 @@ from tierkv.staging import IllegalTransition, SlotState, StagingRing
 
 def test_blocks_drain_in_submission_order_with_their_data() -> None:
     got = []
-    ring = StagingRing(3, 64, on_ready=lambda slot, meta: got.append((meta, slot[:16].view(torch.float32).clone())))
+    ring = StagingRing(
+        3, 64, on_ready=lambda slot, meta: got.append((meta, slot[:16].view(torch.float32).clone()))
+    )
     blocks = [torch.full((4,), float(i)) for i in range(10)]
     for i, b in enumerate(blocks):
         assert ring.submit(b, i)
@@ -57,8 +59,13 @@ def test_illegal_transition_names_the_current_state() -> None:
 def test_cuda_copy_reads_finished_kv_while_the_compute_stream_keeps_writing(slots: int) -> None:
     """The vLLM 45704 case: the copy must wait for the kernel that produced the block."""
     got = []
-    ring = StagingRing(slots, 4 << 20, device="cuda", pending_nbytes=100 << 20, on_ready=lambda slot, meta: got.append(
-        (meta, slot[: 4 << 20].view(torch.float32).clone())))
+    ring = StagingRing(
+        slots,
+        4 << 20,
+        device="cuda",
+        pending_nbytes=100 << 20,
+        on_ready=lambda slot, meta: got.append((meta, slot[: 4 << 20].view(torch.float32).clone())),
+    )
     for i in range(20):
         a = torch.randn(1024, 1024, device="cuda")
         block = (a @ a.T @ a @ a.T).mul_(0).add_(i)  # a long producer kernel still queued at submit time
@@ -99,8 +106,9 @@ def test_kept_blocks_wait_for_a_slot_instead_of_the_caller_and_keep_their_order(
 def test_new_blocks_never_overtake_pending_ones() -> None:
     got = []
     gate = threading.Event()
-    ring = StagingRing(1, 16, on_ready=lambda slot, meta: (gate.wait(5), got.append(meta)), wait_s=1.0,
-                       pending_nbytes=16)
+    ring = StagingRing(
+        1, 16, on_ready=lambda slot, meta: (gate.wait(5), got.append(meta)), wait_s=1.0, pending_nbytes=16
+    )
     assert ring.submit(torch.zeros(4), "a", keep_reference=True)  # takes the slot
     assert ring.submit(torch.zeros(4), "b", keep_reference=True)  # pending
     waiter = threading.Thread(target=lambda: ring.submit(torch.zeros(4), "c"))  # waits (not keepable)
@@ -116,8 +124,16 @@ def test_new_blocks_never_overtake_pending_ones() -> None:
 def test_submit_many_takes_what_fits_queues_the_rest_and_drops_past_the_bound() -> None:
     release = threading.Event()
     got = []
-    ring = StagingRing(3, 64, on_ready=lambda slot, meta: (release.wait(5), got.append(
-        (meta, slot[:16].view(torch.float32).clone()))), wait_s=0.01, pending_nbytes=2 * 16)
+    ring = StagingRing(
+        3,
+        64,
+        on_ready=lambda slot, meta: (
+            release.wait(5),
+            got.append((meta, slot[:16].view(torch.float32).clone())),
+        ),
+        wait_s=0.01,
+        pending_nbytes=2 * 16,
+    )
     blocks = [torch.full((4,), float(i)) for i in range(7)]
     accepted = ring.submit_many(blocks, list(range(7)), keep_reference=True)
     assert accepted == [True] * 5 + [False, False]  # 3 slots + 2 pending; the last two wait, then drop

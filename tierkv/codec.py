@@ -132,10 +132,20 @@ def encode_parts(
         src = _shuffle(payload, DTYPE_ITEMSIZE[dtype]) if codec == Codec.ZSTD_SHUFFLE else payload
         stored = zstandard.ZstdCompressor(level=zstd_level).compress(src)
     fields = _FIELDS.pack(
-        MAGIC, FORMAT_VERSION, int(codec), DTYPE_CODES[dtype], len(shape),
+        MAGIC,
+        FORMAT_VERSION,
+        int(codec),
+        DTYPE_CODES[dtype],
+        len(shape),
         *(tuple(shape) + (0,) * (MAX_NDIM - len(shape))),
-        len(token_bytes) // 4, ns_digest, parent_key, key, created_s,
-        raw_nbytes, memoryview(stored).nbytes, xxhash.xxh3_64_intdigest(stored),
+        len(token_bytes) // 4,
+        ns_digest,
+        parent_key,
+        key,
+        created_s,
+        raw_nbytes,
+        memoryview(stored).nbytes,
+        xxhash.xxh3_64_intdigest(stored),
     )
     check = xxhash.xxh3_64(fields)
     check.update(token_bytes)
@@ -155,11 +165,15 @@ def parse_header(prefix: bytes | memoryview, record_nbytes: int) -> tuple[Header
     """
     view = memoryview(prefix).cast("B")
     if view.nbytes < HEADER_NBYTES or record_nbytes < HEADER_NBYTES:
-        raise RecordError(f"record truncated: {min(view.nbytes, record_nbytes)} bytes, header needs {HEADER_NBYTES}")
+        raise RecordError(
+            f"record truncated: {min(view.nbytes, record_nbytes)} bytes, header needs {HEADER_NBYTES}"
+        )
     f = _FIELDS.unpack_from(view, 0)
     magic, version, codec, dtype_code, ndim = f[0:5]
     shape_all = f[5 : 5 + MAX_NDIM]
-    token_count, ns_digest, parent, key, created_s, raw_nbytes, stored_nbytes, payload_check = f[5 + MAX_NDIM :]
+    token_count, ns_digest, parent, key, created_s, raw_nbytes, stored_nbytes, payload_check = f[
+        5 + MAX_NDIM :
+    ]
     if magic != MAGIC:
         raise RecordError("not a tierkv block record (bad magic)")
     if version != FORMAT_VERSION:
@@ -179,8 +193,17 @@ def parse_header(prefix: bytes | memoryview, record_nbytes: int) -> tuple[Header
     if tokens_end + stored_nbytes != record_nbytes:
         raise RecordError(f"record length {record_nbytes} != header's {tokens_end + stored_nbytes}")
     header = Header(
-        version, Codec(codec), _CODE_DTYPES[dtype_code], tuple(shape_all[:ndim]), token_count,
-        NamespaceDigest(ns_digest), BlockKey(parent), BlockKey(key), created_s, raw_nbytes, stored_nbytes,
+        version,
+        Codec(codec),
+        _CODE_DTYPES[dtype_code],
+        tuple(shape_all[:ndim]),
+        token_count,
+        NamespaceDigest(ns_digest),
+        BlockKey(parent),
+        BlockKey(key),
+        created_s,
+        raw_nbytes,
+        stored_nbytes,
         payload_check,
     )
     return header, view[HEADER_NBYTES:tokens_end]
@@ -202,7 +225,9 @@ def check_expected(header: Header, token_bytes: memoryview, expected: Expected) 
     if token_bytes != expected.token_bytes:
         raise RecordError("record token ids differ from the request's")
     if header.dtype != expected.dtype or header.shape != tuple(expected.shape):
-        raise RecordError(f"record is {header.dtype}{list(header.shape)}, expected {expected.dtype}{list(expected.shape)}")
+        raise RecordError(
+            f"record is {header.dtype}{list(header.shape)}, expected {expected.dtype}{list(expected.shape)}"
+        )
 
 
 def check_raw_pieces(header: Header, pieces: list[memoryview]) -> None:
@@ -245,4 +270,3 @@ def decode_payload(header: Header, stored: memoryview) -> memoryview | bytes:
     if header.codec == Codec.ZSTD_SHUFFLE:
         raw = _unshuffle(raw, DTYPE_ITEMSIZE[header.dtype])
     return raw
-

@@ -57,24 +57,48 @@ class StoreConfig:
     clock: Callable[[], float] = time.time
 
     @classmethod
-    def of(cls, path: str | os.PathLike[str] | None, *, host_bytes: int = 1 << 30, disk_bytes: int | None = None,
-           ttl_s: float | None = None, max_age_s: float | None = None, codec_: Codec | str = Codec.RAW,
-           clock: Callable[[], float] = time.time, sync: bool = True, remote: str | None = None,
-           remote_admit_after: int = 1, gpu_bytes: int = 0, device: str = "cuda", staging: bool | None = None,
-           sweep_interval_s: float = 0.0, **disk_options: int) -> StoreConfig:
+    def of(
+        cls,
+        path: str | os.PathLike[str] | None,
+        *,
+        host_bytes: int = 1 << 30,
+        disk_bytes: int | None = None,
+        ttl_s: float | None = None,
+        max_age_s: float | None = None,
+        codec_: Codec | str = Codec.RAW,
+        clock: Callable[[], float] = time.time,
+        sync: bool = True,
+        remote: str | None = None,
+        remote_admit_after: int = 1,
+        gpu_bytes: int = 0,
+        device: str = "cuda",
+        staging: bool | None = None,
+        sweep_interval_s: float = 0.0,
+        **disk_options: int,
+    ) -> StoreConfig:
         """The flat keywords of ``TieredStore.open``. ``path=None`` gives a memory-only store;
         ``host_bytes=0`` one without a host tier."""
         if isinstance(codec_, str):
             codec_ = Codec[codec_.upper().replace("-", "_")]
-        disk = None if path is None else DiskConfig(Path(path), disk_bytes, sync, sweep_interval_s, disk_options)
-        return cls(host_bytes=host_bytes, disk=disk,
-                   remote=RemoteConfig(remote, remote_admit_after) if remote is not None else None,
-                   gpu=GpuConfig(gpu_bytes, str(device)), ttl_s=ttl_s, max_age_s=max_age_s, codec=codec_,
-                   staging=staging, clock=clock)
+        disk = (
+            None if path is None else DiskConfig(Path(path), disk_bytes, sync, sweep_interval_s, disk_options)
+        )
+        return cls(
+            host_bytes=host_bytes,
+            disk=disk,
+            remote=RemoteConfig(remote, remote_admit_after) if remote is not None else None,
+            gpu=GpuConfig(gpu_bytes, str(device)),
+            ttl_s=ttl_s,
+            max_age_s=max_age_s,
+            codec=codec_,
+            staging=staging,
+            clock=clock,
+        )
 
     def check(self) -> None:
-        if self.host_bytes < 0 or (self.disk is not None and self.disk.budget_nbytes is not None
-                                   and self.disk.budget_nbytes <= 0):
+        if self.host_bytes < 0 or (
+            self.disk is not None and self.disk.budget_nbytes is not None and self.disk.budget_nbytes <= 0
+        ):
             raise ConfigError("host_bytes must be >= 0 and disk_bytes > 0")
         if self.remote is not None and self.remote.admit_after < 1:
             raise ConfigError("remote_admit_after must be >= 1")
@@ -104,12 +128,22 @@ class StoreConfig:
             tiers.append(HostTier(self.host_bytes, counters=counters, **ages))
         if self.disk is not None:
             d = self.disk
-            tiers.append(DiskTier(d.path, policy=Policy(d.budget_nbytes, self.ttl_s, self.max_age_s),
-                                  clock=self.clock, sync=d.sync, counters=counters,
-                                  sweep_interval_s=d.sweep_interval_s, **d.options))
+            tiers.append(
+                DiskTier(
+                    d.path,
+                    policy=Policy(d.budget_nbytes, self.ttl_s, self.max_age_s),
+                    clock=self.clock,
+                    sync=d.sync,
+                    counters=counters,
+                    sweep_interval_s=d.sweep_interval_s,
+                    **d.options,
+                )
+            )
         if self.remote is not None:
             from tierkv.tiers.admission import Admission
             from tierkv.tiers.remote import RemoteTier
 
             remote: Tier = RemoteTier(self.remote.url, ttl_s=self.ttl_s, counters=counters)
-            tiers.append(Admission(remote, self.remote.admit_after) if self.remote.admit_after > 1 else remote)
+            tiers.append(
+                Admission(remote, self.remote.admit_after) if self.remote.admit_after > 1 else remote
+            )

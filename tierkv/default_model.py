@@ -53,17 +53,32 @@ def default_config(**overrides: Any) -> Any:
     from transformers import LlamaConfig
 
     cfg = dict(
-        vocab_size=256 + BYTE_OFFSET, hidden_size=512, intermediate_size=3072, num_hidden_layers=6, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64, max_position_embeddings=16384, rope_theta=10000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        vocab_size=256 + BYTE_OFFSET,
+        hidden_size=512,
+        intermediate_size=3072,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=16384,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )
     cfg.update(overrides)
     return LlamaConfig(**cfg)
 
 
-def build_default_model(dtype: torch.dtype = torch.float32, seed: int = DEFAULT_SEED, *,
-                        attn_implementation: str = "sdpa", **overrides: Any) -> Any:
+def build_default_model(
+    dtype: torch.dtype = torch.float32,
+    seed: int = DEFAULT_SEED,
+    *,
+    attn_implementation: str = "sdpa",
+    **overrides: Any,
+) -> Any:
     """About 35M parameters; identical weights for the same seed and torch version.
 
     ``attn_implementation="eager"`` makes float16 restores bit-identical on CPU: PyTorch's CPU SDPA

@@ -1,11 +1,11 @@
 """Exceptions raised by tierkv.
 
-    TierKVError
-    ├── RecordError          a block record failed to decode or verify (caller treats it as a miss)
-    ├── StoreFormatError     the store on disk was written by another format version
-    ├── StoreOpenError       the store cannot be opened (permissions, read-only media, memory, lock file)
-    ├── NamespaceConflictError  one digest registered with two different specs
-    └── ConfigError          a caller's mistake in an argument (size, duration, shape)
+TierKVError
+├── RecordError          a block record failed to decode or verify (caller treats it as a miss)
+├── StoreFormatError     the store on disk was written by another format version
+├── StoreOpenError       the store cannot be opened (permissions, read-only media, memory, lock file)
+├── NamespaceConflictError  one digest registered with two different specs
+└── ConfigError          a caller's mistake in an argument (size, duration, shape)
 """
 
 __all__ = [

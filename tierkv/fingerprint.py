@@ -19,8 +19,15 @@ __all__ = ["config_hash", "weights_fingerprint"]
 
 def config_hash(model: Any) -> str:
     cfg = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype",
-                     "_attn_implementation_autoset", "_attn_implementation_internal"):
+    for volatile in (
+        "_name_or_path",
+        "transformers_version",
+        "_commit_hash",
+        "torch_dtype",
+        "dtype",
+        "_attn_implementation_autoset",
+        "_attn_implementation_internal",
+    ):
         cfg.pop(volatile, None)
     return xxhash.xxh3_128_hexdigest(json.dumps(cfg, sort_keys=True, default=str).encode())
 

@@ -11,7 +11,12 @@ from tierkv.tiers.disk import DiskTier
 
 # Last-access histogram buckets: upper bounds in seconds, named as a person reads them.
 AGE_BUCKETS_S: tuple[tuple[str, float], ...] = (
-    ("<1m", 60), ("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), ("<30d", 30 * 86400), (">=30d", float("inf")),
+    ("<1m", 60),
+    ("<1h", 3600),
+    ("<1d", 86400),
+    ("<7d", 7 * 86400),
+    ("<30d", 30 * 86400),
+    (">=30d", float("inf")),
 )
 
 
@@ -24,9 +29,15 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
     for digest, (blocks, nbytes) in disk.totals().items():
         ns = namespaces.get(digest)
         per_ns[digest] = {
-            "digest": digest.hex(), "model_id": ns.model_id if ns else None, "spec": ns.to_json() if ns else None,
-            "blocks": blocks, "nbytes": nbytes, "oldest_created_s": None, "newest_created_s": None,
-            "expired_unswept": 0, "last_access_histogram": {name: 0 for name, _ in AGE_BUCKETS_S},
+            "digest": digest.hex(),
+            "model_id": ns.model_id if ns else None,
+            "spec": ns.to_json() if ns else None,
+            "blocks": blocks,
+            "nbytes": nbytes,
+            "oldest_created_s": None,
+            "newest_created_s": None,
+            "expired_unswept": 0,
+            "last_access_histogram": {name: 0 for name, _ in AGE_BUCKETS_S},
         }
     for _, e in disk.iter_entries():
         row = per_ns.get(e.ns_digest)
@@ -41,7 +52,11 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
     usage = disk.usage()
     return {
         "cache_dir": str(disk.path),
-        "policy": {"budget_nbytes": policy.budget_nbytes, "ttl_s": policy.ttl_s, "max_age_s": policy.max_age_s},
+        "policy": {
+            "budget_nbytes": policy.budget_nbytes,
+            "ttl_s": policy.ttl_s,
+            "max_age_s": policy.max_age_s,
+        },
         "blocks": sum(r["blocks"] for r in per_ns.values()),
         "live_nbytes": usage["live_nbytes"],
         "segment_allocated_nbytes": usage["segment_allocated_nbytes"],

@@ -70,8 +70,13 @@ def _token_index(block_starts: torch.Tensor, block_tokens: int) -> torch.Tensor:
     return (block_starts.to(torch.long)[:, None] + offsets[None, :]).reshape(-1)
 
 
-def gather_blocks(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  block_starts: torch.Tensor | range, block_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks(
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    block_starts: torch.Tensor | range,
+    block_tokens: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Blocks starting at ``block_starts`` (token offsets; a ``range`` for consecutive blocks) of every
     layer, canonical layout ``[N, layers, 2, block_tokens, kv_heads, head_dim]``.
 
@@ -83,7 +88,9 @@ def gather_blocks(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
     if out is None:
         out = torch.empty((N, L, 2, block_tokens, H, D), dtype=keys[0].dtype, device=keys[0].device)
     if _cuda_ext is not None and keys[0].is_cuda and (D * keys[0].element_size()) % 2 == 0:
-        _cuda_ext.gather(list(keys), list(values), _starts_tensor(block_starts, keys[0].device), block_tokens, out)
+        _cuda_ext.gather(
+            list(keys), list(values), _starts_tensor(block_starts, keys[0].device), block_tokens, out
+        )
         return out
     span = _as_slice(block_starts, block_tokens)
     idx = _token_index(_starts_tensor(block_starts, keys[0].device), block_tokens) if span is None else None
@@ -94,8 +101,12 @@ def gather_blocks(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
     return out
 
 
-def scatter_blocks(blocks: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                   block_starts: torch.Tensor | range) -> None:
+def scatter_blocks(
+    blocks: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    block_starts: torch.Tensor | range,
+) -> None:
     """Write canonical ``blocks`` ``[N, layers, 2, block_tokens, kv_heads, head_dim]`` into the caches."""
     N, L, _, B, H, D = blocks.shape
     if _cuda_ext is not None and blocks.is_cuda and (D * blocks.element_size()) % 2 == 0:

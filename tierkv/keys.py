@@ -42,7 +42,11 @@ LAYOUT_VERSION = 1  # bump when the canonical block layout changes: old blocks t
 # The one table of KV dtypes: name (as torch spells it) -> (its code in a record's header, bytes per element).
 # The codes are on disk: never renumber one. codec and layout derive their views from this.
 DTYPES: dict[str, tuple[int, int]] = {
-    "float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2), "float8_e4m3fn": (4, 1), "float8_e5m2": (5, 1),
+    "float32": (1, 4),
+    "float16": (2, 2),
+    "bfloat16": (3, 2),
+    "float8_e4m3fn": (4, 1),
+    "float8_e5m2": (5, 1),
 }
 
 
@@ -157,7 +161,9 @@ class BlockChain:
         return self.keys[i - 1] if i else root_key(self.ns.digest)
 
     def prefix(self, n_blocks: int) -> BlockChain:
-        return BlockChain(self.ns, self.keys[:n_blocks], self.token_bytes[: n_blocks * self.block_token_nbytes])
+        return BlockChain(
+            self.ns, self.keys[:n_blocks], self.token_bytes[: n_blocks * self.block_token_nbytes]
+        )
 
 
 def block_keys(ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:

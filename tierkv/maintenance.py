@@ -24,10 +24,19 @@ def resolve_namespace(disk: DiskTier, prefix: str) -> bytes:
     return matches[0]
 
 
-def run_gc(disk: DiskTier, *, ttl_s: float | None = None, max_age_s: float | None = None,
-           budget_nbytes: int | None = None, namespace: str | None = None, purge_all: bool = False,
-           check: bool = False, compact: bool = False, dry_run: bool = False,
-           progress: ProgressFactory | None = None) -> dict[str, Any]:
+def run_gc(
+    disk: DiskTier,
+    *,
+    ttl_s: float | None = None,
+    max_age_s: float | None = None,
+    budget_nbytes: int | None = None,
+    namespace: str | None = None,
+    purge_all: bool = False,
+    check: bool = False,
+    compact: bool = False,
+    dry_run: bool = False,
+    progress: ProgressFactory | None = None,
+) -> dict[str, Any]:
     """Purge (a namespace or all), expire, hold the budget, verify, compact — in that order."""
     if namespace and purge_all:
         raise ConfigError("namespace and all exclude each other")

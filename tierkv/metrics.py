@@ -8,9 +8,23 @@ from collections import defaultdict
 __all__ = ["COUNTER_NAMES", "Counters"]
 
 COUNTER_NAMES = (
-    "hit_blocks", "hit_tokens", "miss_blocks", "bytes_read", "bytes_written", "blocks_written",
-    "evictions", "expirations", "corrupt_blocks", "dropped_saves", "write_errors", "read_errors",
-    "sweeps", "sweep_errors", "punch_unsupported", "totals_errors", "stale_readers",
+    "hit_blocks",
+    "hit_tokens",
+    "miss_blocks",
+    "bytes_read",
+    "bytes_written",
+    "blocks_written",
+    "evictions",
+    "expirations",
+    "corrupt_blocks",
+    "dropped_saves",
+    "write_errors",
+    "read_errors",
+    "sweeps",
+    "sweep_errors",
+    "punch_unsupported",
+    "totals_errors",
+    "stale_readers",
 )
 
 

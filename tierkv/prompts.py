@@ -32,8 +32,9 @@ def encode_text(tokenizer: Any, text: str, special: bool = True, param: str = "p
         text.encode("utf-8")  # JSON may carry lone surrogates (\ud800): no tokenizer takes them
         return list(tokenizer.encode(text, add_special_tokens=special))
     except UnicodeEncodeError as exc:
-        raise PromptError(f"{param}: the text is not valid Unicode ({exc.reason} at character {exc.start})",
-                          param) from None
+        raise PromptError(
+            f"{param}: the text is not valid Unicode ({exc.reason} at character {exc.start})", param
+        ) from None
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -61,9 +62,16 @@ def encode_request(tokenizer: Any, text: str) -> list[int]:
     except ValueError:
         return encode_text(tokenizer, text)
     if isinstance(body, dict) and isinstance(body.get("messages"), list):
-        msgs = [{"role": m.get("role", "user"), "content": m.get("content") if isinstance(m.get("content"), str)
-                 else "".join(p.get("text", "") for p in m.get("content") or [] if isinstance(p, dict))}
-                for m in body["messages"] if isinstance(m, dict)]
+        msgs = [
+            {
+                "role": m.get("role", "user"),
+                "content": m.get("content")
+                if isinstance(m.get("content"), str)
+                else "".join(p.get("text", "") for p in m.get("content") or [] if isinstance(p, dict)),
+            }
+            for m in body["messages"]
+            if isinstance(m, dict)
+        ]
         return render_chat(tokenizer, msgs)
     if isinstance(body, dict) and isinstance(body.get("prompt"), str):
         return encode_text(tokenizer, body["prompt"])
@@ -72,5 +80,11 @@ def encode_request(tokenizer: Any, text: str) -> list[int]:
     return encode_text(tokenizer, text)
 
 
-__all__ = ["PLAIN_CHAT_GENERATION_PROMPT", "PLAIN_CHAT_TEMPLATE", "PromptError", "encode_request", "encode_text",
-           "render_chat"]
+__all__ = [
+    "PLAIN_CHAT_GENERATION_PROMPT",
+    "PLAIN_CHAT_TEMPLATE",
+    "PromptError",
+    "encode_request",
+    "encode_text",
+    "render_chat",
+]

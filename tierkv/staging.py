@@ -49,9 +49,17 @@ class IllegalTransition(RuntimeError):
 
 
 class StagingRing:
-    def __init__(self, num_slots: int, slot_nbytes: int, *, device: torch.device | str = "cpu",
-                 on_ready: Callable[[torch.Tensor, Any], None], wait_s: float = 0.005, pending_nbytes: int = 0,
-                 counters: Counters | None = None) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        slot_nbytes: int,
+        *,
+        device: torch.device | str = "cpu",
+        on_ready: Callable[[torch.Tensor, Any], None],
+        wait_s: float = 0.005,
+        pending_nbytes: int = 0,
+        counters: Counters | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.on_ready = on_ready
@@ -61,8 +69,13 @@ class StagingRing:
         t0 = time.perf_counter()
         # One allocation, at start-up: pinning tens of GiB takes seconds, never on the hot path.
         self.slots = torch.empty((num_slots, slot_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
-        log.info("staging ring: %d slots of %d bytes%s in %.2f s", num_slots, slot_nbytes,
-                 " (pinned)" if self.cuda else "", time.perf_counter() - t0)
+        log.info(
+            "staging ring: %d slots of %d bytes%s in %.2f s",
+            num_slots,
+            slot_nbytes,
+            " (pinned)" if self.cuda else "",
+            time.perf_counter() - t0,
+        )
         self.state = [SlotState.FREE] * num_slots
         self._free: deque[int] = deque(range(num_slots))  # the FREE slots, oldest freed first
         self._events: list[Any] = [None] * num_slots
@@ -79,8 +92,9 @@ class StagingRing:
 
     def _move(self, slot: int, from_: SlotState, to: SlotState) -> None:
         if self.state[slot] is not from_:
-            raise IllegalTransition(f"slot {slot}: {from_.value} -> {to.value} asked, but it is "
-                                    f"{self.state[slot].value}")
+            raise IllegalTransition(
+                f"slot {slot}: {from_.value} -> {to.value} asked, but it is {self.state[slot].value}"
+            )
         self.state[slot] = to
 
     def _claim(self, slot: int, meta: Any) -> None:
@@ -103,14 +117,17 @@ class StagingRing:
         """
         return self.submit_many([block], [meta], keep_reference=keep_reference)[0]
 
-    def submit_many(self, blocks: Sequence[torch.Tensor], metas: Sequence[Any], *,
-                    keep_reference: bool = False) -> list[bool]:
+    def submit_many(
+        self, blocks: Sequence[torch.Tensor], metas: Sequence[Any], *, keep_reference: bool = False
+    ) -> list[bool]:
         """``submit`` for several blocks of one device: one fence, one lock round and one batch of copies
         with one completion event, instead of one each. Returns, per block, whether it was accepted."""
         for block in blocks:
             if block.numel() * block.element_size() > self.slots.shape[1]:
-                raise ValueError(f"block of {block.numel() * block.element_size()} bytes does not fit a "
-                                 f"{self.slots.shape[1]}-byte slot")
+                raise ValueError(
+                    f"block of {block.numel() * block.element_size()} bytes does not fit a "
+                    f"{self.slots.shape[1]}-byte slot"
+                )
         ready = None
         if self.cuda and blocks:  # the fence: whatever the compute stream queued up to here is in the blocks
             ready = torch.cuda.Event()
@@ -139,8 +156,11 @@ class StagingRing:
             deadline = time.monotonic() + self.wait_s  # block n found no room: wait a little, then drop it
             nbytes = blocks[n].numel() * blocks[n].element_size()
             with self._cv:
-                while not self._closed and self._free_slot() is None and not (
-                        keep_reference and self._pending_held + nbytes <= self.pending_nbytes):
+                while (
+                    not self._closed
+                    and self._free_slot() is None
+                    and not (keep_reference and self._pending_held + nbytes <= self.pending_nbytes)
+                ):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         self.counters.add("staging", "dropped_saves")
@@ -161,11 +181,17 @@ class StagingRing:
         if not batch:
             return
         try:
-            dsts = [self.slots[slot, : b.numel() * b.element_size()].view(b.dtype).view(b.shape) for slot, b in batch]
+            dsts = [
+                self.slots[slot, : b.numel() * b.element_size()].view(b.dtype).view(b.shape)
+                for slot, b in batch
+            ]
             if self.cuda:
                 stream = self._stream
                 assert stream is not None
-                with torch.cuda.device(self.device), torch.cuda.stream(stream):  # any thread, the ring's device
+                with (
+                    torch.cuda.device(self.device),
+                    torch.cuda.stream(stream),
+                ):  # any thread, the ring's device
                     stream.wait_event(ready)
                     for dst, (_, block) in zip(dsts, batch):
                         dst.copy_(block, non_blocking=True)

@@ -67,17 +67,31 @@ def _runs(src: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[Tier], *, codec_: codec.Codec = codec.Codec.RAW,
-                 clock: Callable[[], float] = time.time, counters: Counters | None = None,
-                 staging: bool | None = None, staging_nbytes: int = 512 << 20,
-                 staging_wait_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        codec_: codec.Codec = codec.Codec.RAW,
+        clock: Callable[[], float] = time.time,
+        counters: Counters | None = None,
+        staging: bool | None = None,
+        staging_nbytes: int = 512 << 20,
+        staging_wait_s: float = 0.005,
+    ) -> None:
         """``tiers`` fastest first (``StoreConfig.build`` makes them). The staging options are the
         write-behind's (see ``write_behind.WriteBehind``)."""
         self.tiers: list[Tier] = list(tiers)
         self.clock = clock
         self.counters = counters or Counters()
-        self.writes = WriteBehind(self.tiers, codec_=codec_, clock=clock, counters=self.counters, staging=staging,
-                                  staging_nbytes=staging_nbytes, staging_wait_s=staging_wait_s)
+        self.writes = WriteBehind(
+            self.tiers,
+            codec_=codec_,
+            clock=clock,
+            counters=self.counters,
+            staging=staging,
+            staging_nbytes=staging_nbytes,
+            staging_wait_s=staging_wait_s,
+        )
         self._stagers = Stagers()  # chunk buffers of restores into a GPU
 
     @classmethod
@@ -89,8 +103,13 @@ class TieredStore:
     @classmethod
     def from_config(cls, config: StoreConfig) -> TieredStore:
         counters = Counters()
-        return cls(config.build(counters), codec_=config.codec, clock=config.clock, counters=counters,
-                   staging=config.staging)
+        return cls(
+            config.build(counters),
+            codec_=config.codec,
+            clock=config.clock,
+            counters=counters,
+            staging=config.staging,
+        )
 
     def tier(self, name: str) -> Tier | None:
         """The tier called ``name`` (``tier_names``), None if the store has none."""
@@ -108,24 +127,32 @@ class TieredStore:
             raise ConfigError("this store already has a GPU tier")
         first = next((t for t in self.tiers if isinstance(t, BlockPool)), None)
         ages = {"ttl_s": first.ttl_s, "max_age_s": first.max_age_s} if first is not None else {}
-        self.tiers.insert(0, GpuTier(capacity_nbytes, device=device, counters=self.counters, clock=self.clock,
-                                     **ages))
+        self.tiers.insert(
+            0, GpuTier(capacity_nbytes, device=device, counters=self.counters, clock=self.clock, **ages)
+        )
 
     # ---------------------------------------------------------------- save
 
     def _check_kv(self, ns: Namespace, kv: torch.Tensor, min_tokens: int) -> None:
         spec = KVSpec.of(ns)
-        if kv.dim() != 5 or kv.shape[0] != spec.num_layers or kv.shape[1] != 2 or tuple(kv.shape[3:]) != (
-                spec.num_kv_heads, spec.head_dim):
-            raise ConfigError(f"kv must be {list(spec.shape(min_tokens))} (layers, 2, tokens, kv heads, head dim), "
-                              f"got {list(kv.shape)}")
+        if (
+            kv.dim() != 5
+            or kv.shape[0] != spec.num_layers
+            or kv.shape[1] != 2
+            or tuple(kv.shape[3:]) != (spec.num_kv_heads, spec.head_dim)
+        ):
+            raise ConfigError(
+                f"kv must be {list(spec.shape(min_tokens))} (layers, 2, tokens, kv heads, head dim), "
+                f"got {list(kv.shape)}"
+            )
         if kv.dtype != spec.dtype:
             raise ConfigError(f"kv dtype {kv.dtype} differs from the namespace's {ns.dtype}")
         if kv.shape[2] < min_tokens:
             raise ConfigError(f"kv holds {kv.shape[2]} tokens, fewer than the {min_tokens} asked for")
 
-    def save(self, ns: Namespace, token_ids: Tokens, kv: torch.Tensor,
-             *, start_block: int = 0, kv_start: int = 0) -> int:
+    def save(
+        self, ns: Namespace, token_ids: Tokens, kv: torch.Tensor, *, start_block: int = 0, kv_start: int = 0
+    ) -> int:
         """Keep the full blocks of ``token_ids`` (KV ``[layers, 2, tokens, kv_heads, head_dim]``, any device).
 
         Returns at once: the memory tiers' copies are made now (or, through the staging ring, queued), the
@@ -141,18 +168,23 @@ class TieredStore:
         blocks = [kv[:, :, i * B - kv_start : (i + 1) * B - kv_start] for i in range(start_block, len(chain))]
         return self.writes.save(chain, start_block, blocks)
 
-    def save_blocks(self, ns: Namespace, token_ids: Tokens, blocks: torch.Tensor,
-                    *, start_block: int = 0) -> int:
+    def save_blocks(
+        self, ns: Namespace, token_ids: Tokens, blocks: torch.Tensor, *, start_block: int = 0
+    ) -> int:
         """Like ``save`` for blocks ``start_block..`` given block-major, ``[N, layers, 2, block_tokens,
         kv_heads, head_dim]`` (as ``kernels.gather_blocks`` makes them: each block one contiguous piece)."""
         chain = _chain(ns, token_ids)
         spec = KVSpec.of(ns)
         if blocks.dim() != 6 or tuple(blocks.shape[1:]) != spec.block_shape or blocks.dtype != spec.dtype:
-            raise ConfigError(f"blocks must be [N, {', '.join(map(str, spec.block_shape))}] of {ns.dtype}, "
-                              f"got {list(blocks.shape)} of {blocks.dtype}")
+            raise ConfigError(
+                f"blocks must be [N, {', '.join(map(str, spec.block_shape))}] of {ns.dtype}, "
+                f"got {list(blocks.shape)} of {blocks.dtype}"
+            )
         if start_block + blocks.shape[0] != len(chain):
-            raise ConfigError(f"{blocks.shape[0]} blocks from block {start_block} do not end at the prompt's "
-                              f"last full block ({len(chain)})")
+            raise ConfigError(
+                f"{blocks.shape[0]} blocks from block {start_block} do not end at the prompt's "
+                f"last full block ({len(chain)})"
+            )
         return self.writes.save(chain, start_block, list(blocks.unbind(0)), stacked=blocks)
 
     # ---------------------------------------------------------------- lookup and restore
@@ -179,8 +211,9 @@ class TieredStore:
         by_tier = {t.name: sum(k == j for k in src) * ns.block_tokens for j, t in enumerate(self.tiers)}
         return Hit(len(src) * ns.block_tokens, by_tier, len(src))
 
-    def load(self, ns: Namespace, token_ids: Tokens,
-             out: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+    def load(
+        self, ns: Namespace, token_ids: Tokens, out: torch.Tensor | None = None
+    ) -> tuple[int, torch.Tensor | None]:
         """The KV of the longest verified cached prefix: ``(num_tokens, kv[:, :, :num_tokens])``.
 
         ``out`` (``[layers, 2, >= tokens, kv_heads, head_dim]``, any device) is filled in place if given,
@@ -190,8 +223,9 @@ class TieredStore:
         hit, kv = self.restore(ns, token_ids, out)
         return hit.num_tokens, kv
 
-    def restore(self, ns: Namespace, token_ids: Tokens,
-                out: torch.Tensor | None = None) -> tuple[Hit, torch.Tensor | None]:
+    def restore(
+        self, ns: Namespace, token_ids: Tokens, out: torch.Tensor | None = None
+    ) -> tuple[Hit, torch.Tensor | None]:
         """Like ``load``, with the ``Hit`` (tokens per tier, restore time)."""
         t0 = time.perf_counter()
         chain = _chain(ns, token_ids)
@@ -226,8 +260,9 @@ class TieredStore:
                 self.counters.add(name, "hit_tokens", tokens)
         return Hit(n * B, by_tier, n, time.perf_counter() - t0), (dest[:, :, : n * B] if n else None)
 
-    def _spread(self, chain: BlockChain, src: Sequence[int], dest: torch.Tensor,
-                created_s: dict[int, float]) -> None:
+    def _spread(
+        self, chain: BlockChain, src: Sequence[int], dest: torch.Tensor, created_s: dict[int, float]
+    ) -> None:
         """After a restore: blocks read from a slower tier are written into the faster ones (memory tiers
         now, so the next request hits there; record tiers behind); slower tiers refresh the blocks served
         from above and get back those they lost."""

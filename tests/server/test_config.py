@@ -15,8 +15,15 @@ def test_precedence_cli_over_env_over_file(tmp_path) -> None:
     assert cfg.host == "127.0.0.1"  # loopback unless told otherwise
 
 
-@pytest.mark.parametrize(("cli", "text"), [({"dtype": "int4"}, "dtype"), ({"device": "tpu"}, "device"),
-                                           ({"ttl": "soon"}, "duration"), ({"bogus": 1}, "unknown")])
+@pytest.mark.parametrize(
+    ("cli", "text"),
+    [
+        ({"dtype": "int4"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"ttl": "soon"}, "duration"),
+        ({"bogus": 1}, "unknown"),
+    ],
+)
 def test_bad_options_are_config_errors(cli, text) -> None:
     with pytest.raises(ConfigError, match=text):
         ServeConfig.load(cli, None, env={})

@@ -44,7 +44,9 @@ def test_saturated_owner_spills_to_the_least_loaded() -> None:
 
 
 def _post(url: str, body: dict) -> tuple[dict, str]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read()), r.headers["x-tierkv-worker"]
 
@@ -58,8 +60,9 @@ def test_router_sends_same_prefix_requests_to_one_worker_and_survives_a_dead_wor
         ring, owned = Ring([a.url, b.url]), {a.url: [], b.url: []}
         for i in range(100):
             system = f"System prompt number {i}: " + "be brief and exact. " * 60
-            key = routing_key({"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]},
-                              1024)
+            key = routing_key(
+                {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]}, 1024
+            )
             if len(owned[ring.owner(key)]) < 3:
                 owned[ring.owner(key)].append(system)
         systems = owned[a.url] + owned[b.url]
@@ -67,8 +70,14 @@ def test_router_sends_same_prefix_requests_to_one_worker_and_survives_a_dead_wor
         first_worker = {}
         for round_ in range(3):
             for i, system in enumerate(systems):
-                body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{round_}"}],
-                        "max_tokens": 2, "temperature": 0}
+                body = {
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"q{round_}"},
+                    ],
+                    "max_tokens": 2,
+                    "temperature": 0,
+                }
                 out, worker = _post(url + "/v1/chat/completions", body)
                 first_worker.setdefault(i, worker)
                 assert worker == first_worker[i]  # same prefix, same worker
@@ -77,13 +86,19 @@ def test_router_sends_same_prefix_requests_to_one_worker_and_survives_a_dead_wor
         assert len(set(first_worker.values())) == 2  # and the prefixes spread over both
         victim = a if a.url == first_worker[0] else b
         victim.stop()
-        body = {"messages": [{"role": "system", "content": systems[0]}, {"role": "user", "content": "again"}],
-                "max_tokens": 2}
+        body = {
+            "messages": [{"role": "system", "content": systems[0]}, {"role": "user", "content": "again"}],
+            "max_tokens": 2,
+        }
         out, worker = _post(url + "/v1/chat/completions", body)  # rerouted, not failed
         assert worker != victim.url and out["choices"]
-        stream_req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
-            {"prompt": "stream through the router", "max_tokens": 3, "stream": True}).encode(),
-            headers={"Content-Type": "application/json"})
+        stream_req = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(
+                {"prompt": "stream through the router", "max_tokens": 3, "stream": True}
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(stream_req, timeout=60) as r:
             assert r.read().decode().rstrip().endswith("data: [DONE]")
     finally:

@@ -20,7 +20,9 @@ BLOCK = 64
 
 def _post(url: str, body: bytes | str, headers: dict | None = None) -> tuple[int, dict]:
     data = body.encode() if isinstance(body, str) else body
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
@@ -46,8 +48,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess("--admin-token", "sekret", "--max-context", "4096",
-                        cache_dir=tmp_path_factory.mktemp("cache"))
+    srv = ServerProcess(
+        "--admin-token", "sekret", "--max-context", "4096", cache_dir=tmp_path_factory.mktemp("cache")
+    )
     yield srv
     assert srv.stop() == 0
 
@@ -60,14 +63,18 @@ def nocache_server():
 
 
 def _chat(client, messages, max_tokens=8, **kw):
-    return client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=max_tokens,
-                                          **kw)
+    return client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=max_tokens, **kw
+    )
 
 
 def test_shared_system_prompt_is_cached_in_whole_blocks(server) -> None:
     client = server.client()
     m1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache?"}]
-    m2 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why restore instead of recompute?"}]
+    m2 = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Why restore instead of recompute?"},
+    ]
     r1 = _chat(client, m1)
     r2 = _chat(client, m2)
     tok = ByteTokenizer()
@@ -82,7 +89,10 @@ def test_shared_system_prompt_is_cached_in_whole_blocks(server) -> None:
 
 def test_multi_turn_conversation_hits_its_whole_history(server) -> None:
     client = server.client()
-    history = [{"role": "system", "content": SYSTEM + " (conversation)"}, {"role": "user", "content": "Hello!"}]
+    history = [
+        {"role": "system", "content": SYSTEM + " (conversation)"},
+        {"role": "user", "content": "Hello!"},
+    ]
     tok = ByteTokenizer()
     seen = 0  # tokens the previous turn computed
     for turn in range(3):
@@ -92,13 +102,21 @@ def test_multi_turn_conversation_hits_its_whole_history(server) -> None:
         assert r.usage.prompt_tokens == len(prompt_ids)
         if turn:
             # Everything the previous turn computed: its prompt and its reply but the reply's last token.
-            assert r.usage.prompt_tokens_details.cached_tokens == min(seen, len(prompt_ids) - 1) // BLOCK * BLOCK
+            assert (
+                r.usage.prompt_tokens_details.cached_tokens == min(seen, len(prompt_ids) - 1) // BLOCK * BLOCK
+            )
         seen = len(prompt_ids) + len(tok.encode(reply, add_bos=False)) - 1
-        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"Tell me more ({turn})."}]
+        history += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"Tell me more ({turn})."},
+        ]
 
 
 def test_greedy_output_identical_with_and_without_cache(server, nocache_server) -> None:
-    msgs = [{"role": "system", "content": SYSTEM + " (greedy)"}, {"role": "user", "content": "Say something."}]
+    msgs = [
+        {"role": "system", "content": SYSTEM + " (greedy)"},
+        {"role": "user", "content": "Say something."},
+    ]
     cached_client, plain_client = server.client(), nocache_server.client()
     _chat(cached_client, msgs, max_tokens=32)
     hit = _chat(cached_client, msgs, max_tokens=32)
@@ -111,16 +129,30 @@ def test_greedy_output_identical_with_and_without_cache(server, nocache_server) 
 
 def test_streaming_matches_non_streaming_and_reports_usage(server) -> None:
     client = server.client()
-    msgs = [{"role": "system", "content": SYSTEM + " (stream)"}, {"role": "user", "content": "Stream please."}]
+    msgs = [
+        {"role": "system", "content": SYSTEM + " (stream)"},
+        {"role": "user", "content": "Stream please."},
+    ]
     full = _chat(client, msgs, max_tokens=20)
-    chunks = list(client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=20,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="default",
+            messages=msgs,
+            temperature=0,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
-    completion = list(client.completions.create(model="default", prompt="Once upon a time", max_tokens=6,
-                                                temperature=0, stream=True))
+    completion = list(
+        client.completions.create(
+            model="default", prompt="Once upon a time", max_tokens=6, temperature=0, stream=True
+        )
+    )
     assert completion[-1].choices[0].finish_reason == "length"
 
 
@@ -135,8 +167,14 @@ def test_cache_salt_isolates_tenants(server) -> None:
     msgs = [{"role": "system", "content": SYSTEM + " (tenant)"}, {"role": "user", "content": "hi"}]
     client = server.client()
     _chat(client, msgs, extra_body={"cache_salt": "tenant-a"})
-    assert _chat(client, msgs, extra_body={"cache_salt": "tenant-a"}).usage.prompt_tokens_details.cached_tokens > 0
-    assert _chat(client, msgs, extra_body={"cache_salt": "tenant-b"}).usage.prompt_tokens_details.cached_tokens == 0
+    assert (
+        _chat(client, msgs, extra_body={"cache_salt": "tenant-a"}).usage.prompt_tokens_details.cached_tokens
+        > 0
+    )
+    assert (
+        _chat(client, msgs, extra_body={"cache_salt": "tenant-b"}).usage.prompt_tokens_details.cached_tokens
+        == 0
+    )
 
 
 def test_metrics_move(server) -> None:
@@ -148,7 +186,9 @@ def test_metrics_move(server) -> None:
     _chat(server.client(), msgs)
     _chat(server.client(), msgs)
     _, after = _get(server.url + "/metrics")
-    assert value(after, 'tierkv_prompt_tokens_total{source="host"}') > value(before, 'tierkv_prompt_tokens_total{source="host"}')
+    assert value(after, 'tierkv_prompt_tokens_total{source="host"}') > value(
+        before, 'tierkv_prompt_tokens_total{source="host"}'
+    )
     assert value(after, "tierkv_ttft_seconds_count") == value(before, "tierkv_ttft_seconds_count") + 2
     assert value(after, 'tierkv_requests_total{endpoint="/v1/chat/completions",status="200"}') >= 2
     assert value(after, 'tierkv_tier_used_bytes{tier="host"}') > 0
@@ -162,21 +202,26 @@ def test_admin_api_needs_the_token(server) -> None:
     report = json.loads(body)
     assert code == 200 and report["policy"]["ttl_s"] == 86400
     assert report["live"]["host"]["capacity_nbytes"] > 0 and "hit_tokens" in report["live"]["disk"]
-    code, out = _post(server.url + "/admin/gc", '{"all": true, "dry_run": true}', {"Authorization": "Bearer sekret"})
+    code, out = _post(
+        server.url + "/admin/gc", '{"all": true, "dry_run": true}', {"Authorization": "Bearer sekret"}
+    )
     assert code == 200 and out["dry_run"] is True
     code, out = _post(server.url + "/admin/gc", '{"ttl": "soon"}', {"Authorization": "Bearer sekret"})
     assert code == 400 and "duration" in out["error"]["message"]
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ("{not json", None),
-    ('{"messages": "hi"}', "messages"),
-    ('{"messages": []}', "messages"),
-    ('{"messages": [{"role": "wizard", "content": "x"}]}', None),
-    ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}', "max_tokens"),
-    ('{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
-    ('[1, 2, 3]', None),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ("{not json", None),
+        ('{"messages": "hi"}', "messages"),
+        ('{"messages": []}', "messages"),
+        ('{"messages": [{"role": "wizard", "content": "x"}]}', None),
+        ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}', "max_tokens"),
+        ('{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+        ("[1, 2, 3]", None),
+    ],
+)
 def test_malformed_requests_are_4xx_and_the_server_lives(server, body, param) -> None:
     code, out = _post(server.url + "/v1/chat/completions", body)
     assert 400 <= code < 500 and out["error"]["type"] == "invalid_request_error"
@@ -197,8 +242,11 @@ def test_health_answers_during_a_long_prefill_and_queue_overflow_is_503(tmp_path
     try:
         long_prompt = " ".join(f"word{i}" for i in range(700))  # ~4.5K tokens: seconds of prefill on CPU
         results: dict = {}
-        t = threading.Thread(target=lambda: results.update(
-            long=_post(srv.url + "/v1/completions", json.dumps({"prompt": long_prompt, "max_tokens": 2}))))
+        t = threading.Thread(
+            target=lambda: results.update(
+                long=_post(srv.url + "/v1/completions", json.dumps({"prompt": long_prompt, "max_tokens": 2}))
+            )
+        )
         t.start()
         time.sleep(0.8)  # the long request is on the model thread now
         t0 = time.perf_counter()
@@ -214,7 +262,10 @@ def test_health_answers_during_a_long_prefill_and_queue_overflow_is_503(tmp_path
 
 def test_restart_serves_disk_hits_and_sigterm_finishes_the_running_request(tmp_path) -> None:
     cache = tmp_path / "cache"
-    msgs = [{"role": "system", "content": SYSTEM + " (restart) " + "x " * 1000}, {"role": "user", "content": "hi"}]
+    msgs = [
+        {"role": "system", "content": SYSTEM + " (restart) " + "x " * 1000},
+        {"role": "user", "content": "hi"},
+    ]
     srv = ServerProcess(cache_dir=cache)
     results: dict = {}
     t = threading.Thread(target=lambda: results.update(r=_chat(srv.client(), msgs, max_tokens=4)))

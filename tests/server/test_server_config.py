@@ -14,7 +14,12 @@ def served(monkeypatch):
     """`tierkv serve ...` up to the point where it would load the model: the ServeConfig it built."""
     configs: list[ServeConfig] = []
     monkeypatch.setattr(startup, "serve", configs.append)
-    for name in ("TIERKV_ADMIN_TOKEN", "TIERKV_ADMIN_TOKEN_FILE", "TIERKV_SWEEP_INTERVAL", "TIERKV_SWEEP_INTERVAL_S"):
+    for name in (
+        "TIERKV_ADMIN_TOKEN",
+        "TIERKV_ADMIN_TOKEN_FILE",
+        "TIERKV_SWEEP_INTERVAL",
+        "TIERKV_SWEEP_INTERVAL_S",
+    ):
         monkeypatch.delenv(name, raising=False)
 
     def run(*args: str, env: dict | None = None) -> tuple[int, str, ServeConfig | None]:
@@ -42,7 +47,9 @@ def test_sweep_interval_default_units_and_sources(served, tmp_path) -> None:
 
 
 def test_sweep_interval_reaches_the_store(tmp_path) -> None:
-    config = ServeConfig.load({"cache_dir": str(tmp_path), "sweep_interval_s": "30s", "host_cache": "1MiB"}, env={})
+    config = ServeConfig.load(
+        {"cache_dir": str(tmp_path), "sweep_interval_s": "30s", "host_cache": "1MiB"}, env={}
+    )
     assert config.store_config().disk.sweep_interval_s == 30.0
     store = state.open_store(config)
     try:
@@ -57,20 +64,26 @@ def test_admin_token_from_a_file_or_the_environment(served, tmp_path) -> None:
     assert served("--admin-token-file", str(path))[2].admin_token == "s3cret"
     assert served(env={"TIERKV_ADMIN_TOKEN": "from-env"})[2].admin_token == "from-env"
     # The command line over the environment, however each gives the token.
-    assert served("--admin-token-file", str(path), env={"TIERKV_ADMIN_TOKEN": "from-env"})[2].admin_token == "s3cret"
+    assert (
+        served("--admin-token-file", str(path), env={"TIERKV_ADMIN_TOKEN": "from-env"})[2].admin_token
+        == "s3cret"
+    )
     assert served("--admin-token", "cli", env={"TIERKV_ADMIN_TOKEN_FILE": str(path)})[2].admin_token == "cli"
     path.write_text("no-newline")
     assert served("--admin-token-file", str(path))[2].admin_token == "no-newline"
 
 
-@pytest.mark.parametrize(("content", "args", "words"), [
-    (None, ["--admin-token-file", "{missing}"], "cannot read it (No such file or directory)"),
-    (None, ["--admin-token-file", "{dir}"], "cannot read it"),
-    ("\n", ["--admin-token-file", "{file}"], "is empty"),
-    ("", ["--admin-token-file", "{file}"], "is empty"),
-    ("one\ntwo\n", ["--admin-token-file", "{file}"], "more than one line"),
-    ("tok\n", ["--admin-token-file", "{file}", "--admin-token", "x"], "not both"),
-])
+@pytest.mark.parametrize(
+    ("content", "args", "words"),
+    [
+        (None, ["--admin-token-file", "{missing}"], "cannot read it (No such file or directory)"),
+        (None, ["--admin-token-file", "{dir}"], "cannot read it"),
+        ("\n", ["--admin-token-file", "{file}"], "is empty"),
+        ("", ["--admin-token-file", "{file}"], "is empty"),
+        ("one\ntwo\n", ["--admin-token-file", "{file}"], "more than one line"),
+        ("tok\n", ["--admin-token-file", "{file}", "--admin-token", "x"], "not both"),
+    ],
+)
 def test_a_bad_admin_token_file_is_one_line_exit_2(served, tmp_path, content, args, words) -> None:
     file = tmp_path / "token"
     if content is not None:

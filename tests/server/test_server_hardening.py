@@ -57,8 +57,16 @@ def live(tmp_path_factory):
     # One model thread shares 2 cores with the test client: torch's second thread only spins (10x slower).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    srv = LiveServer(ServeConfig(cache_dir=str(tmp_path_factory.mktemp("cache")), host_cache=64 << 20,
-                                 device="cpu", max_context=MAX_CONTEXT, admin_token=TOKEN, debug_prompts=True))
+    srv = LiveServer(
+        ServeConfig(
+            cache_dir=str(tmp_path_factory.mktemp("cache")),
+            host_cache=64 << 20,
+            device="cpu",
+            max_context=MAX_CONTEXT,
+            admin_token=TOKEN,
+            debug_prompts=True,
+        )
+    )
     yield srv
     srv.stop()
     torch.set_num_threads(threads)
@@ -73,8 +81,11 @@ def _complete(client: httpx.Client, **body) -> httpx.Response:
 
 
 def _chat(client: httpx.Client, **body) -> httpx.Response:
-    return _post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                  **body})
+    return _post(
+        client,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body},
+    )
 
 
 def _local_port(r: httpx.Response) -> int:
@@ -113,10 +124,19 @@ def test_seed_must_fit_torch_on_both_endpoints(live) -> None:
 
 def test_extreme_temperature_and_top_p_sample_greedily(live) -> None:
     with live.client() as c:
-        greedy = _complete(c, prompt="Once upon a time", temperature=0, max_tokens=4).json()["choices"][0]["text"]
-        for extreme in ({"top_p": 1e-320}, {"top_p": 5e-324}, {"top_p": 1e-45}, {"top_p": 1e-39},
-                        {"temperature": 5e-324}, {"temperature": 1e-300}, {"temperature": 1e-40},
-                        {"temperature": 1e-6}):
+        greedy = _complete(c, prompt="Once upon a time", temperature=0, max_tokens=4).json()["choices"][0][
+            "text"
+        ]
+        for extreme in (
+            {"top_p": 1e-320},
+            {"top_p": 5e-324},
+            {"top_p": 1e-45},
+            {"top_p": 1e-39},
+            {"temperature": 5e-324},
+            {"temperature": 1e-300},
+            {"temperature": 1e-40},
+            {"temperature": 1e-6},
+        ):
             r = _complete(c, prompt="Once upon a time", max_tokens=4, seed=1, **extreme)
             assert r.status_code == 200, (extreme, r.text)
             assert r.json()["choices"][0]["text"] == greedy, extreme
@@ -135,8 +155,10 @@ def test_text_that_is_not_unicode_is_400(live) -> None:
     with live.client() as c:
         _assert_400(_complete(c, prompt="lone \ud800 surrogate"), "prompt")
         _assert_400(_chat(c, messages=[{"role": "user", "content": "\udfff"}]), "messages")
-        _assert_400(_chat(c, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
-                    "messages.0.content")
+        _assert_400(
+            _chat(c, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+            "messages.0.content",
+        )
         assert _complete(c, prompt="fine é 漢字 🙂").status_code == 200
 
 
@@ -241,13 +263,21 @@ def test_miss_log_of_one_tenant_never_shows_another_tenants_prompt(live, monkeyp
     monkeypatch.setattr(live.server, "misses", MissLog(debug_prompts=True))  # only this test's requests
     rules = " ".join(f"Rule {i}: be exact." for i in range(15))
     with live.client() as c:
-        assert _complete(c, prompt="SECRET of tenant b. " + rules, cache_salt="b", user="bot").status_code == 200
+        assert (
+            _complete(c, prompt="SECRET of tenant b. " + rules, cache_salt="b", user="bot").status_code == 200
+        )
         for day in ("07", "08"):
-            assert _complete(c, prompt=f"Today is 2026-09-{day}. " + rules, cache_salt="a",
-                             user="bot").status_code == 200
+            assert (
+                _complete(
+                    c, prompt=f"Today is 2026-09-{day}. " + rules, cache_salt="a", user="bot"
+                ).status_code
+                == 200
+            )
         report = c.get("/admin/misses", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert "SECRET" not in json.dumps(report)
-    (miss,) = [m for m in report["misses"] if m["user"] == "bot"]  # a's second request, explained by a's first
+    (miss,) = [
+        m for m in report["misses"] if m["user"] == "bot"
+    ]  # a's second request, explained by a's first
     assert "'2026-09-08.' against '2026-09-07.'" in miss["explanation"]
     rows = [t for t in report["templates"] if t["template"] == "bot"]
     assert sorted(t["requests"] for t in rows) == [1, 2]  # one row per tenant
@@ -261,30 +291,65 @@ VOCAB = 259
 valid_id = st.integers(0, VOCAB - 1) | st.sampled_from([0, 1, 2, VOCAB - 1])
 invalid_id = st.sampled_from([VOCAB, VOCAB + 1, 2**31, 2**63, 2**64, 2**80, -1, -(2**63) - 1])
 ids = st.lists(valid_id, min_size=1, max_size=24)
-ids_with_a_bad_one = st.tuples(ids, invalid_id, st.integers(0, 24)).map(lambda t: t[0][: t[2]] + [t[1]] + t[0][t[2]:])
-tiny_floats = st.sampled_from([5e-324, 1e-320, 1e-310, 1.4e-45, 1e-45, 1.1754943508222875e-38, 1e-38, 1e-30,
-                               1e-6, 1e-5, 1.0000001e-5, 0.0, 1.0, 2.0, 1 - 1e-16])
+ids_with_a_bad_one = st.tuples(ids, invalid_id, st.integers(0, 24)).map(
+    lambda t: t[0][: t[2]] + [t[1]] + t[0][t[2] :]
+)
+tiny_floats = st.sampled_from(
+    [
+        5e-324,
+        1e-320,
+        1e-310,
+        1.4e-45,
+        1e-45,
+        1.1754943508222875e-38,
+        1e-38,
+        1e-30,
+        1e-6,
+        1e-5,
+        1.0000001e-5,
+        0.0,
+        1.0,
+        2.0,
+        1 - 1e-16,
+    ]
+)
 text = st.text(st.characters(codec="utf-8"), max_size=40)
 bad_text = st.tuples(text, st.sampled_from(["\ud800", "\udfff", "\udbff\udbff"])).map("".join)
-prompt = st.one_of(text, text, ids, ids, st.lists(ids, min_size=1, max_size=1), st.lists(text, min_size=1, max_size=1),
-                   ids_with_a_bad_one, bad_text, st.lists(ids, min_size=2, max_size=2))
-content = st.one_of(text, text, bad_text,
-                    st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2))
-message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": content})
-bodies = st.fixed_dictionaries({
-    # Within the context (the model's work stays short) or past it (a 400).
-    "max_tokens": st.sampled_from([1, 1, 2, 2, 3, 3, MAX_CONTEXT, 2**64 + 1]),
-}, optional={
-    "temperature": st.floats(0, 2, allow_subnormal=True) | tiny_floats,
-    "top_p": st.floats(0, 1, exclude_min=True, allow_subnormal=True) | tiny_floats,
-    "seed": st.integers(-(2**63), 2**64 - 1) | st.sampled_from([-(2**63), -1, 0, 2**63, 2**64 - 1, 2**64, -(2**63) - 1]),
-    "stop": st.one_of(text, st.lists(text, max_size=8), st.lists(text, min_size=64, max_size=65)),
-    "stream": st.booleans(),
-    "user": text | bad_text,
-    "cache_salt": st.text(max_size=8),
-    "n": st.sampled_from([1, 1, 1, 2]),
-    "logprobs": st.sampled_from([None, False, None, True]),
-})
+prompt = st.one_of(
+    text,
+    text,
+    ids,
+    ids,
+    st.lists(ids, min_size=1, max_size=1),
+    st.lists(text, min_size=1, max_size=1),
+    ids_with_a_bad_one,
+    bad_text,
+    st.lists(ids, min_size=2, max_size=2),
+)
+content = st.one_of(
+    text, text, bad_text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2)
+)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": content}
+)
+bodies = st.fixed_dictionaries(
+    {
+        # Within the context (the model's work stays short) or past it (a 400).
+        "max_tokens": st.sampled_from([1, 1, 2, 2, 3, 3, MAX_CONTEXT, 2**64 + 1]),
+    },
+    optional={
+        "temperature": st.floats(0, 2, allow_subnormal=True) | tiny_floats,
+        "top_p": st.floats(0, 1, exclude_min=True, allow_subnormal=True) | tiny_floats,
+        "seed": st.integers(-(2**63), 2**64 - 1)
+        | st.sampled_from([-(2**63), -1, 0, 2**63, 2**64 - 1, 2**64, -(2**63) - 1]),
+        "stop": st.one_of(text, st.lists(text, max_size=8), st.lists(text, min_size=64, max_size=65)),
+        "stream": st.booleans(),
+        "user": text | bad_text,
+        "cache_salt": st.text(max_size=8),
+        "n": st.sampled_from([1, 1, 1, 2]),
+        "logprobs": st.sampled_from([None, False, None, True]),
+    },
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

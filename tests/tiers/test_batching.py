@@ -159,8 +159,15 @@ def test_on_idle_runs_when_idle_and_not_between_queued_batches() -> None:
             assert gate.wait(WAIT_S)  # items 1 and 2 are queued meanwhile
         calls.extend(f"batch {x}" for x in batch)
 
-    q = BatchQueue("test-idle", handle, item_nbytes=lambda _: 1, batch_nbytes=1 << 20, batch_items=1,
-                   idle_s=0.05, on_idle=on_idle)
+    q = BatchQueue(
+        "test-idle",
+        handle,
+        item_nbytes=lambda _: 1,
+        batch_nbytes=1 << 20,
+        batch_items=1,
+        idle_s=0.05,
+        on_idle=on_idle,
+    )
     assert idle.wait(WAIT_S)  # no item at all: idle after idle_s
     for i in range(3):
         q.put(i)
@@ -181,8 +188,14 @@ def test_on_idle_that_raises_does_not_kill_the_thread() -> None:
         raise OSError("a transient failure")
 
     done: list[int] = []
-    q = BatchQueue("test-idle-raise", done.extend, item_nbytes=lambda _: 1, batch_nbytes=1 << 20, idle_s=0.01,
-                   on_idle=on_idle)
+    q = BatchQueue(
+        "test-idle-raise",
+        done.extend,
+        item_nbytes=lambda _: 1,
+        batch_nbytes=1 << 20,
+        idle_s=0.01,
+        on_idle=on_idle,
+    )
     deadline = time.monotonic() + WAIT_S
     while len(runs) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -194,8 +207,13 @@ def test_on_idle_that_raises_does_not_kill_the_thread() -> None:
 
 def test_on_start_runs_first_on_the_thread() -> None:
     seen: list[object] = []
-    q = BatchQueue("test-start", lambda b: seen.extend(b), item_nbytes=lambda _: 1, batch_nbytes=1,
-                   on_start=lambda: seen.append(threading.current_thread().name))
+    q = BatchQueue(
+        "test-start",
+        lambda b: seen.extend(b),
+        item_nbytes=lambda _: 1,
+        batch_nbytes=1,
+        on_start=lambda: seen.append(threading.current_thread().name),
+    )
     q.put("item")
     assert q.join(WAIT_S) and q.stop(WAIT_S)
     assert seen == ["test-start", "item"]

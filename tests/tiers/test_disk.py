@@ -27,14 +27,17 @@ def _totals_by_scan(disk: DiskTier) -> dict[bytes, tuple[int, int]]:
 
 
 def test_persists_across_processes(tmp_path, ns) -> None:
-    r = run_python(f"""
+    r = run_python(
+        f"""
         from tierkv import Namespace, TieredStore
         from helpers import make_kv
         ns = Namespace.from_json({ns.to_json()!r})
         with TieredStore.open({str(tmp_path)!r}, host_bytes=0) as store:
             store.save(ns, list(range(200)), make_kv(ns, 200, seed=7))
             store.flush()
-    """, timeout=120)
+    """,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         n, got = store.load(ns, list(range(200)))
@@ -70,7 +73,9 @@ def test_sliding_ttl_and_max_age_with_injected_clock(tmp_path, ns) -> None:
 def test_budget_holds_while_writing_ten_times_its_size(tmp_path, ns) -> None:
     block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)  # header, 16 token ids, 1 KiB payload: one page
     budget = 40 * block_footprint
-    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=budget, batch_nbytes=8 * block_footprint) as store:
+    with TieredStore.open(
+        tmp_path, host_bytes=0, disk_bytes=budget, batch_nbytes=8 * block_footprint
+    ) as store:
         for p in range(50):  # 50 prompts x 8 blocks = 10x the budget
             toks = [p * 1000 + t for t in range(128)]
             store.save(ns, toks, make_kv(ns, 128, seed=p))
@@ -80,7 +85,9 @@ def test_budget_holds_while_writing_ten_times_its_size(tmp_path, ns) -> None:
         store.flush()
         usage = store.tier("disk").usage()
         assert usage["live_nbytes"] <= budget
-        assert usage["segment_allocated_nbytes"] <= budget + 64 * 1024  # holes punched: the file does not grow
+        assert (
+            usage["segment_allocated_nbytes"] <= budget + 64 * 1024
+        )  # holes punched: the file does not grow
         assert store.lookup(ns, [49 * 1000 + t for t in range(128)]).num_tokens == 128  # newest kept
         assert store.lookup(ns, list(range(128))).num_tokens == 0  # oldest evicted
         assert store.stats()["disk"]["evictions"] >= 360
@@ -131,8 +138,12 @@ def test_flipped_bytes_are_misses_and_gc_check_purges_them(tmp_path, ns) -> None
     for path, data in segs.items():
         path.write_bytes(bytes(data))
     bad = len(entries[::4])
-    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--check", "--json"],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "gc", "--cache-dir", str(tmp_path), "--check", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["checked"] == len(entries) and report["corrupt"] == bad
@@ -152,15 +163,21 @@ def test_other_format_version_is_a_clear_error(tmp_path) -> None:
     env.close()
     with pytest.raises(StoreFormatError, match="version 99"):
         DiskTier(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path)],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "stats", "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "version 99" in r.stderr
 
 
 def test_namespace_conflict_is_detected(tmp_path, ns) -> None:
     with DiskTier(tmp_path, writer=False) as disk:
         disk.register_namespace(ns)
-        disk.index.write(lambda txn: txn.put(ns.digest, b'{"model_id":"other"}', db=disk.index.db["namespaces"]))
+        disk.index.write(
+            lambda txn: txn.put(ns.digest, b'{"model_id":"other"}', db=disk.index.db["namespaces"])
+        )
         with pytest.raises(NamespaceConflictError):
             disk.register_namespace(ns)
 
@@ -185,16 +202,22 @@ with TieredStore.open(sys.argv[2], host_bytes=0, batch_nbytes=32 * 1024) as stor
 
 
 def _writer(tmp_path, ns, prompts: int) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", WRITER, ns.to_json(), str(tmp_path), str(prompts)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, ns.to_json(), str(tmp_path), str(prompts)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO / "tests")},
+    )
 
 
 def test_gc_in_another_process_while_a_writer_writes(tmp_path, ns) -> None:
     proc = _writer(tmp_path, ns, 150)
     assert proc.stdout is not None
     proc.stdout.readline()  # the store exists
-    gc_runs, out = gc_beside(proc, tmp_path, [["--budget", "60KiB"], ["--ttl", "1s"], ["--check"], ["--compact"]])
+    gc_runs, out = gc_beside(
+        proc, tmp_path, [["--budget", "60KiB"], ["--ttl", "1s"], ["--check"], ["--compact"]]
+    )
     assert gc_runs >= 4
     assert out.strip().splitlines()[-1] == "corrupt 0"  # the writer never saw a bad block
     with DiskTier(tmp_path, writer=False) as disk:
@@ -234,7 +257,7 @@ def test_stats_are_exact_after_reopen(tmp_path, ns) -> None:
         for p in range(5):
             store.save(ns, [p * 100 + t for t in range(48)], make_kv(ns, 48, seed=p))
     with DiskTier(tmp_path, writer=False) as disk:
-        (blocks, nbytes), = disk.totals().values()
+        ((blocks, nbytes),) = disk.totals().values()
         assert blocks == 15 and nbytes == disk.usage()["live_nbytes"]
         assert disk.policy.budget_nbytes == 2**20  # the policy persisted for gc
         assert Namespace.from_json(disk.namespaces()[ns.digest].to_json()) == ns

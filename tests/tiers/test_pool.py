@@ -76,7 +76,9 @@ def test_put_many_writes_new_blocks_in_one_indexed_copy_and_touches_known_ones()
     assert host.contains([_key(i) for i in (0, 1, 2, 3, 9)]) == [True, True, True, True, False]
     with host.read([_key(0), _key(1), _key(2)]) as views:
         got = [v.view(torch.float32).view(2, 2, 4, 1, 2) for v in views]
-    assert torch.equal(got[0], _block(0)) and torch.equal(got[1], _block(-1)) and torch.equal(got[2], _block(2))
+    assert (
+        torch.equal(got[0], _block(0)) and torch.equal(got[1], _block(-1)) and torch.equal(got[2], _block(2))
+    )
 
 
 def test_put_many_stops_when_every_slot_is_referenced() -> None:
@@ -194,7 +196,9 @@ def _chain_and_kv(ns, n_blocks: int):
 def _write_of(ns, chain, kv, i: int, created_s: float, release=None):
     B = ns.block_tokens
     payload = kv[:, :, i * B : (i + 1) * B].contiguous().view(-1).view(torch.uint8)
-    return BlockWrite(ns, chain.keys[i], chain.parent(i), chain.tokens(i), created_s, payload, release=release)
+    return BlockWrite(
+        ns, chain.keys[i], chain.parent(i), chain.tokens(i), created_s, payload, release=release
+    )
 
 
 def test_the_tier_calls_of_a_pool(ns) -> None:
@@ -208,8 +212,11 @@ def test_the_tier_calls_of_a_pool(ns) -> None:
     assert released == [0, 1, 2]  # the payload was copied: the writer's hold is let go at once
     assert host.probe(chain, [3, 0, 2]) == [False, True, True]
     assert host.needs(chain, [0, 1, 2, 3]) == [False, False, False, True]
-    assert host.stats() == {"used_nbytes": 3 * spec.block_nbytes, "capacity_nbytes": 8 * spec.block_nbytes,
-                            "blocks": 3}
+    assert host.stats() == {
+        "used_nbytes": 3 * spec.block_nbytes,
+        "capacity_nbytes": 8 * spec.block_nbytes,
+        "blocks": 3,
+    }
     assert host.describe().startswith("host")
     dest = torch.zeros(spec.shape(4 * B), dtype=spec.dtype)
     with Stagers().target(dest, spec) as target:

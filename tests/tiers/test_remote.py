@@ -29,7 +29,9 @@ def test_a_prefix_saved_by_worker_a_is_a_remote_hit_on_worker_b(tmp_path, ns, re
         assert b.lookup(ns, toks).by_tier["disk"] == 96  # and written to the local disk
     import redis
 
-    ttl = redis.Redis(port=redis_server.port).ttl(next(iter(redis.Redis(port=redis_server.port).keys(b"tkv:*"))))
+    ttl = redis.Redis(port=redis_server.port).ttl(
+        next(iter(redis.Redis(port=redis_server.port).keys(b"tkv:*")))
+    )
     assert 3500 < ttl <= 3600
 
 
@@ -57,7 +59,9 @@ def test_foreign_or_corrupted_remote_value_is_a_miss_and_deleted(tmp_path, ns, r
     assert r.get(second) is None
 
 
-def test_redis_outage_degrades_to_local_tiers_and_the_breaker_closes_again(tmp_path, ns, redis_server, monkeypatch) -> None:
+def test_redis_outage_degrades_to_local_tiers_and_the_breaker_closes_again(
+    tmp_path, ns, redis_server, monkeypatch
+) -> None:
     import tierkv.tiers.remote as remote_mod
 
     monkeypatch.setattr(remote_mod, "DEFAULT_TIMEOUT_S", 0.2)
@@ -73,7 +77,10 @@ def test_redis_outage_degrades_to_local_tiers_and_the_breaker_closes_again(tmp_p
             assert n == 32 and torch.equal(kv, make_kv(ns, 32, seed=p))
             assert store.lookup(ns, [9] + toks[1:]).num_tokens == 0
         store.flush()
-        assert store.tier("remote").breaker.state in ("open", "half-open") and store.tier("remote").breaker.trips >= 1
+        assert (
+            store.tier("remote").breaker.state in ("open", "half-open")
+            and store.tier("remote").breaker.trips >= 1
+        )
         t0 = time.monotonic()
         assert store.lookup(ns, [7] * 32).num_tokens == 0
         assert time.monotonic() - t0 < 0.1  # an open breaker costs nothing
@@ -123,14 +130,46 @@ def test_redis_cluster(tmp_path, ns) -> None:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server / redis-cli not installed (.ci/run installs them)")
     ports = [_cluster_port() for _ in range(3)]
-    procs = [subprocess.Popen(["redis-server", "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                               "no", "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / f"n{p}.conf"),
-                               "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for p in ports]
+    procs = [
+        subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(p),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(tmp_path / f"n{p}.conf"),
+                "--dir",
+                str(tmp_path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]
     try:
         time.sleep(0.5)
-        r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         time.sleep(1.0)
         url = f"redis+cluster://127.0.0.1:{ports[0]}"
@@ -180,7 +219,9 @@ def test_remote_hits_staged_in_chunks_are_exact(tmp_path, ns, redis_server, monk
     with TieredStore.open(tmp_path / "b", host_bytes=0, remote=redis_server.url) as b:
         b.save(ns, toks[:48], kv[:, :, :48])  # the first 3 blocks are on b's disk too
         b.flush()
-        out = torch.zeros(spec.num_layers, 2, spec.num_kv_heads, 160, spec.head_dim, dtype=spec.dtype).transpose(2, 3)
+        out = torch.zeros(
+            spec.num_layers, 2, spec.num_kv_heads, 160, spec.head_dim, dtype=spec.dtype
+        ).transpose(2, 3)
         hit, got = b.restore(ns, toks, out=out)
         assert hit.by_tier == {"disk": 48, "remote": 112}
         assert got.data_ptr() == out.data_ptr() and torch.equal(out, kv)

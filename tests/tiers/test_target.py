@@ -137,7 +137,10 @@ def test_the_chunk_buffers_are_let_go_when_a_restore_fails(spec, monkeypatch) ->
     monkeypatch.setattr(target_mod, "RESTORE_CHUNK_NBYTES", 2 * spec.block_nbytes)
     stagers = Stagers()
     src = _expected(spec, 2)
-    with pytest.raises(RuntimeError, match="a tier failed"), stagers.target(_transposed(spec, 2 * spec.block_tokens), spec) as t:
+    with (
+        pytest.raises(RuntimeError, match="a tier failed"),
+        stagers.target(_transposed(spec, 2 * spec.block_tokens), spec) as t,
+    ):
         t.fill(0, 2, Filler(spec, src))
         raise RuntimeError("a tier failed")
 
@@ -185,4 +188,6 @@ def test_a_failed_chunk_buffer_allocation_does_not_block_later_restores(spec, mo
         done.set()
 
     threading.Thread(target=restore, daemon=True).start()
-    assert done.wait(3)  # blocked on the leaked lock otherwise (the thread is a daemon: it cannot hang the run)
+    assert done.wait(
+        3
+    )  # blocked on the leaked lock otherwise (the thread is a daemon: it cannot hang the run)

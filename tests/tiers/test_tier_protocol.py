@@ -34,7 +34,9 @@ FACTORIES = {
     "gpu-on-cpu": lambda tmp_path, request: GpuTier(1 << 20, device="cpu"),
     "disk": lambda tmp_path, request: DiskTier(tmp_path / "disk", sync=False),
     "admission-host": lambda tmp_path, request: Admission(HostTier(1 << 20, pin=False), ADMIT_AFTER),
-    "admission-disk": lambda tmp_path, request: Admission(DiskTier(tmp_path / "disk", sync=False), ADMIT_AFTER),
+    "admission-disk": lambda tmp_path, request: Admission(
+        DiskTier(tmp_path / "disk", sync=False), ADMIT_AFTER
+    ),
     "remote": _remote,
 }
 
@@ -77,9 +79,12 @@ def test_probe_needs_read_into_and_stats_agree_after_a_save(store, ns, chain_kv)
     assert tier.probe(chain, []) == []
     assert tier.needs(chain, every) == [not h for h in tier.probe(chain, every)]
 
-    for dest in (torch.zeros(spec.shape(TOTAL * B), dtype=spec.dtype),  # filled in place
-                 torch.zeros((spec.num_layers, 2, spec.num_kv_heads, TOTAL * B, spec.head_dim),
-                             dtype=spec.dtype).transpose(2, 3)):  # through the chunk buffers
+    for dest in (
+        torch.zeros(spec.shape(TOTAL * B), dtype=spec.dtype),  # filled in place
+        torch.zeros(
+            (spec.num_layers, 2, spec.num_kv_heads, TOTAL * B, spec.head_dim), dtype=spec.dtype
+        ).transpose(2, 3),
+    ):  # through the chunk buffers
         with Stagers().target(dest, spec) as target:
             assert tier.read_into(chain, 0, TOTAL, target) == SAVED  # the leading blocks held
             assert sorted(target.created_s) == list(range(SAVED))

@@ -1,12 +1,12 @@
 """GPU measurements (run by scripts/gpu_check.sh on a lent GPU; nothing here runs without CUDA).
 
-  ring D2H         blocks through the staging ring against torch's own pinned-memory copy
-  restore H2D      a store restore from the pinned host tier into device memory against torch's pinned copy
-  gather           1000 scattered blocks of all layers: one batched call against a loop of copies
-  TTFT             a 1B-class Llama in bf16, 4K and 16K: cold prefill against restore from the GPU tier, the
-                   host tier and the disk tier (page cache warm); and the cost of saving during a prefill
-                   (cache on with no hit against cache off)
-  telemetry        NVML's memory, utilisation and PCIe figures as tierkv stats and /metrics report them
+ring D2H         blocks through the staging ring against torch's own pinned-memory copy
+restore H2D      a store restore from the pinned host tier into device memory against torch's pinned copy
+gather           1000 scattered blocks of all layers: one batched call against a loop of copies
+TTFT             a 1B-class Llama in bf16, 4K and 16K: cold prefill against restore from the GPU tier, the
+                 host tier and the disk tier (page cache warm); and the cost of saving during a prefill
+                 (cache on with no hit against cache off)
+telemetry        NVML's memory, utilisation and PCIe figures as tierkv stats and /metrics report them
 """
 
 from __future__ import annotations
@@ -50,39 +50,57 @@ def ring_vs_torch(nbytes: int = 1 << 30, block_nbytes: int = 8 << 20) -> dict[st
     ring.close()
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     h2d_s = _timed(lambda: dev.copy_(pinned, non_blocking=True))
-    return {"torch_d2h_GBps": nbytes / torch_s / 1e9, "ring_d2h_GBps": nbytes / ring_s / 1e9,
-            "ring_over_torch": torch_s / ring_s, "pinned_h2d_GBps": nbytes / h2d_s / 1e9}
+    return {
+        "torch_d2h_GBps": nbytes / torch_s / 1e9,
+        "ring_d2h_GBps": nbytes / ring_s / 1e9,
+        "ring_over_torch": torch_s / ring_s,
+        "pinned_h2d_GBps": nbytes / h2d_s / 1e9,
+    }
 
 
-def gather_vs_loop(num_blocks: int = 1000, layers: int = 16, heads: int = 8, head_dim: int = 128,
-                   block_tokens: int = 64) -> dict[str, Any]:
+def gather_vs_loop(
+    num_blocks: int = 1000, layers: int = 16, heads: int = 8, head_dim: int = 128, block_tokens: int = 64
+) -> dict[str, Any]:
     from tierkv import kernels
 
     T = num_blocks * block_tokens
     keys = [torch.randn(heads, T, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     values = [torch.randn(heads, T, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     starts = (torch.randperm(num_blocks) * block_tokens).cuda()
-    out = torch.empty((num_blocks, layers, 2, block_tokens, heads, head_dim), device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(
+        (num_blocks, layers, 2, block_tokens, heads, head_dim), device="cuda", dtype=torch.bfloat16
+    )
     batched = _timed(lambda: kernels.gather_blocks(keys, values, starts, block_tokens, out=out))
     starts_list = starts.tolist()
 
     def loop() -> None:
         for n, s in enumerate(starts_list):
             for layer in range(layers):
-                out[n, layer, 0].copy_(keys[layer][:, s:s + block_tokens].transpose(0, 1))
-                out[n, layer, 1].copy_(values[layer][:, s:s + block_tokens].transpose(0, 1))
+                out[n, layer, 0].copy_(keys[layer][:, s : s + block_tokens].transpose(0, 1))
+                out[n, layer, 1].copy_(values[layer][:, s : s + block_tokens].transpose(0, 1))
 
     looped = _timed(loop, repeat=3)
-    return {"backend": kernels.BACKEND, "batched_ms": batched * 1e3, "loop_ms": looped * 1e3,
-            "speedup": looped / batched}
+    return {
+        "backend": kernels.BACKEND,
+        "batched_ms": batched * 1e3,
+        "loop_ms": looped * 1e3,
+        "speedup": looped / batched,
+    }
 
 
 def restore_h2d(nbytes: int = 1 << 30) -> dict[str, float]:
     """Host-tier hits restored into device memory (pinned slots, DMA) against torch's pinned H2D copy."""
     from tierkv import Namespace, TieredStore
 
-    ns = Namespace(model_id="bench", revision="r", dtype="bfloat16", num_layers=16, num_kv_heads=8, head_dim=64,
-                   block_tokens=64)
+    ns = Namespace(
+        model_id="bench",
+        revision="r",
+        dtype="bfloat16",
+        num_layers=16,
+        num_kv_heads=8,
+        head_dim=64,
+        block_tokens=64,
+    )
     tokens = nbytes // (16 * 2 * 8 * 64 * 2)
     ids = list(range(tokens))
     kv = torch.randn(16, 2, tokens, 8, 64, dtype=torch.bfloat16)
@@ -93,10 +111,15 @@ def restore_h2d(nbytes: int = 1 << 30) -> dict[str, float]:
         store.save(ns, ids, kv)
         out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
         hit, got = store.restore(ns, ids, out=out)
-        assert got is not None and hit.by_tier["host"] == tokens and torch.equal(got.cpu(), kv), "restore is not exact"
+        assert got is not None and hit.by_tier["host"] == tokens and torch.equal(got.cpu(), kv), (
+            "restore is not exact"
+        )
         restore_s = _timed(lambda: store.restore(ns, ids, out=out))
-    return {"torch_h2d_GBps": nbytes / torch_s / 1e9, "restore_h2d_GBps": nbytes / restore_s / 1e9,
-            "restore_over_torch": torch_s / restore_s}
+    return {
+        "torch_h2d_GBps": nbytes / torch_s / 1e9,
+        "restore_h2d_GBps": nbytes / restore_s / 1e9,
+        "restore_over_torch": torch_s / restore_s,
+    }
 
 
 def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
@@ -107,9 +130,15 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
     from tierkv.tiers.pool import BlockPool
     from tierkv.worker import CachedModel
 
-    cfg: dict[str, Any] = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                               num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                               max_position_embeddings=32768)
+    cfg: dict[str, Any] = dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=32768,
+    )
     model = build_default_model(torch.bfloat16, **cfg).cuda()
     tok = ByteTokenizer()
     rows = []
@@ -121,7 +150,9 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
             with TieredStore.open(d, host_bytes=kv_nbytes + (256 << 20)) as store:
                 store.add_gpu_tier(kv_nbytes + (256 << 20), "cuda")
                 cm = CachedModel(model, tok, store, model_id="llama-1b-class")
-                row["cold_ms"] = _timed(lambda cm=cm, ids=ids: cm.prefill(ids, use_cache=False), repeat=3) * 1e3
+                row["cold_ms"] = (
+                    _timed(lambda cm=cm, ids=ids: cm.prefill(ids, use_cache=False), repeat=3) * 1e3
+                )
                 # Saving during a prefill: cache on, no hit (a new prompt each time) against cache off.
                 fresh = iter([torch.randint(3, 259, (L + 1,)).tolist() for _ in range(4)])
                 row["save_ms"] = _timed(lambda cm=cm, fresh=fresh: cm.prefill(next(fresh)), repeat=3) * 1e3
@@ -129,13 +160,18 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
                 cm.prefill(ids)
                 store.flush()
                 hits: list[dict[str, int]] = []
-                row["gpu_ms"] = _timed(lambda cm=cm, ids=ids, hits=hits: hits.append(cm.prefill(ids).hit.by_tier),
-                                       repeat=3) * 1e3
+                row["gpu_ms"] = (
+                    _timed(
+                        lambda cm=cm, ids=ids, hits=hits: hits.append(cm.prefill(ids).hit.by_tier), repeat=3
+                    )
+                    * 1e3
+                )
                 assert hits[-1]["gpu"] == L, hits[-1]
                 gpu = store.tier("gpu")
                 assert isinstance(gpu, BlockPool)
-                row["host_ms"] = _timed(lambda cm=cm, ids=ids, gpu=gpu: (gpu.clear(), cm.prefill(ids)),
-                                        repeat=3) * 1e3
+                row["host_ms"] = (
+                    _timed(lambda cm=cm, ids=ids, gpu=gpu: (gpu.clear(), cm.prefill(ids)), repeat=3) * 1e3
+                )
                 store.flush()
             with TieredStore.open(d, host_bytes=0) as store:  # the disk tier, page cache warm
                 cm = CachedModel(model, tok, store, model_id="llama-1b-class")
@@ -146,25 +182,33 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
 
 
 def _show_ring(r: dict[str, float]) -> None:
-    print(f"ring D2H      {r['ring_d2h_GBps']:6.1f} GB/s vs torch pinned {r['torch_d2h_GBps']:.1f} GB/s "
-          f"({r['ring_over_torch']:.2f}x; goal >= 0.8)")
+    print(
+        f"ring D2H      {r['ring_d2h_GBps']:6.1f} GB/s vs torch pinned {r['torch_d2h_GBps']:.1f} GB/s "
+        f"({r['ring_over_torch']:.2f}x; goal >= 0.8)"
+    )
 
 
 def _show_restore(h: dict[str, float]) -> None:
-    print(f"restore H2D   {h['restore_h2d_GBps']:6.1f} GB/s vs torch pinned {h['torch_h2d_GBps']:.1f} GB/s "
-          f"({h['restore_over_torch']:.2f}x; goal >= 0.8)")
+    print(
+        f"restore H2D   {h['restore_h2d_GBps']:6.1f} GB/s vs torch pinned {h['torch_h2d_GBps']:.1f} GB/s "
+        f"({h['restore_over_torch']:.2f}x; goal >= 0.8)"
+    )
 
 
 def _show_gather(g: dict[str, Any]) -> None:
-    print(f"gather 1000 blocks ({g['backend']}): {g['batched_ms']:.2f} ms vs loop {g['loop_ms']:.1f} ms "
-          f"({g['speedup']:.0f}x; goal >= 5)")
+    print(
+        f"gather 1000 blocks ({g['backend']}): {g['batched_ms']:.2f} ms vs loop {g['loop_ms']:.1f} ms "
+        f"({g['speedup']:.0f}x; goal >= 5)"
+    )
 
 
 def _show_ttft(rows: list[dict[str, Any]]) -> None:
     print("tokens  cold ms  gpu ms  host ms  disk(warm) ms  save overhead (goal <= 3%)")
     for row in rows:
-        print(f"{row['tokens']:6d}  {row['cold_ms']:7.1f}  {row['gpu_ms']:6.1f}  {row['host_ms']:7.1f}  "
-              f"{row['disk_warm_ms']:13.1f}  {100 * row['save_overhead']:+.1f}%")
+        print(
+            f"{row['tokens']:6d}  {row['cold_ms']:7.1f}  {row['gpu_ms']:6.1f}  {row['host_ms']:7.1f}  "
+            f"{row['disk_warm_ms']:13.1f}  {100 * row['save_overhead']:+.1f}%"
+        )
 
 
 def main() -> None:
@@ -182,8 +226,12 @@ def main() -> None:
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     print(f"device {res['device']}, torch {res['torch']}")
     # Each part on its own: one that fails (the first run on a new machine) must not lose the others.
-    for name, part, show in (("ring", ring_vs_torch, _show_ring), ("restore", restore_h2d, _show_restore),
-                             ("gather", gather_vs_loop, _show_gather), ("ttft", ttft_1b, _show_ttft)):
+    for name, part, show in (
+        ("ring", ring_vs_torch, _show_ring),
+        ("restore", restore_h2d, _show_restore),
+        ("gather", gather_vs_loop, _show_gather),
+        ("ttft", ttft_1b, _show_ttft),
+    ):
         try:
             res[name] = part()
             show(res[name])
@@ -194,9 +242,11 @@ def main() -> None:
     res["telemetry"] = [dataclasses.asdict(g) for g in gpu_telemetry()]
     (out / "gpu.json").write_text(json.dumps(res, indent=2))
     for t in res["telemetry"]:
-        print(f"NVML gpu {t['index']}: {t['memory_used_nbytes'] / 2**30:.1f} of {t['memory_total_nbytes'] / 2**30:.1f} GiB, "
-              f"busy {t['utilization_gpu_pct']}%, PCIe {t['pcie_tx_Bps'] / 1e9:.2f} GB/s out, "
-              f"{t['pcie_rx_Bps'] / 1e9:.2f} GB/s in")
+        print(
+            f"NVML gpu {t['index']}: {t['memory_used_nbytes'] / 2**30:.1f} of {t['memory_total_nbytes'] / 2**30:.1f} GiB, "
+            f"busy {t['utilization_gpu_pct']}%, PCIe {t['pcie_tx_Bps'] / 1e9:.2f} GB/s out, "
+            f"{t['pcie_rx_Bps'] / 1e9:.2f} GB/s in"
+        )
 
 
 __all__ = ["gather_vs_loop", "main", "restore_h2d", "ring_vs_torch", "ttft_1b"]

@@ -34,8 +34,16 @@ def describe(path: str | Path = ".") -> dict[str, Any]:
     except (OSError, ValueError):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "disk": disk, "gpu": gpu,
-            "torch": torch.__version__, "python": platform.python_version(), "kernel": platform.release()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_gib, 1),
+        "disk": disk,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
 
 
 def tag(desc: dict[str, Any]) -> str:

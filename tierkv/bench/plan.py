@@ -16,8 +16,12 @@ from typing import Any
 import torch
 
 # Published dense BF16 tensor peaks (FLOP/s, without sparsity) and memory bandwidth (B/s).
-GPUS = {"H100-SXM": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100-80GB": (312e12, 2.0e12),
-        "L40S": (362e12, 0.864e12)}
+GPUS = {
+    "H100-SXM": (989e12, 3.35e12),
+    "H200": (989e12, 4.8e12),
+    "A100-80GB": (312e12, 2.0e12),
+    "L40S": (362e12, 0.864e12),
+}
 # name: (layers, kv bytes per token per layer in bf16, active parameters)
 SHAPES = {
     "Llama-3.2-1B (GQA 8x64)": (16, 2 * 8 * 64 * 2, 1.24e9),
@@ -36,9 +40,19 @@ def computed(gpu: str = "H200", mfu: float = 0.4, context: int = 8192) -> list[d
         # 2 FLOPs per parameter per token, plus attention over half the context on average.
         flops_token = 2 * params + 2 * layers * context * (kv_layer // 2)
         throughput = peak * mfu / flops_token
-        rows.append({"shape": name, "gpu": gpu, "mfu": mfu, "context": context, "kv_bytes_per_token": kv_token,
-                     "prefill_flops_per_token": flops_token, "prefill_tokens_per_s": throughput,
-                     "break_even_Bps": kv_token * throughput, "hbm_Bps": hbm})
+        rows.append(
+            {
+                "shape": name,
+                "gpu": gpu,
+                "mfu": mfu,
+                "context": context,
+                "kv_bytes_per_token": kv_token,
+                "prefill_flops_per_token": flops_token,
+                "prefill_tokens_per_s": throughput,
+                "break_even_Bps": kv_token * throughput,
+                "hbm_Bps": hbm,
+            }
+        )
     return rows
 
 
@@ -47,7 +61,9 @@ def measured(cm: Any, base: Path, context: int = 1024) -> dict[str, Any]:
     from tierkv.bench.ttft import _bandwidths
 
     ns = cm.base_namespace
-    kv_token = ns.num_layers * 2 * ns.num_kv_heads * ns.head_dim * torch.empty((), dtype=cm.dtype).element_size()
+    kv_token = (
+        ns.num_layers * 2 * ns.num_kv_heads * ns.head_dim * torch.empty((), dtype=cm.dtype).element_size()
+    )
     ids = torch.randint(3, 259, (context,)).tolist()
     cm.prefill(ids[: context // 4], use_cache=False)
     ts = []
@@ -59,35 +75,60 @@ def measured(cm: Any, base: Path, context: int = 1024) -> dict[str, Any]:
     params = sum(p.numel() for p in cm.model.parameters())
     bw = _bandwidths(base, 64 << 20)
     be = kv_token * throughput
-    return {"model": ns.model_id, "params": params, "dtype": ns.dtype, "context": context,
-            "kv_bytes_per_token": kv_token, "prefill_flops_per_token": 2 * params,
-            "prefill_tokens_per_s": throughput, "break_even_Bps": be,
-            "tiers": {"host (memcpy)": bw["memcpy"], "disk, warm page cache": bw["page_cache"],
-                      "disk, cold (O_DIRECT)": bw["odirect"]},
-            "speedup_bound": {k: v / be for k, v in {"host (memcpy)": bw["memcpy"],
-                                                     "disk, warm page cache": bw["page_cache"],
-                                                     "disk, cold (O_DIRECT)": bw["odirect"]}.items()}}
+    return {
+        "model": ns.model_id,
+        "params": params,
+        "dtype": ns.dtype,
+        "context": context,
+        "kv_bytes_per_token": kv_token,
+        "prefill_flops_per_token": 2 * params,
+        "prefill_tokens_per_s": throughput,
+        "break_even_Bps": be,
+        "tiers": {
+            "host (memcpy)": bw["memcpy"],
+            "disk, warm page cache": bw["page_cache"],
+            "disk, cold (O_DIRECT)": bw["odirect"],
+        },
+        "speedup_bound": {
+            k: v / be
+            for k, v in {
+                "host (memcpy)": bw["memcpy"],
+                "disk, warm page cache": bw["page_cache"],
+                "disk, cold (O_DIRECT)": bw["odirect"],
+            }.items()
+        },
+    }
 
 
 def markdown(m: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
     lines = []
     if m is not None:
-        lines += [f"**Measured here** for `{m['model']}` ({m['params'] / 1e6:.0f}M params, {m['dtype']}): "
-                  f"{m['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token, ~{m['prefill_flops_per_token'] / 1e9:.2f} "
-                  f"GFLOP per token, prefill {m['prefill_tokens_per_s']:.0f} tokens/s at {m['context']} tokens. "
-                  f"Restoring beats recomputing above **{m['break_even_Bps'] / 1e6:.1f} MB/s**.", "",
-                  "| tier | bandwidth measured | x break-even (upper bound on the speed-up) |", "|---|---:|---:|"]
+        lines += [
+            f"**Measured here** for `{m['model']}` ({m['params'] / 1e6:.0f}M params, {m['dtype']}): "
+            f"{m['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token, ~{m['prefill_flops_per_token'] / 1e9:.2f} "
+            f"GFLOP per token, prefill {m['prefill_tokens_per_s']:.0f} tokens/s at {m['context']} tokens. "
+            f"Restoring beats recomputing above **{m['break_even_Bps'] / 1e6:.1f} MB/s**.",
+            "",
+            "| tier | bandwidth measured | x break-even (upper bound on the speed-up) |",
+            "|---|---:|---:|",
+        ]
         for tier, bw in m["tiers"].items():
             lines.append(f"| {tier} | {bw / 1e9:.2f} GB/s | {m['speedup_bound'][tier]:.0f}x |")
         lines.append("")
     if rows:
         r0 = rows[0]
-        lines += [f"**Computed, not measured**: {r0['gpu']} at {r0['mfu']:.0%} MFU of its published BF16 peak, "
-                  f"{r0['context']}-token context, BF16 KV.", "",
-                  "| shape | KV per token | prefill tokens/s | break-even bandwidth |", "|---|---:|---:|---:|"]
+        lines += [
+            f"**Computed, not measured**: {r0['gpu']} at {r0['mfu']:.0%} MFU of its published BF16 peak, "
+            f"{r0['context']}-token context, BF16 KV.",
+            "",
+            "| shape | KV per token | prefill tokens/s | break-even bandwidth |",
+            "|---|---:|---:|---:|",
+        ]
         for r in rows:
-            lines.append(f"| {r['shape']} | {r['kv_bytes_per_token'] / 1024:.0f} KiB | {r['prefill_tokens_per_s']:.0f} | "
-                         f"{r['break_even_Bps'] / 1e9:.2f} GB/s |")
+            lines.append(
+                f"| {r['shape']} | {r['kv_bytes_per_token'] / 1024:.0f} KiB | {r['prefill_tokens_per_s']:.0f} | "
+                f"{r['break_even_Bps'] / 1e9:.2f} GB/s |"
+            )
     return "\n".join(lines)
 
 

@@ -20,25 +20,51 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
         except ValueError:
             old = {}
         results = {**{k: v for k, v in old.items() if k not in ("machine", "when")}, **results}
-    (out_dir / "results.json").write_text(json.dumps({"machine": machine, "when": stamp, **results}, indent=2))
-    md = [f"# tierkv benchmark — {stamp}", "",
-          f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, disk {machine['disk']}, "
-          f"GPU {machine['gpu'] or 'none'}; torch {machine['torch']}, Python {machine['python']}.", ""]
+    (out_dir / "results.json").write_text(
+        json.dumps({"machine": machine, "when": stamp, **results}, indent=2)
+    )
+    md = [
+        f"# tierkv benchmark — {stamp}",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, disk {machine['disk']}, "
+        f"GPU {machine['gpu'] or 'none'}; torch {machine['torch']}, Python {machine['python']}.",
+        "",
+    ]
     for res in results.get("ttft", []):
         md += [f"## TTFT: `{res['config']['model']}`", "", ttft.markdown(res), ""]
         if results.get("model"):
-            md += ["Beside the seeds' headline (a hit from the host tier; from disk after a restart with the page "
-                   "cache dropped in brackets):", "", ttft.beside_seeds(res), ""]
+            md += [
+                "Beside the seeds' headline (a hit from the host tier; from disk after a restart with the page "
+                "cache dropped in brackets):",
+                "",
+                ttft.beside_seeds(res),
+                "",
+            ]
     if "tiers" in results:
         md += ["## Tier bandwidth", "", tiers.markdown(results["tiers"]), ""]
     if "workloads" in results:
         md += ["## Workloads through the HTTP server", "", workloads.markdown(results["workloads"]), ""]
     if "restart" in results:
-        md += ["## A long prompt through HTTP: cold, again, after a restart", "", restart.markdown(results["restart"]), ""]
+        md += [
+            "## A long prompt through HTTP: cold, again, after a restart",
+            "",
+            restart.markdown(results["restart"]),
+            "",
+        ]
     if "scaleout" in results:
-        md += ["## Two workers: shared remote tier and prefix-aware routing", "", scaleout.markdown(results["scaleout"]), ""]
+        md += [
+            "## Two workers: shared remote tier and prefix-aware routing",
+            "",
+            scaleout.markdown(results["scaleout"]),
+            "",
+        ]
     if "plan" in results:
-        md += ["## Break-even", "", plan.markdown(results["plan"].get("measured"), results["plan"]["computed"]), ""]
+        md += [
+            "## Break-even",
+            "",
+            plan.markdown(results["plan"].get("measured"), results["plan"]["computed"]),
+            "",
+        ]
     files = [out_dir / "results.json", out_dir / "README.md"]
     files += _plots(out_dir, results)
     md += [f"![{p.stem}]({p.name})" for p in files[2:]]
@@ -56,16 +82,26 @@ def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         return []
     files = []
     if results.get("ttft"):
-        fig, axes = plt.subplots(1, len(results["ttft"]), figsize=(6 * len(results["ttft"]), 4.5), squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(results["ttft"]), figsize=(6 * len(results["ttft"]), 4.5), squeeze=False
+        )
         for ax, res in zip(axes[0], results["ttft"]):
             x = [r["tokens"] for r in res["rows"]]
-            for key, label, style in (("cold_s", "cold prefill", "k-o"), ("host_s", "host tier", "g-s"),
-                                      ("disk_warm_s", "disk, warm page cache", "b-^"),
-                                      ("disk_cold_s", "disk, cold page cache", "r-v")):
+            for key, label, style in (
+                ("cold_s", "cold prefill", "k-o"),
+                ("host_s", "host tier", "g-s"),
+                ("disk_warm_s", "disk, warm page cache", "b-^"),
+                ("disk_cold_s", "disk, cold page cache", "r-v"),
+            ):
                 ax.plot(x, [r[key]["median"] * 1e3 for r in res["rows"]], style, label=label)
             ax.plot(x, [r["floor_disk_cold_s"] * 1e3 for r in res["rows"]], "r:", label="floor, cold disk")
-            ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (ms)",
-                   title=f"TTFT, {res['config']['model']}")
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="prompt tokens",
+                ylabel="TTFT (ms)",
+                title=f"TTFT, {res['config']['model']}",
+            )
             ax.set_xticks(x, [str(v) for v in x])
             ax.minorticks_off()
             ax.grid(True, which="both", alpha=0.3)
@@ -81,8 +117,11 @@ def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         vals = [rows[n]["median"] / 1e9 for n in names]
         colors = ["#888" if n.startswith(("raw", "memcpy", "naive")) else "#2a7" for n in names]
         ax.barh(names, vals, color=colors)
-        ax.set(xscale="log", xlabel="GB/s (median; grey: baselines measured in the same run)",
-               title="Tier bandwidth against the hardware's limit")
+        ax.set(
+            xscale="log",
+            xlabel="GB/s (median; grey: baselines measured in the same run)",
+            title="Tier bandwidth against the hardware's limit",
+        )
         ax.invert_yaxis()
         fig.tight_layout()
         files.append(out_dir / "bandwidth.png")

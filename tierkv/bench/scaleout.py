@@ -20,23 +20,35 @@ def _redis() -> tuple[subprocess.Popen[bytes], str] | None:
     if shutil.which("redis-server") is None:
         return None
     port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(0.3)
     return proc, f"redis://127.0.0.1:{port}"
 
 
 def _chat(url: str, system: str, user: str) -> tuple[float, dict[str, Any]]:
-    body = json.dumps({"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-                       "max_tokens": 4, "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as r:
         out = json.loads(r.read())
     return time.perf_counter() - t0, out["usage"]
 
 
-def _one(workers: list[ServeProcess], systems: list[str], rounds: int, remote: bool, routed: bool) -> dict[str, Any]:
+def _one(
+    workers: list[ServeProcess], systems: list[str], rounds: int, remote: bool, routed: bool
+) -> dict[str, Any]:
     router = None
     url = None
     try:
@@ -54,8 +66,15 @@ def _one(workers: list[ServeProcess], systems: list[str], rounds: int, remote: b
         if router is not None:
             router.terminate()
             router.wait(30)
-    return {"remote": remote, "routed": routed, "requests": n, "hit_rate": cached / total,
-            "computed_tokens": total - cached, "ttft_p50_s": statistics.median(ttfts), "total_s": sum(ttfts)}
+    return {
+        "remote": remote,
+        "routed": routed,
+        "requests": n,
+        "hit_rate": cached / total,
+        "computed_tokens": total - cached,
+        "ttft_p50_s": statistics.median(ttfts),
+        "total_s": sum(ttfts),
+    }
 
 
 def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
@@ -70,12 +89,17 @@ def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
             extra = ["--remote", redis[1]] if remote and redis else []
             # One pair of workers per remote setting; each routing mode gets prompts of its own, so the
             # two modes never share cached blocks.
-            workers = [ServeProcess("--cache-dir", str(base / f"{'remote' if remote else 'local'}-{w}"), *extra)
-                       for w in range(2)]
+            workers = [
+                ServeProcess("--cache-dir", str(base / f"{'remote' if remote else 'local'}-{w}"), *extra)
+                for w in range(2)
+            ]
             try:
                 for routed in (False, True):
-                    systems = [f"Team {i} handbook ({'routed' if routed else 'rr'}). "
-                               + ("Answer from the handbook, cite the page. " * (chars // 42)) for i in range(prompts)]
+                    systems = [
+                        f"Team {i} handbook ({'routed' if routed else 'rr'}). "
+                        + ("Answer from the handbook, cite the page. " * (chars // 42))
+                        for i in range(prompts)
+                    ]
                     rows.append(_one(workers, systems, rounds, remote, routed))
             finally:
                 for w in workers:
@@ -84,20 +108,41 @@ def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
         if redis is not None:
             redis[0].kill()
             redis[0].wait()
-    return {"config": {"workers": 2, "prompts": prompts, "rounds": rounds, "quick": quick,
-                       "redis": redis is not None}, "rows": rows}
+    return {
+        "config": {
+            "workers": 2,
+            "prompts": prompts,
+            "rounds": rounds,
+            "quick": quick,
+            "redis": redis is not None,
+        },
+        "rows": rows,
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
     c = res["config"]
-    lines = [f"{c['workers']} workers, {c['prompts']} shared prefixes x {c['rounds']} rounds; without routing "
-             "requests alternate between the workers." + ("" if c["redis"] else " (No redis-server: remote rows "
-                                                           "skipped.)"), "",
-             *md_table(["remote tier", "routing", "hit rate", "prompt tokens computed", "latency p50 (ms)",
-                        "total (s)"], "llrrrr",
-                       (["Redis" if r["remote"] else "none", "prefix-aware" if r["routed"] else "round robin",
-                         f"{100 * r['hit_rate']:.1f}%", r["computed_tokens"], f"{r['ttft_p50_s'] * 1e3:.0f}",
-                         f"{r['total_s']:.1f}"] for r in res["rows"]))]
+    lines = [
+        f"{c['workers']} workers, {c['prompts']} shared prefixes x {c['rounds']} rounds; without routing "
+        "requests alternate between the workers."
+        + ("" if c["redis"] else " (No redis-server: remote rows skipped.)"),
+        "",
+        *md_table(
+            ["remote tier", "routing", "hit rate", "prompt tokens computed", "latency p50 (ms)", "total (s)"],
+            "llrrrr",
+            (
+                [
+                    "Redis" if r["remote"] else "none",
+                    "prefix-aware" if r["routed"] else "round robin",
+                    f"{100 * r['hit_rate']:.1f}%",
+                    r["computed_tokens"],
+                    f"{r['ttft_p50_s'] * 1e3:.0f}",
+                    f"{r['total_s']:.1f}",
+                ]
+                for r in res["rows"]
+            ),
+        ),
+    ]
     return "\n".join(lines)
 
 

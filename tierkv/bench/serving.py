@@ -26,9 +26,23 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "serve", "--port", str(self.port),
-                                      "--host-cache", "1GiB", "--max-queue", "64", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tierkv.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--host-cache",
+                "1GiB",
+                "--max-queue",
+                "64",
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -42,10 +56,18 @@ class ServeProcess:
         raise RuntimeError("server did not start")
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         t0 = time.perf_counter()
         ttft = None
         text, usage = [], None
@@ -75,8 +97,20 @@ class ServeProcess:
 def start_router(worker_urls: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     """``tierkv route`` in front of ``worker_urls`` on a free loopback port, once it answers /health."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "route", "--workers", ",".join(worker_urls),
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierkv.cli",
+            "route",
+            "--workers",
+            ",".join(worker_urls),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:

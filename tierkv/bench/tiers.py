@@ -31,8 +31,15 @@ from tierkv import Namespace, TieredStore
 from tierkv.bench.machine import drop_page_cache, summary
 
 # The embedded default model's KV layout: 6 layers, 4 KV heads, head dim 64, fp32: 12 KiB per token.
-NS = Namespace(model_id="bench", revision="0", dtype="float32", num_layers=6, num_kv_heads=4, head_dim=64,
-               block_tokens=64)
+NS = Namespace(
+    model_id="bench",
+    revision="0",
+    dtype="float32",
+    num_layers=6,
+    num_kv_heads=4,
+    head_dim=64,
+    block_tokens=64,
+)
 PROMPT_TOKENS = 8192
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -46,8 +53,13 @@ def _raw_io(path: Path, nbytes: int, runs: int, record_nbytes: int) -> dict[str,
     buf = mmap.mmap(-1, chunk_nbytes)
     src = mmap.mmap(-1, chunk_nbytes)
     src.write(os.urandom(chunk_nbytes))
-    out: dict[str, list[float]] = {"odirect_write": [], "odirect": [], "odirect_4": [], "odirect_scattered": [],
-                                   "buffered_cold": []}
+    out: dict[str, list[float]] = {
+        "odirect_write": [],
+        "odirect": [],
+        "odirect_4": [],
+        "odirect_scattered": [],
+        "buffered_cold": [],
+    }
     n_chunks = max(1, nbytes // chunk_nbytes)
     nbytes = n_chunks * chunk_nbytes
     rng = random.Random(0)
@@ -68,6 +80,7 @@ def _raw_io(path: Path, nbytes: int, runs: int, record_nbytes: int) -> dict[str,
                     os.preadv(fd, [buf], i * chunk_nbytes)
                 done = nbytes
             elif mode == "odirect_4":
+
                 def stream(k: int, fd: int = fd) -> None:  # stream k reads chunks k, k+4, ... into its buffer
                     own = mmap.mmap(-1, chunk_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
                     for i in range(k, n_chunks, 4):
@@ -120,8 +133,9 @@ def _naive_lmdb(dirpath: Path, blocks: list[bytes], runs: int) -> list[float]:
     return results
 
 
-def _restores(store_dir: Path, prompts: list[list[int]], out: torch.Tensor, runs: int, cold: bool,
-              host_bytes: int = 0) -> tuple[list[float], str]:
+def _restores(
+    store_dir: Path, prompts: list[list[int]], out: torch.Tensor, runs: int, cold: bool, host_bytes: int = 0
+) -> tuple[list[float], str]:
     bws, method = [], ""
     kv_nbytes = out.numel() * out.element_size()
     for _ in range(runs):
@@ -144,8 +158,14 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     token_nbytes = 12 * 1024
     num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
     prompts = [[p * 10**6 + t for t in range(prompt_tokens)] for p in range(num_prompts)]
-    kv = torch.randn(NS.num_layers, 2, prompt_tokens, NS.num_kv_heads, NS.head_dim,
-                     generator=torch.Generator().manual_seed(0))
+    kv = torch.randn(
+        NS.num_layers,
+        2,
+        prompt_tokens,
+        NS.num_kv_heads,
+        NS.head_dim,
+        generator=torch.Generator().manual_seed(0),
+    )
     kv_nbytes = kv.numel() * 4
     data_nbytes = num_prompts * kv_nbytes
     rows: dict[str, dict[str, float]] = {}
@@ -157,8 +177,10 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     rows["raw O_DIRECT scattered block-sized reads"] = summary(raw["odirect_scattered"])
     rows["raw O_DIRECT sequential write"] = summary(raw["odirect_write"])
     rows["raw buffered cold read"] = summary(raw["buffered_cold"])
-    blocks = [kv[:, :, i:i + 64].contiguous().numpy().tobytes() for i in range(0, prompt_tokens, 64)]
-    rows["naive LMDB get, cold, random order"] = summary(_naive_lmdb(base / "naive", blocks * num_prompts, runs))
+    blocks = [kv[:, :, i : i + 64].contiguous().numpy().tobytes() for i in range(0, prompt_tokens, 64)]
+    rows["naive LMDB get, cold, random order"] = summary(
+        _naive_lmdb(base / "naive", blocks * num_prompts, runs)
+    )
 
     store_dir = base / "store"
     times = []
@@ -175,9 +197,12 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     out = torch.empty_like(kv)
     bws, method = _restores(store_dir, prompts, out, runs, cold=True)
     rows["restore one-prefix, cold"] = summary(bws)
-    rows["restore one-prefix, warm page cache"] = summary(_restores(store_dir, prompts, out, runs, cold=False)[0])
+    rows["restore one-prefix, warm page cache"] = summary(
+        _restores(store_dir, prompts, out, runs, cold=False)[0]
+    )
     rows["restore from host tier"] = summary(
-        _restores(store_dir, prompts, out, runs, cold=False, host_bytes=data_nbytes + (64 << 20))[0])
+        _restores(store_dir, prompts, out, runs, cold=False, host_bytes=data_nbytes + (64 << 20))[0]
+    )
 
     shutil.rmtree(store_dir)
     with TieredStore.open(store_dir, host_bytes=0) as store:  # every prompt's block b before any block b+1
@@ -185,7 +210,9 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             for toks in prompts:
                 store.save(NS, toks[: (b + 1) * 64], kv[:, :, : (b + 1) * 64], start_block=b)
         store.flush()
-    rows["restore interleaved prefixes, cold"] = summary(_restores(store_dir, prompts, out, runs, cold=True)[0])
+    rows["restore interleaved prefixes, cold"] = summary(
+        _restores(store_dir, prompts, out, runs, cold=True)[0]
+    )
 
     for codec_ in ("zstd", "zstd_shuffle"):
         shutil.rmtree(store_dir)
@@ -195,7 +222,8 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             store.flush()
             ratio = data_nbytes / store.stats()["disk"]["used_nbytes"]
         rows[f"restore {codec_} (ratio {ratio:.2f}), cold"] = summary(
-            _restores(store_dir, prompts, out, runs, cold=True)[0])
+            _restores(store_dir, prompts, out, runs, cold=True)[0]
+        )
 
     src = torch.empty(kv_nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -220,37 +248,54 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             assert hit.num_tokens == 32768
     shutil.rmtree(store_dir)
     # The disk's limit: the better of one O_DIRECT stream and four (a queue depth of one undersells NVMe).
-    od = max(rows["raw O_DIRECT sequential read"]["median"], rows["raw O_DIRECT sequential read, 4 streams"]["median"])
+    od = max(
+        rows["raw O_DIRECT sequential read"]["median"],
+        rows["raw O_DIRECT sequential read, 4 streams"]["median"],
+    )
     return {
-        "config": {"kv_nbytes": data_nbytes, "prompts": num_prompts, "prompt_tokens": prompt_tokens,
-                   "block_tokens": NS.block_tokens, "block_nbytes": kv_nbytes // (prompt_tokens // 64),
-                   "runs": runs, "cold_method": method},
+        "config": {
+            "kv_nbytes": data_nbytes,
+            "prompts": num_prompts,
+            "prompt_tokens": prompt_tokens,
+            "block_tokens": NS.block_tokens,
+            "block_nbytes": kv_nbytes // (prompt_tokens // 64),
+            "runs": runs,
+            "cold_method": method,
+        },
         "rows_Bps": rows,
         "lookup_32k_s": summary(lat),
         "ratios": {
             "restore cold one-prefix / disk limit": rows["restore one-prefix, cold"]["median"] / od,
-            "restore cold interleaved / disk limit": rows["restore interleaved prefixes, cold"]["median"] / od,
+            "restore cold interleaved / disk limit": rows["restore interleaved prefixes, cold"]["median"]
+            / od,
             "naive LMDB cold / disk limit": rows["naive LMDB get, cold, random order"]["median"] / od,
             "persistence / O_DIRECT write": rows["persistence (save+flush, durable)"]["median"]
             / rows["raw O_DIRECT sequential write"]["median"],
             "restore warm / memcpy": rows["restore one-prefix, warm page cache"]["median"]
             / rows["memcpy (torch copy_)"]["median"],
-            "host tier / memcpy": rows["restore from host tier"]["median"] / rows["memcpy (torch copy_)"]["median"],
+            "host tier / memcpy": rows["restore from host tier"]["median"]
+            / rows["memcpy (torch copy_)"]["median"],
         },
     }
 
 
 def markdown(res: dict[str, Any]) -> str:
     c = res["config"]
-    lines = [f"KV {c['kv_nbytes'] / 2**20:.0f} MiB in {c['prompts']} prompts of {c['prompt_tokens']} tokens, "
-             f"blocks of {c['block_tokens']} tokens ({c['block_nbytes'] / 2**10:.0f} KiB); {c['runs']} runs; "
-             f"cold cache via {c['cold_method']}.", "",
-             "| measurement | median GB/s | min | max |", "|---|---:|---:|---:|"]
+    lines = [
+        f"KV {c['kv_nbytes'] / 2**20:.0f} MiB in {c['prompts']} prompts of {c['prompt_tokens']} tokens, "
+        f"blocks of {c['block_tokens']} tokens ({c['block_nbytes'] / 2**10:.0f} KiB); {c['runs']} runs; "
+        f"cold cache via {c['cold_method']}.",
+        "",
+        "| measurement | median GB/s | min | max |",
+        "|---|---:|---:|---:|",
+    ]
     for name, s in res["rows_Bps"].items():
         lines.append(f"| {name} | {s['median'] / 1e9:.2f} | {s['min'] / 1e9:.2f} | {s['max'] / 1e9:.2f} |")
     lk = res["lookup_32k_s"]
-    lines.append(f"| lookup of a 32K-token prompt (ms) | {lk['median'] * 1e3:.2f} | {lk['min'] * 1e3:.2f} | "
-                 f"{lk['max'] * 1e3:.2f} |")
+    lines.append(
+        f"| lookup of a 32K-token prompt (ms) | {lk['median'] * 1e3:.2f} | {lk['min'] * 1e3:.2f} | "
+        f"{lk['max'] * 1e3:.2f} |"
+    )
     lines += ["", "| ratio | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in res["ratios"].items()]
     return "\n".join(lines)

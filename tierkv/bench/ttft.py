@@ -29,8 +29,14 @@ from tierkv.worker import CachedModel
 # Model configs: the embedded default, and a wider, deeper Llama shape (more KV per token, more compute).
 MODELS: dict[str, dict[str, Any]] = {
     "default": {},
-    "llama-wide": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=64),
+    "llama-wide": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+    ),
 }
 
 
@@ -78,8 +84,12 @@ def _model(name: str, store: TieredStore | None) -> CachedModel:
     if name in ("default", "tiny"):
         return CachedModel.default(store)
     if name in MODELS:
-        return CachedModel(build_default_model(torch.float32, **MODELS[name]), ByteTokenizer(), store,
-                           model_id=f"{DEFAULT_MODEL_ID}-{name}")
+        return CachedModel(
+            build_default_model(torch.float32, **MODELS[name]),
+            ByteTokenizer(),
+            store,
+            model_id=f"{DEFAULT_MODEL_ID}-{name}",
+        )
     return CachedModel.from_pretrained(name, store, dtype=torch.float32)
 
 
@@ -89,8 +99,13 @@ def default_lengths(cm: CachedModel) -> tuple[int, ...]:
     return tuple(n for n in (1024, 2048, 4096) if n < context) + ((8128,) if context >= 8192 else ())
 
 
-def run(base: Path, *, model: str = "default", lengths: tuple[int, ...] | None = (512, 1024, 2048, 4096),
-        runs: int = 5) -> dict[str, Any]:
+def run(
+    base: Path,
+    *,
+    model: str = "default",
+    lengths: tuple[int, ...] | None = (512, 1024, 2048, 4096),
+    runs: int = 5,
+) -> dict[str, Any]:
     """``lengths``: cached tokens per row (each prompt is one token longer); None: ``default_lengths``."""
     torch.manual_seed(0)
     bw = _bandwidths(base, 64 << 20)
@@ -115,7 +130,7 @@ def run(base: Path, *, model: str = "default", lengths: tuple[int, ...] | None =
             for r in range(runs):
                 fresh = [(t + r + 1) % (vocab - 3) + 3 for t in ids]  # nothing cached: a new prompt each run
                 # Alternate which goes first, so drift (frequency, allocator) favours neither.
-                for kind in (("cold", "nohit") if r % 2 == 0 else ("nohit", "cold")):
+                for kind in ("cold", "nohit") if r % 2 == 0 else ("nohit", "cold"):
                     t0 = time.perf_counter()
                     cm.prefill(ids, use_cache=False) if kind == "cold" else cm.prefill(fresh)
                     (cold if kind == "cold" else nohit).append(time.perf_counter() - t0)
@@ -129,7 +144,9 @@ def run(base: Path, *, model: str = "default", lengths: tuple[int, ...] | None =
                 host.append(time.perf_counter() - t0)
                 fwd.append(p.forward_s)
                 assert p.hit.by_tier["host"] == L, p.hit
-        row.update(cold_s=summary(cold), nohit_s=summary(nohit), host_s=summary(host), forward_1_s=summary(fwd))
+        row.update(
+            cold_s=summary(cold), nohit_s=summary(nohit), host_s=summary(host), forward_1_s=summary(fwd)
+        )
         for label, cold_cache in (("disk_warm_s", False), ("disk_cold_s", True)):
             ts = []
             for _ in range(runs):
@@ -151,46 +168,71 @@ def run(base: Path, *, model: str = "default", lengths: tuple[int, ...] | None =
         shutil.rmtree(store_dir)
     cm.store = None
     params = sum(p.numel() for p in cm.model.parameters())
-    return {"config": {"model": model, "model_id": ns.model_id, "params": params, "layers": ns.num_layers, "kv_heads": ns.num_kv_heads,
-                       "head_dim": ns.head_dim, "dtype": ns.dtype, "token_kv_nbytes": token_nbytes,
-                       "block_tokens": ns.block_tokens, "runs": runs, "threads": torch.get_num_threads(),
-                       "cold_method": method},
-            "bandwidth_Bps": bw, "rows": rows}
+    return {
+        "config": {
+            "model": model,
+            "model_id": ns.model_id,
+            "params": params,
+            "layers": ns.num_layers,
+            "kv_heads": ns.num_kv_heads,
+            "head_dim": ns.head_dim,
+            "dtype": ns.dtype,
+            "token_kv_nbytes": token_nbytes,
+            "block_tokens": ns.block_tokens,
+            "runs": runs,
+            "threads": torch.get_num_threads(),
+            "cold_method": method,
+        },
+        "bandwidth_Bps": bw,
+        "rows": rows,
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
     c, bw = res["config"], res["bandwidth_Bps"]
-    lines = [f"Model `{c['model']}` ({c.get('model_id', c['model'])}): {c['params'] / 1e6:.0f}M params, {c['layers']} layers, {c['kv_heads']} KV heads x "
-             f"{c['head_dim']}, {c['dtype']}, {c['token_kv_nbytes'] / 1024:.0f} KiB of KV per token; {c['runs']} runs; "
-             f"{c['threads']} threads. Bandwidth in this run: memcpy {bw['memcpy'] / 1e9:.1f} GB/s, page-cache read "
-             f"{bw['page_cache'] / 1e9:.1f} GB/s, O_DIRECT {bw['odirect'] / 1e9:.2f} GB/s; cold cache via "
-             f"{c['cold_method']}.", "",
-             "TTFT medians (ms). In brackets: the ratio to the tier's floor; `x`: speed-up over the cold prefill.", "",
-             "| tokens | KV MiB | cold | no-hit (overhead) | host | disk warm | disk cold |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Model `{c['model']}` ({c.get('model_id', c['model'])}): {c['params'] / 1e6:.0f}M params, {c['layers']} layers, {c['kv_heads']} KV heads x "
+        f"{c['head_dim']}, {c['dtype']}, {c['token_kv_nbytes'] / 1024:.0f} KiB of KV per token; {c['runs']} runs; "
+        f"{c['threads']} threads. Bandwidth in this run: memcpy {bw['memcpy'] / 1e9:.1f} GB/s, page-cache read "
+        f"{bw['page_cache'] / 1e9:.1f} GB/s, O_DIRECT {bw['odirect'] / 1e9:.2f} GB/s; cold cache via "
+        f"{c['cold_method']}.",
+        "",
+        "TTFT medians (ms). In brackets: the ratio to the tier's floor; `x`: speed-up over the cold prefill.",
+        "",
+        "| tokens | KV MiB | cold | no-hit (overhead) | host | disk warm | disk cold |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["rows"]:
         cold = r["cold_s"]["median"]
 
         def cell(key: str, floor: str, r: dict = r, cold: float = cold) -> str:
             v = r[key]["median"]
             return f"{v * 1e3:.1f} ({v / r[floor]:.2f}) {cold / v:.0f}x"
+
         nohit = r["nohit_s"]["median"]
-        lines.append(f"| {r['tokens']} | {r['kv_nbytes'] / 2**20:.1f} | {cold * 1e3:.0f} | {nohit * 1e3:.0f} "
-                     f"({100 * (nohit / cold - 1):+.1f}%) | {cell('host_s', 'floor_host_s')} | "
-                     f"{cell('disk_warm_s', 'floor_disk_warm_s')} | {cell('disk_cold_s', 'floor_disk_cold_s')} |")
+        lines.append(
+            f"| {r['tokens']} | {r['kv_nbytes'] / 2**20:.1f} | {cold * 1e3:.0f} | {nohit * 1e3:.0f} "
+            f"({100 * (nohit / cold - 1):+.1f}%) | {cell('host_s', 'floor_host_s')} | "
+            f"{cell('disk_warm_s', 'floor_disk_warm_s')} | {cell('disk_cold_s', 'floor_disk_cold_s')} |"
+        )
     return "\n".join(lines)
 
 
 def beside_seeds(res: dict[str, Any]) -> str:
     """Tokens, cold, hit (the host tier; disk after a restart in brackets) and ratio, beside the seeds' headline."""
     s = SEED_HEADLINE
-    lines = ["| | tokens | cold prefill | cache hit | ratio |", "|---|---:|---:|---:|---:|",
-             f"| seeds' headline | {s['tokens']:,} | {s['cold_s'] * 1e3:,.0f} ms | {s['hit_s'] * 1e3:.0f} ms | "
-             f"{s['cold_s'] / s['hit_s']:.0f}x |"]
+    lines = [
+        "| | tokens | cold prefill | cache hit | ratio |",
+        "|---|---:|---:|---:|---:|",
+        f"| seeds' headline | {s['tokens']:,} | {s['cold_s'] * 1e3:,.0f} ms | {s['hit_s'] * 1e3:.0f} ms | "
+        f"{s['cold_s'] / s['hit_s']:.0f}x |",
+    ]
     for r in res["rows"]:
         cold, host, disk = r["cold_s"]["median"], r["host_s"]["median"], r["disk_cold_s"]["median"]
-        lines.append(f"| `{res['config']['model']}` | {r['tokens']:,} | {cold * 1e3:,.0f} ms | {host * 1e3:.0f} ms "
-                     f"({disk * 1e3:.0f} ms) | {cold / host:.0f}x ({cold / disk:.0f}x) |")
+        lines.append(
+            f"| `{res['config']['model']}` | {r['tokens']:,} | {cold * 1e3:,.0f} ms | {host * 1e3:.0f} ms "
+            f"({disk * 1e3:.0f} ms) | {cold / host:.0f}x ({cold / disk:.0f}x) |"
+        )
     return "\n".join(lines)
 
 

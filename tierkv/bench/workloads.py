@@ -21,8 +21,10 @@ from typing import Any
 from tierkv.bench.serving import ServeProcess
 from tierkv.bench.table import md_table
 
-WORDS = ("cache prefix token block restore disk memory tier model request user system rule answer "
-         "document context latency budget expire verify namespace tenant batch segment index").split()
+WORDS = (
+    "cache prefix token block restore disk memory tier model request user system rule answer "
+    "document context latency budget expire verify namespace tenant batch segment index"
+).split()
 
 
 def _text(rng: random.Random, nchars: int) -> str:
@@ -41,23 +43,40 @@ def _workloads(quick: bool) -> dict[str, list[list[list[dict[str, str]]]]]:
     conv, turns = (2, 3) if quick else (10, 8)
     rules_chars, retrieved_chars, n_rag = (600, 300, 3) if quick else (2500, 1500, 6)
     system = "You are the support assistant of tierkv. " + _text(rng, 400 if quick else 1500)
-    out: dict[str, Any] = {"multi-turn chat": {"system": system, "conversations": conv, "turns": turns,
-                                               "user": [[_text(rng, 80) for _ in range(turns)] for _ in range(conv)]}}
+    out: dict[str, Any] = {
+        "multi-turn chat": {
+            "system": system,
+            "conversations": conv,
+            "turns": turns,
+            "user": [[_text(rng, 80) for _ in range(turns)] for _ in range(conv)],
+        }
+    }
     rules = "Rules: " + _text(rng, rules_chars)
     docs = ["Retrieved: " + _text(rng, retrieved_chars) for _ in range(n_rag)]
     q = "Question: which tier answers fastest?"
-    out["RAG, rules first"] = [[{"role": "system", "content": rules}, {"role": "user", "content": d + "\n" + q}]
-                               for d in docs]
-    out["RAG, retrieved first"] = [[{"role": "system", "content": d}, {"role": "user", "content": rules + "\n" + q}]
-                                   for d in docs]
+    out["RAG, rules first"] = [
+        [{"role": "system", "content": rules}, {"role": "user", "content": d + "\n" + q}] for d in docs
+    ]
+    out["RAG, retrieved first"] = [
+        [{"role": "system", "content": d}, {"role": "user", "content": rules + "\n" + q}] for d in docs
+    ]
     body = _text(rng, rules_chars)
-    stamps = [f"Current time: 2026-11-{d:02d}T{h:02d}:00Z" for d, h in zip(range(1, n_rag + 1), range(9, 9 + n_rag))]
-    out["date on the first line"] = [[{"role": "system", "content": s + "\n" + body}, {"role": "user", "content": q}]
-                                     for s in stamps]
-    out["date at the end"] = [[{"role": "system", "content": body + "\n" + s}, {"role": "user", "content": q}]
-                              for s in stamps]
-    out["no reuse"] = [[{"role": "system", "content": _text(random.Random(100 + i), rules_chars)},
-                        {"role": "user", "content": q}] for i in range(n_rag)]
+    stamps = [
+        f"Current time: 2026-11-{d:02d}T{h:02d}:00Z" for d, h in zip(range(1, n_rag + 1), range(9, 9 + n_rag))
+    ]
+    out["date on the first line"] = [
+        [{"role": "system", "content": s + "\n" + body}, {"role": "user", "content": q}] for s in stamps
+    ]
+    out["date at the end"] = [
+        [{"role": "system", "content": body + "\n" + s}, {"role": "user", "content": q}] for s in stamps
+    ]
+    out["no reuse"] = [
+        [
+            {"role": "system", "content": _text(random.Random(100 + i), rules_chars)},
+            {"role": "user", "content": q},
+        ]
+        for i in range(n_rag)
+    ]
     return out
 
 
@@ -80,35 +99,69 @@ def _stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results)
     ttfts = sorted(r["ttft_s"] for r in results)
     p95 = ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))]
-    return {"requests": len(results), "prompt_tokens": prompt, "cached_tokens": cached,
-            "hit_rate": cached / prompt if prompt else 0.0, "computed_tokens": prompt - cached,
-            "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": p95}
+    return {
+        "requests": len(results),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "computed_tokens": prompt - cached,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p95_s": p95,
+    }
 
 
 def run(base: Path, *, quick: bool = False, max_tokens: int = 8, model: str | None = None) -> dict[str, Any]:
     """``model``: what ``tierkv serve --model`` takes (smollm2, tiny, a directory); None: the embedded default."""
     specs = _workloads(quick)
-    out: dict[str, Any] = {"config": {"quick": quick, "max_tokens": max_tokens,
-                                      "model": f"{model} (CPU)" if model else "embedded default (CPU)"}, "rows": []}
+    out: dict[str, Any] = {
+        "config": {
+            "quick": quick,
+            "max_tokens": max_tokens,
+            "model": f"{model} (CPU)" if model else "embedded default (CPU)",
+        },
+        "rows": [],
+    }
     model_args = ["--model", model] if model else []
     for mode, args in (("cache on", ["--cache-dir", str(base / "cache")]), ("cache off", ["--no-cache"])):
         srv = ServeProcess(*model_args, *args)
         try:
             srv.chat([{"role": "user", "content": "warm-up"}], 1)
             for name, spec in specs.items():
-                out["rows"].append({"workload": name, "mode": mode, **_stats(_run_one(srv, name, spec, max_tokens))})
+                out["rows"].append(
+                    {"workload": name, "mode": mode, **_stats(_run_one(srv, name, spec, max_tokens))}
+                )
         finally:
             srv.stop()
     return out
 
 
 def markdown(res: dict[str, Any]) -> str:
-    return "\n".join(md_table(
-        ["workload", "cache", "requests", "hit rate", "prompt tokens computed", "TTFT p50 (ms)", "TTFT p95 (ms)"],
-        "llrrrrr",
-        ([r["workload"], r["mode"], r["requests"], f"{100 * r['hit_rate']:.1f}%",
-          f"{r['computed_tokens']} of {r['prompt_tokens']}", f"{r['ttft_p50_s'] * 1e3:.0f}",
-          f"{r['ttft_p95_s'] * 1e3:.0f}"] for r in res["rows"])))
+    return "\n".join(
+        md_table(
+            [
+                "workload",
+                "cache",
+                "requests",
+                "hit rate",
+                "prompt tokens computed",
+                "TTFT p50 (ms)",
+                "TTFT p95 (ms)",
+            ],
+            "llrrrrr",
+            (
+                [
+                    r["workload"],
+                    r["mode"],
+                    r["requests"],
+                    f"{100 * r['hit_rate']:.1f}%",
+                    f"{r['computed_tokens']} of {r['prompt_tokens']}",
+                    f"{r['ttft_p50_s'] * 1e3:.0f}",
+                    f"{r['ttft_p95_s'] * 1e3:.0f}",
+                ]
+                for r in res["rows"]
+            ),
+        )
+    )
 
 
 __all__ = ["WORDS", "markdown", "run"]

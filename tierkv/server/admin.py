@@ -32,8 +32,12 @@ def gc_options(opts: dict[str, Any]) -> dict[str, Any]:
         ttl_s=parse_duration(opts["ttl"]) if opts.get("ttl") is not None else None,
         max_age_s=parse_duration(opts["max_age"]) if opts.get("max_age") is not None else None,
         budget_nbytes=parse_size(opts["budget"]) if opts.get("budget") is not None else None,
-        namespace=opts.get("namespace"), purge_all=bool(opts.get("all")), check=bool(opts.get("check")),
-        compact=bool(opts.get("compact")), dry_run=bool(opts.get("dry_run")))
+        namespace=opts.get("namespace"),
+        purge_all=bool(opts.get("all")),
+        check=bool(opts.get("check")),
+        compact=bool(opts.get("compact")),
+        dry_run=bool(opts.get("dry_run")),
+    )
 
 
 def add_admin_routes(app: FastAPI, server: Server) -> None:
@@ -41,7 +45,9 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
         """The store, if the request may administer it; else the error to answer."""
         token = server.config.admin_token
         if not token:
-            return error(404, "the admin API is disabled (start the server with --admin-token)", "not_found_error")
+            return error(
+                404, "the admin API is disabled (start the server with --admin-token)", "not_found_error"
+            )
         given = request.headers.get("authorization", "").encode("latin-1")  # as the bytes were sent
         if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # constant time: no timing oracle
             return error(401, "missing or wrong admin token", "authentication_error")

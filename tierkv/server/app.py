@@ -41,18 +41,29 @@ def create_app(server: Server) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSON:
         errs = list(exc.errors())
         # Of a union's errors, the one about the value rather than "not this type of the union".
-        first = next((e for e in errs if not str(e.get("type", "")).endswith("_type")), errs[0] if errs else {})
+        first = next(
+            (e for e in errs if not str(e.get("type", "")).endswith("_type")), errs[0] if errs else {}
+        )
         # Without pydantic's union branch tags (stop.list[str] -> stop).
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]
-                         if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))) or None
+        param = (
+            ".".join(
+                str(p)
+                for p in first.get("loc", ())[1:]
+                if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))
+            )
+            or None
+        )
         if first.get("type") == "json_invalid":
             return error(400, "the request body is not valid JSON", code="invalid_json")
         return error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSON:
-        return error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
-                     "invalid_request_error")
+        return error(
+            exc.status_code,
+            str(exc.detail),
+            "not_found_error" if exc.status_code == 404 else "invalid_request_error",
+        )
 
     app.add_middleware(CountAndCatch, metrics=m)
 
@@ -69,8 +80,12 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSON:
-        return JSON({"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                                 "owned_by": "tierkv"}]})
+        return JSON(
+            {
+                "object": "list",
+                "data": [{"id": server.model_name, "object": "model", "created": 0, "owned_by": "tierkv"}],
+            }
+        )
 
     add_completion_routes(app, server)
     add_admin_routes(app, server)

@@ -26,7 +26,9 @@ from tierkv.worker import GenerateResult, PrefillResult, StreamEvent
 
 log = logging.getLogger("tierkv.server")
 
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM does): logits / T would overflow float32
+GREEDY_BELOW = (
+    1e-5  # temperatures below this sample greedily (as vLLM does): logits / T would overflow float32
+)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # top_p is compared in float32: below this it rounds to 0
 
 
@@ -50,33 +52,45 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             prompt = req.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
                 if len(prompt) != 1:
-                    raise ClientError("prompt: a batch of several prompts is not supported (send one per request)",
-                                      "prompt")
+                    raise ClientError(
+                        "prompt: a batch of several prompts is not supported (send one per request)", "prompt"
+                    )
                 prompt = prompt[0]
             if isinstance(prompt, list):
                 vocab = server.vocab_size
                 bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)  # type: ignore[operator]
                 if not prompt or bad is not None:
-                    raise ClientError("prompt: token ids must be a non-empty list of ids from 0 to "
-                                      f"{vocab - 1} (this model's vocabulary)"
-                                      + (f"; got {prompt[bad]} at position {bad}" if bad is not None else ""),
-                                      "prompt")
+                    raise ClientError(
+                        "prompt: token ids must be a non-empty list of ids from 0 to "
+                        f"{vocab - 1} (this model's vocabulary)"
+                        + (f"; got {prompt[bad]} at position {bad}" if bad is not None else ""),
+                        "prompt",
+                    )
                 return list(prompt)  # type: ignore[arg-type]
             if not prompt:
                 raise ClientError("prompt must not be empty", "prompt")
             return encode_text(server.cm.tokenizer, prompt)
+
         return await _generate(req, tokenize, chat=False, default_max_tokens=16)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         def tokenize() -> list[int]:
-            return render_chat(server.cm.tokenizer, [{"role": msg.role, "content": msg.text()}
-                                                     for msg in req.messages])
+            return render_chat(
+                server.cm.tokenizer, [{"role": msg.role, "content": msg.text()} for msg in req.messages]
+            )
+
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await _generate(req, tokenize, chat=True, default_max_tokens=256, max_tokens=max_tokens)
 
-    async def _generate(req: CompletionRequest | ChatCompletionRequest, tokenize: Callable[[], list[int]], *,
-                        chat: bool, default_max_tokens: int, max_tokens: int | None = None) -> Response:
+    async def _generate(
+        req: CompletionRequest | ChatCompletionRequest,
+        tokenize: Callable[[], list[int]],
+        *,
+        chat: bool,
+        default_max_tokens: int,
+        max_tokens: int | None = None,
+    ) -> Response:
         t_start = time.perf_counter()
         max_tokens = max_tokens or req.max_tokens
         engine = server.engine
@@ -89,12 +103,25 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             budget = max_tokens or min(default_max_tokens, max(1, engine.max_context - len(ids)))
             engine.check_length(len(ids), budget, "messages" if chat else "prompt")
             salt = req.cache_salt or ""
-            events = server.cm.stream(ids, budget, temperature=temperature, top_p=top_p, seed=req.seed,
-                                      stop=req.stop_list(), cache_salt=salt, use_cache=engine.use_cache)
+            events = server.cm.stream(
+                ids,
+                budget,
+                temperature=temperature,
+                top_p=top_p,
+                seed=req.seed,
+                stop=req.stop_list(),
+                cache_salt=salt,
+                use_cache=engine.use_cache,
+            )
             first = next(events)
             if engine.use_cache and first.prefill is not None:
-                server.misses.record(server.cm.namespace(salt), ids, first.prefill.hit.num_tokens, req.user,
-                                     server.cm.tokenizer)
+                server.misses.record(
+                    server.cm.namespace(salt),
+                    ids,
+                    first.prefill.hit.num_tokens,
+                    req.user,
+                    server.cm.tokenizer,
+                )
             yield first
             yield from events
 
@@ -120,9 +147,16 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
                 choice.update(text=result.text, logprobs=None)
-            return JSON({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                         "created": created, "model": server.model_name, "choices": [choice],
-                         "usage": _usage(result)})
+            return JSON(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": created,
+                    "model": server.model_name,
+                    "choices": [choice],
+                    "usage": _usage(result),
+                }
+            )
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -130,7 +164,9 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
         def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
             c: dict[str, Any] = {"index": 0, "finish_reason": finish}
             if chat:
-                c["delta"] = ({"role": "assistant"} if role else {}) | ({"content": delta} if delta is not None else {})
+                c["delta"] = ({"role": "assistant"} if role else {}) | (
+                    {"content": delta} if delta is not None else {}
+                )
             else:
                 c.update(text=delta or "", logprobs=None)
             return {"id": rid, "object": obj, "created": created, "model": server.model_name, "choices": [c]}
@@ -149,8 +185,16 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
                 m.completion_tokens.inc(len(result.token_ids))
                 yield sse(chunk(None if chat else "", result.finish_reason))
                 if include_usage:
-                    yield sse({"id": rid, "object": obj, "created": created, "model": server.model_name,
-                               "choices": [], "usage": _usage(result)})
+                    yield sse(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": server.model_name,
+                            "choices": [],
+                            "usage": _usage(result),
+                        }
+                    )
                 yield b"data: [DONE]\n\n"
             except Exception:  # the status line is sent: say so in the stream and end it cleanly
                 log.exception("internal error while streaming")
@@ -159,8 +203,11 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             finally:
                 await events.aclose()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     def _observe_prefill(pre: PrefillResult, t_start: float) -> None:
         m.ttft.observe(time.perf_counter() - t_start)
@@ -181,8 +228,11 @@ def _usage(result: GenerateResult) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": cached},
         "prompt_cache_hit_tokens": cached,
         "prompt_cache_miss_tokens": result.prompt_tokens - cached,
-        "tierkv": {"cached_tokens_by_tier": pre.hit.by_tier, "restore_ms": round(pre.restore_s * 1e3, 3),
-                   "prefill_ms": round((pre.restore_s + pre.forward_s) * 1e3, 3)},
+        "tierkv": {
+            "cached_tokens_by_tier": pre.hit.by_tier,
+            "restore_ms": round(pre.restore_s * 1e3, 3),
+            "prefill_ms": round((pre.restore_s + pre.forward_s) * 1e3, 3),
+        },
     }
 
 

@@ -17,7 +17,9 @@ from tierkv.units import parse_duration, parse_size
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    model: str | None = None  # smollm2, tiny or a local Hugging Face directory; None: tiny (the embedded model)
+    model: str | None = (
+        None  # smollm2, tiny or a local Hugging Face directory; None: tiny (the embedded model)
+    )
     revision: str | None = None  # vouch for the weights instead of fingerprinting them
     host: str = "127.0.0.1"  # loopback unless asked: the admin API and the cache are not for the internet
     port: int = 8000
@@ -34,7 +36,9 @@ class ServeConfig:
     remote: str | None = None  # redis://host:port or redis+cluster://host:port: a tier shared by workers
     remote_admit_after: int = 1  # share a block once this many requests contained it
     admin_token: str | None = None  # admin API disabled without one
-    admin_token_file: str | None = None  # read into admin_token at load (not on the command line: ps shows it)
+    admin_token_file: str | None = (
+        None  # read into admin_token at load (not on the command line: ps shows it)
+    )
     max_queue: int = 16  # requests waiting or running; past it: 503 with Retry-After
     max_context: int = 0  # tokens; 0 -> the model's max_position_embeddings
     debug_prompts: bool = False  # keep recent prompts' tokens to show where misses diverged (text!)
@@ -42,8 +46,9 @@ class ServeConfig:
     body_timeout: float = 30.0  # seconds to receive a whole request body; past it: 408
 
     @classmethod
-    def load(cls, cli: dict[str, Any], config_file: str | None = None,
-             env: dict[str, str] | None = None) -> ServeConfig:
+    def load(
+        cls, cli: dict[str, Any], config_file: str | None = None, env: dict[str, str] | None = None
+    ) -> ServeConfig:
         env = dict(os.environ) if env is None else env
         layers: list[dict[str, Any]] = []  # file < environment < command line
         if config_file:
@@ -52,7 +57,9 @@ class ServeConfig:
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigError(f"--config {config_file}: {exc}") from None
         names = [f.name for f in dataclasses.fields(cls)] + list(_ALIASES)
-        layers.append({name: env["TIERKV_" + name.upper()] for name in names if "TIERKV_" + name.upper() in env})
+        layers.append(
+            {name: env["TIERKV_" + name.upper()] for name in names if "TIERKV_" + name.upper() in env}
+        )
         layers.append({k: v for k, v in cli.items() if v is not None})
         values: dict[str, Any] = {}
         for layer in layers:
@@ -76,7 +83,9 @@ class ServeConfig:
 
     def store_config(self) -> StoreConfig:
         """The store this server runs on (its GPU tier is added once the model is loaded)."""
-        disk = DiskConfig(Path(self.resolved_cache_dir()), self.disk_budget, sweep_interval_s=self.sweep_interval_s)
+        disk = DiskConfig(
+            Path(self.resolved_cache_dir()), self.disk_budget, sweep_interval_s=self.sweep_interval_s
+        )
         remote = RemoteConfig(self.remote, self.remote_admit_after) if self.remote else None
         return StoreConfig(host_bytes=self.host_cache, disk=disk, remote=remote, ttl_s=self.ttl)
 
@@ -90,7 +99,9 @@ def read_token_file(path: str) -> str:
     try:
         token = Path(path).read_text().rstrip("\r\n")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"admin token file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+        raise ConfigError(
+            f"admin token file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})"
+        ) from None
     if not token.strip():
         raise ConfigError(f"admin token file {path}: it is empty")
     if "\n" in token:

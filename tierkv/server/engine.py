@@ -61,8 +61,10 @@ class Engine:
         if prompt_tokens + max_tokens > self.max_context:
             raise ClientError(
                 f"this model's maximum context length is {self.max_context} tokens; the request asks for "
-                f"{prompt_tokens} prompt tokens and {max_tokens} completion tokens", param,
-                "context_length_exceeded")
+                f"{prompt_tokens} prompt tokens and {max_tokens} completion tokens",
+                param,
+                "context_length_exceeded",
+            )
 
     async def stream(self, make: Callable[[], Iterator[StreamEvent]]) -> AsyncGenerator[StreamEvent, None]:
         """Run ``make()`` (tokenize, then ``cm.stream``) on the model thread; yield its events here.

@@ -30,7 +30,9 @@ class BodyGuard:
             await _reply(send, 400, "bad Content-Length header")
             return
         if declared > self.max_nbytes:
-            await _reply(send, 413, f"request body of {declared} bytes is over the limit of {self.max_nbytes}")
+            await _reply(
+                send, 413, f"request body of {declared} bytes is over the limit of {self.max_nbytes}"
+            )
             return
         chunks: list[bytes] = []
         total = 0
@@ -74,9 +76,17 @@ class BodyGuard:
 async def _reply(send: Send, status: int, message: str) -> None:
     kind = "invalid_request_error"
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

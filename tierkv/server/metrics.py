@@ -18,7 +18,10 @@ _STORE_COUNTERS = {  # store counter -> (metric, help)
     "bytes_written": ("tierkv_tier_written_bytes", "Bytes written to the tier"),
     "evictions": ("tierkv_tier_evictions", "Blocks evicted to hold the tier's budget"),
     "expirations": ("tierkv_tier_expirations", "Blocks found or swept expired"),
-    "corrupt_blocks": ("tierkv_tier_corrupt_blocks", "Blocks that failed verification (purged, never served)"),
+    "corrupt_blocks": (
+        "tierkv_tier_corrupt_blocks",
+        "Blocks that failed verification (purged, never served)",
+    ),
     "dropped_saves": ("tierkv_tier_dropped_saves", "Saves dropped (queue full or tier degraded)"),
     "write_errors": ("tierkv_tier_write_errors", "Write batches that failed (e.g. a full disk)"),
 }
@@ -43,8 +46,9 @@ class StoreCollector:
             for tier in tiers:
                 fam.add_metric([tier], stats.get(tier, {}).get(key, 0))
             yield fam
-        staged = CounterMetricFamily("tierkv_staging_blocks", "Blocks through the GPU staging ring, by outcome",
-                                     labels=["outcome"])
+        staged = CounterMetricFamily(
+            "tierkv_staging_blocks", "Blocks through the GPU staging ring, by outcome", labels=["outcome"]
+        )
         for outcome, key in (("copied", "blocks_written"), ("dropped", "dropped_saves")):
             staged.add_metric([outcome], stats.get("staging", {}).get(key, 0))
         yield staged
@@ -65,13 +69,21 @@ def gpu_metrics() -> Iterator[Any]:
     if not samples:
         return
     families = {
-        "memory_used_nbytes": GaugeMetricFamily("tierkv_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"]),
-        "memory_total_nbytes": GaugeMetricFamily("tierkv_gpu_memory_total_bytes", "GPU memory", labels=["gpu"]),
-        "utilization_gpu_pct": GaugeMetricFamily("tierkv_gpu_utilization_percent", "GPU busy share", labels=["gpu"]),
-        "pcie_tx_Bps": GaugeMetricFamily("tierkv_gpu_pcie_tx_bytes_per_second", "PCIe device to host",
-                                         labels=["gpu"]),
-        "pcie_rx_Bps": GaugeMetricFamily("tierkv_gpu_pcie_rx_bytes_per_second", "PCIe host to device",
-                                         labels=["gpu"]),
+        "memory_used_nbytes": GaugeMetricFamily(
+            "tierkv_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"]
+        ),
+        "memory_total_nbytes": GaugeMetricFamily(
+            "tierkv_gpu_memory_total_bytes", "GPU memory", labels=["gpu"]
+        ),
+        "utilization_gpu_pct": GaugeMetricFamily(
+            "tierkv_gpu_utilization_percent", "GPU busy share", labels=["gpu"]
+        ),
+        "pcie_tx_Bps": GaugeMetricFamily(
+            "tierkv_gpu_pcie_tx_bytes_per_second", "PCIe device to host", labels=["gpu"]
+        ),
+        "pcie_rx_Bps": GaugeMetricFamily(
+            "tierkv_gpu_pcie_rx_bytes_per_second", "PCIe host to device", labels=["gpu"]
+        ),
     }
     for sample in samples:
         for field, fam in families.items():
@@ -82,15 +94,33 @@ def gpu_metrics() -> Iterator[Any]:
 class Metrics:
     def __init__(self, server: Any) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("tierkv_requests", "HTTP requests by route template (unmatched: no route) and status",
-                                ["endpoint", "status"], registry=self.registry)
-        self.prompt_tokens = Counter("tierkv_prompt_tokens", "Prompt tokens by where their KV came from",
-                                     ["source"], registry=self.registry)  # host, disk, computed
-        self.completion_tokens = Counter("tierkv_completion_tokens", "Generated tokens", registry=self.registry)
-        self.ttft = Histogram("tierkv_ttft_seconds", "Time to first token, queueing included",
-                              buckets=_LATENCY_BUCKETS_S, registry=self.registry)
-        self.restore = Histogram("tierkv_restore_seconds", "Time to restore a cached prefix",
-                                 buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.requests = Counter(
+            "tierkv_requests",
+            "HTTP requests by route template (unmatched: no route) and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "tierkv_prompt_tokens",
+            "Prompt tokens by where their KV came from",
+            ["source"],
+            registry=self.registry,
+        )  # host, disk, computed
+        self.completion_tokens = Counter(
+            "tierkv_completion_tokens", "Generated tokens", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "tierkv_ttft_seconds",
+            "Time to first token, queueing included",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.restore = Histogram(
+            "tierkv_restore_seconds",
+            "Time to restore a cached prefix",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
         self.registry.register(StoreCollector(server))
 
 

@@ -20,8 +20,14 @@ class JSON(Response):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None, headers: dict[str, str] | None = None) -> JSON:
+def error(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSON:
     """An OpenAI-style error body (``{"error": {...}}``) with ``status``."""
     return JSON(error_body(message, type_, param, code), status_code=status, headers=headers)
 

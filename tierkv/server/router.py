@@ -43,8 +43,9 @@ class Ring:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        points = sorted((_h(f"{w}#{v}".encode()), w) for w in self.workers if w in self.healthy
-                        for v in range(VNODES))
+        points = sorted(
+            (_h(f"{w}#{v}".encode()), w) for w in self.workers if w in self.healthy for v in range(VNODES)
+        )
         self._hashes = [p for p, _ in points]
         self._owners = [w for _, w in points]
 
@@ -71,15 +72,23 @@ def routing_key(body: dict[str, Any], prefix_chars: int) -> bytes:
     """
     if isinstance(body.get("messages"), list):
         msgs = [m for m in body["messages"] if isinstance(m, dict)]
-        text = "".join(f"<|{m.get('role')}|>\n{m.get('content')}\n" for m in (msgs[:-1] if len(msgs) > 1 else msgs))
+        text = "".join(
+            f"<|{m.get('role')}|>\n{m.get('content')}\n" for m in (msgs[:-1] if len(msgs) > 1 else msgs)
+        )
     else:
         text = json.dumps(body.get("prompt"))
     return (str(body.get("cache_salt") or "") + "\0" + text[:prefix_chars]).encode("utf-8", "surrogatepass")
 
 
 class Router:
-    def __init__(self, workers: list[str], *, prefix_chars: int = 1024, max_inflight: int = 4,
-                 health_interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        workers: list[str],
+        *,
+        prefix_chars: int = 1024,
+        max_inflight: int = 4,
+        health_interval_s: float = 2.0,
+    ) -> None:
         if not workers:
             raise ValueError("give at least one worker URL")
         self.ring = Ring([w.rstrip("/") for w in workers])
@@ -109,7 +118,9 @@ class Router:
                 except Exception:  # refused, timed out: unhealthy
                     ok = False
                 if self.ring.set_health(w, ok):
-                    log.warning("worker %s is %s", w, "back" if ok else "down: its prefixes move to the others")
+                    log.warning(
+                        "worker %s is %s", w, "back" if ok else "down: its prefixes move to the others"
+                    )
             await asyncio.sleep(self.health_interval_s)
 
 
@@ -126,15 +137,25 @@ def create_router_app(router: Router) -> Any:
     app = FastAPI(title="tierkv router", lifespan=lifespan)
 
     def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "router_error", "param": None, "code": None}},
-                            status_code=status)
+        return JSONResponse(
+            {"error": {"message": message, "type": "router_error", "param": None, "code": None}},
+            status_code=status,
+        )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok" if router.ring.healthy else "no healthy worker",
-                "workers": {w: {"healthy": w in router.ring.healthy, "inflight": router.inflight[w],
-                                "routed": router.routed[w]} for w in router.ring.workers},
-                "spilled": router.spilled}
+        return {
+            "status": "ok" if router.ring.healthy else "no healthy worker",
+            "workers": {
+                w: {
+                    "healthy": w in router.ring.healthy,
+                    "inflight": router.inflight[w],
+                    "routed": router.routed[w],
+                }
+                for w in router.ring.workers
+            },
+            "spilled": router.spilled,
+        }
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -159,8 +180,10 @@ def create_router_app(router: Router) -> Any:
             router.inflight[worker] += 1
             router.routed[worker] += 1
             try:
-                upstream = await client.send(client.build_request("POST", f"{worker}/v1/{path}", content=raw,
-                                                                  headers=headers), stream=True)
+                upstream = await client.send(
+                    client.build_request("POST", f"{worker}/v1/{path}", content=raw, headers=headers),
+                    stream=True,
+                )
                 break
             except httpx.ConnectError:  # nothing was sent: safe to try the next worker on the ring
                 router.inflight[worker] -= 1
@@ -172,8 +195,11 @@ def create_router_app(router: Router) -> Any:
                 return error(502, f"worker {worker} failed: {exc}")
         else:
             return error(503, "no healthy worker")
-        out_headers = {k: v for k, v in upstream.headers.items()
-                       if k.lower() in ("content-type", "retry-after", "cache-control")}
+        out_headers = {
+            k: v
+            for k, v in upstream.headers.items()
+            if k.lower() in ("content-type", "retry-after", "cache-control")
+        }
         out_headers["x-tierkv-worker"] = worker
 
         async def relay() -> AsyncIterator[bytes]:
@@ -194,8 +220,14 @@ def route(workers: list[str], host: str, port: int, prefix_chars: int, max_infli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = Router(workers, prefix_chars=prefix_chars, max_inflight=max_inflight)
-    log.info("tierkv route: %d workers, prefix %d chars, spill past %d in flight, http://%s:%d",
-             len(workers), prefix_chars, max_inflight, host, port)
+    log.info(
+        "tierkv route: %d workers, prefix %d chars, spill past %d in flight, http://%s:%d",
+        len(workers),
+        prefix_chars,
+        max_inflight,
+        host,
+        port,
+    )
     uvicorn.run(create_router_app(router), host=host, port=port, log_level="warning")
 
 

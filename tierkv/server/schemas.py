@@ -71,7 +71,9 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts_are_strings(cls, v: Any) -> Any:
-        if isinstance(v, list) and any(p.get("type") == "text" and not isinstance(p.get("text", ""), str) for p in v):
+        if isinstance(v, list) and any(
+            p.get("type") == "text" and not isinstance(p.get("text", ""), str) for p in v
+        ):
             raise ValueError("a text part's text must be a string")
         return v
 
@@ -94,10 +96,19 @@ class ChatCompletionRequest(_Common):
         return super().unsupported()
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-__all__ = ["MAX_STOP", "SEED_MAX", "SEED_MIN", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "StreamOptions", "error_body"]
+__all__ = [
+    "MAX_STOP",
+    "SEED_MAX",
+    "SEED_MIN",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "error_body",
+]

@@ -21,15 +21,28 @@ def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = load_server(config)
     ns = server.cm.base_namespace
-    if server.store is not None:  # allocate (and pre-fault) the memory tiers now, not during the first request
+    if (
+        server.store is not None
+    ):  # allocate (and pre-fault) the memory tiers now, not during the first request
         server.store.reserve(ns)
     tiers = ["none (--no-cache)"] if server.store is None else server.store.describe()
-    log.info("tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
-             ns.model_id, server.cm.device, ns.dtype, ns.digest.hex()[:16], ns.block_tokens, ", ".join(tiers),
-             config.host, config.port)
+    log.info(
+        "tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
+        ns.model_id,
+        server.cm.device,
+        ns.dtype,
+        ns.digest.hex()[:16],
+        ns.block_tokens,
+        ", ".join(tiers),
+        config.host,
+        config.port,
+    )
     app = BodyGuard(create_app(server), max_nbytes=config.max_body, timeout_s=config.body_timeout)
-    _GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                   timeout_graceful_shutdown=60)).run()
+    _GracefulServer(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=60
+        )
+    ).run()
 
 
 class _GracefulServer:
@@ -51,7 +64,9 @@ class _GracefulServer:
                 if threading.current_thread() is not threading.main_thread():
                     yield
                     return
-                previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                previous = {
+                    sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+                }
                 try:
                     yield
                 finally:

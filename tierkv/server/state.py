@@ -20,8 +20,12 @@ class Server:
         self.cm = cm
         self.store = store
         max_context = config.max_context or int(getattr(cm.model.config, "max_position_embeddings", 4096))
-        self.engine = Engine(cm, max_queue=config.max_queue, max_context=max_context,
-                             use_cache=not config.no_cache and store is not None)
+        self.engine = Engine(
+            cm,
+            max_queue=config.max_queue,
+            max_context=max_context,
+            use_cache=not config.no_cache and store is not None,
+        )
         self.metrics = Metrics(self)
         self.model_name = cm.base_namespace.model_id
         # Token ids the model's embedding can look up: any other id is an IndexError on CPU and a
@@ -48,8 +52,14 @@ def load_server(config: ServeConfig) -> Server:
         dtype = getattr(torch, config.dtype)
     store = None if config.no_cache else open_store(config)
     if config.model:
-        cm = CachedModel.from_pretrained(config.model, store, dtype=dtype, device=device,
-                                         block_tokens=config.block_tokens, revision=config.revision)
+        cm = CachedModel.from_pretrained(
+            config.model,
+            store,
+            dtype=dtype,
+            device=device,
+            block_tokens=config.block_tokens,
+            revision=config.revision,
+        )
     else:
         cm = CachedModel.default(store, dtype=dtype, device=device, block_tokens=config.block_tokens)
     if store is not None:  # sized after the model is loaded, so a fraction sees its weights as used

@@ -51,10 +51,17 @@ class BlockWrite:
         return codec.HEADER_NBYTES + len(self.token_bytes) + self.payload.numel()
 
     def encode(self) -> list[bytes | memoryview]:
-        return codec.encode_parts(ns_digest=self.ns.digest, parent_key=self.parent, key=self.key,
-                                  token_bytes=self.token_bytes, dtype=self.ns.dtype,
-                                  shape=_block_shape(self.ns), payload=self.payload.numpy().data,
-                                  created_s=self.created_s, codec=self.codec)
+        return codec.encode_parts(
+            ns_digest=self.ns.digest,
+            parent_key=self.parent,
+            key=self.key,
+            token_bytes=self.token_bytes,
+            dtype=self.ns.dtype,
+            shape=_block_shape(self.ns),
+            payload=self.payload.numpy().data,
+            created_s=self.created_s,
+            codec=self.codec,
+        )
 
     def done(self) -> None:
         if self.release is not None:

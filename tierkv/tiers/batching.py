@@ -23,9 +23,18 @@ T = TypeVar("T")
 
 
 class BatchQueue(Generic[T]):
-    def __init__(self, name: str, handle: Callable[[list[T]], None], *, item_nbytes: Callable[[T], int],
-                 batch_nbytes: int, batch_items: int = 1 << 30, idle_s: float | None = None,
-                 on_idle: Callable[[], None] | None = None, on_start: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        handle: Callable[[list[T]], None],
+        *,
+        item_nbytes: Callable[[T], int],
+        batch_nbytes: int,
+        batch_items: int = 1 << 30,
+        idle_s: float | None = None,
+        on_idle: Callable[[], None] | None = None,
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
         """``handle(batch)`` runs on the thread for up to ``batch_items`` items or ``batch_nbytes`` bytes
         (whichever comes first, at least one item); ``on_idle`` runs after ``idle_s`` without items;
         ``on_start`` first, on the thread (its scheduling priority, say)."""

@@ -28,8 +28,14 @@ AUTO_FRACTION = 0.1
 class GpuTier(BlockPool):
     direct = True  # a device copy on the compute stream, never through the staging ring
 
-    def __init__(self, capacity_nbytes: int, *, device: torch.device | str = "cuda",
-                 counters: Counters | None = None, **pool_options: Any) -> None:
+    def __init__(
+        self,
+        capacity_nbytes: int,
+        *,
+        device: torch.device | str = "cuda",
+        counters: Counters | None = None,
+        **pool_options: Any,
+    ) -> None:
         super().__init__(capacity_nbytes, name="gpu", device=device, counters=counters, **pool_options)
 
 
@@ -62,5 +68,11 @@ def gpu_budget_nbytes(spec: str | int | float, device: torch.device | str) -> in
         free, _ = torch.cuda.mem_get_info(index)
         source = "torch"
     nbytes = int(free * fraction)
-    log.info("GPU tier budget: %.2f of %.1f GiB free (%s) = %.1f GiB", fraction, free / 2**30, source, nbytes / 2**30)
+    log.info(
+        "GPU tier budget: %.2f of %.1f GiB free (%s) = %.1f GiB",
+        fraction,
+        free / 2**30,
+        source,
+        nbytes / 2**30,
+    )
     return nbytes

@@ -14,9 +14,23 @@ __all__ = ["HostTier"]
 
 
 class HostTier(BlockPool):
-    def __init__(self, capacity_nbytes: int, *, pin: bool | None = None, counters: Counters | None = None,
-                 ttl_s: float | None = None, max_age_s: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
-        super().__init__(capacity_nbytes, name="host", device="cpu",
-                         pin=torch.cuda.is_available() if pin is None else pin, counters=counters, ttl_s=ttl_s,
-                         max_age_s=max_age_s, clock=clock)
+    def __init__(
+        self,
+        capacity_nbytes: int,
+        *,
+        pin: bool | None = None,
+        counters: Counters | None = None,
+        ttl_s: float | None = None,
+        max_age_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(
+            capacity_nbytes,
+            name="host",
+            device="cpu",
+            pin=torch.cuda.is_available() if pin is None else pin,
+            counters=counters,
+            ttl_s=ttl_s,
+            max_age_s=max_age_s,
+            clock=clock,
+        )

@@ -36,9 +36,18 @@ class BlockPool(Tier):
     memory = True
     direct = False  # saves copy blocks in on the compute stream (only from its device), not written behind
 
-    def __init__(self, capacity_nbytes: int, *, name: str, device: torch.device | str = "cpu", pin: bool = False,
-                 counters: Counters | None = None, ttl_s: float | None = None, max_age_s: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        capacity_nbytes: int,
+        *,
+        name: str,
+        device: torch.device | str = "cpu",
+        pin: bool = False,
+        counters: Counters | None = None,
+        ttl_s: float | None = None,
+        max_age_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         """``ttl_s`` (sliding) and ``max_age_s`` (from the block's creation): the store's retention, applied
         here too: a block past either is a miss in memory as on disk (a promise, not a disk setting)."""
         self.name = name  # the tier's name in counters and logs
@@ -48,7 +57,9 @@ class BlockPool(Tier):
         self._atime: dict[BlockKey, float] = {}  # last put or read, for the TTL
         self._ctime: dict[BlockKey, float] = {}  # the block's creation (first save), for the max age
         self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": compared to tensors'
+        if (
+            self.device.type == "cuda" and self.device.index is None
+        ):  # "cuda" -> "cuda:N": compared to tensors'
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.capacity_nbytes = capacity_nbytes
         self.pin = pin and self.device.type == "cpu"
@@ -66,15 +77,23 @@ class BlockPool(Tier):
         self.slot_nbytes = slot_nbytes
         self.num_slots = self.capacity_nbytes // slot_nbytes
         t0 = time.perf_counter()
-        self._pool = torch.empty((self.num_slots, slot_nbytes), dtype=torch.uint8, device=self.device,
-                                 pin_memory=self.pin)
+        self._pool = torch.empty(
+            (self.num_slots, slot_nbytes), dtype=torch.uint8, device=self.device, pin_memory=self.pin
+        )
         # Touch every page now, once, instead of a page fault per 4 KiB on the save path later.
         self._pool.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        log.info("%s tier: %d slots of %d bytes (%.1f MiB on %s%s) in %.2f s", self.name, self.num_slots, slot_nbytes,
-                 self.num_slots * slot_nbytes / 2**20, self.device, ", pinned" if self.pin else "",
-                 time.perf_counter() - t0)
+        log.info(
+            "%s tier: %d slots of %d bytes (%.1f MiB on %s%s) in %.2f s",
+            self.name,
+            self.num_slots,
+            slot_nbytes,
+            self.num_slots * slot_nbytes / 2**20,
+            self.device,
+            ", pinned" if self.pin else "",
+            time.perf_counter() - t0,
+        )
         self._refs = [0] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
 
@@ -123,8 +142,9 @@ class BlockPool(Tier):
         with self._lock:
             return [self._slot(k, now) is not None for k in keys]
 
-    def put(self, key: BlockKey, block: torch.Tensor, *, hold: bool = False,
-            created_s: float | None = None) -> torch.Tensor | None:
+    def put(
+        self, key: BlockKey, block: torch.Tensor, *, hold: bool = False, created_s: float | None = None
+    ) -> torch.Tensor | None:
         """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot.
 
         None when the tier is off, the block is of another size than the slots, or every slot is in use.
@@ -155,8 +175,9 @@ class BlockPool(Tier):
                 # see a half-written slot. On a GPU the copy is queued on the caller's stream, which is the
                 # stream that later reads the slot (stream order keeps it consistent); a host slot is
                 # complete when put returns (the disk writer reads it from another thread).
-                self._pool[slot].view(block.dtype).view(block.shape).copy_(block,
-                                                                           non_blocking=self.device.type == "cuda")
+                self._pool[slot].view(block.dtype).view(block.shape).copy_(
+                    block, non_blocking=self.device.type == "cuda"
+                )
                 self._lru[key] = slot
                 self.counters.add(self.name, "blocks_written")
                 self.counters.add(self.name, "bytes_written", nbytes)
@@ -278,7 +299,6 @@ class BlockPool(Tier):
                     self._forget(key)
                     self._free.append(slot)
 
-
     # ---------------------------------------------------------------- the Tier calls
 
     def probe(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
@@ -294,7 +314,9 @@ class BlockPool(Tier):
             _upload_run(dest, views[:n], first, spec)
         else:
             for j in range(n):
-                target.block(first + j).copy_(views[j].view(spec.dtype).view(spec.block_shape), non_blocking=True)
+                target.block(first + j).copy_(
+                    views[j].view(spec.dtype).view(spec.block_shape), non_blocking=True
+                )
         with self._lock:
             now = self.clock()
             target.created_s.update((first + j, self._ctime.get(keys[j], now)) for j in range(n))

@@ -57,8 +57,12 @@ SENT_KEYS = 65536  # blocks remembered as sent, so saves of a cached prefix do n
 class CircuitBreaker:
     """closed -> (N failures) -> open -> (cooldown) -> half-open: one probe -> closed or open again."""
 
-    def __init__(self, failures: int = BREAKER_FAILURES, cooldown_s: float = BREAKER_COOLDOWN_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        failures: int = BREAKER_FAILURES,
+        cooldown_s: float = BREAKER_COOLDOWN_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.failures = failures
         self.cooldown_s = cooldown_s
         self.clock = clock
@@ -92,8 +96,11 @@ class CircuitBreaker:
             elif self._count >= self.failures:
                 self._opened_at = self.clock()
                 self.trips += 1
-                log.warning("remote tier failing (%s): breaker open, local tiers only for %.0f s", exc,
-                            self.cooldown_s)
+                log.warning(
+                    "remote tier failing (%s): breaker open, local tiers only for %.0f s",
+                    exc,
+                    self.cooldown_s,
+                )
 
 
 def connect(url: str, timeout_s: float) -> Any:
@@ -103,16 +110,26 @@ def connect(url: str, timeout_s: float) -> Any:
     if url.startswith("redis+cluster://"):
         from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url("redis://" + url[len("redis+cluster://"):], socket_timeout=timeout_s,
-                                     socket_connect_timeout=timeout_s)
+        return RedisCluster.from_url(
+            "redis://" + url[len("redis+cluster://") :],
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+        )
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
 class RemoteTier(Tier):
     name = "remote"
 
-    def __init__(self, url: str, *, ttl_s: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 counters: Counters | None = None, breaker: CircuitBreaker | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: float | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        counters: Counters | None = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
         self.url = url
         self.ttl_s = ttl_s
         self.counters = counters or Counters()
@@ -120,8 +137,9 @@ class RemoteTier(Tier):
         self.client = connect(url, timeout_s)
         # Blocks this process queued lately: a save does not send them again (bounded, oldest forgotten).
         self._sent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._batches: BatchQueue[Any] = BatchQueue("tierkv-remote-writer", self._write, item_nbytes=lambda _: 1,
-                                                    batch_nbytes=WRITE_BATCH)
+        self._batches: BatchQueue[Any] = BatchQueue(
+            "tierkv-remote-writer", self._write, item_nbytes=lambda _: 1, batch_nbytes=WRITE_BATCH
+        )
         self._closed = False
 
     @staticmethod
@@ -160,8 +178,13 @@ class RemoteTier(Tier):
         self.counters.add("remote", "bytes_read", sum(len(v) for v in out))
         return out
 
-    def put(self, ns_digest: bytes, key: BlockKey, make: Callable[[], list[bytes | memoryview]],
-            release: Callable[[], None] | None = None) -> bool:
+    def put(
+        self,
+        ns_digest: bytes,
+        key: BlockKey,
+        make: Callable[[], list[bytes | memoryview]],
+        release: Callable[[], None] | None = None,
+    ) -> bool:
         """Queue a record for the writer thread; False (counted) when the queue is full or the breaker open."""
         if self._closed or not self.breaker.allow():
             self.counters.add("remote", "dropped_saves")
@@ -205,7 +228,9 @@ class RemoteTier(Tier):
                     self.counters.add("remote", "corrupt_blocks")
                     self.delete(chain.ns.digest, chain.keys[i])
                     return i - i0
-                buf[:, :, (i - base) * B : (i - base + 1) * B].copy_(as_tensor(payload, spec.dtype, spec.block_shape))
+                buf[:, :, (i - base) * B : (i - base + 1) * B].copy_(
+                    as_tensor(payload, spec.dtype, spec.block_shape)
+                )
             return n
 
         return target.fill(first, len(records), fill)

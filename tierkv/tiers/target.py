@@ -72,10 +72,17 @@ class _Stager:
         self.pin = pin
         self.blocks = max(1, RESTORE_CHUNK_NBYTES // spec.block_nbytes)
         t0 = time.perf_counter()
-        self.buffers = [torch.empty(spec.shape(self.blocks * spec.block_tokens), dtype=spec.dtype, pin_memory=pin)
-                        for _ in range(2)]
-        log.info("restore staging: 2 x %d blocks (%.1f MiB%s) in %.2f s", self.blocks,
-                 2 * self.blocks * spec.block_nbytes / 2**20, ", pinned" if pin else "", time.perf_counter() - t0)
+        self.buffers = [
+            torch.empty(spec.shape(self.blocks * spec.block_tokens), dtype=spec.dtype, pin_memory=pin)
+            for _ in range(2)
+        ]
+        log.info(
+            "restore staging: 2 x %d blocks (%.1f MiB%s) in %.2f s",
+            self.blocks,
+            2 * self.blocks * spec.block_nbytes / 2**20,
+            ", pinned" if pin else "",
+            time.perf_counter() - t0,
+        )
         self._events: list[Any] = [None, None]
         self._next = 0
 
@@ -93,7 +100,9 @@ class _Stager:
         buf = self.buffers[k]
         for layer in range(self.spec.num_layers):  # per (layer, k/v): the run is contiguous there
             for kv in (0, 1):
-                dest[layer, kv, first * B : (first + count) * B].copy_(buf[layer, kv, : count * B], non_blocking=True)
+                dest[layer, kv, first * B : (first + count) * B].copy_(
+                    buf[layer, kv, : count * B], non_blocking=True
+                )
         if dest.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(dest.device))
@@ -136,8 +145,13 @@ class Stagers:
 class Target:
     """One restore's destination, as tiers see it (made by ``Stagers.target``)."""
 
-    def __init__(self, dest: torch.Tensor, spec: KVSpec, held: contextlib.ExitStack,
-                 acquire: Callable[[KVSpec, bool], _Stager]) -> None:
+    def __init__(
+        self,
+        dest: torch.Tensor,
+        spec: KVSpec,
+        held: contextlib.ExitStack,
+        acquire: Callable[[KVSpec, bool], _Stager],
+    ) -> None:
         self.dest = dest
         self.spec = spec
         self.created_s: dict[int, float] = {}  # block index -> creation time, where the source knows it

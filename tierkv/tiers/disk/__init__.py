@@ -77,8 +77,9 @@ class DiskTier(Tier):
         self.clock = clock
         self.counters = counters or Counters()
         self.read_only = not writer
-        self.index = Index(self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy,
-                           counters=self.counters)
+        self.index = Index(
+            self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy, counters=self.counters
+        )
         self.segments = SegmentDir(self.path / "segments", read_threads=read_threads, counters=self.counters)
         self.sweeps = Sweeps(self.index, self.segments, self.counters)
         self.times = AccessTimes(self.index)
@@ -88,12 +89,21 @@ class DiskTier(Tier):
         if writer:
             self.index.clear_stale_readers()
             self.sweeps.seal_dead_writers()
-            self.writer = Writer(self.index, self.segments, self.times, clock=clock, sync=sync,
-                                 counters=self.counters, queue_nbytes=queue_nbytes, batch_nbytes=batch_nbytes,
-                                 segment_nbytes=segment_nbytes)
+            self.writer = Writer(
+                self.index,
+                self.segments,
+                self.times,
+                clock=clock,
+                sync=sync,
+                counters=self.counters,
+                queue_nbytes=queue_nbytes,
+                batch_nbytes=batch_nbytes,
+                segment_nbytes=segment_nbytes,
+            )
             if sweep_interval_s > 0:
-                self._sweeper = Sweeper(lambda: self.expire() + self.enforce_budget(), self.sweeps,
-                                        sweep_interval_s)
+                self._sweeper = Sweeper(
+                    lambda: self.expire() + self.enforce_budget(), self.sweeps, sweep_interval_s
+                )
 
     @property
     def policy(self) -> Policy:
@@ -138,8 +148,9 @@ class DiskTier(Tier):
         with self.segments.read_lock:
             yield self.segments.read([e.location for e in entries]) if entries else []
 
-    def read_scatter(self, requests: Sequence[tuple[Entry, list[memoryview]]],
-                     verify: Callable[[int], bool] | None = None) -> list[bool]:
+    def read_scatter(
+        self, requests: Sequence[tuple[Entry, list[memoryview]]], verify: Callable[[int], bool] | None = None
+    ) -> list[bool]:
         """Scatter each record into its destination views; ``verify(i)`` runs on the reading thread."""
         return self.segments.readv([(*e.location, views) for e, views in requests], verify)
 
@@ -185,8 +196,15 @@ class DiskTier(Tier):
         return [not h for h in self.holds([chain.keys[i] for i in idx])]
 
     def write(self, block: BlockWrite) -> bool:
-        return self.put(block.ns.digest, block.key, block.encode, block.nbytes, block.created_s,
-                        release=block.release, ns_spec=block.ns.spec_bytes)
+        return self.put(
+            block.ns.digest,
+            block.key,
+            block.encode,
+            block.nbytes,
+            block.created_s,
+            release=block.release,
+            ns_spec=block.ns.spec_bytes,
+        )
 
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
         """A hit in memory refreshes the disk copy's TTL; a block whose disk copy is gone (expired,
@@ -221,15 +239,24 @@ class DiskTier(Tier):
             live = self.index.total_nbytes(txn)
         allocated, apparent = self.segments.disk_nbytes()
         index_nbytes = sum(p.stat().st_size for p in (self.path / "index").glob("*.mdb"))
-        return {"live_nbytes": live, "segment_allocated_nbytes": allocated, "segment_apparent_nbytes": apparent,
-                "index_file_nbytes": index_nbytes, "budget_nbytes": self.policy.budget_nbytes or 0}
+        return {
+            "live_nbytes": live,
+            "segment_allocated_nbytes": allocated,
+            "segment_apparent_nbytes": apparent,
+            "index_file_nbytes": index_nbytes,
+            "budget_nbytes": self.policy.budget_nbytes or 0,
+        }
 
     def describe(self) -> str:
         """How this tier is set up, in one phrase (the server's start-up line)."""
         p = self.policy
         budget = f"{p.budget_nbytes / 2**30:.1f} GiB" if p.budget_nbytes else "no budget"
         ttl = f"ttl {p.ttl_s:.0f}s" if p.ttl_s else "no ttl"
-        sweep = f"swept every {self._sweeper.interval_s:g}s" if self._sweeper is not None else "no background sweep"
+        sweep = (
+            f"swept every {self._sweeper.interval_s:g}s"
+            if self._sweeper is not None
+            else "no background sweep"
+        )
         return f"disk {budget} at {self.path} ({ttl}, {sweep})"
 
     # ---------------------------------------------------------------- writes
@@ -240,9 +267,16 @@ class DiskTier(Tier):
         if nbytes:
             self.counters.add("disk", "bytes_read", nbytes)
 
-    def put(self, ns_digest: NamespaceDigest, key: BlockKey, record: bytes | Callable[[], Record],
-            nbytes: int, created_s: float, release: Callable[[], None] | None = None,
-            ns_spec: bytes | None = None) -> bool:
+    def put(
+        self,
+        ns_digest: NamespaceDigest,
+        key: BlockKey,
+        record: bytes | Callable[[], Record],
+        nbytes: int,
+        created_s: float,
+        release: Callable[[], None] | None = None,
+        ns_spec: bytes | None = None,
+    ) -> bool:
         """Queue one record (its bytes, or a function the writer thread calls to encode it).
 
         ``release`` runs on the writer thread once the record is written or skipped. Returns False (and
@@ -287,19 +321,28 @@ class DiskTier(Tier):
 
     # ---------------------------------------------------------------- maintenance (gc, stats)
 
-    def expire(self, *, ttl_s: float | None = None, max_age_s: float | None = None, dry_run: bool = False,
-               progress: Progress = None) -> SweepReport:
+    def expire(
+        self,
+        *,
+        ttl_s: float | None = None,
+        max_age_s: float | None = None,
+        dry_run: bool = False,
+        progress: Progress = None,
+    ) -> SweepReport:
         """Delete blocks idle longer than ``ttl_s`` or older than ``max_age_s`` (defaults: the policy)."""
         self.times.flush()
-        return self.sweeps.expire(self.clock(), ttl_s=ttl_s, max_age_s=max_age_s, dry_run=dry_run,
-                                  progress=progress)
+        return self.sweeps.expire(
+            self.clock(), ttl_s=ttl_s, max_age_s=max_age_s, dry_run=dry_run, progress=progress
+        )
 
-    def enforce_budget(self, budget_nbytes: int | None = None, *, dry_run: bool = False,
-                       progress: Progress = None) -> SweepReport:
+    def enforce_budget(
+        self, budget_nbytes: int | None = None, *, dry_run: bool = False, progress: Progress = None
+    ) -> SweepReport:
         return self.sweeps.enforce_budget(budget_nbytes, dry_run=dry_run, progress=progress)
 
-    def purge_namespace(self, digest: bytes | None, *, dry_run: bool = False,
-                        progress: Progress = None) -> SweepReport:
+    def purge_namespace(
+        self, digest: bytes | None, *, dry_run: bool = False, progress: Progress = None
+    ) -> SweepReport:
         return self.sweeps.purge_namespace(digest, dry_run=dry_run, progress=progress)
 
     def check(self, *, dry_run: bool = False, progress: Progress = None) -> SweepReport:

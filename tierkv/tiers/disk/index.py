@@ -51,8 +51,16 @@ Txn = Any  # lmdb.Transaction (py-lmdb ships no type information)
 
 
 class Index:
-    def __init__(self, path: Path, *, map_nbytes: int, writer: bool, sync: bool, policy: Policy | None,
-                 counters: Counters) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        map_nbytes: int,
+        writer: bool,
+        sync: bool,
+        policy: Policy | None,
+        counters: Counters,
+    ) -> None:
         self.path = path
         self.sync = sync
         self.counters = counters
@@ -82,8 +90,10 @@ class Index:
         except lmdb.Error as exc:
             hint = ""
             if "Resource temporarily unavailable" in str(exc):  # LMDB's reader table is keyed by pid
-                hint = ("; another process with the same pid holds it: processes sharing a cache directory "
-                        "must share a PID namespace (containers: --pid=host or one pod)")
+                hint = (
+                    "; another process with the same pid holds it: processes sharing a cache directory "
+                    "must share a PID namespace (containers: --pid=host or one pod)"
+                )
             raise StoreOpenError(f"cannot open the store at {self.path}: {exc}{hint}") from exc
         except BaseException:
             os.close(self._owner_fd)
@@ -91,8 +101,10 @@ class Index:
 
     def _repair(self, map_nbytes: int, writer: bool, exc: lmdb.Error) -> None:
         if not _try_exclusive(self._owner_fd):
-            raise StoreOpenError(f"the store at {self.path} cannot be opened ({exc}) and other processes have it "
-                                 "open: stop them, then start again") from exc
+            raise StoreOpenError(
+                f"the store at {self.path} cannot be opened ({exc}) and other processes have it "
+                "open: stop them, then start again"
+            ) from exc
         try:
             lock = self.path / "index" / "lock.mdb"
             if lock.exists():  # a lock file of another LMDB build, or damaged: recreate it and retry
@@ -104,12 +116,18 @@ class Index:
                 except CORRUPT as again:
                     exc = again
             if not writer:  # a reader (``tierkv stats``) never moves a store: the server owns that
-                raise StoreOpenError(f"the store at {self.path} is damaged ({exc}); the next server started "
-                                     f"on it moves it aside and starts empty") from exc
+                raise StoreOpenError(
+                    f"the store at {self.path} is damaged ({exc}); the next server started "
+                    f"on it moves it aside and starts empty"
+                ) from exc
             # Damaged meta pages, a truncated or foreign file: keep it for a post-mortem, start empty.
             aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-            log.error("cannot open the store at %s (%s): moved aside to %s, starting an empty store",
-                      self.path, exc, aside)
+            log.error(
+                "cannot open the store at %s (%s): moved aside to %s, starting an empty store",
+                self.path,
+                exc,
+                aside,
+            )
             self.path.rename(aside)
             make_private_dir(self.path)
             os.close(self._owner_fd)
@@ -120,10 +138,16 @@ class Index:
 
     def _open_env(self, map_nbytes: int, writer: bool) -> None:
         self.env = lmdb.open(
-            str(self.path / "index"), map_size=map_nbytes, max_dbs=8, subdir=True,
-            sync=self.sync, metasync=self.sync, mode=0o600,
+            str(self.path / "index"),
+            map_size=map_nbytes,
+            max_dbs=8,
+            subdir=True,
+            sync=self.sync,
+            metasync=self.sync,
+            mode=0o600,
             readahead=False,  # index pages are read at random: readahead only pollutes the page cache
-            max_readers=512, max_spare_txns=4,
+            max_readers=512,
+            max_spare_txns=4,
         )
         try:
             db = None if writer else self._open_tables_read_only()
@@ -145,13 +169,17 @@ class Index:
         with self.read() as txn:
             raw = txn.get(b"format_version", db=self.db["meta"])
         if raw is None and writer:
-            self.write(lambda txn: txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(),
-                                           db=self.db["meta"], overwrite=False))
+            self.write(
+                lambda txn: txn.put(
+                    b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"], overwrite=False
+                )
+            )
         elif raw is not None and _parse_version(raw) != STORE_FORMAT_VERSION:
             version = bytes(raw)[:16].decode(errors="replace")
             raise StoreFormatError(
                 f"{self.path} holds a tierkv store of format version {version}; this build reads version "
-                f"{STORE_FORMAT_VERSION}. Use another --cache-dir, or delete this one to start afresh.")
+                f"{STORE_FORMAT_VERSION}. Use another --cache-dir, or delete this one to start afresh."
+            )
 
     def _load_policy(self, given: Policy | None, persist: bool) -> Policy:
         """The stored policy, with the fields ``given`` sets (not None) replacing it; persisted by writers."""
@@ -160,11 +188,18 @@ class Index:
         stored = Policy(**json.loads(raw)) if raw else Policy()
         if given is None:
             return stored
-        merged = Policy(*(g if g is not None else s for g, s in
-                          zip(dataclasses.astuple(given), dataclasses.astuple(stored))))
+        merged = Policy(
+            *(
+                g if g is not None else s
+                for g, s in zip(dataclasses.astuple(given), dataclasses.astuple(stored))
+            )
+        )
         if persist and merged != stored:
-            self.write(lambda txn: txn.put(b"policy", json.dumps(dataclasses.asdict(merged)).encode(),
-                                           db=self.db["meta"]))
+            self.write(
+                lambda txn: txn.put(
+                    b"policy", json.dumps(dataclasses.asdict(merged)).encode(), db=self.db["meta"]
+                )
+            )
         return merged
 
     def close(self) -> None:
@@ -254,8 +289,14 @@ class Index:
         raw = txn.get(ns, db=self.db["totals"])
         b, n = TOTALS.unpack(raw) if raw else (0, 0)
         if b + blocks < 0 or n + nbytes < 0:  # an index that disagrees with itself: never below zero
-            log.error("disk tier totals underflow for namespace %s: %d%+d blocks, %d%+d bytes", ns.hex()[:16],
-                      b, blocks, n, nbytes)
+            log.error(
+                "disk tier totals underflow for namespace %s: %d%+d blocks, %d%+d bytes",
+                ns.hex()[:16],
+                b,
+                blocks,
+                n,
+                nbytes,
+            )
             self.counters.add("disk", "totals_errors")
         if b + blocks <= 0:
             txn.delete(ns, db=self.db["totals"])
@@ -306,7 +347,8 @@ class Index:
         existing = txn.get(digest, db=self.db["namespaces"])
         if existing is not None and existing != spec:
             raise NamespaceConflictError(
-                f"namespace {digest.hex()[:16]} is registered with another spec: {bytes(existing).decode()}")
+                f"namespace {digest.hex()[:16]} is registered with another spec: {bytes(existing).decode()}"
+            )
         if existing is None:
             txn.put(digest, spec, db=self.db["namespaces"])
 
@@ -317,7 +359,7 @@ class Index:
         cur = txn.cursor(db=self.db["atime"])
         while total > budget and cur.first():
             tkey = bytes(cur.key())
-            key = tkey[TIME.size:]
+            key = tkey[TIME.size :]
             raw = txn.get(key, db=self.db["index"])
             if raw is None:  # stale row (cannot happen in a consistent store): drop it
                 txn.delete(tkey, db=self.db["atime"])
@@ -330,6 +372,7 @@ class Index:
     def remove_at(self, found: Sequence[tuple[bytes, tuple[int, int, int]]]) -> list[Hole]:
         """Remove each key only if the index still points at the location given (a writer may have
         replaced the record since it was found)."""
+
         def remove(txn: Txn) -> list[Hole]:
             holes = []
             for key, location in found:
@@ -352,8 +395,10 @@ class Index:
 
     def namespaces(self) -> dict[NamespaceDigest, Namespace]:
         with self.read() as txn:
-            return {NamespaceDigest(bytes(k)): Namespace.from_json(bytes(v).decode())
-                    for k, v in txn.cursor(db=self.db["namespaces"])}
+            return {
+                NamespaceDigest(bytes(k)): Namespace.from_json(bytes(v).decode())
+                for k, v in txn.cursor(db=self.db["namespaces"])
+            }
 
     def still_indexed(self, key: BlockKey, location: tuple[int, int, int]) -> bool:
         """Whether ``key`` still names the record at ``location`` (a failed read may have raced a sweep)."""

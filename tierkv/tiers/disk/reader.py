@@ -22,8 +22,15 @@ ReadInto = Callable[[Sequence[tuple[Entry, list[memoryview]]], Callable[[int], b
 ReadWhole = Callable[[Sequence[Entry]], contextlib.AbstractContextManager[list[memoryview]]]
 
 
-def read_records(chain: BlockChain, entries: Sequence[Entry], first: int, target: torch.Tensor, base: int,
-                 read_into: ReadInto, read_whole: ReadWhole) -> int:
+def read_records(
+    chain: BlockChain,
+    entries: Sequence[Entry],
+    first: int,
+    target: torch.Tensor,
+    base: int,
+    read_into: ReadInto,
+    read_whole: ReadWhole,
+) -> int:
     """Blocks ``first, first+1, ...`` (their ``entries``) into ``target`` at block positions ``i - base``;
     returns how many leading blocks verified.
 
@@ -35,8 +42,11 @@ def read_records(chain: BlockChain, entries: Sequence[Entry], first: int, target
     B = spec.block_tokens
     prefix_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes
     raw_nbytes = prefix_nbytes + spec.block_nbytes
-    rows: list[Any] = [target[layer, kv].view(torch.uint8).reshape(-1).numpy()
-            for layer in range(spec.num_layers) for kv in (0, 1)]
+    rows: list[Any] = [
+        target[layer, kv].view(torch.uint8).reshape(-1).numpy()
+        for layer in range(spec.num_layers)
+        for kv in (0, 1)
+    ]
     chunk = spec.block_nbytes // (spec.num_layers * 2)
     scratch = memoryview(bytearray(prefix_nbytes * len(entries)))
     scatter: list[tuple[int, Entry, list[memoryview]]] = []
@@ -51,7 +61,9 @@ def read_records(chain: BlockChain, entries: Sequence[Entry], first: int, target
             whole.append((i, e))
 
     def place(i: int, payload: memoryview | bytes) -> None:
-        target[:, :, (i - base) * B : (i - base + 1) * B].copy_(as_tensor(payload, spec.dtype, spec.block_shape))
+        target[:, :, (i - base) * B : (i - base + 1) * B].copy_(
+            as_tensor(payload, spec.dtype, spec.block_shape)
+        )
 
     def verify(j: int) -> bool:  # on a reading thread, as soon as record j is in
         i, e, views = scatter[j]
@@ -81,4 +93,3 @@ def read_records(chain: BlockChain, entries: Sequence[Entry], first: int, target
                     end = min(end, i)
                     break
     return end - first
-

@@ -59,8 +59,9 @@ class Entry:
         return cls(*ENTRY.unpack(raw))
 
     def pack(self) -> bytes:
-        return ENTRY.pack(self.ns_digest, self.seg_id, self.offset, self.nbytes, self.created_s,
-                          self.last_access_s)
+        return ENTRY.pack(
+            self.ns_digest, self.seg_id, self.offset, self.nbytes, self.created_s, self.last_access_s
+        )
 
     @property
     def footprint(self) -> int:

@@ -164,7 +164,9 @@ class SegmentDir:
                 except FileNotFoundError:
                     fd = None
                 else:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM)
+                    os.posix_fadvise(
+                        fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM
+                    )
                     self._fds[slot] = fd
                     while len(self._fds) > MAX_READ_FDS:
                         self._retire(self._fds.popitem(last=False)[1])
@@ -212,8 +214,11 @@ class SegmentDir:
             if self._buf is not None:
                 self._buf.close()
             # Pre-faulted (MAP_POPULATE): a fresh buffer costs a page fault per 4 KiB on first use.
-            self._buf = mmap.mmap(-1, max(total, 64 << 20),
-                                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+            self._buf = mmap.mmap(
+                -1,
+                max(total, 64 << 20),
+                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0),
+            )
         buf = memoryview(self._buf)
         starts = [0] * len(locations)
         # Place records in file order, so adjacent records become one contiguous read.
@@ -249,8 +254,11 @@ class SegmentDir:
         if got < nbytes:
             buf[bpos + got : bpos + nbytes] = bytes(nbytes - got)
 
-    def readv(self, requests: Sequence[tuple[int, int, int, list[memoryview]]],
-              after: Callable[[int], bool] | None = None) -> list[bool]:
+    def readv(
+        self,
+        requests: Sequence[tuple[int, int, int, list[memoryview]]],
+        after: Callable[[int], bool] | None = None,
+    ) -> list[bool]:
         """Scatter-read records ``(seg_id, offset, nbytes, [destination views])`` into place, in parallel.
 
         The zero-copy restore path: a record's bytes go from the page cache straight into the caller's
@@ -264,9 +272,12 @@ class SegmentDir:
             if groups:
                 last = requests[groups[-1][-1]]
                 group_nbytes = sum(aligned(requests[j][2]) for j in groups[-1])
-                if (last[0] == seg_id and last[1] + aligned(last[2]) == offset
-                        and group_nbytes < READ_CHUNK_NBYTES
-                        and sum(len(requests[j][3]) + 1 for j in groups[-1]) + len(requests[i][3]) < _IOV_MAX):
+                if (
+                    last[0] == seg_id
+                    and last[1] + aligned(last[2]) == offset
+                    and group_nbytes < READ_CHUNK_NBYTES
+                    and sum(len(requests[j][3]) + 1 for j in groups[-1]) + len(requests[i][3]) < _IOV_MAX
+                ):
                     groups[-1].append(i)
                     continue
             groups.append([i])
@@ -338,9 +349,12 @@ class SegmentDir:
             self.counters.add("disk", "punch_unsupported", len(holes) - done)
             if not self._punch_warned:
                 self._punch_warned = True
-                log.warning("the file system under %s cannot punch holes: freed records keep their disk space "
-                            "until their segment empties, so the byte budget is not held on disk; run "
-                            "`tierkv gc --compact` or use ext4/xfs/btrfs", self.path)
+                log.warning(
+                    "the file system under %s cannot punch holes: freed records keep their disk space "
+                    "until their segment empties, so the byte budget is not held on disk; run "
+                    "`tierkv gc --compact` or use ext4/xfs/btrfs",
+                    self.path,
+                )
         emptied = {s for s, _, _, empty in holes if empty}
         for seg_id in emptied:
             self.unlink(seg_id)

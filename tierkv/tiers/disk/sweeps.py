@@ -41,25 +41,31 @@ class Sweeps:
 
         A writer holds an flock on its open segment for its whole life, so "dead" is "unlocked": true
         across PID namespaces and containers, unlike a pid check."""
+
         def seal(txn: Txn) -> list[int]:
             emptied = []
             for seg_id, row in self.index.segment_rows(txn).items():
-                if not row[3] and not self.segments.is_active(seg_id) and self.index.seal_segment(txn, seg_id):
+                if (
+                    not row[3]
+                    and not self.segments.is_active(seg_id)
+                    and self.index.seal_segment(txn, seg_id)
+                ):
                     emptied.append(seg_id)
             return emptied
 
         for seg_id in self.index.write(seal):
             self.segments.unlink(seg_id)
 
-    def _sweep(self, table: str, stop: Callable[[Txn, float, bytes], bool], dry_run: bool,
-               progress: Progress) -> int:
+    def _sweep(
+        self, table: str, stop: Callable[[Txn, float, bytes], bool], dry_run: bool, progress: Progress
+    ) -> int:
         """Delete from the oldest end of a time table until ``stop(txn, time_s, key)``."""
         db = self.index.db
         if dry_run:
             n = 0
             with self.index.read() as txn:
                 for tkey, _ in txn.cursor(db=db[table]):
-                    if stop(txn, time_of(tkey), bytes(tkey[TIME.size:])):
+                    if stop(txn, time_of(tkey), bytes(tkey[TIME.size :])):
                         break
                     n += 1
             return n
@@ -70,7 +76,7 @@ class Sweeps:
             cur = txn.cursor(db=db[table])
             while n < SWEEP_BATCH and cur.first():
                 tkey = bytes(cur.key())
-                key = tkey[TIME.size:]
+                key = tkey[TIME.size :]
                 if stop(txn, time_of(tkey), key):
                     break
                 n += 1
@@ -92,8 +98,15 @@ class Sweeps:
             if n < SWEEP_BATCH:
                 return removed
 
-    def expire(self, now: float, *, ttl_s: float | None = None, max_age_s: float | None = None,
-               dry_run: bool = False, progress: Progress = None) -> SweepReport:
+    def expire(
+        self,
+        now: float,
+        *,
+        ttl_s: float | None = None,
+        max_age_s: float | None = None,
+        dry_run: bool = False,
+        progress: Progress = None,
+    ) -> SweepReport:
         """Delete blocks idle longer than ``ttl_s`` or older than ``max_age_s`` (defaults: the policy)."""
         policy = self.index.policy
         ttl_s = policy.ttl_s if ttl_s is None else ttl_s
@@ -106,8 +119,9 @@ class Sweeps:
         self.counters.add("disk", "expirations", n)
         return SweepReport(expired=n)
 
-    def enforce_budget(self, budget_nbytes: int | None = None, *, dry_run: bool = False,
-                       progress: Progress = None) -> SweepReport:
+    def enforce_budget(
+        self, budget_nbytes: int | None = None, *, dry_run: bool = False, progress: Progress = None
+    ) -> SweepReport:
         budget = self.index.policy.budget_nbytes if budget_nbytes is None else budget_nbytes
         if budget is None:
             return SweepReport()
@@ -143,11 +157,15 @@ class Sweeps:
                 progress(len(part))
         return n
 
-    def purge_namespace(self, digest: bytes | None, *, dry_run: bool = False,
-                        progress: Progress = None) -> SweepReport:
+    def purge_namespace(
+        self, digest: bytes | None, *, dry_run: bool = False, progress: Progress = None
+    ) -> SweepReport:
         """Delete every block of one namespace (``None``: of all namespaces)."""
-        found = [(bytes(k), e.location) for k, e in self.index.iter_entries()
-                 if digest is None or e.ns_digest == digest]
+        found = [
+            (bytes(k), e.location)
+            for k, e in self.index.iter_entries()
+            if digest is None or e.ns_digest == digest
+        ]
         if dry_run:
             return SweepReport(purged=len(found))
         return SweepReport(purged=self.remove_at(found, progress))
@@ -219,6 +237,7 @@ class Sweeps:
 
     def _drop_segment(self, seg_id: int) -> None:
         """Unlink an inactive segment with no live record, and its row (unless the row disagrees)."""
+
         def drop(txn: Txn) -> bool:
             row = self.index.segment_rows(txn).get(seg_id)
             if row is not None and row[1] > 0:
@@ -254,8 +273,9 @@ class Sweeper:
         self._sweeps = sweeps
         self._stop = threading.Event()
         self.interval_s = interval_s
-        self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="tierkv-disk-sweep",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(interval_s,), name="tierkv-disk-sweep", daemon=True
+        )
         self._thread.start()
 
     def _loop(self, interval_s: float) -> None:

@@ -124,9 +124,19 @@ class AccessTimes:
 
 
 class Writer:
-    def __init__(self, index: Index, segments: SegmentDir, times: AccessTimes, *, clock: Callable[[], float],
-                 sync: bool, counters: Counters, queue_nbytes: int = DEFAULT_QUEUE_NBYTES,
-                 batch_nbytes: int = DEFAULT_BATCH_NBYTES, segment_nbytes: int = DEFAULT_SEGMENT_NBYTES) -> None:
+    def __init__(
+        self,
+        index: Index,
+        segments: SegmentDir,
+        times: AccessTimes,
+        *,
+        clock: Callable[[], float],
+        sync: bool,
+        counters: Counters,
+        queue_nbytes: int = DEFAULT_QUEUE_NBYTES,
+        batch_nbytes: int = DEFAULT_BATCH_NBYTES,
+        segment_nbytes: int = DEFAULT_SEGMENT_NBYTES,
+    ) -> None:
         self.index = index
         self.segments = segments
         self.times = times
@@ -147,8 +157,14 @@ class Writer:
         # server with no cache hits was 9 to 16% slower than with the cache off at nice 0 or 10, on 2 cores).
         # Under constant load the queue then fills and saves are dropped and counted: a future miss only.
         self._batches: BatchQueue[Item] = BatchQueue(
-            "tierkv-disk-writer", self._handle, item_nbytes=lambda i: i.nbytes, batch_nbytes=batch_nbytes,
-            idle_s=TOUCH_FLUSH_INTERVAL_S, on_idle=lambda: self._guarded(self.times.flush), on_start=idle_priority)
+            "tierkv-disk-writer",
+            self._handle,
+            item_nbytes=lambda i: i.nbytes,
+            batch_nbytes=batch_nbytes,
+            idle_s=TOUCH_FLUSH_INTERVAL_S,
+            on_idle=lambda: self._guarded(self.times.flush),
+            on_start=idle_priority,
+        )
         self.thread = self._batches.thread
 
     # ---------------------------------------------------------------- callers' side
@@ -164,7 +180,10 @@ class Writer:
                 if item.release is not None:
                     item.release()
                 return True
-            if time.monotonic() < self._degraded_until or self._queued_nbytes + item.nbytes > self.queue_nbytes:
+            if (
+                time.monotonic() < self._degraded_until
+                or self._queued_nbytes + item.nbytes > self.queue_nbytes
+            ):
                 self.counters.add("disk", "dropped_saves")
                 return False
             self._queued_nbytes += item.nbytes
@@ -191,8 +210,11 @@ class Writer:
             self._batches.put(Barrier())
         if self._batches.join(timeout_s):
             return True
-        log.warning("disk tier flush: %d queued writes not done (%s)", self._batches.pending,
-                    "timed out" if self.thread.is_alive() else "writer thread gone")
+        log.warning(
+            "disk tier flush: %d queued writes not done (%s)",
+            self._batches.pending,
+            "timed out" if self.thread.is_alive() else "writer thread gone",
+        )
         return False
 
     def close(self) -> bool:
@@ -200,8 +222,11 @@ class Writer:
         and the index stay open (closing them would pull them from under a live append or commit)."""
         self.flush(FLUSH_TIMEOUT_S)
         if not self._batches.stop(FLUSH_TIMEOUT_S):
-            log.error("disk tier writer still busy after %.0f s: its segment and the index stay open until "
-                      "the process exits", FLUSH_TIMEOUT_S)
+            log.error(
+                "disk tier writer still busy after %.0f s: its segment and the index stay open until "
+                "the process exits",
+                FLUSH_TIMEOUT_S,
+            )
             return False
         seg = self.segment
         if seg is not None:
@@ -323,7 +348,9 @@ class Writer:
                     holes.append((*old.location, self.index.remove(txn, p.key, old)))  # replaced, atomically
                 if p.ns_spec is not None:
                     self.index.put_namespace(txn, p.ns_digest, p.ns_spec)
-                self.index.insert(txn, p.key, Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, now))
+                self.index.insert(
+                    txn, p.key, Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, now)
+                )
             evicted = self.index.evict_over(txn, budget) if budget is not None else []
             return holes + evicted, unused, len(evicted)
 
@@ -331,13 +358,17 @@ class Writer:
             holes, unused, evicted = self.index.write(index)
         except (lmdb.Error, NamespaceConflictError) as exc:  # index full, say: the appended bytes are orphans
             self._degrade(exc, len(fresh))
-            self.segments.release([(seg.seg_id, off, p.record_nbytes, False) for p, off in zip(fresh, offsets)])
+            self.segments.release(
+                [(seg.seg_id, off, p.record_nbytes, False) for p, off in zip(fresh, offsets)]
+            )
             return
         if self._degraded:
             self._degraded = False
             log.warning("disk tier writes resumed")
         self.counters.add("disk", "blocks_written", len(fresh) - len(unused))
-        self.counters.add("disk", "bytes_written", sum(p.record_nbytes for p in fresh) - sum(h[2] for h in unused))
+        self.counters.add(
+            "disk", "bytes_written", sum(p.record_nbytes for p in fresh) - sum(h[2] for h in unused)
+        )
         self.counters.add("disk", "evictions", evicted)
         self.segments.release(holes + unused)
 
@@ -348,6 +379,12 @@ class Writer:
         self.counters.add("disk", "dropped_saves", dropped)
         if not self._degraded:
             self._degraded = True
-            nospace = "No space" in str(exc) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
-            log.warning("disk tier write failed (%s): saves are dropped and counted, retrying every %.0f s%s",
-                        exc, DEGRADED_RETRY_S, "; the file system is full" if nospace else "")
+            nospace = "No space" in str(exc) or (
+                isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            )
+            log.warning(
+                "disk tier write failed (%s): saves are dropped and counted, retrying every %.0f s%s",
+                exc,
+                DEGRADED_RETRY_S,
+                "; the file system is full" if nospace else "",
+            )
