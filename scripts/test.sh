@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test 2> >(grep -v "is ignored: it is neither" >&2)
 .venv/bin/ruff check tierkv tests bench
+.venv/bin/ruff format --check tierkv tests bench
+.venv/bin/python -m mypy  # configured in pyproject.toml: the tierkv package
 .venv/bin/python -m pytest -q "$@"

@@ -52,7 +52,7 @@ _TO_SURROGATE = {v: k for k, v in _FROM_SURROGATE.items()}
 def default_config(**overrides: Any) -> Any:
     from transformers import LlamaConfig
 
-    cfg = dict(
+    cfg: dict[str, Any] = dict(
         vocab_size=256 + BYTE_OFFSET,
         hidden_size=512,
         intermediate_size=3072,
@@ -92,4 +92,4 @@ def build_default_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(dtype).eval()
+    return model.to(dtype).eval()  # type: ignore[arg-type]  # transformers' decorated .to() confuses mypy

@@ -155,11 +155,11 @@ class CachedModel:
             path, local_files_only=True, dtype=dtype or "auto", attn_implementation=attn_implementation
         )
         return cls(
-            model.to(device),
+            model.to(device),  # type: ignore[arg-type]  # transformers' decorated .to() confuses mypy
             tokenizer,
             store,
             model_id=path.name,
-            block_tokens=block_tokens,  # type: ignore[arg-type]  # transformers' decorated .to()
+            block_tokens=block_tokens,
             revision=revision,
         )
 
