@@ -20,15 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv import TieredStore, models
+from tierkv import TieredStore, adapters, models
+from tierkv.fingerprint import config_hash
 from tierkv.server.engine import render_chat
 from tierkv.worker import CachedModel
 
 from helpers import ServerProcess
 
 FLOAT32_BOUND = 1e-4
-SYSTEM = ("You are a concise assistant for a travel agency. Answer in one or two sentences, name the "
-          "country when you name a city, and never invent prices or opening hours. ")
+SYSTEM = (
+    "You are a concise assistant for a travel agency. Answer in one or two sentences, name the "
+    "country when you name a city, and never invent prices or opening hours. "
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,10 @@ def smol32(smol_dir: Path) -> CachedModel:
 
 
 def _chat(cm: CachedModel, system_repeats: int, question: str) -> list[int]:
-    return render_chat(cm.tokenizer, [{"role": "system", "content": SYSTEM * system_repeats},
-                                      {"role": "user", "content": question}])
+    return render_chat(
+        cm.tokenizer,
+        [{"role": "system", "content": SYSTEM * system_repeats}, {"role": "user", "content": question}],
+    )
 
 
 def _restores(cm: CachedModel, cache_dir: Path, ids: list[int]) -> dict[str, torch.Tensor]:
@@ -129,9 +134,64 @@ def test_bfloat16_restores_are_bit_identical(smol_dir: Path, tmp_path: Path) -> 
     assert torch.equal(got["disk"], got["cold"])
 
 
+def test_block_size_by_kv_bytes() -> None:
+    """SmolLM2 float32 (45 KiB a token): blocks of 16 tokens, so at most 16 tokens are computed after a
+    restore; bfloat16 32; the tiny model keeps 64 (12 KiB a token in float32)."""
+    per_token = {
+        "smollm2 float32": 30 * 2 * 3 * 64 * 4,
+        "smollm2 bfloat16": 30 * 2 * 3 * 64 * 2,
+        "tiny float32": 6 * 2 * 4 * 64 * 4,
+        "tiny bfloat16": 6 * 2 * 4 * 64 * 2,
+        "8B bfloat16": 32 * 2 * 8 * 128 * 2,
+    }
+    got = {name: models.default_block_tokens(n) for name, n in per_token.items()}
+    assert got == {
+        "smollm2 float32": 16,
+        "smollm2 bfloat16": 32,
+        "tiny float32": 64,
+        "tiny bfloat16": 64,
+        "8B bfloat16": 16,
+    }
+    for name, n in per_token.items():
+        assert got[name] * n >= models.BLOCK_MIN_NBYTES or got[name] == 64, name
+
+
+def test_gqa_attention_for_the_suffix_changes_no_logit(smol32: CachedModel, tmp_path: Path) -> None:
+    """The suffix after a restore attends with ``enable_gqa`` (no ``repeat_kv`` copy of the cache): the
+    namespace is the same, and the restored logits equal those of transformers' own SDPA path (bit for bit
+    on this CPU) and the cold prefill's."""
+    model = smol32.model
+    before = model.config._attn_implementation
+    ids = _chat(smol32, 6, "Which city is the capital of Portugal?")
+    got = {}
+    try:
+        for impl in ("sdpa", adapters.GQA_SDPA):
+            if impl == "sdpa":
+                model.set_attn_implementation("sdpa")
+            else:
+                assert adapters.use_gqa_sdpa(model)  # a CPU float32 model with 9 query heads over 3 KV heads
+            assert model.config._attn_implementation == impl
+            got[impl] = (config_hash(model), _restores(smol32, tmp_path / impl, ids))
+    finally:
+        model.set_attn_implementation(before)
+    (hash_sdpa, sdpa), (hash_gqa, gqa) = got["sdpa"], got[adapters.GQA_SDPA]
+    assert hash_sdpa == hash_gqa  # the same KV: the same namespace
+    for tier in ("cold", "host", "disk"):
+        assert torch.equal(gqa[tier], sdpa[tier]), tier
+        assert (gqa[tier] - gqa["cold"]).abs().max().item() <= FLOAT32_BOUND, tier
+
+
+def test_gqa_attention_leaves_eager_models_alone() -> None:
+    from tierkv.default_model import build_default_model
+
+    eager = build_default_model(torch.bfloat16, attn_implementation="eager")
+    assert not adapters.use_gqa_sdpa(eager) and eager.config._attn_implementation == "eager"
+
+
 def test_greedy_text_identical_for_32_tokens_after_a_restart(smol32: CachedModel, tmp_path: Path) -> None:
     ids = _chat(smol32, 4, "Describe Lisbon for a first-time visitor.")
-    restorable = (len(ids) - 1) // 64 * 64
+    B = smol32.base_namespace.block_tokens
+    restorable = (len(ids) - 1) // B * B
     with TieredStore.open(tmp_path / "store", host_bytes=1 << 30) as store:
         smol32.store = store
         cold = smol32.generate(ids, 32)  # an empty store: computes everything, saves the prompt's blocks
@@ -146,8 +206,11 @@ def test_greedy_text_identical_for_32_tokens_after_a_restart(smol32: CachedModel
 
 
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
@@ -158,14 +221,22 @@ def test_server_with_smollm2_answers_paris_and_reports_cached_tokens(smol_dir: P
     try:
         models_listed = json.loads(urllib.request.urlopen(server.url + "/v1/models", timeout=10).read())
         assert [m["id"] for m in models_listed["data"]] == ["SmolLM2-135M-Instruct"]
-        first = _post(server.url, {"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                                   "max_tokens": 24, "temperature": 0})
+        first = _post(
+            server.url,
+            {
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 24,
+                "temperature": 0,
+            },
+        )
         assert "Paris" in first["choices"][0]["message"]["content"], first
         system = {"role": "system", "content": SYSTEM * 8}
         usage = []
         for q in ("What is the capital of France?", "And of Germany?"):
-            r = _post(server.url, {"messages": [system, {"role": "user", "content": q}], "max_tokens": 8,
-                                   "temperature": 0})
+            r = _post(
+                server.url,
+                {"messages": [system, {"role": "user", "content": q}], "max_tokens": 8, "temperature": 0},
+            )
             usage.append(r["usage"])
         assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0
         shared = usage[0]["prompt_tokens"] - 10  # the system prompt and the chat template's preamble
@@ -197,9 +268,13 @@ def test_long_prompt_restores_exact(smol_dir: Path, tmp_path: Path, dtype: torch
 
 
 @pytest.mark.slow
-def test_http_restart_restores_a_long_prompt_from_disk_with_the_same_text(smol_dir: Path, tmp_path: Path) -> None:
-    messages = [{"role": "system", "content": SYSTEM * 88},
-                {"role": "user", "content": "Summarise these rules in one sentence."}]
+def test_http_restart_restores_a_long_prompt_from_disk_with_the_same_text(
+    smol_dir: Path, tmp_path: Path
+) -> None:
+    messages = [
+        {"role": "system", "content": SYSTEM * 88},
+        {"role": "user", "content": "Summarise these rules in one sentence."},
+    ]
     body = {"messages": messages, "max_tokens": 32, "temperature": 0}
     answers = []
     for _ in range(2):  # the second server starts on the store the first one flushed at SIGTERM

