@@ -200,7 +200,11 @@ def gc(
 @cache_dir_option
 @click.option("--device", help="auto, cpu or cuda[:N].  [default: auto]")
 @click.option("--dtype", help="auto, float32, bfloat16 or float16.  [default: auto]")
-@click.option("--block-tokens", type=int, help="Tokens per cached block.  [default: 64]")
+@click.option(
+    "--block-tokens",
+    type=int,
+    help="Tokens per cached block.  [default: by the model's KV bytes: 16 for smollm2 in float32, 64 for tiny]",
+)
 @click.option(
     "--gpu-cache",
     help="GPU tier: a size (8GiB), a fraction of free GPU memory (0.2), auto (0.1 on "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tierkv import kernels
-from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache
+from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache, use_gqa_sdpa
 from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
 from tierkv.keys import BlockChain, Namespace
@@ -68,9 +68,10 @@ class CachedModel:
         store: TieredStore | None,
         *,
         model_id: str,
-        block_tokens: int = 64,
+        block_tokens: int | None = None,
         revision: str | None = None,
     ) -> None:
+        """``block_tokens`` None: by the model's KV bytes a token (``tierkv.models.default_block_tokens``)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.store = store
@@ -79,6 +80,15 @@ class CachedModel:
         self.device = next(model.parameters()).device
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"unsupported model dtype {self.dtype}")
+        if block_tokens is None:
+            from tierkv.models import default_block_tokens
+
+            layout = self.layout
+            kv_nbytes = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
+            block_tokens = default_block_tokens(kv_nbytes)
+        # The tokens computed after a restore attend to the grouped KV heads as they are (CPU, SDPA):
+        # no repeat_kv copy of the restored cache. Same logits; the namespace does not change.
+        use_gqa_sdpa(self.model)
         # The weights fingerprint unless the user vouches for a revision; the config hash always (two
         # configs with the same weights, e.g. another rope scaling, give other KV).
         weights = revision if revision is not None else "w:" + weights_fingerprint(model)
@@ -103,7 +113,7 @@ class CachedModel:
         *,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
-        block_tokens: int = 64,
+        block_tokens: int | None = None,
     ) -> CachedModel:
         from tierkv.default_model import DEFAULT_MODEL_ID, ByteTokenizer, build_default_model
 
@@ -118,7 +128,7 @@ class CachedModel:
         *,
         dtype: torch.dtype | None = None,
         device: str = "cpu",
-        block_tokens: int = 64,
+        block_tokens: int | None = None,
         revision: str | None = None,
         attn_implementation: str | None = None,
     ) -> CachedModel:

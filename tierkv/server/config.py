@@ -26,7 +26,7 @@ class ServeConfig:
     cache_dir: str = ""  # "" -> $TIERKV_CACHE_DIR or ~/.cache/tierkv
     device: str = "auto"
     dtype: str = "auto"
-    block_tokens: int = 64
+    block_tokens: int | None = None  # None: by the model's KV bytes (tierkv.models.default_block_tokens)
     gpu_cache: str = "auto"  # a size, a fraction of free GPU memory, auto (0.1 on CUDA, none on CPU) or 0
     host_cache: int = 2 << 30  # bytes of host RAM for KV blocks
     disk_budget: int = 20 << 30  # bytes on disk
