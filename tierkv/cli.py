@@ -347,7 +347,9 @@ def bench(
             results["workloads"] = workloads.run(base, quick=quick, model=model_path)
             click.echo(workloads.markdown(results["workloads"]) + "\n")
         if "restart" in parts:
-            results["restart"] = restart.run(base, model=model_path or "tiny", tokens=300 if quick else 3000)
+            results["restart"] = restart.run(
+                base, model=model_path or "tiny", tokens=300 if quick else 3000, runs=1 if quick else 3
+            )
             click.echo(restart.markdown(results["restart"]) + "\n")
         if "scaleout" in parts:
             results["scaleout"] = scaleout.run(base, quick=quick)
