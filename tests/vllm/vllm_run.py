@@ -36,8 +36,23 @@ def make_model(path: str | Path) -> Path:
         model = LlamaForCausalLM(cfg)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
+    _tokenizer().save_pretrained(tmp)
     tmp.rename(path)
     return path
+
+
+def _tokenizer():  # noqa: ANN202
+    """One word per token id, split on spaces: ``<pad> <s> </s>`` then ``t3`` .. ``t511``, so text ``"t5 t17"``
+    is tokens [5, 17] (what the OpenAI server needs; the offline runs pass token ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
 
 
 def main(spec_path: str, result_path: str) -> None:

@@ -125,6 +125,9 @@ class TierKVConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset() if self._scheduler is not None else None
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
             self._scheduler.request_finished(request)

@@ -31,6 +31,7 @@ class BlockSpan:
 class TierKVMetadata(KVConnectorMetadata):
     loads: list[BlockSpan] = dataclasses.field(default_factory=list)  # into vLLM's cache before the forward
     saves: list[BlockSpan] = dataclasses.field(default_factory=list)  # out of it after the forward
+    epoch: str = ""  # set by a reset of the connector's cache (see namespace.with_epoch)
 
 
 @dataclasses.dataclass

