@@ -191,3 +191,74 @@ def test_write_back_writes_only_to_the_named_tiers(ns, host, disk, counters, cha
     assert host.probe(chain, range(N)) == [False, True, False, False]
     assert disk.probe(chain, range(N)) == [True] * N
     assert torch.equal(_read(disk, chain, N), kv)
+
+
+class _Refuser(Tier):
+    """A record tier that wants every block and refuses every write (a full queue, a degraded disk)."""
+
+    name = "refuser"
+
+    def probe(self, chain, idx):
+        return [False] * len(idx)
+
+    def write(self, block):
+        return False
+
+
+class _Sink(Tier):
+    """A record tier that keeps what it is given (its bytes, read when written) and releases at once."""
+
+    name = "sink"
+
+    def __init__(self) -> None:
+        self.got: dict[bytes, bytes] = {}
+
+    def probe(self, chain, idx):
+        return [k in self.got for k in (chain.keys[i] for i in idx)]
+
+    def write(self, block):
+        self.got[block.key] = block.payload.numpy().tobytes()
+        block.done()
+        return True
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_a_refused_first_writer_does_not_release_the_slot_the_second_reads(ns, staging) -> None:
+    """Review finding: the second record tier's reference was taken after the first had already given
+    its back (a refused write), so save raised or the slot was handed out unreferenced."""
+    from tierkv import TieredStore
+
+    host, sink = HostTier(1 << 20), _Sink()
+    kv = make_kv(ns, N * ns.block_tokens, seed=3)
+    chain = BlockChain.of(ns, list(range(N * ns.block_tokens)))
+    with TieredStore([host, _Refuser(), sink], staging=staging) as store:
+        assert store.save(ns, chain, kv) == N
+        store.flush()
+        assert host._held == 0  # every reference given back, none twice
+        spec = KVSpec.of(ns)
+        B = ns.block_tokens
+        for i in range(N):
+            want = kv[:, :, i * B : (i + 1) * B].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            assert sink.got[chain.keys[i]] == want and len(want) == spec.block_nbytes
+
+
+def test_a_write_back_is_copied_before_restore_returns(tmp_path, ns) -> None:
+    """Review finding: blocks the disk lost were written back from the caller's ``out`` after restore
+    returned; a caller reusing ``out`` must not change what reaches the disk."""
+    from tierkv import TieredStore
+
+    T = N * ns.block_tokens
+    kv = make_kv(ns, T, seed=4)
+    toks = list(range(T))
+    with TieredStore.open(tmp_path, host_bytes=1 << 20, staging=True) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+        store.tier("disk").purge_namespace(None)  # the disk lost them; the host still has them
+        out = torch.empty_like(kv)
+        hit, _ = store.restore(ns, toks, out=out)
+        assert hit.by_tier["host"] == T
+        out.zero_()  # the caller reuses its buffer at once
+        store.flush()
+        store.tier("host").clear()
+        hit, got = store.restore(ns, toks)
+        assert hit.by_tier["disk"] == T and torch.equal(got, kv)

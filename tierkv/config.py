@@ -100,8 +100,6 @@ class StoreConfig:
             self.disk is not None and self.disk.budget_nbytes is not None and self.disk.budget_nbytes <= 0
         ):
             raise ConfigError("host_bytes must be >= 0 and disk_bytes > 0")
-        if self.remote is not None and self.remote.admit_after < 1:
-            raise ConfigError("remote_admit_after must be >= 1")
 
     def build(self, counters: Counters) -> list[Tier]:
         """The tiers, fastest first."""

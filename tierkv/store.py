@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,25 @@ def _runs(src: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((k, i, i + 1))
     return runs
+
+
+def _blocks_on(
+    device: torch.device, dest: torch.Tensor, idx: Sequence[int], B: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Blocks ``idx`` of ``dest`` on ``device``: from another device, one copy per run of consecutive
+    blocks (not a synchronous copy per block under a pool's lock)."""
+    if dest.device == device:
+        yield from ((i, dest[:, :, i * B : (i + 1) * B]) for i in idx)
+        return
+    start = 0
+    while start < len(idx):
+        end = start + 1
+        while end < len(idx) and idx[end] == idx[end - 1] + 1:
+            end += 1
+        first = idx[start]
+        part = dest[:, :, first * B : (idx[end - 1] + 1) * B].to(device)
+        yield from ((i, part[:, :, (i - first) * B : (i - first + 1) * B]) for i in idx[start:end])
+        start = end
 
 
 class TieredStore:
@@ -273,8 +292,8 @@ class TieredStore:
             above = [i for i, k in enumerate(src) if k < j]
             if isinstance(tier, BlockPool):
                 if tier.device == dest.device or tier.device.type == "cpu":
-                    for i in below:
-                        tier.put(chain.keys[i], dest[:, :, i * B : (i + 1) * B], created_s=created_s.get(i))
+                    for i, block in _blocks_on(tier.device, dest, below, B):
+                        tier.put(chain.keys[i], block, created_s=created_s.get(i))
                 continue
             wanted = [i for i, w in zip(below, tier.needs(chain, below)) if w] if below else []
             if wanted := sorted(set(wanted) | set(tier.served_above(chain, above))):

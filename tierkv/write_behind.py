@@ -93,13 +93,19 @@ class WriteBehind:
         block: Callable[[int], torch.Tensor],
         created_s: dict[int, float],
     ) -> None:
-        """Write blocks of ``chain`` (restored ones, ``block(i)`` their KV) to the tiers that want them."""
+        """Write blocks of ``chain`` (restored ones, ``block(i)`` their KV) to the tiers that want them.
+
+        Each block is copied to private CPU memory before this returns, never through the staging ring: a
+        restore's destination is the caller's, who may write it again as soon as ``restore`` returns (the
+        ring's rule, KV nobody writes again, holds for model KV only)."""
         per_block: dict[int, list[Tier]] = {}
         for tier, idx in wants.items():
             for i in idx:
                 per_block.setdefault(i, []).append(tier)
-        idx = sorted(per_block)
-        self._submit(chain, idx, block, [tuple(per_block[i]) for i in idx], created_s)
+        now = self.clock()
+        for i in sorted(per_block):
+            private = block(i).to("cpu", copy=True, memory_format=torch.contiguous_format)
+            self._keep(private, _Pending(chain, i, tuple(per_block[i]), created_s.get(i, now)), owned=True)
 
     def _device_pools(self, device: torch.device) -> list[BlockPool]:
         """Memory tiers written by a device copy: the direct ones on the blocks' device."""
@@ -124,13 +130,12 @@ class WriteBehind:
         idx: list[int],
         block: Callable[[int], torch.Tensor],
         dests: list[tuple[Tier, ...]],
-        created_s: dict[int, float] | None = None,
     ) -> int:
         todo = [(i, d) for i, d in zip(idx, dests) if d]
         if not todo:
             return 0
         now = self.clock()
-        pending = [_Pending(chain, i, d, (created_s or {}).get(i, now)) for i, d in todo]
+        pending = [_Pending(chain, i, d, now) for i, d in todo]
         device = block(todo[0][0]).device
         ring = self._ring_for(KVSpec.of(chain.ns), device)
         if ring is not None:
@@ -169,8 +174,9 @@ class WriteBehind:
         spec = KVSpec.of(p.chain.ns)
         self._keep(slot[: spec.block_nbytes].view(spec.dtype).view(spec.block_shape), p)
 
-    def _keep(self, block: torch.Tensor, p: _Pending) -> None:
-        """Copy a CPU block into the memory tiers among ``p.dests`` and queue it for the record tiers."""
+    def _keep(self, block: torch.Tensor, p: _Pending, owned: bool = False) -> None:
+        """Copy a CPU block into the memory tiers among ``p.dests`` and queue it for the record tiers
+        (``owned``: ``block`` is a private copy nobody else writes, so the record tiers may read it as is)."""
         key = p.chain.keys[p.i]
         records = [t for t in p.dests if not isinstance(t, BlockPool)]
         held: tuple[BlockPool, torch.Tensor] | None = None
@@ -182,17 +188,18 @@ class WriteBehind:
         if not records:
             return
         # Without a held slot the writers share one private copy: the caller may reuse ``block`` at once.
-        payload = (
-            held[1]
-            if held is not None
-            else block.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
-        )
-        for n, tier in enumerate(records):
-            release = None
-            if held is not None:
-                if n:
-                    held[0].retain(held[1])  # one reference per writer
-                release = functools.partial(held[0].release, held[1])
+        if held is not None:
+            payload = held[1]
+            for _ in records[1:]:  # one reference per writer, all taken before the first may release its own
+                held[0].retain(held[1])
+        else:
+            payload = (
+                (block if owned else block.clone(memory_format=torch.contiguous_format))
+                .view(-1)
+                .view(torch.uint8)
+            )
+        for tier in records:
+            release = functools.partial(held[0].release, held[1]) if held is not None else None
             write = BlockWrite(
                 p.chain.ns,
                 key,

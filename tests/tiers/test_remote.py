@@ -225,3 +225,20 @@ def test_remote_hits_staged_in_chunks_are_exact(tmp_path, ns, redis_server, monk
         hit, got = b.restore(ns, toks, out=out)
         assert hit.by_tier == {"disk": 48, "remote": 112}
         assert got.data_ptr() == out.data_ptr() and torch.equal(out, kv)
+
+
+def test_a_block_whose_send_failed_is_sent_again(ns) -> None:
+    """Review finding: blocks were marked sent when queued, so a failed batch was never retried."""
+    from tierkv.keys import BlockChain
+    from tierkv.tiers.base import BlockWrite
+    from tierkv.tiers.remote import RemoteTier
+
+    tier = RemoteTier("redis://127.0.0.1:1", timeout_s=0.1)  # nothing listens there
+    try:
+        chain = BlockChain.of(ns, list(range(ns.block_tokens)))
+        payload = make_kv(ns, ns.block_tokens).contiguous().view(-1).view(torch.uint8)
+        assert tier.write(BlockWrite(ns, chain.keys[0], chain.parent(0), chain.tokens(0), 0.0, payload))
+        tier.flush()
+        assert tier.stats() is not None and tier.needs(chain, [0]) == [True]
+    finally:
+        tier.close()

@@ -135,8 +135,9 @@ class RemoteTier(Tier):
         self.counters = counters or Counters()
         self.breaker = breaker or CircuitBreaker()
         self.client = connect(url, timeout_s)
-        # Blocks this process queued lately: a save does not send them again (bounded, oldest forgotten).
-        self._sent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # Blocks this process queued lately, when: a save does not send them again (bounded, oldest forgotten).
+        self._sent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._sent_lock = threading.Lock()
         self._batches: BatchQueue[Any] = BatchQueue(
             "tierkv-remote-writer", self._write, item_nbytes=lambda _: 1, batch_nbytes=WRITE_BATCH
         )
@@ -236,14 +237,21 @@ class RemoteTier(Tier):
         return target.fill(first, len(records), fill)
 
     def needs(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
-        return [chain.keys[i] not in self._sent for i in idx]
+        """Not sent by this process lately (a send that failed, or a record past its TTL, is sent again;
+        one Redis evicted for its memory budget is not known here until it leaves this bounded set)."""
+        now = time.monotonic()
+        with self._sent_lock:
+            sent = [self._sent.get(chain.keys[i]) for i in idx]
+        return [t is None or (self.ttl_s is not None and now - t > self.ttl_s) for t in sent]
 
     def write(self, block: BlockWrite) -> bool:
         ok = self.put(block.ns.digest, block.key, block.encode, block.release)
-        if ok:
-            self._sent[block.key] = None
-            while len(self._sent) > SENT_KEYS:
-                self._sent.popitem(last=False)
+        if ok:  # queued: not queued again; forgotten if the send fails, and once Redis expired it
+            with self._sent_lock:
+                self._sent[block.key] = time.monotonic()
+                self._sent.move_to_end(block.key)
+                while len(self._sent) > SENT_KEYS:
+                    self._sent.popitem(last=False)
         return ok
 
     def stats(self) -> dict[str, int]:
@@ -278,6 +286,9 @@ class RemoteTier(Tier):
             self.counters.add("remote", "bytes_written", sum(len(v) for _, v in records))
         else:
             self.counters.add("remote", "dropped_saves", len(records))
+            with self._sent_lock:  # not there: a later save sends them again
+                for _, key, _, _ in batch:
+                    self._sent.pop(key, None)
 
     def flush(self) -> None:
         self._batches.join(FLUSH_TIMEOUT_S)

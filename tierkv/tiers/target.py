@@ -125,9 +125,11 @@ class Stagers:
             try:
                 yield target
             finally:
-                wait_for_copies(dest)  # before the slots and the chunk buffers are let go
-                if target.locked:
-                    self._lock.release()
+                try:
+                    wait_for_copies(dest)  # before the slots and the chunk buffers are let go
+                finally:  # a device error in the wait must not block every later chunked restore
+                    if target.locked:
+                        self._lock.release()
 
     def _acquire(self, spec: KVSpec, pin: bool) -> _Stager:
         self._lock.acquire()

@@ -183,17 +183,25 @@ class DiskTier(Tier):
         got = target.fill(first, len(entries), fill)
         if got < len(entries):
             key, location = chain.keys[first + got], entries[got].location
-            self.counters.add("disk", "corrupt_blocks")
-            if self.still_indexed(key, location):
+            if self.still_indexed(key, location):  # else another process released it: a plain miss
+                self.counters.add("disk", "corrupt_blocks")
                 self._purge(key, location)
         self.touch(chain.keys[first : first + got], sum(e.nbytes for e in entries[:got]))
         target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries[:got]))
         return got
 
+    def _accepting(self) -> bool:
+        return not self.read_only and not self._closed and self.writer is not None and self.writer.accepting
+
     def needs(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
         if self.read_only:
             return [False] * len(idx)
-        return [not h for h in self.holds([chain.keys[i] for i in idx])]
+        wanted = [not h for h in self.holds([chain.keys[i] for i in idx])]
+        if any(wanted) and not self._accepting():
+            # Degraded (a full disk) or the queue full: counted as dropped now, not copied to be dropped.
+            self.counters.add("disk", "dropped_saves", sum(wanted))
+            return [False] * len(idx)
+        return wanted
 
     def write(self, block: BlockWrite) -> bool:
         return self.put(
@@ -213,6 +221,8 @@ class DiskTier(Tier):
             return []
         keys = [chain.keys[i] for i in idx]
         self.touch(keys)
+        if not self._accepting():
+            return []
         return [i for i, held in zip(idx, self.holds(keys)) if not held]
 
     def stats(self) -> dict[str, int]:

@@ -191,6 +191,17 @@ class Writer:
         self._batches.put(item)
         return True
 
+    @property
+    def accepting(self) -> bool:
+        """Whether a put now could be queued (alive, not degraded, the queue not full): else callers need
+        not copy blocks for it."""
+        with self._lock:
+            return (
+                self.thread.is_alive()
+                and time.monotonic() >= self._degraded_until
+                and self._queued_nbytes < self.queue_nbytes
+            )
+
     def queued(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
             return [bytes(k) in self._queued_keys for k in keys]
