@@ -16,6 +16,16 @@ import torch.nn.functional as F
 
 from tierkv.errors import ConfigError
 
+__all__ = [
+    "CacheLayout",
+    "GQA_SDPA",
+    "cache_from_kv",
+    "cache_layers",
+    "layer_kv",
+    "new_cache",
+    "use_gqa_sdpa",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:

@@ -32,6 +32,23 @@ import xxhash
 
 from tierkv.errors import ConfigError
 
+__all__ = [
+    "BLOCK_MIN_NBYTES",
+    "BLOCK_TOKENS_CHOICES",
+    "BUILTIN",
+    "GGUFModel",
+    "NAMES",
+    "SMOLLM2",
+    "STAMP",
+    "TINY",
+    "convert",
+    "default_block_tokens",
+    "gguf_path",
+    "is_builtin",
+    "models_dir",
+    "resolve",
+]
+
 log = logging.getLogger("tierkv.models")
 
 TINY = "tiny"
