@@ -34,6 +34,15 @@ def cpu_kernel(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot
                                    kv_cache_dtype="auto")
 
 
+def reversed_tokens(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """A layout that is no strided view (tokens stored last first): the index-gather path."""
+    tokens = cache.shape[2]
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, tokens)
+        cache[block, :, tokens - 1 - offset, :D] = key[t]
+        cache[block, :, tokens - 1 - offset, D:] = value[t]
+
+
 def only_keys(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     for t, slot in enumerate(slots.tolist()):
         block, offset = divmod(slot, cache.shape[2])
@@ -45,7 +54,8 @@ def halved(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: t
     side_by_side(key * 0.5, value * 0.5, cache, slots)
 
 
-WRITERS = {"side_by_side": (side_by_side, 1), "kernel_blocks": (side_by_side, 4), "cpu": (cpu_kernel, 1)}
+WRITERS = {"side_by_side": (side_by_side, 1), "kernel_blocks": (side_by_side, 4), "cpu": (cpu_kernel, 1),
+           "reversed": (reversed_tokens, 1)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -56,6 +66,7 @@ def test_gather_and_scatter_match_the_backends_write(writer: str, dtype: torch.d
         pytest.skip("the CPU backend has no float16 KV")
     page = PageShape(kernel_blocks, H, B // kernel_blocks, 2 * D)
     layout = probe(write, block_tokens=B, num_kv_heads=H, head_dim=D, page=page, dtype=dtype)
+    assert (layout.strides is None) == (writer == "reversed")  # strided copies where the layout allows
     num_blocks, ids = 6, [4, 1, 5]
     cache = torch.zeros(num_blocks * kernel_blocks, H, B // kernel_blocks, 2 * D, dtype=dtype)
     kv = torch.randn(1, 2, len(ids) * B, H, D).to(dtype)  # canonical, token-major: [layers, 2, tokens, H, D]
