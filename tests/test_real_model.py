@@ -311,3 +311,10 @@ def test_explain_tokenizes_as_smollm2(smol_dir: Path, tmp_path: Path) -> None:
     got = json.loads(out.output)
     # SmolLM2's BPE splits digits one by one: "Today is 2026-09-0" is 12 tokens (the byte model: 18)
     assert got["first_divergent_token"] == 12, got
+
+
+def test_explain_counts_in_the_blocks_the_server_uses(smol_dir: Path, smol32: CachedModel) -> None:
+    from tierkv.cli import _default_block_tokens
+
+    assert _default_block_tokens("smollm2") == smol32.base_namespace.block_tokens == 16
+    assert _default_block_tokens(None) == 64  # the tiny model: 12 KiB a token

@@ -391,6 +391,26 @@ def route(workers: str, host: str, port: int, prefix_chars: int, max_inflight: i
     run(urls, host, port, prefix_chars, max_inflight)
 
 
+def _default_block_tokens(model_path: str | None) -> int:
+    """The block size ``tierkv serve`` picks for the model on a CPU (float32), from its config alone."""
+    from tierkv import models
+
+    if model_path is None or model_path == models.TINY:
+        from tierkv.default_model import default_config
+
+        cfg = default_config()
+    else:
+        from transformers import AutoConfig
+
+        path = str(models.resolve(model_path)) if models.is_builtin(model_path) else model_path
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return models.default_block_tokens(2 * cfg.num_hidden_layers * kv_heads * head_dim * 4)
+
+
 def _load_tokenizer(model_path: str | None) -> Any:
     from tierkv import models
 
@@ -427,12 +447,18 @@ def _read_prompt(path: str, tokenizer: Any) -> list[int]:
     "model_path",
     help="Tokenize as this model does: smollm2, tiny or a local Hugging Face directory.  [default: tiny]",
 )
-@click.option("--block-tokens", type=int, default=64, show_default=True)
+@click.option(
+    "--block-tokens",
+    type=int,
+    help="Tokens per cached block.  [default: as tierkv serve picks it for the model on a CPU]",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def explain(first: str, second: str, model_path: str | None, block_tokens: int, as_json: bool) -> None:
+def explain(first: str, second: str, model_path: str | None, block_tokens: int | None, as_json: bool) -> None:
     """Where SECOND stops reusing FIRST's cache, and why (OpenAI JSON bodies or plain text files)."""
     from tierkv.explain import around, diverge
 
+    if block_tokens is None:
+        block_tokens = _default_block_tokens(model_path)
     tok = _load_tokenizer(model_path)
     a, b = _read_prompt(first, tok), _read_prompt(second, tok)
     d = diverge(a, b, block_tokens)
