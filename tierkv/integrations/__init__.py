@@ -6,3 +6,5 @@
 
 Nothing here is imported by the rest of tierkv; each module needs its engine installed.
 """
+
+__all__: list[str] = []
