@@ -1,6 +1,6 @@
 """The vLLM connector's tests: run with the vLLM venv (``scripts/setup.sh vllm``), skipped without vLLM.
 
-    .venv-vllm/bin/python -m pytest tests/vllm -m vllm
+.venv-vllm/bin/python -m pytest tests/vllm -m vllm
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("vllm-model") / "tiny-llama"
-    r = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), "--make-model", str(path)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(HERE / "vllm_run.py"), "--make-model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return path

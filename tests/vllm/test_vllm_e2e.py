@@ -38,7 +38,9 @@ def _same_output(a: dict, b: dict) -> None:
 def _namespace(cache: Path, salt: str):
     from tierkv.keys import Namespace
 
-    spaces = [Namespace.from_json(n["spec"]) for n in tierkv_cli("stats", "--cache-dir", str(cache))["namespaces"]]
+    spaces = [
+        Namespace.from_json(n["spec"]) for n in tierkv_cli("stats", "--cache-dir", str(cache))["namespaces"]
+    ]
     (ns,) = [n for n in spaces if n.tenant_salt == salt]
     return ns
 
@@ -69,17 +71,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict:
     connector = {"cache_dir": str(cache), "host_bytes": "64MiB", "disk_bytes": "1GiB", "ttl_s": "1h"}
     out: dict = {"cache": cache}
     out["base"] = engine.run("base", [{"tokens": P}, {"tokens": Q}], None)
-    out["save"] = engine.run("save", [{"tokens": P}, {"tokens": Q}, {"tokens": P, "salt": "tenant-b"}], connector)
+    out["save"] = engine.run(
+        "save", [{"tokens": P}, {"tokens": Q}, {"tokens": P, "salt": "tenant-b"}], connector
+    )
     out["gc_save"] = tierkv_cli("gc", "--check", "--cache-dir", str(cache))
     out["stats_save"] = tierkv_cli("stats", "--cache-dir", str(cache))
-    out["load"] = engine.run("load", [{"tokens": P, "salt": "tenant-c"}, {"tokens": P}, {"tokens": Q},
-                                      {"tokens": P, "salt": "tenant-b"}], connector)
+    out["load"] = engine.run(
+        "load",
+        [{"tokens": P, "salt": "tenant-c"}, {"tokens": P}, {"tokens": Q}, {"tokens": P, "salt": "tenant-b"}],
+        connector,
+    )
     out["gc_load"] = tierkv_cli("gc", "--check", "--cache-dir", str(cache))
     _corrupt(cache, P, 2)
     out["corrupt"] = engine.run("corrupt", [{"tokens": P}], connector)
     out["gc_corrupt"] = tierkv_cli("gc", "--check", "--cache-dir", str(cache))
     out["stats_corrupt"] = tierkv_cli("stats", "--cache-dir", str(cache))
-    (work / "summary.json").write_text(json.dumps({k: v for k, v in out.items() if k != "cache"}, default=str)[:100000])
+    (work / "summary.json").write_text(
+        json.dumps({k: v for k, v in out.items() if k != "cache"}, default=str)[:100000]
+    )
     return out
 
 

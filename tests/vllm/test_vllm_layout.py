@@ -30,8 +30,9 @@ def cpu_kernel(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot
 
     blocks, heads, tokens, _ = cache.shape
     key_cache, value_cache = cache.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
-                                   kv_cache_dtype="auto")
+    ops.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
 
 
 def reversed_tokens(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -54,8 +55,12 @@ def halved(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: t
     side_by_side(key * 0.5, value * 0.5, cache, slots)
 
 
-WRITERS = {"side_by_side": (side_by_side, 1), "kernel_blocks": (side_by_side, 4), "cpu": (cpu_kernel, 1),
-           "reversed": (reversed_tokens, 1)}
+WRITERS = {
+    "side_by_side": (side_by_side, 1),
+    "kernel_blocks": (side_by_side, 4),
+    "cpu": (cpu_kernel, 1),
+    "reversed": (reversed_tokens, 1),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -96,16 +101,35 @@ def test_scatter_starts_at_the_first_loaded_token() -> None:
 @pytest.mark.parametrize("write", [only_keys, halved])
 def test_a_write_that_is_not_a_plain_copy_is_refused(write) -> None:
     with pytest.raises(UnsupportedLayout):
-        probe(write, block_tokens=B, num_kv_heads=H, head_dim=D, page=PageShape(1, H, B, 2 * D), dtype=torch.float32)
+        probe(
+            write,
+            block_tokens=B,
+            num_kv_heads=H,
+            head_dim=D,
+            page=PageShape(1, H, B, 2 * D),
+            dtype=torch.float32,
+        )
 
 
 def test_a_padded_or_quantized_page_is_refused() -> None:
     with pytest.raises(UnsupportedLayout, match="not the 2 x"):
-        probe(side_by_side, block_tokens=B, num_kv_heads=H, head_dim=D, page=PageShape(1, H, B, 2 * D + 8),
-              dtype=torch.float32)
+        probe(
+            side_by_side,
+            block_tokens=B,
+            num_kv_heads=H,
+            head_dim=D,
+            page=PageShape(1, H, B, 2 * D + 8),
+            dtype=torch.float32,
+        )
     with pytest.raises(UnsupportedLayout, match="dtype"):
-        probe(side_by_side, block_tokens=B, num_kv_heads=H, head_dim=D, page=PageShape(1, H, B, 2 * D),
-              dtype=torch.float8_e4m3fn)
+        probe(
+            side_by_side,
+            block_tokens=B,
+            num_kv_heads=H,
+            head_dim=D,
+            page=PageShape(1, H, B, 2 * D),
+            dtype=torch.float8_e4m3fn,
+        )
 
 
 def test_page_shape_from_a_layer_cache() -> None:

@@ -23,17 +23,32 @@ PROMPT = " ".join(f"t{t}" for t in random.Random(1).choices(range(3, 500), k=700
 
 
 def test_the_command_carries_the_connector_and_serve_options(tmp_path: Path, model_dir: Path) -> None:
-    config = {"model": str(model_dir), "port": 9001, "cache_dir": str(tmp_path), "host_cache": 1 << 30,
-              "disk_budget": 5 << 30, "ttl": 3600.0, "dtype": "float32", "max_context": 4096, "block_tokens": 64}
+    config = {
+        "model": str(model_dir),
+        "port": 9001,
+        "cache_dir": str(tmp_path),
+        "host_cache": 1 << 30,
+        "disk_budget": 5 << 30,
+        "ttl": 3600.0,
+        "dtype": "float32",
+        "max_context": 4096,
+        "block_tokens": 64,
+    }
     cmd = vllm_command(config, ["--enforce-eager"], python="py")
     assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"] and cmd[-1] == "--enforce-eager"
-    assert "--enable-prompt-tokens-details" in cmd and "--block-size" not in cmd  # tierkv follows vLLM's blocks
+    assert (
+        "--enable-prompt-tokens-details" in cmd and "--block-size" not in cmd
+    )  # tierkv follows vLLM's blocks
     assert cmd[cmd.index("--max-model-len") + 1] == "4096" and cmd[cmd.index("--port") + 1] == "9001"
     kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert kv == connector_config(config)
     assert kv["kv_load_failure_policy"] == "recompute"
-    assert kv["kv_connector_extra_config"] == {"cache_dir": str(tmp_path), "host_bytes": 1 << 30,
-                                               "disk_bytes": 5 << 30, "ttl_s": 3600.0}
+    assert kv["kv_connector_extra_config"] == {
+        "cache_dir": str(tmp_path),
+        "host_bytes": 1 << 30,
+        "disk_bytes": 5 << 30,
+        "ttl_s": 3600.0,
+    }
     assert "--kv-transfer-config" not in vllm_command({**config, "no_cache": True})
     with pytest.raises(ConfigError, match="tiny"):
         vllm_command({"model": "tiny"})
@@ -42,9 +57,14 @@ def test_the_command_carries_the_connector_and_serve_options(tmp_path: Path, mod
 
 
 def test_without_vllm_it_says_how_to_install_and_exits_2() -> None:
-    r = subprocess.run([sys.executable, "-m", "tierkv.integrations.vllm_serve", "--model", "/nowhere"],
-                       capture_output=True, text=True, env=dict(os.environ, TIERKV_VLLM_PYTHON="/bin/false"),
-                       timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.integrations.vllm_serve", "--model", "/nowhere"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TIERKV_VLLM_PYTHON="/bin/false"),
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "scripts/setup.sh vllm" in r.stderr
 
@@ -57,8 +77,9 @@ def _post(port: int, path: str, body: dict | None = None) -> dict:
 
 
 def _complete(port: int) -> tuple[str, int]:
-    out = _post(port, "/v1/completions", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8,
-                                          "temperature": 0})
+    out = _post(
+        port, "/v1/completions", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    )
     assert out["usage"]["prompt_tokens"] == 700
     return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -80,12 +101,37 @@ def _free_port() -> int:
 
 def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Path, model_dir: Path) -> None:
     port, cache = _free_port(), tmp_path / "cache"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false"
+    )
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     server = subprocess.Popen(
-        [sys.executable, "-m", "tierkv.integrations.vllm_serve", "--model", str(model_dir), "--port", str(port),
-         "--cache-dir", str(cache), "--host-cache", "64MiB", "--disk-budget", "1GiB", "--dtype", "float32", "--",
-         "--enforce-eager", "--max-model-len", "2048"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "tierkv.integrations.vllm_serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--cache-dir",
+            str(cache),
+            "--host-cache",
+            "64MiB",
+            "--disk-budget",
+            "1GiB",
+            "--dtype",
+            "float32",
+            "--",
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp_path,
+    )
 
     def up() -> bool:
         assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]

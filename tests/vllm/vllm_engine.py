@@ -19,8 +19,13 @@ def tierkv_python() -> str:
 
 
 def tierkv_cli(*args: str) -> dict:
-    r = subprocess.run([tierkv_python(), "-m", "tierkv.cli", *args, "--json"], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [tierkv_python(), "-m", "tierkv.cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, f"tierkv {' '.join(args)}: {r.stderr[-2000:]}"
     return json.loads(r.stdout)
 
@@ -36,13 +41,33 @@ class Engine:
         spec_path = self.workdir / f"{name}.spec.json"
         result_path = self.workdir / f"{name}.result.json"
         log_path = self.workdir / f"{name}.log"
-        spec_path.write_text(json.dumps({"model": str(self.model), "prompts": prompts, "connector": connector,
-                                         "max_tokens": 8, "logprobs": 1, **spec}))
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-                   TOKENIZERS_PARALLELISM="false")
+        spec_path.write_text(
+            json.dumps(
+                {
+                    "model": str(self.model),
+                    "prompts": prompts,
+                    "connector": connector,
+                    "max_tokens": 8,
+                    "logprobs": 1,
+                    **spec,
+                }
+            )
+        )
+        env = dict(
+            os.environ,
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
         with open(log_path, "w") as log:
-            r = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), str(spec_path), str(result_path)],
-                               stdout=log, stderr=subprocess.STDOUT, timeout=600, env=env, cwd=self.workdir)
+            r = subprocess.run(
+                [sys.executable, str(HERE / "vllm_run.py"), str(spec_path), str(result_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=600,
+                env=env,
+                cwd=self.workdir,
+            )
         tail = log_path.read_text()[-4000:]
         assert r.returncode == 0, f"vLLM run {name} failed:\n{tail}"
         result = json.loads(result_path.read_text())

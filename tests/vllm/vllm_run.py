@@ -27,10 +27,23 @@ def make_model(path: str | Path) -> Path:
     path = Path(path)
     if (path / "config.json").exists():
         return path
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0, initializer_range=0.2)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(20261201)
         model = LlamaForCausalLM(cfg)
@@ -51,8 +64,9 @@ def _tokenizer():  # noqa: ANN202
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -65,16 +79,31 @@ def main(spec_path: str, result_path: str) -> None:
     kwargs = {}
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm",
-            "kv_role": spec.get("kv_role", "kv_both"), "kv_connector_extra_config": spec["connector"]}
+            "kv_connector": "TierKVConnector",
+            "kv_connector_module_path": "tierkv.integrations.vllm",
+            "kv_role": spec.get("kv_role", "kv_both"),
+            "kv_connector_extra_config": spec["connector"],
+        }
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=2048,
-              enforce_eager=True, seed=0, **kwargs)
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        seed=0,
+        **kwargs,
+    )
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True,
-                            logprobs=spec.get("logprobs", 1), detokenize=False)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=spec.get("max_tokens", 8),
+        ignore_eos=True,
+        logprobs=spec.get("logprobs", 1),
+        detokenize=False,
+    )
     results = []
     for p in spec["prompts"]:
         prompt = TokensPrompt(prompt_token_ids=p["tokens"])
@@ -84,9 +113,14 @@ def main(spec_path: str, result_path: str) -> None:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - t1
         gen = out.outputs[0]
-        results.append({"tokens": list(gen.token_ids),
-                        "logprobs": [lp[t].logprob for lp, t in zip(gen.logprobs or [], gen.token_ids)],
-                        "num_cached_tokens": out.num_cached_tokens or 0, "seconds": seconds})
+        results.append(
+            {
+                "tokens": list(gen.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(gen.logprobs or [], gen.token_ids)],
+                "num_cached_tokens": out.num_cached_tokens or 0,
+                "seconds": seconds,
+            }
+        )
     Path(result_path).write_text(json.dumps({"startup_s": startup, "results": results}))
     del llm  # the engine shuts down: the connector's store is closed, its write-behind flushed
 

@@ -33,12 +33,16 @@ from tierkv.errors import ConfigError
 
 __all__ = ["INSTALL_HINT", "connector_config", "serve_vllm", "vllm_command", "vllm_python"]
 
-INSTALL_HINT = ("tierkv serve --engine vllm needs vLLM in this environment: pip install vllm (GPU), or on a CPU "
-                "machine scripts/setup.sh vllm and run .venv-vllm/bin/tierkv serve --engine vllm "
-                "(or set TIERKV_VLLM_PYTHON to an interpreter that has vLLM)")
+INSTALL_HINT = (
+    "tierkv serve --engine vllm needs vLLM in this environment: pip install vllm (GPU), or on a CPU "
+    "machine scripts/setup.sh vllm and run .venv-vllm/bin/tierkv serve --engine vllm "
+    "(or set TIERKV_VLLM_PYTHON to an interpreter that has vLLM)"
+)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-_CHECK = ("import importlib.util, sys; s = importlib.util.find_spec('vllm'); "
-          "sys.exit(s is None or s.origin is None)")
+_CHECK = (
+    "import importlib.util, sys; s = importlib.util.find_spec('vllm'); "
+    "sys.exit(s is None or s.origin is None)"
+)
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -63,8 +67,10 @@ def _model(config: Any) -> tuple[str, str]:
     """(the model directory vLLM loads, the name it serves)."""
     name = str(_get(config, "model", "smollm2"))
     if name == "tiny":
-        raise ConfigError("--model tiny is the transformers engine's in-memory test model; with --engine vllm "
-                          "give a Hugging Face model directory or smollm2")
+        raise ConfigError(
+            "--model tiny is the transformers engine's in-memory test model; with --engine vllm "
+            "give a Hugging Face model directory or smollm2"
+        )
     from tierkv import models
 
     if models.is_builtin(name):
@@ -85,9 +91,16 @@ def _model(config: Any) -> tuple[str, str]:
 def connector_config(config: Any) -> dict[str, Any]:
     """The ``kv_transfer_config`` that puts tierkv under vLLM, from ``tierkv serve``'s options."""
     extra: dict[str, Any] = {}
-    for ours, theirs in (("cache_dir", "cache_dir"), ("host_cache", "host_bytes"), ("disk_budget", "disk_bytes"),
-                         ("ttl", "ttl_s"), ("remote", "remote"), ("remote_admit_after", "remote_admit_after"),
-                         ("sweep_interval_s", "sweep_interval_s"), ("revision", "revision")):
+    for ours, theirs in (
+        ("cache_dir", "cache_dir"),
+        ("host_cache", "host_bytes"),
+        ("disk_budget", "disk_bytes"),
+        ("ttl", "ttl_s"),
+        ("remote", "remote"),
+        ("remote_admit_after", "remote_admit_after"),
+        ("sweep_interval_s", "sweep_interval_s"),
+        ("revision", "revision"),
+    ):
         value = _get(config, ours)
         if value not in (None, ""):
             extra[theirs] = value
@@ -95,16 +108,32 @@ def connector_config(config: Any) -> dict[str, Any]:
         from tierkv.paths import default_cache_dir
 
         extra["cache_dir"] = default_cache_dir()
-    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "TierKVConnector",
+        "kv_connector_module_path": "tierkv.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None = None) -> list[str]:
     """The command line ``serve_vllm`` runs."""
     model, served = _model(config)
-    cmd = [python or sys.executable, "-m", SERVER_MODULE, "--model", model, "--served-model-name", served,
-           "--host", str(_get(config, "host", "127.0.0.1")), "--port", str(_get(config, "port", 8000)),
-           "--enable-prompt-tokens-details"]
+    cmd = [
+        python or sys.executable,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        model,
+        "--served-model-name",
+        served,
+        "--host",
+        str(_get(config, "host", "127.0.0.1")),
+        "--port",
+        str(_get(config, "port", 8000)),
+        "--enable-prompt-tokens-details",
+    ]
     dtype = str(_get(config, "dtype", "auto"))
     if dtype != "auto":
         cmd += ["--dtype", dtype]
@@ -128,8 +157,10 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
         print(f"tierkv: {exc}", file=sys.stderr)
         return 2
     if _get(config_or_args, "admin_token"):
-        print("tierkv: with --engine vllm the admin API is not served; run tierkv stats / gc beside vLLM",
-              file=sys.stderr)
+        print(
+            "tierkv: with --engine vllm the admin API is not served; run tierkv stats / gc beside vLLM",
+            file=sys.stderr,
+        )
     print("tierkv: exec " + " ".join(cmd), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(python, cmd)
@@ -146,7 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m tierkv.integrations.vllm_serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tierkv.integrations.vllm_serve", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

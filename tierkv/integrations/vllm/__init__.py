@@ -29,7 +29,9 @@ def __getattr__(name: str) -> Any:
         try:
             module = importlib.import_module("tierkv.integrations.vllm.connector")
         except ImportError as exc:
-            raise ImportError(f"TierKVConnector needs vLLM ({exc}); install it with "
-                              "`scripts/setup.sh vllm` (CPU) or `pip install vllm`") from exc
+            raise ImportError(
+                f"TierKVConnector needs vLLM ({exc}); install it with "
+                "`scripts/setup.sh vllm` (CPU) or `pip install vllm`"
+            ) from exc
         return module.TierKVConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -53,11 +53,19 @@ class TierKVConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if config.kv_load_failure_policy != "recompute":
-                log.info("tierkv: kv_load_failure_policy %s -> recompute (a block that fails verification is "
-                         "recomputed, never served)", config.kv_load_failure_policy)
+                log.info(
+                    "tierkv: kv_load_failure_policy %s -> recompute (a block that fails verification is "
+                    "recomputed, never served)",
+                    config.kv_load_failure_policy,
+                )
                 config.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.options,
-                                            load=config.is_kv_consumer, save=config.is_kv_producer)
+            self._scheduler = SchedulerSide(
+                vllm_config,
+                kv_cache_config,
+                self.options,
+                load=config.is_kv_consumer,
+                save=config.is_kv_producer,
+            )
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.options)
 
@@ -80,7 +88,9 @@ class TierKVConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-step, done in start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # saves are whole-step, done in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -108,7 +118,9 @@ class TierKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None
         split = self._scheduler.hit_sources(request, num_external_tokens)
         return {CacheHitSource(source): n for source, n in split.items()}

@@ -95,8 +95,10 @@ class PagedLayout:
         fitted = []
         for cells in self.to_canonical.view(2, kb, nk, H, D):
             base = int(cells[0, 0, 0, 0])
-            steps = [int(cells[(0,) * i + (1,) + (0,) * (3 - i)]) - base if size > 1 else 0
-                     for i, size in enumerate(cells.shape)]
+            steps = [
+                int(cells[(0,) * i + (1,) + (0,) * (3 - i)]) - base if size > 1 else 0
+                for i, size in enumerate(cells.shape)
+            ]
             if min(steps) < 0:
                 return None
             grid = torch.full_like(cells, base)
@@ -113,8 +115,10 @@ class PagedLayout:
         assert self.strides is not None and flat.is_contiguous()
         n, cells = flat.shape
         shape = (n, self.page.kernel_blocks, self.page.kernel_tokens, self.num_kv_heads, self.head_dim)
-        return [flat.as_strided(shape, (cells, *steps), flat.storage_offset() + base)
-                for base, *steps in self.strides]
+        return [
+            flat.as_strided(shape, (cells, *steps), flat.storage_offset() + base)
+            for base, *steps in self.strides
+        ]
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
@@ -164,7 +168,9 @@ class PagedLayout:
         to_page, _ = self._index(device)
         page = torch.empty((n, self.page.numel), dtype=caches[0].dtype, device=device)
         for layer, cache in enumerate(caches):
-            src = kv[layer, :, first_token : first_token + n * B].to(device).unflatten(1, (n, B))  # [2, n, B, H, D]
+            src = (
+                kv[layer, :, first_token : first_token + n * B].to(device).unflatten(1, (n, B))
+            )  # [2, n, B, H, D]
             if self.strides is not None:
                 for k, view in enumerate(self._views(page)):
                     view.copy_(src[k].unflatten(1, view.shape[1:3]))

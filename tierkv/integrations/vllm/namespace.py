@@ -35,8 +35,16 @@ log = logging.getLogger("vllm.tierkv")
 __all__ = ["checkpoint_fingerprint", "kv_namespace", "layout_tag", "unsupported", "with_epoch"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype",
-                         "_attn_implementation_autoset", "_attn_implementation_internal", "_attn_implementation")
+_VOLATILE_CONFIG_KEYS = (
+    "_name_or_path",
+    "transformers_version",
+    "_commit_hash",
+    "torch_dtype",
+    "dtype",
+    "_attn_implementation_autoset",
+    "_attn_implementation_internal",
+    "_attn_implementation",
+)
 
 
 def _kv_group(kv_cache_config: Any) -> Any:
@@ -52,8 +60,10 @@ def unsupported(vllm_config: Any, kv_cache_config: Any) -> str | None:
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return "no KV cache configuration"
     if len(kv_cache_config.kv_cache_groups) != 1:
-        return (f"{len(kv_cache_config.kv_cache_groups)} KV cache groups (a hybrid model): only models whose "
-                "attention layers share one full-attention cache are supported")
+        return (
+            f"{len(kv_cache_config.kv_cache_groups)} KV cache groups (a hybrid model): only models whose "
+            "attention layers share one full-attention cache are supported"
+        )
     spec = _kv_group(kv_cache_config).kv_cache_spec
     if type(spec) is not FullAttentionSpec or isinstance(spec, MLAAttentionSpec):
         return f"KV cache spec {type(spec).__name__}: only FullAttentionSpec (plain K and V) is supported"
@@ -97,7 +107,9 @@ def checkpoint_fingerprint(model: str) -> str | None:
         return None
     if not paths:
         return None
-    files = tuple((str(p), (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino) for p in paths)  # the memo's key
+    files = tuple(
+        (str(p), (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino) for p in paths
+    )  # the memo's key
     t0 = time.perf_counter()
     digest = _hash_files(files)
     log.debug("checkpoint fingerprint of %s: %s (%.2f s)", model, digest, time.perf_counter() - t0)
@@ -132,14 +144,17 @@ def _weights(vllm_config: Any, revision: str | None) -> str:
     commit = getattr(model_config.hf_config, "_commit_hash", None)
     if commit:
         return f"hub:{commit}"
-    log.warning("tierkv: cannot fingerprint %s (not a local checkpoint, no revision): its KV is keyed by "
-                "name only; pass kv_connector_extra_config={'revision': ...} or a pinned --revision",
-                model_config.model)
+    log.warning(
+        "tierkv: cannot fingerprint %s (not a local checkpoint, no revision): its KV is keyed by "
+        "name only; pass kv_connector_extra_config={'revision': ...} or a pinned --revision",
+        model_config.model,
+    )
     return "unversioned"
 
 
-def kv_namespace(vllm_config: Any, kv_cache_config: Any, *, revision: str | None = None,
-                 tp_rank: int = 0) -> Namespace:
+def kv_namespace(
+    vllm_config: Any, kv_cache_config: Any, *, revision: str | None = None, tp_rank: int = 0
+) -> Namespace:
     """The namespace of tensor-parallel rank ``tp_rank`` (the scheduler looks up rank 0's)."""
     from tierkv.layout import DTYPE_NAMES
 
@@ -150,12 +165,22 @@ def kv_namespace(vllm_config: Any, kv_cache_config: Any, *, revision: str | None
     model_id = (served[0] if isinstance(served, list) else served) or model_config.model
     model_id = os.path.basename(str(model_id).rstrip("/")) or str(model_id)
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    parts = [_weights(vllm_config, revision), f"cfg:{_config_hash(model_config.hf_config)}",
-             f"q:{model_config.quantization or 'none'}", f"vllm:{layout_tag(vllm_config, kv_cache_config)}",
-             f"tp{tp_rank}of{tp_size}"]
-    return Namespace(model_id=model_id, revision="+".join(parts), dtype=DTYPE_NAMES[spec.dtype],
-                     num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                     block_tokens=spec.block_size)
+    parts = [
+        _weights(vllm_config, revision),
+        f"cfg:{_config_hash(model_config.hf_config)}",
+        f"q:{model_config.quantization or 'none'}",
+        f"vllm:{layout_tag(vllm_config, kv_cache_config)}",
+        f"tp{tp_rank}of{tp_size}",
+    ]
+    return Namespace(
+        model_id=model_id,
+        revision="+".join(parts),
+        dtype=DTYPE_NAMES[spec.dtype],
+        num_layers=len(group.layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        block_tokens=spec.block_size,
+    )
 
 
 def with_epoch(ns: Namespace, epoch: str) -> Namespace:

@@ -54,8 +54,9 @@ class ConnectorOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ConfigError(f"unknown tierkv connector option(s): {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"unknown tierkv connector option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         out: dict[str, Any] = {}
         for name, value in extra.items():
             if name == "host_bytes":
@@ -80,9 +81,15 @@ class ConnectorOptions:
 
     def store_kwargs(self) -> dict[str, Any]:
         """``TieredStore.open``'s keywords."""
-        return {"host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes, "ttl_s": self.ttl_s,
-                "remote": self.remote, "remote_admit_after": self.remote_admit_after,
-                "sweep_interval_s": self.sweep_interval_s, "sync": self.sync}
+        return {
+            "host_bytes": self.host_bytes,
+            "disk_bytes": self.disk_bytes,
+            "ttl_s": self.ttl_s,
+            "remote": self.remote,
+            "remote_admit_after": self.remote_admit_after,
+            "sweep_interval_s": self.sweep_interval_s,
+            "sync": self.sync,
+        }
 
 
 class _Entry:
@@ -109,7 +116,9 @@ def shared_store(options: ConnectorOptions) -> Any:
             _stores[path] = entry
             log.info("tierkv store at %s: %s", path, ", ".join(entry.store.describe()))
         elif entry.options != options:
-            log.warning("tierkv store at %s is already open in this process with other options; reusing it", path)
+            log.warning(
+                "tierkv store at %s is already open in this process with other options; reusing it", path
+            )
         entry.users += 1
         return entry.store
 

@@ -44,13 +44,18 @@ class _Request:
 
 
 def _eligible(request: Any) -> bool:
-    return (request.prompt_token_ids is not None and not getattr(request, "mm_features", None)
-            and getattr(request, "lora_request", None) is None and getattr(request, "prompt_embeds", None) is None)
+    return (
+        request.prompt_token_ids is not None
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "lora_request", None) is None
+        and getattr(request, "prompt_embeds", None) is None
+    )
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, options: ConnectorOptions, *, load: bool,
-                 save: bool) -> None:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, options: ConnectorOptions, *, load: bool, save: bool
+    ) -> None:
         self.load_enabled = load
         self.save_enabled = save
         self.store: Any = None
@@ -59,13 +64,19 @@ class SchedulerSide:
         if self.off:
             log.warning("tierkv connector is off for this engine: %s", self.off)
             return
-        self.base_ns: Namespace = kv_namespace(vllm_config, kv_cache_config, revision=options.revision, tp_rank=0)
+        self.base_ns: Namespace = kv_namespace(
+            vllm_config, kv_cache_config, revision=options.revision, tp_rank=0
+        )
         self.epoch = ""
         self.ns = self.base_ns
         self.block_tokens = self.ns.block_tokens
         self.store = shared_store(options)
-        log.info("tierkv connector (scheduler): %s, blocks of %d tokens, %s", self.ns.model_id,
-                 self.block_tokens, "load and save" if load and save else "load only" if load else "save only")
+        log.info(
+            "tierkv connector (scheduler): %s, blocks of %d tokens, %s",
+            self.ns.model_id,
+            self.block_tokens,
+            "load and save" if load and save else "load only" if load else "save only",
+        )
 
     # ------------------------------------------------------------------ lookups
 
@@ -97,7 +108,9 @@ class SchedulerSide:
     def hit_sources(self, request: Any, num_tokens: int) -> dict[str, int]:
         """``num_tokens`` loaded, split by the tier that held them (in proportion to the lookup's split)."""
         r = self._reqs.get(request.request_id)
-        held = {HIT_SOURCES.get(t, "external_unspecified"): n for t, n in (r.by_tier if r else {}).items() if n}
+        held = {
+            HIT_SOURCES.get(t, "external_unspecified"): n for t, n in (r.by_tier if r else {}).items() if n
+        }
         total = sum(held.values())
         if not num_tokens or not total:
             return {"external_unspecified": num_tokens} if num_tokens else {}
@@ -148,18 +161,24 @@ class SchedulerSide:
             first, end = r.load
             r.load = None
             if end <= len(r.block_ids):
-                meta.loads.append(BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end]))
+                meta.loads.append(
+                    BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end])
+                )
         if self.save_enabled and scheduled:
             # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
             # prefix-cached before. (The write-behind skips blocks a tier already holds.)
             first, end = computed // B, min(len(r.prompt), computed + scheduled) // B
             if end > first and end <= len(r.block_ids):
-                meta.saves.append(BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end]))
+                meta.saves.append(
+                    BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end])
+                )
 
     def update_connector_output(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, TierKVWorkerMetadata) and report.disabled and self.load_enabled:
-            log.warning("tierkv: a worker cannot use this KV layout (%s); no more hits are offered", report.disabled)
+            log.warning(
+                "tierkv: a worker cannot use this KV layout (%s); no more hits are offered", report.disabled
+            )
             self.load_enabled = False
 
     def reset(self) -> bool:

@@ -58,11 +58,18 @@ class WorkerSide:
         self._reported = False
         self._save_buffer: torch.Tensor | None = None
         self._load_buffer: torch.Tensor | None = None
-        self.stats = {"load_blocks": 0, "load_failed_blocks": 0, "load_s": 0.0, "save_blocks": 0, "save_s": 0.0}
+        self.stats = {
+            "load_blocks": 0,
+            "load_failed_blocks": 0,
+            "load_s": 0.0,
+            "save_blocks": 0,
+            "save_s": 0.0,
+        }
         if self.off:
             return
-        self.base_ns: Namespace = kv_namespace(vllm_config, kv_cache_config, revision=options.revision,
-                                               tp_rank=_tp_rank())
+        self.base_ns: Namespace = kv_namespace(
+            vllm_config, kv_cache_config, revision=options.revision, tp_rank=_tp_rank()
+        )
         self.ns = self.base_ns
         self.epoch = ""
         self.spec = KVSpec.of(self.ns)
@@ -82,15 +89,28 @@ class WorkerSide:
             layer = self.vllm_config.compilation_config.static_forward_context[names[0]]
             impl = layer.impl
 
-            def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+            def write(
+                key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+            ) -> None:
                 impl.do_kv_cache_update(layer, key, value, cache, slots)
 
             t0 = time.perf_counter()
-            self.layout = probe(write, block_tokens=self.ns.block_tokens, num_kv_heads=self.ns.num_kv_heads,
-                                head_dim=self.ns.head_dim, page=page, dtype=self.spec.dtype,
-                                device=self.caches[0].device)
-            log.info("tierkv connector (worker): %d layers, %s, layout learned from %s in %.3f s", len(names),
-                     self.ns.revision.rsplit("+", 2)[-2], type(impl).__name__, time.perf_counter() - t0)
+            self.layout = probe(
+                write,
+                block_tokens=self.ns.block_tokens,
+                num_kv_heads=self.ns.num_kv_heads,
+                head_dim=self.ns.head_dim,
+                page=page,
+                dtype=self.spec.dtype,
+                device=self.caches[0].device,
+            )
+            log.info(
+                "tierkv connector (worker): %d layers, %s, layout learned from %s in %.3f s",
+                len(names),
+                self.ns.revision.rsplit("+", 2)[-2],
+                type(impl).__name__,
+                time.perf_counter() - t0,
+            )
         except (UnsupportedLayout, KeyError, AttributeError, TypeError, RuntimeError) as exc:
             self.off = f"{type(exc).__name__}: {exc}"
             self.layout = None
@@ -159,8 +179,12 @@ class WorkerSide:
     def _fail(self, span: BlockSpan, loaded: int) -> None:
         failed = span.block_ids[loaded:]
         if failed:
-            log.info("tierkv: %d of %d blocks of %s did not restore; vLLM recomputes them", len(failed),
-                     len(span.block_ids), span.req_id)
+            log.info(
+                "tierkv: %d of %d blocks of %s did not restore; vLLM recomputes them",
+                len(failed),
+                len(span.block_ids),
+                span.req_id,
+            )
         self._errors.update(failed)
         self._failed.add(span.req_id)
         self.stats["load_failed_blocks"] += len(failed)
@@ -200,7 +224,12 @@ class WorkerSide:
     def close(self) -> None:
         if self.store is not None:
             store, self.store = self.store, None
-            log.info("tierkv connector (worker): loaded %d blocks (%d failed) in %.2f s, saved %d in %.2f s",
-                     self.stats["load_blocks"], self.stats["load_failed_blocks"], self.stats["load_s"],
-                     self.stats["save_blocks"], self.stats["save_s"])
+            log.info(
+                "tierkv connector (worker): loaded %d blocks (%d failed) in %.2f s, saved %d in %.2f s",
+                self.stats["load_blocks"],
+                self.stats["load_failed_blocks"],
+                self.stats["load_s"],
+                self.stats["save_blocks"],
+                self.stats["save_s"],
+            )
             release_store(store)
