@@ -314,7 +314,7 @@ def test_explain_tokenizes_as_smollm2(smol_dir: Path, tmp_path: Path) -> None:
 
 
 def test_explain_counts_in_the_blocks_the_server_uses(smol_dir: Path, smol32: CachedModel) -> None:
-    from tierkv.cli import _default_block_tokens
+    from tierkv.cli_prompts import _default_block_tokens
 
     assert _default_block_tokens("smollm2") == smol32.base_namespace.block_tokens == 16
     assert _default_block_tokens(None) == 64  # the tiny model: 12 KiB a token

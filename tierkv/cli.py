@@ -1,4 +1,6 @@
-"""The ``tierkv`` command: ``stats`` and ``gc`` on a store (safe while a server writes to it)."""
+"""The ``tierkv`` command: ``stats`` and ``gc`` on a store (safe while a server writes to it), ``serve``
+and ``route``. ``bench`` (``tierkv.cli_bench``) and the prompt tools (``tierkv.cli_prompts``) join the
+group here."""
 
 from __future__ import annotations
 
@@ -12,14 +14,12 @@ from typing import Any
 
 import click
 
+from tierkv.cli_bench import bench
+from tierkv.cli_common import fail
+from tierkv.cli_prompts import explain, lint_cmd
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.paths import DEFAULT_CACHE_DIR_HELP, default_cache_dir
 from tierkv.units import format_duration, format_size, parse_duration, parse_size
-
-
-def _fail(message: str, code: int) -> None:
-    click.echo(f"tierkv: error: {message}", err=True)
-    sys.exit(code)
 
 
 def _parse(fn: Callable[[str], Any]) -> Callable[[click.Context, click.Parameter, str | None], Any]:
@@ -29,7 +29,7 @@ def _parse(fn: Callable[[str], Any]) -> Callable[[click.Context, click.Parameter
         try:
             return fn(value)
         except ConfigError as exc:
-            _fail(f"{param.opts[0]}: {exc}", 2)
+            fail(f"{param.opts[0]}: {exc}", 2)
 
     return callback
 
@@ -40,12 +40,12 @@ def _open_disk(cache_dir: str) -> Iterator[Any]:
 
     try:
         if not (Path(cache_dir) / "index" / "data.mdb").exists():
-            _fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", 1)
+            fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", 1)
         disk = DiskTier(cache_dir, writer=False)
     except TierKVError as exc:  # another format version; permissions, read-only media, a lock file
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
     except OSError as exc:
-        _fail(f"cannot open the store at {cache_dir}: {exc}", 2)
+        fail(f"cannot open the store at {cache_dir}: {exc}", 2)
     try:
         yield disk
     finally:
@@ -56,6 +56,12 @@ def _open_disk(cache_dir: str) -> Iterator[Any]:
 @click.version_option(package_name="tierkv")
 def main() -> None:
     """tierkv: a tiered KV-cache store for LLM inference."""
+
+
+# Commands kept in their own modules: the benchmarks, the prompt tools.
+main.add_command(bench)
+main.add_command(explain)
+main.add_command(lint_cmd)
 
 
 cache_dir_option = click.option(
@@ -173,7 +179,7 @@ def gc(
                 progress=lambda label: _progress(show, label),
             )
         except ConfigError as exc:
-            _fail(str(exc), 2)
+            fail(str(exc), 2)
     if as_json:
         click.echo(json.dumps(out))
     else:
@@ -248,117 +254,18 @@ def serve(config_file: str | None, cache_dir: str, **options: Any) -> None:
         from tierkv.server.config import ServeConfig
         from tierkv.server.startup import serve as run
     except ImportError as exc:
-        _fail(f"the server needs the 'serve' extra: pip install 'tierkv[serve]' ({exc})", 1)
+        fail(f"the server needs the 'serve' extra: pip install 'tierkv[serve]' ({exc})", 1)
     cli = {k: v for k, v in options.items() if v is not None}
     if cache_dir != default_cache_dir():
         cli["cache_dir"] = cache_dir
     try:
         config = ServeConfig.load(cli, config_file)
     except ConfigError as exc:
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
     try:
         run(config)
     except TierKVError as exc:
-        _fail(str(exc), 1)
-
-
-@main.command()
-@click.option("--quick", is_flag=True, help="Small sizes and few runs: proves the benchmarks run (CI).")
-@click.option(
-    "--only",
-    default="ttft,tiers,workloads,plan,scaleout",
-    show_default=True,
-    help="Comma-separated parts: ttft, tiers, workloads, plan, scaleout, restart.",
-)
-@click.option("--plan", "plan_only", is_flag=True, help="Only the break-even plan (fast).")
-@click.option(
-    "--model",
-    "model_path",
-    help="smollm2, tiny or a local Hugging Face directory: the model of the plan, the TTFT table (1K, 2K, "
-    "4K, 8K tokens), the HTTP workloads and the restart measurement.  [default: the embedded configs]",
-)
-@click.option(
-    "--config", "config_name", help="A built-in model config for --plan and ttft: default or llama-wide."
-)
-@click.option(
-    "--out",
-    "out_dir",
-    default="bench/results",
-    show_default=True,
-    help="Results folder (a machine tag is appended).",
-)
-@click.option("--runs", type=int, help="Repetitions per measurement (default 5, quick 2).")
-def bench(
-    quick: bool,
-    only: str,
-    plan_only: bool,
-    model_path: str | None,
-    config_name: str | None,
-    out_dir: str,
-    runs: int | None,
-) -> None:
-    """Cold prefill against restore from each tier, tier bandwidth, HTTP workloads, break-even."""
-    import tempfile
-
-    from tierkv.bench import machine, plan, report, restart, scaleout, tiers, ttft, workloads
-
-    parts = {"plan"} if plan_only else {p.strip() for p in only.split(",") if p.strip()}
-    if unknown := parts - {"ttft", "tiers", "workloads", "plan", "scaleout", "restart"}:
-        _fail(f"--only: unknown part(s) {', '.join(sorted(unknown))}", 2)
-    if config_name is not None and config_name not in ttft.MODELS:
-        _fail(f"--config: expected one of {', '.join(ttft.MODELS)}", 2)
-    if model_path is not None and config_name is not None:
-        _fail("give --model or --config, not both", 2)
-    runs = runs or (2 if quick else 5)
-    desc = machine.describe(".")
-    results: dict[str, Any] = {"quick": quick}
-    if model_path:
-        results["model"] = model_path
-    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=".") as tmp:
-        base = Path(tmp)
-        if "plan" in parts:
-            cm = ttft._model(model_path or config_name or "default", None)
-            results["plan"] = {
-                "measured": plan.measured(cm, base, context=256 if quick else 1024),
-                "computed": plan.computed(),
-            }
-            click.echo(plan.markdown(results["plan"]["measured"], results["plan"]["computed"]) + "\n")
-        if "ttft" in parts:
-            results["ttft"] = []
-            chosen = model_path or config_name
-            models = [chosen] if chosen else (["default"] if quick else list(ttft.MODELS))
-            for name in models:
-                lengths: tuple[int, ...] | None
-                if quick:
-                    lengths = (128, 256)
-                elif model_path:
-                    lengths = None  # the model's: 1K, 2K, 4K and 8K within its context
-                else:
-                    lengths = (512, 1024, 2048, 4096) if name == "default" else (512, 1024, 2048)
-                res = ttft.run(base, model=name, lengths=lengths, runs=runs)
-                results["ttft"].append(res)
-                click.echo(ttft.markdown(res) + "\n")
-                if model_path:
-                    click.echo(ttft.beside_seeds(res) + "\n")
-        if "tiers" in parts:
-            results["tiers"] = tiers.run(base, total_nbytes=(24 << 20) if quick else (512 << 20), runs=runs)
-            click.echo(tiers.markdown(results["tiers"]) + "\n")
-        if "workloads" in parts:
-            results["workloads"] = workloads.run(base, quick=quick, model=model_path)
-            click.echo(workloads.markdown(results["workloads"]) + "\n")
-        if "restart" in parts:
-            results["restart"] = restart.run(
-                base, model=model_path or "tiny", tokens=300 if quick else 3000, runs=1 if quick else 3
-            )
-            click.echo(restart.markdown(results["restart"]) + "\n")
-        if "scaleout" in parts:
-            results["scaleout"] = scaleout.run(base, quick=quick)
-            click.echo(scaleout.markdown(results["scaleout"]) + "\n")
-    target = Path(out_dir) / (
-        machine.tag(desc) + (f"-{Path(model_path).name}" if model_path else "") + ("-quick" if quick else "")
-    )
-    files = report.write(target, desc, results)
-    click.echo("wrote " + ", ".join(str(f) for f in files))
+        fail(str(exc), 1)
 
 
 @main.command()
@@ -387,142 +294,8 @@ def route(workers: str, host: str, port: int, prefix_chars: int, max_inflight: i
 
     urls = [w.strip() for w in workers.split(",") if w.strip()]
     if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
-        _fail("--workers: give comma-separated http(s):// URLs", 2)
+        fail("--workers: give comma-separated http(s):// URLs", 2)
     run(urls, host, port, prefix_chars, max_inflight)
-
-
-def _default_block_tokens(model_path: str | None) -> int:
-    """The block size ``tierkv serve`` picks for the model on a CPU (float32), from its config alone."""
-    from tierkv import models
-
-    if model_path is None or model_path == models.TINY:
-        from tierkv.default_model import default_config
-
-        cfg = default_config()
-    else:
-        from transformers import AutoConfig
-
-        path = str(models.resolve(model_path)) if models.is_builtin(model_path) else model_path
-        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return models.default_block_tokens(2 * cfg.num_hidden_layers * kv_heads * head_dim * 4)
-
-
-def _load_tokenizer(model_path: str | None) -> Any:
-    from tierkv import models
-
-    if model_path is None or model_path == models.TINY:
-        from tierkv.default_model import ByteTokenizer
-
-        return ByteTokenizer()
-    if models.is_builtin(model_path):
-        try:
-            model_path = str(models.resolve(model_path))
-        except ConfigError as exc:
-            _fail(str(exc), 2)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-
-
-def _read_prompt(path: str, tokenizer: Any) -> list[int]:
-    """Token ids of an OpenAI request body (chat or completion JSON), or of a plain text file."""
-    from tierkv.prompts import encode_request
-
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        _fail(f"{path}: {exc.strerror}", 2)
-    return encode_request(tokenizer, text)
-
-
-@main.command()
-@click.argument("first", type=click.Path(dir_okay=False))
-@click.argument("second", type=click.Path(dir_okay=False))
-@click.option(
-    "--model",
-    "model_path",
-    help="Tokenize as this model does: smollm2, tiny or a local Hugging Face directory.  [default: tiny]",
-)
-@click.option(
-    "--block-tokens",
-    type=int,
-    help="Tokens per cached block.  [default: as tierkv serve picks it for the model on a CPU]",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def explain(first: str, second: str, model_path: str | None, block_tokens: int | None, as_json: bool) -> None:
-    """Where SECOND stops reusing FIRST's cache, and why (OpenAI JSON bodies or plain text files)."""
-    from tierkv.explain import around, diverge
-
-    if block_tokens is None:
-        block_tokens = _default_block_tokens(model_path)
-    tok = _load_tokenizer(model_path)
-    a, b = _read_prompt(first, tok), _read_prompt(second, tok)
-    d = diverge(a, b, block_tokens)
-    out = d.to_dict()
-    if d.first_divergent_token is not None:
-        mark = ("\x1b[1;31m", "\x1b[0m") if sys.stdout.isatty() and not as_json else ("[[", "]]")
-        out["context"] = dict(zip(("first", "second"), around(tok, a, b, d.first_divergent_token, mark=mark)))
-    if as_json:
-        click.echo(json.dumps(out))
-        return
-    if d.first_divergent_token is None:
-        click.echo(f"one prompt is a prefix of the other ({d.tokens_a} and {d.tokens_b} tokens)")
-    else:
-        click.echo(
-            f"first divergent token: {d.first_divergent_token} (block {d.block} of {block_tokens} tokens)"
-        )
-    click.echo(
-        f"reused: {d.reused_tokens} tokens ({d.reused_blocks} blocks); recomputed: {d.recomputed_tokens} "
-        f"of {d.tokens_b} tokens"
-    )
-    if "context" in out:
-        click.echo(f"first:  ...{out['context']['first']}...")
-        click.echo(f"second: ...{out['context']['second']}...")
-
-
-@main.command(name="lint")
-@click.argument("template", type=click.Path(dir_okay=False))
-@click.option(
-    "--model",
-    "model_path",
-    help="Tokenize as this model does: smollm2, tiny or a local Hugging Face directory.  [default: tiny]",
-)
-@click.option(
-    "--min-tokens",
-    type=int,
-    default=64,
-    show_default=True,
-    help="Report dynamic content only with at least this many tokens after it.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def lint_cmd(template: str, model_path: str | None, min_tokens: int, as_json: bool) -> None:
-    """Flag dynamic-looking content (dates, times, ids, counters) placed before large stable content."""
-    from tierkv.explain import lint, suggestion
-    from tierkv.prompts import encode_text
-
-    tok = _load_tokenizer(model_path)
-    try:
-        text = Path(template).read_text()
-    except OSError as exc:
-        _fail(f"{template}: {exc.strerror}", 2)
-    findings = lint(text, lambda t: encode_text(tok, t, special=False), min_tokens)
-    if as_json:
-        click.echo(
-            json.dumps({"findings": [f.to_dict() for f in findings], "suggestion": suggestion(findings)})
-        )
-        return
-    for f in findings:
-        click.echo(
-            f"{template}: char {f.char_offset}, token {f.token_offset}: {f.kind} {f.text!r} "
-            f"invalidates the {f.invalidated_tokens} tokens after it"
-        )
-    click.echo(suggestion(findings))
-    if findings:
-        sys.exit(1)
 
 
 @contextmanager

@@ -1,0 +1,14 @@
+"""What the ``tierkv`` command's modules share: how a command reports an error and exits."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+__all__ = ["fail"]
+
+
+def fail(message: str, code: int) -> None:
+    click.echo(f"tierkv: error: {message}", err=True)
+    sys.exit(code)
