@@ -1,5 +1,6 @@
-"""The disk tier's LMDB index: opening (and what may be repaired, by whom), transactions, and the row
-updates that keep totals and segment counts exact.
+"""The disk tier's LMDB index: its environment, tables, format version and policy, transactions, and the
+row updates that keep totals and segment counts exact. (The owners lock and what may be repaired, by
+whom, are ``opening.py``'s.)
 
 Several processes share one index. Every decision that depends on it (is this key new or expired, is
 this still the record that was read, is this range dead) is taken inside the write transaction that
@@ -10,11 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ import lmdb
 from tierkv.errors import NamespaceConflictError, StoreFormatError, StoreOpenError
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
+from tierkv.tiers.disk.opening import open_store
 from tierkv.tiers.disk.schema import (
     DBS,
     SEG_ID,
@@ -36,16 +36,13 @@ from tierkv.tiers.disk.schema import (
     Policy,
     time_key,
 )
-from tierkv.tiers.disk.segments import fsync_dir
 from tierkv.tiers.disk.txn import TxnGate, normal_priority
 
-__all__ = ["CORRUPT", "Index", "MAP_GROW_ATTEMPTS", "Txn", "make_private_dir"]
+__all__ = ["Index", "MAP_GROW_ATTEMPTS", "Txn"]
 
 log = logging.getLogger("tierkv.disk")
 
 MAP_GROW_ATTEMPTS = 8  # doublings of the map within one write before giving up
-# Errors that mean the environment itself is damaged or foreign: only these may lead to a repair.
-CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
 T = TypeVar("T")
 Txn = Any  # lmdb.Transaction (py-lmdb ships no type information)
 
@@ -66,77 +63,13 @@ class Index:
         self.counters = counters
         self.gate = TxnGate()
         self.db: dict[str, Any] = {}
-        self._open(map_nbytes, writer)
+        self._owners = open_store(path, writer, lambda: self._open_env(map_nbytes, writer))
         self.policy = self._load_policy(policy, persist=writer)
 
     # ---------------------------------------------------------------- opening
 
-    def _open(self, map_nbytes: int, writer: bool) -> None:
-        """Every process holds ``owners.lock`` shared while it has the store open, so one that finds the
-        environment damaged can prove it is alone (exclusive) before it repairs anything: a lock-file
-        problem is repaired by recreating ``lock.mdb`` (it holds no data); a damaged ``data.mdb`` is moved
-        aside, only by a writer, and only when no other process has the store open. Anything else
-        (permissions, read-only media, memory) is a ``StoreOpenError``: the data stays."""
-        try:
-            make_private_dir(self.path)
-            self._owner_fd = _lock_owner(self.path, exclusive=False)
-        except OSError as exc:
-            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}") from exc
-        try:
-            try:
-                self._open_env(map_nbytes, writer)
-            except CORRUPT as exc:
-                self._repair(map_nbytes, writer, exc)
-        except lmdb.Error as exc:
-            hint = ""
-            if "Resource temporarily unavailable" in str(exc):  # LMDB's reader table is keyed by pid
-                hint = (
-                    "; another process with the same pid holds it: processes sharing a cache directory "
-                    "must share a PID namespace (containers: --pid=host or one pod)"
-                )
-            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}{hint}") from exc
-        except BaseException:
-            os.close(self._owner_fd)
-            raise
-
-    def _repair(self, map_nbytes: int, writer: bool, exc: lmdb.Error) -> None:
-        if not _try_exclusive(self._owner_fd):
-            raise StoreOpenError(
-                f"the store at {self.path} cannot be opened ({exc}) and other processes have it "
-                "open: stop them, then start again"
-            ) from exc
-        try:
-            lock = self.path / "index" / "lock.mdb"
-            if lock.exists():  # a lock file of another LMDB build, or damaged: recreate it and retry
-                lock.unlink()
-                try:
-                    self._open_env(map_nbytes, writer)
-                    log.warning("the store's lock file at %s was unusable (%s): recreated it", lock, exc)
-                    return
-                except CORRUPT as again:
-                    exc = again
-            if not writer:  # a reader (``tierkv stats``) never moves a store: the server owns that
-                raise StoreOpenError(
-                    f"the store at {self.path} is damaged ({exc}); the next server started "
-                    f"on it moves it aside and starts empty"
-                ) from exc
-            # Damaged meta pages, a truncated or foreign file: keep it for a post-mortem, start empty.
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-            log.error(
-                "cannot open the store at %s (%s): moved aside to %s, starting an empty store",
-                self.path,
-                exc,
-                aside,
-            )
-            self.path.rename(aside)
-            make_private_dir(self.path)
-            os.close(self._owner_fd)
-            self._owner_fd = _lock_owner(self.path, exclusive=True)
-            self._open_env(map_nbytes, writer)
-        finally:
-            fcntl.flock(self._owner_fd, fcntl.LOCK_SH)  # back to shared: others may open it now
-
     def _open_env(self, map_nbytes: int, writer: bool) -> None:
+        """Open the environment, its tables and check its format (run by ``open_store``, again to repair)."""
         self.env = lmdb.open(
             str(self.path / "index"),
             map_size=map_nbytes,
@@ -204,7 +137,7 @@ class Index:
 
     def close(self) -> None:
         self.env.close()
-        os.close(self._owner_fd)
+        self._owners.close()
 
     # ---------------------------------------------------------------- transactions
 
@@ -429,46 +362,8 @@ class Index:
             return [(BlockKey(bytes(k)), Entry.unpack(v)) for k, v in txn.cursor(db=self.db["index"])]
 
 
-def make_private_dir(path: Path) -> None:
-    """The store's directories are the owner's alone (0700): KV blocks reveal what tenants sent."""
-    existed = path.exists()
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not existed:
-        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
-    created = not existed
-    for sub in ("index", "segments"):
-        created |= not (path / sub).exists()
-        (path / sub).mkdir(mode=0o700, exist_ok=True)
-        if (path / sub).stat().st_mode & 0o077:
-            os.chmod(path / sub, 0o700)
-    if created:  # the new directories themselves must survive a power cut
-        fsync_dir(path)
-        with contextlib.suppress(OSError):
-            fsync_dir(path.parent)
-
-
 def _parse_version(raw: bytes) -> int | None:
     try:
         return int(raw)
     except ValueError:
         return None
-
-
-def _lock_owner(path: Path, exclusive: bool) -> int:
-    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open)."""
-    fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _try_exclusive(fd: int) -> bool:
-    """Upgrade our shared owner lock to exclusive if no other process holds it."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True

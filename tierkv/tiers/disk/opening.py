@@ -1,0 +1,153 @@
+"""Opening a store's directory, and what may be repaired there, by whom.
+
+The store's directories are private (0700). Every process holds ``owners.lock`` shared while it has the
+store open, so one that finds the index damaged can prove it is alone (exclusive) before it repairs
+anything: a lock-file problem is repaired by recreating ``lock.mdb`` (it holds no data); a damaged
+``data.mdb`` is moved aside, only by a writer, and only when no other process has the store open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+
+from tierkv.errors import StoreOpenError
+from tierkv.tiers.disk.segments import fsync_dir
+
+__all__ = ["CORRUPT", "OwnersLock", "make_private_dir", "open_store"]
+
+log = logging.getLogger("tierkv.disk")
+
+# Errors that mean the environment itself is damaged or foreign: only these may lead to a repair.
+CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
+
+
+class OwnersLock:
+    """``<store>/owners.lock``, flock'ed by every process that has the store open: shared, or exclusive
+    by one that repairs it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = _lock_owner(path, exclusive=False)
+
+    def try_exclusive(self) -> bool:
+        """Upgrade our shared lock to exclusive if no other process holds it."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def relock_exclusive(self) -> None:
+        """Lock the ``owners.lock`` now at ``path`` (a store just moved aside took the old one along)."""
+        os.close(self.fd)
+        self.fd = _lock_owner(self.path, exclusive=True)
+
+    def share(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def open_store(path: Path, writer: bool, open_env: Callable[[], None]) -> OwnersLock:
+    """Create the store's directories, take the owners lock shared and run ``open_env`` (which opens the
+    LMDB environment), repairing what may be repaired. Anything else (permissions, read-only media,
+    memory) is a ``StoreOpenError``: the data stays. Returns the owners lock, held until closed."""
+    try:
+        make_private_dir(path)
+        owners = OwnersLock(path)
+    except OSError as exc:
+        raise StoreOpenError(f"cannot open the store at {path}: {exc}") from exc
+    try:
+        try:
+            open_env()
+        except CORRUPT as exc:
+            _repair(path, owners, writer, open_env, exc)
+    except lmdb.Error as exc:
+        hint = ""
+        if "Resource temporarily unavailable" in str(exc):  # LMDB's reader table is keyed by pid
+            hint = (
+                "; another process with the same pid holds it: processes sharing a cache directory "
+                "must share a PID namespace (containers: --pid=host or one pod)"
+            )
+        raise StoreOpenError(f"cannot open the store at {path}: {exc}{hint}") from exc
+    except BaseException:
+        owners.close()
+        raise
+    return owners
+
+
+def _repair(
+    path: Path, owners: OwnersLock, writer: bool, open_env: Callable[[], None], exc: lmdb.Error
+) -> None:
+    if not owners.try_exclusive():
+        raise StoreOpenError(
+            f"the store at {path} cannot be opened ({exc}) and other processes have it "
+            "open: stop them, then start again"
+        ) from exc
+    try:
+        lock = path / "index" / "lock.mdb"
+        if lock.exists():  # a lock file of another LMDB build, or damaged: recreate it and retry
+            lock.unlink()
+            try:
+                open_env()
+                log.warning("the store's lock file at %s was unusable (%s): recreated it", lock, exc)
+                return
+            except CORRUPT as again:
+                exc = again
+        if not writer:  # a reader (``tierkv stats``) never moves a store: the server owns that
+            raise StoreOpenError(
+                f"the store at {path} is damaged ({exc}); the next server started "
+                f"on it moves it aside and starts empty"
+            ) from exc
+        # Damaged meta pages, a truncated or foreign file: keep it for a post-mortem, start empty.
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        log.error(
+            "cannot open the store at %s (%s): moved aside to %s, starting an empty store",
+            path,
+            exc,
+            aside,
+        )
+        path.rename(aside)
+        make_private_dir(path)
+        owners.relock_exclusive()
+        open_env()
+    finally:
+        owners.share()  # back to shared: others may open it now
+
+
+def make_private_dir(path: Path) -> None:
+    """The store's directories are the owner's alone (0700): KV blocks reveal what tenants sent."""
+    existed = path.exists()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not existed:
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    created = not existed
+    for sub in ("index", "segments"):
+        created |= not (path / sub).exists()
+        (path / sub).mkdir(mode=0o700, exist_ok=True)
+        if (path / sub).stat().st_mode & 0o077:
+            os.chmod(path / sub, 0o700)
+    if created:  # the new directories themselves must survive a power cut
+        fsync_dir(path)
+        with contextlib.suppress(OSError):
+            fsync_dir(path.parent)
+
+
+def _lock_owner(path: Path, exclusive: bool) -> int:
+    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open)."""
+    fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
