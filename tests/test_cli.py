@@ -132,3 +132,23 @@ def test_unreadable_store_is_one_line_exit_2_and_kept(store_dir, command) -> Non
     assert "Permission denied" in r.stderr
     r = CliRunner().invoke(main, ["stats", "--cache-dir", str(store_dir), "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["blocks"] == 8  # the data stayed where it was
+
+
+def test_serve_engine_vllm_without_vllm_is_one_line_and_exit_2(monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    from tierkv.cli import main
+    from tierkv.integrations import vllm_serve
+
+    monkeypatch.setattr(vllm_serve, "vllm_python", lambda: None)  # as in the main venv: no vLLM
+    r = CliRunner().invoke(main, ["serve", "--engine", "vllm", "--model", "smollm2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "scripts/setup.sh vllm" in r.output, r.output
+
+
+def test_serve_rejects_unknown_options_unless_for_vllm() -> None:
+    from click.testing import CliRunner
+
+    from tierkv.cli import main
+
+    r = CliRunner().invoke(main, ["serve", "--bogus"])
+    assert r.exit_code == 2 and "--bogus" in r.output

@@ -191,7 +191,15 @@ def gc(
         )
 
 
-@main.command()
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option(
+    "--engine",
+    type=click.Choice(["transformers", "vllm"]),
+    default="transformers",
+    show_default=True,
+    help="transformers: one request at a time, exact (this package's server); vllm: vLLM's OpenAI server with "
+    "tierkv as its KV connector (needs `scripts/setup.sh vllm`; options after -- go to vLLM).",
+)
 @click.option(
     "--config", "config_file", type=click.Path(dir_okay=False), help="A TOML file of these options."
 )
@@ -248,8 +256,13 @@ def gc(
 @click.option("--max-context", type=int, help="Context length (default: the model's).")
 @click.option("--max-body", help="Largest request body, past it 413.  [default: 8MiB]")
 @click.option("--body-timeout", help="Time to receive a request body, past it 408.  [default: 30s]")
-def serve(config_file: str | None, cache_dir: str, **options: Any) -> None:
+@click.pass_context
+def serve(ctx: click.Context, engine: str, config_file: str | None, cache_dir: str, **options: Any) -> None:
     """Run the OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; /metrics; /health)."""
+    if engine == "vllm":
+        _serve_vllm(ctx, config_file, cache_dir, options)
+    if ctx.args:
+        fail(f"unknown option(s): {' '.join(ctx.args)} (extra arguments are for --engine vllm)", 2)
     try:
         from tierkv.server.config import ServeConfig
         from tierkv.server.startup import serve as run
@@ -266,6 +279,20 @@ def serve(config_file: str | None, cache_dir: str, **options: Any) -> None:
         run(config)
     except TierKVError as exc:
         fail(str(exc), 1)
+
+
+def _serve_vllm(ctx: click.Context, config_file: str | None, cache_dir: str, options: dict[str, Any]) -> None:
+    from tierkv.integrations.vllm_serve import serve_vllm
+    from tierkv.server.config import ServeConfig
+
+    cli = {k: v for k, v in options.items() if v is not None}
+    if cache_dir != default_cache_dir():
+        cli["cache_dir"] = cache_dir
+    try:
+        config = ServeConfig.load(cli, config_file)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+    sys.exit(serve_vllm(config, ctx.args))
 
 
 @main.command()
