@@ -23,6 +23,7 @@ import torch
 
 from tierkv import TieredStore
 from tierkv.tiers.disk import index as index_mod
+from tierkv.tiers.disk import segment_writer as segment_writer_mod
 from tierkv.tiers.disk import segments as segments_mod
 
 from helpers import make_kv
@@ -43,7 +44,8 @@ class Op:
 
 
 class RecordingOS:
-    """Stands in for ``os`` inside ``tierkv.tiers.disk.segments``: records what reaches the file layer."""
+    """Stands in for ``os`` inside ``tierkv.tiers.disk.segments`` and ``segment_writer``: records what
+    reaches the file layer."""
 
     def __init__(self, log: list[Op]) -> None:
         self._log = log
@@ -160,7 +162,9 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
     """Saves, flushes, an expiry and re-save, a budget eviction, purges and a compaction, recorded."""
     log: list[Op] = []
     now = [1000.0]
-    monkeypatch.setattr(segments_mod, "os", RecordingOS(log))
+    recording = RecordingOS(log)
+    monkeypatch.setattr(segments_mod, "os", recording)
+    monkeypatch.setattr(segment_writer_mod, "os", recording)
     real_punch = segments_mod.punch_hole
 
     def punch(fd: int, offset: int, nbytes: int) -> bool:
@@ -292,7 +296,7 @@ def test_the_harness_catches_a_missing_sync(tmp_path, ns, monkeypatch) -> None:
     """Without the segment's fdatasync before the index commit, some crash state serves damaged records:
     the harness would see it (so its passing above means something)."""
     monkeypatch.setattr(
-        segments_mod.SegmentWriter, "__init__", _no_sync_init(segments_mod.SegmentWriter.__init__)
+        segment_writer_mod.SegmentWriter, "__init__", _no_sync_init(segment_writer_mod.SegmentWriter.__init__)
     )
     src = tmp_path / "src"
     log, base_index = record_workload(src, ns, monkeypatch)

@@ -1,5 +1,5 @@
-"""The disk tier's segment files (tiers/disk/segments.py) on real files: appends, reads, scatter reads,
-hole punching, the read-descriptor cache, writer locks and temp-file cleanup."""
+"""The disk tier's segment files (tiers/disk/segments.py, segment_writer.py) on real files: appends,
+reads, scatter reads, hole punching, the read-descriptor cache, writer locks and temp-file cleanup."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import time
 import pytest
 
 from tierkv.tiers.disk import segments as seg_mod
-from tierkv.tiers.disk.segments import ALIGN, SegmentDir, SegmentWriter, aligned
+from tierkv.tiers.disk.segment_writer import SegmentWriter
+from tierkv.tiers.disk.segments import ALIGN, SegmentDir, aligned
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ with large ``preadv`` calls on several threads, adjacent records coalesced into 
 Space comes back without compaction: a deleted record's pages are released with
 ``fallocate(PUNCH_HOLE)``, so the disk footprint is the live bytes; a segment with no live record left is
 unlinked.
+
+This module is the folder of segments and reading them; appending is ``segment_writer.py``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ __all__ = [
     "MAX_READ_FDS",
     "READ_CHUNK_NBYTES",
     "SegmentDir",
-    "SegmentWriter",
     "aligned",
     "fsync_dir",
     "punch_hole",
@@ -46,7 +47,6 @@ READ_CHUNK_NBYTES = 8 << 20  # one preadv per chunk; several in flight keep the 
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv / pwritev
 MAX_READ_FDS = 256  # cached read descriptors (two per segment); least recently used closed past it
 _TEMP = ".new-"  # a segment being created: <id>.seg.new-<pid>-<tid>, renamed once locked
-_ZEROS = memoryview(bytes(ALIGN))  # page padding between records
 _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
 
@@ -387,65 +387,3 @@ class SegmentDir:
         if self._buf is not None:
             self._buf.close()
             self._buf = None
-
-
-class SegmentWriter:
-    """Appends records to one segment file; owned by the disk tier's writer thread.
-
-    The file is created under a temporary name, locked (flock, held until ``close``) and only then given
-    its name, so every segment file another process can see is locked for as long as its writer lives:
-    ``SegmentDir.is_active`` tells a live writer's segment from a dead one's without trusting pids.
-    """
-
-    def __init__(self, segments: SegmentDir, seg_id: int, sync: bool) -> None:
-        self.seg_id = seg_id
-        self.sync = sync
-        final = segments.file(seg_id)
-        temp = final.with_name(f"{final.name}{_TEMP}{os.getpid()}-{threading.get_native_id()}")
-        self.fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # A file of this id can exist only if a power cut lost the index commit that allocated the id:
-            # nothing indexed can point into it, so replacing it is safe.
-            os.rename(temp, final)
-            if sync:  # the new name must survive a power cut before any record in it is indexed
-                fsync_dir(segments.path)
-        except BaseException:
-            os.close(self.fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-            raise
-        self.end = 0
-
-    def append(self, records: Sequence[Sequence[bytes | memoryview]]) -> list[int]:
-        """Write records (each a list of buffers) back to back, each padded to a page, with gathered
-        writes (no joining copy); make them durable; return their offsets."""
-        offsets: list[int] = []
-        parts: list[memoryview] = []
-        pos = self.end
-        for rec in records:
-            offsets.append(pos)
-            views = [memoryview(b).cast("B") for b in rec]
-            nbytes = sum(v.nbytes for v in views)
-            parts += views
-            if aligned(nbytes) > nbytes:
-                parts.append(_ZEROS[: aligned(nbytes) - nbytes])
-            pos += aligned(nbytes)
-        at = self.end
-        while parts:
-            n = os.pwritev(self.fd, parts[:_IOV_MAX], at)  # at most IOV_MAX buffers per call
-            if n <= 0:
-                raise OSError(errno.EIO, "short write to segment")
-            at += n
-            while parts and n >= parts[0].nbytes:  # a short write resumes mid-buffer
-                n -= parts[0].nbytes
-                parts = parts[1:]
-            if n:
-                parts[0] = parts[0][n:]
-        if self.sync:
-            os.fdatasync(self.fd)
-        self.end = pos
-        return offsets
-
-    def close(self) -> None:
-        os.close(self.fd)  # releases the flock: the segment is now inactive for every process

@@ -23,7 +23,8 @@ from tierkv.metrics import Counters
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import Entry, Hole
-from tierkv.tiers.disk.segments import SegmentDir, SegmentWriter, aligned
+from tierkv.tiers.disk.segment_writer import SegmentWriter
+from tierkv.tiers.disk.segments import SegmentDir, aligned
 from tierkv.tiers.disk.txn import idle_priority
 
 __all__ = [
