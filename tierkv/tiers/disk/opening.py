@@ -72,6 +72,7 @@ def open_store(path: Path, writer: bool, open_env: Callable[[], None]) -> Owners
         except CORRUPT as exc:
             _repair(path, owners, writer, open_env, exc)
     except lmdb.Error as exc:
+        owners.close()  # this process does not own the store after all: no shared lock left behind
         hint = ""
         if "Resource temporarily unavailable" in str(exc):  # LMDB's reader table is keyed by pid
             hint = (
