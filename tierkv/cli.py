@@ -264,35 +264,33 @@ def serve(ctx: click.Context, engine: str, config_file: str | None, cache_dir: s
     if ctx.args:
         fail(f"unknown option(s): {' '.join(ctx.args)} (extra arguments are for --engine vllm)", 2)
     try:
-        from tierkv.server.config import ServeConfig
         from tierkv.server.startup import serve as run
     except ImportError as exc:
         fail(f"the server needs the 'serve' extra: pip install 'tierkv[serve]' ({exc})", 1)
-    cli = {k: v for k, v in options.items() if v is not None}
-    if cache_dir != default_cache_dir():
-        cli["cache_dir"] = cache_dir
-    try:
-        config = ServeConfig.load(cli, config_file)
-    except ConfigError as exc:
-        fail(str(exc), 2)
+    config = _serve_config(config_file, cache_dir, options)
     try:
         run(config)
     except TierKVError as exc:
         fail(str(exc), 1)
 
 
-def _serve_vllm(ctx: click.Context, config_file: str | None, cache_dir: str, options: dict[str, Any]) -> None:
-    from tierkv.integrations.vllm_serve import serve_vllm
+def _serve_config(config_file: str | None, cache_dir: str, options: dict[str, Any]) -> Any:
+    """serve's options as a ServeConfig (defaults < file < environment < command line)."""
     from tierkv.server.config import ServeConfig
 
     cli = {k: v for k, v in options.items() if v is not None}
     if cache_dir != default_cache_dir():
         cli["cache_dir"] = cache_dir
     try:
-        config = ServeConfig.load(cli, config_file)
+        return ServeConfig.load(cli, config_file)
     except ConfigError as exc:
         fail(str(exc), 2)
-    sys.exit(serve_vllm(config, ctx.args))
+
+
+def _serve_vllm(ctx: click.Context, config_file: str | None, cache_dir: str, options: dict[str, Any]) -> None:
+    from tierkv.integrations.vllm_serve import serve_vllm
+
+    sys.exit(serve_vllm(_serve_config(config_file, cache_dir, options), ctx.args))
 
 
 @main.command()

@@ -14,21 +14,29 @@ from typing import Any
 import torch
 import xxhash
 
-__all__ = ["config_hash", "weights_fingerprint"]
+__all__ = ["VOLATILE_CONFIG_KEYS", "config_hash", "stable_config", "weights_fingerprint"]
+
+
+# Config entries that do not change the KV: where the model was loaded from, library versions, the load
+# dtype (the namespace has its own), how attention was picked.
+VOLATILE_CONFIG_KEYS = (
+    "_name_or_path",
+    "transformers_version",
+    "_commit_hash",
+    "torch_dtype",
+    "dtype",
+    "_attn_implementation_autoset",
+    "_attn_implementation_internal",
+)
+
+
+def stable_config(config: dict[str, Any], also: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``config`` without ``VOLATILE_CONFIG_KEYS`` (and ``also``)."""
+    return {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS and k not in also}
 
 
 def config_hash(model: Any) -> str:
-    cfg = model.config.to_dict()
-    for volatile in (
-        "_name_or_path",
-        "transformers_version",
-        "_commit_hash",
-        "torch_dtype",
-        "dtype",
-        "_attn_implementation_autoset",
-        "_attn_implementation_internal",
-    ):
-        cfg.pop(volatile, None)
+    cfg = stable_config(model.config.to_dict())
     return xxhash.xxh3_128_hexdigest(json.dumps(cfg, sort_keys=True, default=str).encode())
 
 

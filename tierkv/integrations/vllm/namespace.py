@@ -28,6 +28,7 @@ from typing import Any
 
 import xxhash
 
+from tierkv.fingerprint import stable_config
 from tierkv.keys import Namespace
 
 log = logging.getLogger("vllm.tierkv")
@@ -35,16 +36,7 @@ log = logging.getLogger("vllm.tierkv")
 __all__ = ["checkpoint_fingerprint", "kv_namespace", "layout_tag", "unsupported", "with_epoch"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
-_VOLATILE_CONFIG_KEYS = (
-    "_name_or_path",
-    "transformers_version",
-    "_commit_hash",
-    "torch_dtype",
-    "dtype",
-    "_attn_implementation_autoset",
-    "_attn_implementation_internal",
-    "_attn_implementation",
-)
+_ALSO_VOLATILE = ("_attn_implementation",)  # beside fingerprint.VOLATILE_CONFIG_KEYS
 
 
 def _kv_group(kv_cache_config: Any) -> Any:
@@ -117,9 +109,9 @@ def checkpoint_fingerprint(model: str) -> str | None:
 
 
 def _config_hash(hf_config: Any) -> str:
-    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
-    for key in _VOLATILE_CONFIG_KEYS:
-        cfg.pop(key, None)
+    cfg = stable_config(
+        hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config)), _ALSO_VOLATILE
+    )
     return xxhash.xxh3_64_hexdigest(json.dumps(cfg, sort_keys=True, default=str).encode())
 
 
