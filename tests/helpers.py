@@ -43,6 +43,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A throwaway redis: no snapshots, no append-only file, loopback only.
+REDIS_EPHEMERAL = ("--save", "", "--appendonly", "no", "--protected-mode", "yes")
+
+
 class ServerProcess:
     """``tierkv serve`` in a subprocess on a free loopback port; ``stop()`` sends SIGTERM."""
 
@@ -123,20 +127,7 @@ class RedisServer:
         import time
 
         self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-                *self.extra,
-            ],
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *REDIS_EPHEMERAL, *self.extra],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -12,14 +12,7 @@ from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, layer_kv, 
 from tierkv.default_model import build_default_model
 from tierkv.errors import ConfigError
 
-TINY = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
+from test_worker import TINY  # the small random model the worker tests use
 
 
 @pytest.fixture(scope="module")

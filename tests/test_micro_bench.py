@@ -4,19 +4,12 @@
 import pytest
 import torch
 
-from tierkv import Namespace, TieredStore, block_keys, codec
+from tierkv import TieredStore, block_keys, codec
+from tierkv.bench import tiers as tiers_bench
 from tierkv.keys import root_key, tokens_to_bytes
 from tierkv.layout import KVSpec
 
-NS = Namespace(
-    model_id="bench",
-    revision="0",
-    dtype="float32",
-    num_layers=6,
-    num_kv_heads=4,
-    head_dim=64,
-    block_tokens=64,
-)
+NS = tiers_bench.NS  # the embedded model's KV layout, as the tiers benchmark uses it
 SPEC = KVSpec.of(NS)
 
 

@@ -65,14 +65,17 @@ def _read_prompt(path: str, tokenizer: Any) -> list[int]:
     return encode_request(tokenizer, text)
 
 
-@click.command()
-@click.argument("first", type=click.Path(dir_okay=False))
-@click.argument("second", type=click.Path(dir_okay=False))
-@click.option(
+model_option = click.option(
     "--model",
     "model_path",
     help="Tokenize as this model does: smollm2, tiny or a local Hugging Face directory.  [default: tiny]",
 )
+
+
+@click.command()
+@click.argument("first", type=click.Path(dir_okay=False))
+@click.argument("second", type=click.Path(dir_okay=False))
+@model_option
 @click.option(
     "--block-tokens",
     type=int,
@@ -112,11 +115,7 @@ def explain(first: str, second: str, model_path: str | None, block_tokens: int |
 
 @click.command(name="lint")
 @click.argument("template", type=click.Path(dir_okay=False))
-@click.option(
-    "--model",
-    "model_path",
-    help="Tokenize as this model does: smollm2, tiny or a local Hugging Face directory.  [default: tiny]",
-)
+@model_option
 @click.option(
     "--min-tokens",
     type=int,

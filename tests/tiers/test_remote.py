@@ -10,7 +10,7 @@ import torch
 from tierkv import TieredStore
 from tierkv.tiers.remote import CircuitBreaker
 
-from helpers import ServerProcess, make_kv
+from helpers import REDIS_EPHEMERAL, ServerProcess, make_kv
 
 
 def test_a_prefix_saved_by_worker_a_is_a_remote_hit_on_worker_b(tmp_path, ns, redis_server) -> None:
@@ -134,14 +134,7 @@ def test_redis_cluster(tmp_path, ns) -> None:
         subprocess.Popen(
             [
                 "redis-server",
-                "--port",
-                str(p),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
+                *("--port", str(p), "--bind", "127.0.0.1", *REDIS_EPHEMERAL),
                 "--cluster-enabled",
                 "yes",
                 "--cluster-config-file",

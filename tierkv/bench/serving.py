@@ -19,6 +19,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVE_DEFAULTS = (
+    "--host-cache",
+    "1GiB",
+    "--max-queue",
+    "64",
+)  # the benchmarks' servers, before their own args
+
+
 class ServeProcess:
     """``tierkv serve ARGS`` in a subprocess on a free loopback port, once it answers /health; ``chat`` streams."""
 
@@ -27,19 +35,7 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tierkv.cli",
-                "serve",
-                "--port",
-                str(self.port),
-                "--host-cache",
-                "1GiB",
-                "--max-queue",
-                "64",
-                *args,
-            ],
+            [sys.executable, "-m", "tierkv.cli", "serve", "--port", str(self.port), *SERVE_DEFAULTS, *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -121,4 +117,4 @@ def start_router(worker_urls: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
-__all__ = ["ServeProcess", "free_port", "start_router"]
+__all__ = ["SERVE_DEFAULTS", "ServeProcess", "free_port", "start_router"]
