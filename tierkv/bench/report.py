@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,31 +41,16 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
                 ttft.beside_seeds(res),
                 "",
             ]
-    if "tiers" in results:
-        md += ["## Tier bandwidth", "", tiers.markdown(results["tiers"]), ""]
-    if "workloads" in results:
-        md += ["## Workloads through the HTTP server", "", workloads.markdown(results["workloads"]), ""]
-    if "restart" in results:
-        md += [
-            "## A long prompt through HTTP: cold, again, after a restart",
-            "",
-            restart.markdown(results["restart"]),
-            "",
-        ]
-    if "scaleout" in results:
-        md += [
-            "## Two workers: shared remote tier and prefix-aware routing",
-            "",
-            scaleout.markdown(results["scaleout"]),
-            "",
-        ]
-    if "plan" in results:
-        md += [
-            "## Break-even",
-            "",
-            plan.markdown(results["plan"].get("measured"), results["plan"]["computed"]),
-            "",
-        ]
+    sections: list[tuple[str, str, Callable[[Any], str]]] = [
+        ("tiers", "Tier bandwidth", tiers.markdown),
+        ("workloads", "Workloads through the HTTP server", workloads.markdown),
+        ("restart", "A long prompt through HTTP: cold, again, after a restart", restart.markdown),
+        ("scaleout", "Two workers: shared remote tier and prefix-aware routing", scaleout.markdown),
+        ("plan", "Break-even", lambda p: plan.markdown(p.get("measured"), p["computed"])),
+    ]
+    for part, title, markdown in sections:
+        if part in results:
+            md += [f"## {title}", "", markdown(results[part]), ""]
     files = [out_dir / "results.json", out_dir / "README.md"]
     files += _plots(out_dir, results)
     md += [f"![{p.stem}]({p.name})" for p in files[2:]]
