@@ -171,3 +171,21 @@ def test_a_writer_that_falls_behind_never_starves_the_host_tier(tmp_path, ns, mo
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         hit, got = store.restore(ns, toks)
         assert hit.by_tier["disk"] == 16 * 12 and torch.equal(got, kv)
+
+
+def test_blocks_for_another_device_are_copied_one_run_at_a_time() -> None:
+    from tierkv.store import _blocks_on
+
+    B = 4
+    dest = (
+        torch.arange(10 * B, dtype=torch.float32).view(1, 1, 10 * B, 1, 1).expand(2, 2, -1, 1, 1).contiguous()
+    )
+    idx = [0, 1, 2, 5, 6, 9]
+    got = list(_blocks_on(torch.device("meta"), dest, idx, B))
+    assert [i for i, _ in got] == idx and all(b.shape == (2, 2, B, 1, 1) and b.is_meta for _, b in got)
+    parts = [b._base for _, b in got]  # the copied run each block is a view of
+    assert [len({id(p) for p in parts[a:b]}) for a, b in ((0, 3), (3, 5), (5, 6))] == [1, 1, 1]
+    assert len({id(p) for p in parts}) == 3  # one copy per run of consecutive blocks: 0-2, 5-6, 9
+    assert [p.shape[2] for p in (parts[0], parts[3], parts[5])] == [3 * B, 2 * B, B]
+    same = list(_blocks_on(dest.device, dest, idx, B))
+    assert all(torch.equal(b, dest[:, :, i * B : (i + 1) * B]) for i, b in same)

@@ -40,6 +40,7 @@ __all__ = [
     "check_expected",
     "check_raw_pieces",
     "decode",
+    "decode_record",
     "decode_header",
     "decode_payload",
     "encode",
@@ -246,9 +247,14 @@ def decode(buf: bytes | memoryview, expected: Expected) -> memoryview | bytes:
 
     The returned buffer may be a view into ``buf`` (raw codec): copy it before ``buf`` dies.
     """
+    return decode_record(buf, expected)[1]
+
+
+def decode_record(buf: bytes | memoryview, expected: Expected) -> tuple[Header, memoryview | bytes]:
+    """``decode``, with the record's header (its creation time, say)."""
     header, token_bytes, stored = decode_header(buf)
     check_expected(header, token_bytes, expected)
-    return decode_payload(header, stored)
+    return header, decode_payload(header, stored)
 
 
 def decode_payload(header: Header, stored: memoryview) -> memoryview | bytes:

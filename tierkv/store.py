@@ -74,15 +74,10 @@ def _blocks_on(
     if dest.device == device:
         yield from ((i, dest[:, :, i * B : (i + 1) * B]) for i in idx)
         return
-    start = 0
-    while start < len(idx):
-        end = start + 1
-        while end < len(idx) and idx[end] == idx[end - 1] + 1:
-            end += 1
-        first = idx[start]
-        part = dest[:, :, first * B : (idx[end - 1] + 1) * B].to(device)
-        yield from ((i, part[:, :, (i - first) * B : (i - first + 1) * B]) for i in idx[start:end])
-        start = end
+    for _, a, b in _runs([i - j for j, i in enumerate(idx)]):  # equal within a run of consecutive blocks
+        first = idx[a]
+        part = dest[:, :, first * B : (idx[b - 1] + 1) * B].to(device)
+        yield from ((i, part[:, :, (i - first) * B : (i - first + 1) * B]) for i in idx[a:b])
 
 
 class TieredStore:

@@ -221,9 +221,7 @@ class RemoteTier(Tier):
         def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
             for i in range(i0, i0 + n):
                 try:
-                    header, token_bytes, stored = codec.decode_header(records[i - first])
-                    codec.check_expected(header, token_bytes, expected(chain, i))
-                    payload = codec.decode_payload(header, stored)
+                    header, payload = codec.decode_record(records[i - first], expected(chain, i))
                     target.created_s[i] = header.created_s  # its age goes with it: max-age still applies
                 except RecordError:
                     self.counters.add("remote", "corrupt_blocks")
