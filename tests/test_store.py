@@ -189,3 +189,29 @@ def test_blocks_for_another_device_are_copied_one_run_at_a_time() -> None:
     assert [p.shape[2] for p in (parts[0], parts[3], parts[5])] == [3 * B, 2 * B, B]
     same = list(_blocks_on(dest.device, dest, idx, B))
     assert all(torch.equal(b, dest[:, :, i * B : (i + 1) * B]) for i, b in same)
+
+
+@pytest.mark.parametrize("host_bytes", [2**20, 0], ids=["host", "disk"])
+def test_restore_from_start_block_reads_only_the_blocks_after_it(tmp_path, ns, host_bytes) -> None:
+    """An engine that holds blocks 0..1 itself asks for the rest: those two are neither probed nor read
+    (here the store does not even have them), and its rows for them are left alone."""
+    toks = list(range(96))  # 6 blocks of 16
+    kv = make_kv(ns, 96)
+    with TieredStore.open(tmp_path, host_bytes=host_bytes) as store:
+        assert store.save(ns, toks, kv, start_block=2) == 4
+        store.flush()
+        assert store.load(ns, toks) == (0, None)  # block 0 is not cached: from 0, a miss
+        out = torch.full((ns.num_layers, 2, 96, ns.num_kv_heads, ns.head_dim), 7.0, dtype=torch.float16)
+        hit, got = store.restore(ns, toks, out=out, start_block=2)
+        tier = "host" if host_bytes else "disk"
+        assert hit.num_blocks == 6 and hit.num_tokens == 96 and hit.by_tier[tier] == 64
+        assert got is not None and got.data_ptr() == out.data_ptr()
+        assert torch.equal(out[:, :, 32:], kv[:, :, 32:]) and bool((out[:, :, :32] == 7).all())
+        assert store.stats()[tier]["hit_blocks"] == 4
+        hit, got = store.restore(ns, toks, start_block=6)  # the caller holds them all: nothing to read
+        assert hit.num_blocks == 0 and got is None
+        store.save(ns, toks[:32] + [5] * 64, make_kv(ns, 96), start_block=2)  # another suffix
+        hit, _ = store.restore(ns, toks[:32] + [9] * 64, start_block=2)
+        assert hit.num_blocks == 0  # nothing cached from block 2 of this prompt: a miss
+        with pytest.raises(ConfigError, match="start_block"):
+            store.restore(ns, toks, start_block=7)

@@ -203,20 +203,20 @@ class TieredStore:
 
     # ---------------------------------------------------------------- lookup and restore
 
-    def _sources(self, chain: BlockChain) -> list[int]:
-        """Per block of the cached prefix, the index of the fastest tier holding it (the prefix ends at
-        the first block no tier holds)."""
-        src: list[int | None] = [None] * len(chain)
-        todo = list(range(len(chain)))
+    def _sources(self, chain: BlockChain, start: int = 0) -> list[int]:
+        """Per block ``start + j`` of the cached run from ``start``, the index of the fastest tier holding
+        it (the run ends at the first block no tier holds)."""
+        src: dict[int, int] = {}
+        todo = list(range(start, len(chain)))
         for k, tier in enumerate(self.tiers):
             if not todo:
                 break
             for i, has in zip(todo, tier.probe(chain, todo)):
                 if has:
                     src[i] = k
-            todo = [i for i in todo if src[i] is None]
-        n = next((i for i, k in enumerate(src) if k is None), len(src))
-        return [k for k in src[:n] if k is not None]
+            todo = [i for i in todo if i not in src]
+        n = next((i for i in range(start, len(chain)) if i not in src), len(chain))
+        return [src[i] for i in range(start, n)]
 
     def lookup(self, ns: Namespace, token_ids: Tokens) -> Hit:
         """How many leading tokens are cached, and where. Reads no payload, changes nothing."""
@@ -238,9 +238,15 @@ class TieredStore:
         return hit.num_tokens, kv
 
     def restore(
-        self, ns: Namespace, token_ids: Tokens, out: torch.Tensor | None = None
+        self, ns: Namespace, token_ids: Tokens, out: torch.Tensor | None = None, *, start_block: int = 0
     ) -> tuple[Hit, torch.Tensor | None]:
-        """Like ``load``, with the ``Hit`` (tokens per tier, restore time)."""
+        """Like ``load``, with the ``Hit`` (tokens per tier, restore time).
+
+        ``start_block`` > 0: the caller holds blocks ``0..start_block-1`` already (an engine's own prefix
+        cache); they are neither probed nor read, and ``out``'s rows for them are left as they are. The
+        hit then still counts from token 0 (``num_blocks`` = ``start_block`` + the blocks read;
+        ``by_tier`` only the blocks read), and is a miss when not even block ``start_block`` is cached.
+        """
         t0 = time.perf_counter()
         chain = _chain(ns, token_ids)
         spec = KVSpec.of(ns)
@@ -249,24 +255,30 @@ class TieredStore:
         if out is not None:
             self._check_kv(ns, out, 0)
             chain = chain.prefix(out.shape[2] // B)
-        if not len(chain):
+        if not 0 <= start_block <= len(chain):
+            raise ConfigError(f"start_block {start_block} must be in 0..{len(chain)} (the prompt's blocks)")
+        if len(chain) == start_block:
             return Hit(0, by_tier), None
         for tier in self.tiers:
             tier.requested(chain)
-        src = self._sources(chain)
+        src = self._sources(chain, start_block)
         if not src:
-            self.counters.add("store", "miss_blocks", len(chain))
+            self.counters.add("store", "miss_blocks", len(chain) - start_block)
             return Hit(0, by_tier), None
-        dest = out if out is not None else torch.empty(spec.shape(len(src) * B), dtype=spec.dtype)
-        n = 0
+        n = start_block + len(src)
+        dest = out if out is not None else torch.empty(spec.shape(n * B), dtype=spec.dtype)
         with self._stagers.target(dest, spec) as target:
             for k, first, end in _runs(src):
+                first, end = first + start_block, end + start_block
                 got = self.tiers[k].read_into(chain, first, end - first, target)
                 by_tier[self.tiers[k].name] += got * B
                 n = first + got
                 if got < end - first:
                     break
-        self._spread(chain, src[:n], dest, target.created_s)
+        if n == start_block:  # the first block read failed verification
+            self.counters.add("store", "miss_blocks", len(chain) - start_block)
+            return Hit(0, by_tier), None
+        self._spread(chain, src[: n - start_block], dest, target.created_s, start_block)
         self.counters.add("store", "miss_blocks", len(chain) - n)
         for name, tokens in by_tier.items():
             if tokens:
@@ -275,7 +287,12 @@ class TieredStore:
         return Hit(n * B, by_tier, n, time.perf_counter() - t0), (dest[:, :, : n * B] if n else None)
 
     def _spread(
-        self, chain: BlockChain, src: Sequence[int], dest: torch.Tensor, created_s: dict[int, float]
+        self,
+        chain: BlockChain,
+        src: Sequence[int],
+        dest: torch.Tensor,
+        created_s: dict[int, float],
+        start: int = 0,
     ) -> None:
         """After a restore: blocks read from a slower tier are written into the faster ones (memory tiers
         now, so the next request hits there; record tiers behind); slower tiers refresh the blocks served
@@ -283,8 +300,8 @@ class TieredStore:
         B = chain.ns.block_tokens
         wants: dict[Tier, list[int]] = {}
         for j, tier in enumerate(self.tiers):
-            below = [i for i, k in enumerate(src) if k > j]  # read from a slower tier
-            above = [i for i, k in enumerate(src) if k < j]
+            below = [start + i for i, k in enumerate(src) if k > j]  # read from a slower tier
+            above = [start + i for i, k in enumerate(src) if k < j]
             if isinstance(tier, BlockPool):
                 if tier.device == dest.device or tier.device.type == "cpu":
                     for i, block in _blocks_on(tier.device, dest, below, B):

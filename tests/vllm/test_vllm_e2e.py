@@ -2,8 +2,10 @@
 
     base     no connector: the reference tokens and logprobs
     save     a cold store: P and Q computed and saved; P again under another tenant's cache_salt
-    load     a new process on the same directory: a third tenant shares nothing, P and Q restore from
-             tierkv (whole blocks, the last token left to compute), the second tenant gets its own blocks
+    load     a new process on the same directory: a third tenant shares nothing; R (P's first 3 blocks,
+             then other tokens) restores those 3; P then restores only blocks 3 and 4 (vLLM's own prefix
+             cache holds 0..2 now); Q restores from tierkv (whole blocks, the last token left to
+             compute); the second tenant gets its own blocks
     corrupt  block 2 of P damaged on disk: blocks 0 and 1 load, the rest is recomputed, the output is
              unchanged, and the damaged block is saved again
 ``tierkv gc --check`` (the CLI, as an operator runs it beside vLLM) finds the store clean after each.
@@ -21,6 +23,7 @@ from vllm_engine import Engine, tierkv_cli
 B = 128  # vLLM's CPU block size (the default)
 P = random.Random(1).choices(range(3, 500), k=5 * B + 60)  # 5 whole blocks and a partial one
 Q = random.Random(2).choices(range(3, 500), k=5 * B)  # exactly 5 blocks: the last one is recomputed
+R = P[: 3 * B] + random.Random(3).choices(range(3, 500), k=100)
 
 
 def _cached(result: dict, i: int) -> int:
@@ -78,7 +81,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict:
     out["stats_save"] = tierkv_cli("stats", "--cache-dir", str(cache))
     out["load"] = engine.run(
         "load",
-        [{"tokens": P, "salt": "tenant-c"}, {"tokens": P}, {"tokens": Q}, {"tokens": P, "salt": "tenant-b"}],
+        [
+            {"tokens": P, "salt": "tenant-c"},
+            {"tokens": R},
+            {"tokens": P},
+            {"tokens": Q},
+            {"tokens": P, "salt": "tenant-b"},
+        ],
         connector,
     )
     out["gc_load"] = tierkv_cli("gc", "--check", "--cache-dir", str(cache))
@@ -106,24 +115,32 @@ def test_a_cold_store_changes_nothing_and_saves_the_whole_blocks(runs: dict) -> 
 
 def test_a_new_process_loads_the_prompt_from_tierkv(runs: dict) -> None:
     load, base = runs["load"], runs["base"]
-    assert _cached(load, 1) >= len(P) // B * B - B  # the brief's floor; in fact all 5 whole blocks
-    assert _cached(load, 1) == 5 * B
-    _same_output(load["results"][1], base["results"][0])
+    assert _cached(load, 2) >= len(P) // B * B - B  # the brief's floor; in fact all 5 whole blocks
+    assert _cached(load, 2) == 5 * B  # 3 from vLLM's own prefix cache (R's), 2 from tierkv
+    _same_output(load["results"][2], base["results"][0])
     assert "loaded 0 blocks" not in load["log"]
+
+
+def test_blocks_vllm_holds_are_not_read_again(runs: dict) -> None:
+    load = runs["load"]
+    assert _cached(load, 1) == 3 * B  # R: P's first 3 blocks, from tierkv
+    # R 3 + P 2 + Q 4 + tenant-b's P 5 blocks loaded, and no more read (P's first 3 were vLLM's own:
+    # reading them again would make it 17)
+    assert "loaded 14 blocks (14 read, 0 failed)" in load["log"]
 
 
 def test_a_fully_cached_prompt_leaves_its_last_block_to_compute(runs: dict) -> None:
     load, base = runs["load"], runs["base"]
-    assert _cached(load, 2) == 4 * B
-    _same_output(load["results"][2], base["results"][1])
+    assert _cached(load, 3) == 4 * B
+    _same_output(load["results"][3], base["results"][1])
 
 
 def test_tenants_share_nothing(runs: dict) -> None:
     load, base = runs["load"], runs["base"]
     assert _cached(load, 0) == 0  # tenant-c: nothing of P's, though P and tenant-b's P are stored
-    assert _cached(load, 3) == 5 * B  # tenant-b finds its own blocks
+    assert _cached(load, 4) == 5 * B  # tenant-b finds its own blocks
     _same_output(load["results"][0], base["results"][0])
-    _same_output(load["results"][3], base["results"][0])
+    _same_output(load["results"][4], base["results"][0])
 
 
 def test_a_corrupt_block_is_recomputed_and_saved_again(runs: dict) -> None:

@@ -38,6 +38,12 @@ class Engine:
         self.model = model
 
     def run(self, name: str, prompts: list[dict], connector: dict | None, **spec: object) -> dict:
+        return self.wait(self.start(name, prompts, connector, **spec))
+
+    def start(
+        self, name: str, prompts: list[dict], connector: dict | None, **spec: object
+    ) -> tuple[str, subprocess.Popen]:
+        """Starts the run in the background (``wait`` for its result): several engines at once."""
         spec_path = self.workdir / f"{name}.spec.json"
         result_path = self.workdir / f"{name}.result.json"
         log_path = self.workdir / f"{name}.log"
@@ -60,16 +66,26 @@ class Engine:
             TOKENIZERS_PARALLELISM="false",
         )
         with open(log_path, "w") as log:
-            r = subprocess.run(
+            proc = subprocess.Popen(
                 [sys.executable, str(HERE / "vllm_run.py"), str(spec_path), str(result_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                timeout=600,
                 env=env,
                 cwd=self.workdir,
             )
+        return name, proc
+
+    def wait(self, started: tuple[str, subprocess.Popen]) -> dict:
+        name, proc = started
+        log_path = self.workdir / f"{name}.log"
+        result_path = self.workdir / f"{name}.result.json"
+        try:
+            rc = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
         tail = log_path.read_text()[-4000:]
-        assert r.returncode == 0, f"vLLM run {name} failed:\n{tail}"
+        assert rc == 0, f"vLLM run {name} failed:\n{tail}"
         result = json.loads(result_path.read_text())
         result["log"] = log_path.read_text()
         return result

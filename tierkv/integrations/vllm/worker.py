@@ -2,8 +2,8 @@
 
     register_kv_caches   the layers' caches in the KV group's order; the backend's layout is learned
                          from its own cache-write kernel (``layout.probe``), or the connector stays off
-    start_load_kv        per request: ``store.restore`` of the chain up to the hit's end (verified on
-                         read), then a scatter of blocks ``first..`` into the request's vLLM blocks. A
+    start_load_kv        per request: ``store.restore`` of the chain's blocks from the first one vLLM
+                         does not hold to the hit's end (verified on read), then a scatter of blocks ``first..`` into the request's vLLM blocks. A
                          block that did not restore (failed verification, expired meanwhile) and every
                          block after it are reported by ``get_block_ids_with_load_errors``: vLLM
                          recomputes them, so wrong KV is never used; that request saves nothing this step
@@ -61,6 +61,7 @@ class WorkerSide:
         self.stats = {
             "load_blocks": 0,
             "load_failed_blocks": 0,
+            "read_blocks": 0,  # blocks the store read (not those vLLM held already)
             "load_s": 0.0,
             "save_blocks": 0,
             "save_s": 0.0,
@@ -164,11 +165,13 @@ class WorkerSide:
         chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
         out = self._buffer("load", self.spec.shape(span.end * B), grow_dim=2)
         try:
-            hit, kv = self.store.restore(chain.ns, chain.prefix(span.end), out=out)
+            hit, kv = self.store.restore(chain.ns, chain.prefix(span.end), out=out, start_block=span.first)
         except Exception:  # the store failed (not a bad block: those end the prefix quietly)
             log.exception("tierkv: restoring %s failed; its blocks are recomputed", span.req_id)
             hit, kv = None, None
         got = max(0, min(hit.num_blocks if hit is not None else 0, span.end) - span.first)
+        if hit is not None:
+            self.stats["read_blocks"] += sum(hit.by_tier.values()) // B
         if got and kv is not None:
             self.layout.scatter(kv, self.caches, torch.tensor(ids[:got], dtype=torch.long), span.first * B)
         if got < len(ids):
@@ -225,8 +228,9 @@ class WorkerSide:
         if self.store is not None:
             store, self.store = self.store, None
             log.info(
-                "tierkv connector (worker): loaded %d blocks (%d failed) in %.2f s, saved %d in %.2f s",
+                "tierkv connector (worker): loaded %d blocks (%d read, %d failed) in %.2f s, saved %d in %.2f s",
                 self.stats["load_blocks"],
+                self.stats["read_blocks"],
                 self.stats["load_failed_blocks"],
                 self.stats["load_s"],
                 self.stats["save_blocks"],
