@@ -13,6 +13,40 @@ from tierkv.cli_common import fail
 __all__ = ["bench"]
 
 
+def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths: str | None) -> None:
+    import tempfile
+
+    from tierkv.bench import machine, report
+    from tierkv.bench import vllm as vllm_bench
+    from tierkv.integrations.vllm_serve import INSTALL_HINT, vllm_python
+
+    python = vllm_python()
+    if python is None:
+        fail(INSTALL_HINT, 2)
+    sizes: tuple[int, ...] = (256, 512) if quick else vllm_bench.LENGTHS
+    if lengths:
+        try:
+            sizes = tuple(int(x) for x in lengths.split(","))
+        except ValueError:
+            fail(f"--lengths: expected comma-separated token counts, got {lengths!r}", 2)
+    desc = machine.describe(".")
+    target = Path(out_dir) / (machine.tag(desc) + "-vllm" + ("-quick" if quick else ""))
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=".") as tmp:
+        res = vllm_bench.run(
+            Path(tmp),
+            log_dir=target,
+            python=python,
+            model=model,
+            runs=runs or (1 if quick else 3),
+            lengths=sizes,
+            progress=lambda line: click.echo(line, err=True),
+        )
+    click.echo(vllm_bench.markdown(res) + "\n")
+    files = report.write(target, desc, {"vllm": res})
+    click.echo("wrote " + ", ".join(str(f) for f in files))
+
+
 @click.command()
 @click.option("--quick", is_flag=True, help="Small sizes and few runs: proves the benchmarks run (CI).")
 @click.option(
@@ -39,6 +73,17 @@ __all__ = ["bench"]
     help="Results folder (a machine tag is appended).",
 )
 @click.option("--runs", type=int, help="Repetitions per measurement (default 5, quick 2).")
+@click.option(
+    "--engine",
+    type=click.Choice(["transformers", "vllm"]),
+    default="transformers",
+    show_default=True,
+    help="vllm: only TTFT through vLLM's server (cold, tierkv host and disk, ExampleConnector); needs "
+    "vLLM (scripts/setup.sh vllm, then .venv-vllm/bin/tierkv, or TIERKV_VLLM_PYTHON).",
+)
+@click.option(
+    "--lengths", "vllm_lengths", help="vllm: comma-separated prompt lengths [default: 1024,2048,4096,8064]."
+)
 def bench(
     quick: bool,
     only: str,
@@ -47,9 +92,15 @@ def bench(
     config_name: str | None,
     out_dir: str,
     runs: int | None,
+    engine: str,
+    vllm_lengths: str | None,
 ) -> None:
     """Cold prefill against restore from each tier, tier bandwidth, HTTP workloads, break-even."""
     import tempfile
+
+    if engine == "vllm":
+        _bench_vllm(quick, model_path or "smollm2", out_dir, runs, vllm_lengths)
+        return
 
     from tierkv.bench import machine, plan, report, restart, scaleout, tiers, ttft, workloads
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 import click
 
 __all__ = ["fail"]
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int) -> NoReturn:
     click.echo(f"tierkv: error: {message}", err=True)
     sys.exit(code)

@@ -49,6 +49,9 @@ def test_the_command_carries_the_connector_and_serve_options(tmp_path: Path, mod
         "disk_bytes": 5 << 30,
         "ttl_s": 3600.0,
     }
+    assert cmd[cmd.index("--shutdown-timeout") + 1] == "30"  # vLLM's workers exit cleanly on SIGTERM
+    given = vllm_command(config, ["--shutdown-timeout=5"])
+    assert given[-1] == "--shutdown-timeout=5" and "--shutdown-timeout" not in given
     assert "--kv-transfer-config" not in vllm_command({**config, "no_cache": True})
     with pytest.raises(ConfigError, match="tiny"):
         vllm_command({"model": "tiny"})
@@ -162,4 +165,6 @@ def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Pat
             server.kill()
             server.wait()
         log.close()
+    # SIGTERM let the worker close its connector (flushing the write-behind), not a kill
+    assert "tierkv connector (worker): loaded" in (tmp_path / "server.log").read_text()
     assert tierkv_cli("gc", "--check", "--cache-dir", str(cache))["corrupt"] == 0

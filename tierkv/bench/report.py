@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench import plan, restart, scaleout, tiers, ttft, workloads
+from tierkv.bench import plan, restart, scaleout, tiers, ttft, vllm, workloads
 
 
 def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> list[Path]:
@@ -47,6 +47,7 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
         ("restart", "A long prompt through HTTP: cold, again, after a restart", restart.markdown),
         ("scaleout", "Two workers: shared remote tier and prefix-aware routing", scaleout.markdown),
         ("plan", "Break-even", lambda p: plan.markdown(p.get("measured"), p["computed"])),
+        ("vllm", "TTFT through vLLM: cold, tierkv, ExampleConnector", vllm.markdown),
     ]
     for part, title, markdown in sections:
         if part in results:

@@ -12,6 +12,9 @@ with the same names); what maps:
     cache_dir, host_cache, disk_budget, ttl, remote, remote_admit_after, sweep_interval_s, revision
                          the connector's options; no_cache: vLLM without the connector
     block_tokens         not passed: tierkv follows vLLM's block size (CPU: 128, a multiple of 32)
+    (always)             --shutdown-timeout 30 unless given: on SIGTERM vLLM's workers then exit
+                         cleanly and the connector flushes what it was still writing (with vLLM's
+                         default, 0, they are killed, and the last blocks handed to the store are lost)
 
 The usage of each response counts the prompt tokens served from a cache (vLLM's prefix cache and tierkv's
 loads) in ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``). Arguments
@@ -39,6 +42,7 @@ INSTALL_HINT = (
     "(or set TIERKV_VLLM_PYTHON to an interpreter that has vLLM)"
 )
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SHUTDOWN_TIMEOUT_S = 30
 _CHECK = (
     "import importlib.util, sys; s = importlib.util.find_spec('vllm'); "
     "sys.exit(s is None or s.origin is None)"
@@ -141,6 +145,10 @@ def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None
         cmd += ["--max-model-len", str(int(_get(config, "max_context")))]
     if not _get(config, "no_cache", False):
         cmd += ["--kv-transfer-config", json.dumps(connector_config(config))]
+    if not any(a.split("=")[0] == "--shutdown-timeout" for a in extra_args):
+        # vLLM's default (0) kills its worker processes on SIGTERM: blocks still in the write-behind
+        # would be lost. With a timeout the workers exit cleanly and the connector flushes its store.
+        cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     return [*cmd, *extra_args]
 
 

@@ -1,0 +1,288 @@
+"""``tierkv bench --engine vllm``: TTFT through vLLM's OpenAI server, cold against tierkv and ExampleConnector.
+
+Each row is one prompt length; every column is measured in the same run, on the same random-token
+prompts, the same model and the same disk. vLLM's own prefix cache is off in every server
+(``--no-enable-prefix-caching``), so a repeated prompt is computed again or loaded by the connector:
+
+    cold              a server without a connector, each prompt new
+    tierkv, saving    tierkv's connector, each prompt new: computed, and saved behind (its overhead)
+    tierkv disk cold  the server restarted, the page cache dropped: each saved prompt loaded from disk
+    tierkv host       the same prompt again in that process: loaded from tierkv's host tier
+    example disk cold vLLM's ExampleConnector (safetensors files per layer), saved by one server, loaded
+                      by a new one after the page cache was dropped
+    example warm      the same prompt again: ExampleConnector reads its files from the page cache
+
+TTFT is measured at the client: a streamed completion of ``max_tokens=1`` from request to its first
+chunk (the prefill, the load, the first token and HTTP). ``cached`` is vLLM's own count
+(``prompt_tokens_details.cached_tokens``), to show each load hit: a connector never offers the last
+block's last token, so a whole-block prompt leaves a block to compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tierkv.bench.machine import drop_page_cache
+from tierkv.bench.serving import free_port
+from tierkv.bench.table import md_table
+
+__all__ = ["COLUMNS", "LENGTHS", "markdown", "run"]
+
+LENGTHS = (1024, 2048, 4096, 8064)  # 8K: SmolLM2's context is 8192 tokens
+
+COLUMNS = {
+    "cold": "cold prefill",
+    "tierkv_saving": "tierkv on, saving",
+    "tierkv_disk_cold": "tierkv disk (cold page cache)",
+    "tierkv_host": "tierkv host",
+    "example_disk_cold": "ExampleConnector (cold page cache)",
+    "example_warm": "ExampleConnector (warm page cache)",
+}
+HEALTH_TIMEOUT_S = 900.0
+
+
+class VllmServer:
+    """vLLM's OpenAI server in a subprocess on a free loopback port, once it answers /health."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, "--host", "127.0.0.1", "--port", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM did not start in {HEALTH_TIMEOUT_S:.0f} s")
+
+    def complete(self, model: str, tokens: list[int]) -> dict[str, Any]:
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": tokens,
+                "max_tokens": 1,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        req = urllib.request.Request(
+            self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        t0 = time.perf_counter()
+        ttft, usage, text = None, None, []
+        with urllib.request.urlopen(req, timeout=900) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                    text.append(chunk["choices"][0].get("text") or "")
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        if ttft is None or usage is None:
+            raise RuntimeError("vLLM's stream had no token or no usage")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return {"ttft_s": ttft, "cached": int(cached), "text": "".join(text)}
+
+    def stop(self) -> None:
+        """SIGTERM (the connector's store is closed and its write-behind flushed on shutdown)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(180)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+def _prompt(kind: str, length: int, i: int, vocab: int) -> list[int]:
+    """Random token ids (no special tokens at the low end), one list per (kind, length, i)."""
+    rng = random.Random(f"{kind}/{length}/{i}")
+    return [rng.randrange(100, vocab) for _ in range(length)]
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def run(
+    base: Path,
+    *,
+    python: str,
+    model: str = "smollm2",
+    lengths: tuple[int, ...] = LENGTHS,
+    runs: int = 3,
+    kv_space_gib: int = 4,
+    log_dir: Path | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Every column of ``COLUMNS`` at each length, ``runs`` prompts each (medians). ``python`` runs vLLM;
+    the servers' logs go to ``log_dir`` (default: ``base``)."""
+    from tierkv.integrations.vllm_serve import _model, vllm_command
+
+    model_dir, served = _model({"model": model})
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    max_len = max(lengths) + 128
+    tierkv_cache, example_store = base / "vllm-tierkv-cache", base / "vllm-example-store"
+    common = {"model": model, "max_context": max_len}
+    vllm_args = ["--no-enable-prefix-caching"]
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+
+    def server(name: str, cmd: list[str]) -> VllmServer:
+        t0 = time.perf_counter()
+        s = VllmServer(cmd, env, (log_dir or base) / f"vllm-{name}.log")
+        startup_s[name] = time.perf_counter() - t0
+        # vLLM's first request pays one-time costs (6.5 s here); a prompt of its own, saved by nobody
+        s.complete(served, _prompt(f"warmup-{name}", 256, 0, vocab))
+        progress(f"{name}: vLLM up in {startup_s[name]:.0f} s")
+        return s
+
+    plain = vllm_command({**common, "no_cache": True}, vllm_args, python)
+    with_tierkv = vllm_command(
+        {**common, "cache_dir": str(tierkv_cache), "host_cache": 4 << 30, "disk_budget": 64 << 30},
+        vllm_args,
+        python,
+    )
+    example_cfg = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(example_store)},
+    }
+    with_example = [*plain, "--kv-transfer-config", json.dumps(example_cfg)]
+    startup_s: dict[str, float] = {}
+    calls: dict[str, dict[int, list[dict[str, Any]]]] = {c: {n: [] for n in lengths} for c in COLUMNS}
+    saved = {n: [_prompt("saved", n, i, vocab) for i in range(runs)] for n in lengths}
+
+    def each(column: str, s: VllmServer, prompts: dict[int, list[list[int]]]) -> None:
+        for n in lengths:
+            for p in prompts[n]:
+                calls[column][n].append(s.complete(served, p))
+            progress(f"{column} {n}: {statistics.median(c['ttft_s'] for c in calls[column][n]):.3f} s")
+
+    s = server("cold", plain)
+    try:
+        each("cold", s, {n: [_prompt("cold", n, i, vocab) for i in range(runs)] for n in lengths})
+    finally:
+        s.stop()
+    s = server("tierkv-save", with_tierkv)
+    try:
+        each("tierkv_saving", s, saved)
+    finally:
+        s.stop()
+    drop_method = drop_page_cache(_files(tierkv_cache))
+    s = server("tierkv-load", with_tierkv)
+    try:
+        for n in lengths:  # disk first (cold page cache), then the same prompt from the host tier
+            for p in saved[n]:
+                calls["tierkv_disk_cold"][n].append(s.complete(served, p))
+                calls["tierkv_host"][n].append(s.complete(served, p))
+        progress("tierkv loads done")
+    finally:
+        s.stop()
+    s = server("example-save", with_example)
+    try:
+        each("example_disk_cold", s, saved)  # saving: these calls are replaced below
+        calls["example_disk_cold"] = {n: [] for n in lengths}
+    finally:
+        s.stop()
+    drop_page_cache(_files(example_store))
+    s = server("example-load", with_example)
+    try:
+        for n in lengths:
+            for p in saved[n]:
+                calls["example_disk_cold"][n].append(s.complete(served, p))
+                calls["example_warm"][n].append(s.complete(served, p))
+        progress("ExampleConnector loads done")
+    finally:
+        s.stop()
+
+    rows = []
+    for n in lengths:
+        row: dict[str, Any] = {"tokens": n}
+        for column in COLUMNS:
+            cs = calls[column][n]
+            row[column] = {
+                "ttft_s": statistics.median(c["ttft_s"] for c in cs),
+                "all_s": [c["ttft_s"] for c in cs],
+                "cached": min(c["cached"] for c in cs),
+            }
+        # the saved prompts' first token: computed, loaded by tierkv from disk and host, by ExampleConnector
+        row["same_first_token"] = all(
+            len({calls[c][n][i]["text"] for c in COLUMNS if c != "cold"}) == 1 for i in range(runs)
+        )
+        rows.append(row)
+    return {
+        "config": {
+            "model": model,
+            "model_dir": model_dir,
+            "lengths": list(lengths),
+            "runs": runs,
+            "block_tokens": "vLLM's (CPU: 128)",
+            "page_cache": drop_method,
+            "vllm_args": vllm_args,
+            "kv_space_gib": kv_space_gib,
+        },
+        "startup_s": startup_s,
+        "rows": rows,
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    cfg = res["config"]
+    head = [
+        f"vLLM's OpenAI server, model `{cfg['model']}`, its prefix cache off; TTFT medians of {cfg['runs']} "
+        f"prompts per length (a streamed completion of one token); page cache dropped by {cfg['page_cache']}.",
+        "",
+    ]
+    header = ["tokens", *COLUMNS.values(), "tierkv disk vs cold", "tierkv disk vs Example"]
+    table = []
+    for r in res["rows"]:
+        cells = [
+            f"{r[c]['ttft_s'] * 1e3:.0f} ms ({r[c]['cached']})"
+            if c != "cold"
+            else f"{r[c]['ttft_s'] * 1e3:.0f} ms"
+            for c in COLUMNS
+        ]
+        cold, disk, example = (r[c]["ttft_s"] for c in ("cold", "tierkv_disk_cold", "example_disk_cold"))
+        table.append([r["tokens"], *cells, f"{cold / disk:.1f}x", f"{example / disk:.1f}x"])
+    same = all(r["same_first_token"] for r in res["rows"])
+    note = [
+        "",
+        "In brackets: the tokens vLLM counted as cached (the least of the prompts). First token of every "
+        f"saved prompt the same computed and loaded (each connector, each tier): {'yes' if same else 'NO'}. "
+        "vLLM start-up: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["startup_s"].items()) + ".",
+    ]
+    return "\n".join(head + md_table(header, "r" * len(header), table) + note)
