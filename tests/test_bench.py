@@ -24,7 +24,19 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     (ttft,) = res["ttft"]
     for row in ttft["rows"]:
         assert row["host_s"]["median"] < row["cold_s"]["median"]  # restoring beats recomputing
-    assert res["tiers"]["rows_Bps"]["raw O_DIRECT sequential read"]["median"] > 0
+    tiers = res["tiers"]
+    depths = [tiers["rows_Bps"][f"raw O_DIRECT sequential read, 1 MiB, QD {d}"]["median"] for d in (1, 4, 32)]
+    assert tiers["disk_read_limit_Bps"] >= max(depths) > 0  # the limit is the best of them
+    assert tiers["ratios"]["restore cold one-prefix / disk limit"] == pytest.approx(
+        tiers["rows_Bps"]["restore one-prefix, cold"]["median"] / tiers["disk_read_limit_Bps"]
+    )
+    for row in ttft["rows"]:  # TTFT apart: the restore and the forward, each beside its own baseline
+        assert 0 < row["host_restore_s"]["median"] < row["host_s"]["median"]
+        assert row["forward_1_contiguous_s"]["median"] > 0
+        assert row["restore_floor_s"]["disk_cold"] == pytest.approx(
+            row["kv_nbytes"] / ttft["bandwidth_Bps"]["odirect"]
+        )
+    assert "Restore and forward apart" in (folder / "README.md").read_text()
     assert res["plan"]["measured"]["break_even_Bps"] > 0
     readme = (folder / "README.md").read_text()
     assert "## TTFT" in readme and "ttft.png" in readme

@@ -25,6 +25,7 @@ COUNTER_NAMES = (
     "punch_unsupported",
     "totals_errors",
     "stale_readers",
+    "recomputed_blocks",  # cached, but computed: reading them was judged slower (planner.py)
 )
 
 

@@ -24,6 +24,7 @@ from tierkv.errors import ConfigError
 from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
+from tierkv.planner import RestorePlanner
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.gpu import GpuTier
@@ -53,6 +54,11 @@ def _chain(ns: Namespace, tokens: Tokens) -> BlockChain:
             raise ConfigError("the block chain was made for another namespace")
         return tokens
     return BlockChain.of(ns, tokens)
+
+
+def _model_key(ns: Namespace) -> str:
+    """A model's prefill speed is one for all its tenants (the salt changes names, not costs)."""
+    return f"{ns.model_id}@{ns.revision}/{ns.dtype}/{ns.num_layers}x{ns.num_kv_heads}x{ns.head_dim}"
 
 
 def _runs(src: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -107,6 +113,7 @@ class TieredStore:
             staging_wait_s=staging_wait_s,
         )
         self._stagers = Stagers()  # chunk buffers of restores into a GPU
+        self.planner = RestorePlanner()  # restore or recompute, from measured read and prefill speeds
 
     @classmethod
     def open(cls, path: str | Any | None, **options: Any) -> TieredStore:
@@ -262,6 +269,11 @@ class TieredStore:
         for tier in self.tiers:
             tier.requested(chain)
         src = self._sources(chain, start_block)
+        if src:  # restore or recompute: reading a slow tier's run may cost more than computing it
+            keep = self.planner.cut(_model_key(ns), [self.tiers[k].name for k in src], spec.block_nbytes, B)
+            if keep < len(src):
+                self.counters.add("store", "recomputed_blocks", len(src) - keep)
+                src = src[:keep]
         if not src:
             self.counters.add("store", "miss_blocks", len(chain) - start_block)
             return Hit(0, by_tier), None
@@ -270,7 +282,11 @@ class TieredStore:
         with self._stagers.target(dest, spec) as target:
             for k, first, end in _runs(src):
                 first, end = first + start_block, end + start_block
+                t_read = time.perf_counter()
                 got = self.tiers[k].read_into(chain, first, end - first, target)
+                self.planner.observe_read(
+                    self.tiers[k].name, got * spec.block_nbytes, time.perf_counter() - t_read
+                )
                 by_tier[self.tiers[k].name] += got * B
                 n = first + got
                 if got < end - first:
@@ -285,6 +301,12 @@ class TieredStore:
                 self.counters.add(name, "hit_blocks", tokens // B)
                 self.counters.add(name, "hit_tokens", tokens)
         return Hit(n * B, by_tier, n, time.perf_counter() - t0), (dest[:, :, : n * B] if n else None)
+
+    def observe_prefill(self, ns: Namespace, tokens: int, seconds: float) -> None:
+        """The caller computed ``tokens`` of a prompt of ``ns``'s model in ``seconds``: with the tiers' read
+        bandwidth (measured by restores) it lets ``restore`` compute a run of blocks instead of reading
+        it where that is faster (``planner.RestorePlanner``; counted as ``store.recomputed_blocks``)."""
+        self.planner.observe_prefill(_model_key(ns), tokens, seconds)
 
     def _spread(
         self,

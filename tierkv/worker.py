@@ -221,6 +221,9 @@ class CachedModel:
         t1 = time.perf_counter()
         logits, cache = self._forward(token_ids[n:], cache)
         t2 = time.perf_counter()
+        if chain is not None and len(token_ids) - n >= B:  # a block or more: a measure of prefill speed
+            assert self.store is not None
+            self.store.observe_prefill(ns, len(token_ids) - n, t2 - t1)
         if chain is not None:
             self._save(chain, cache, n)
         return PrefillResult(logits, cache, hit, len(token_ids) - n, t1 - t0, t2 - t1)

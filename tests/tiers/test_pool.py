@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -247,3 +249,35 @@ def test_a_pool_is_named_by_its_owner(ns) -> None:
     gpu = GpuTier(2 * 128, device="cpu")  # the GPU tier's pool, on a CPU: the same code
     assert gpu.name == "gpu" and gpu.direct and gpu.device == torch.device("cpu")
     assert gpu.put(_key(0), _block(3)) is not None and gpu.contains([_key(0)]) == [True]
+
+
+def _rss_nbytes() -> int:
+    import mmap
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="Linux only")
+def test_a_new_pool_is_populated_in_the_background_without_touching_its_contents() -> None:
+    from tierkv.tiers.prefault import populate_in_background
+
+    t = torch.empty(256 << 20, dtype=torch.uint8)
+    t[: 1 << 20] = 7  # a block already saved into the pool while the thread runs
+    before = _rss_nbytes()
+    thread = populate_in_background(t, "test")
+    assert thread is not None
+    thread.join(60)
+    assert _rss_nbytes() - before > 200 << 20  # its pages are resident now
+    assert bool((t[: 1 << 20] == 7).all())  # and what was written is unchanged
+
+
+def test_a_fresh_host_pool_is_not_zeroed_on_the_first_put(monkeypatch) -> None:
+    def no_zero(self: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the pool was zeroed on the request path")
+
+    monkeypatch.setattr(torch.Tensor, "zero_", no_zero)
+    pool = BlockPool(64 << 20, name="host")
+    block = torch.ones(4, 1024)
+    assert pool.put(_key(1), block) is not None
+    assert pool._prefault is not None and pool.num_slots == (64 << 20) // block.nbytes

@@ -2,8 +2,9 @@
 
 Rows (GB/s, medians of ``runs`` with their spread):
   raw O_DIRECT reads and writes    the disk's limits (no page cache) over as many bytes as the store holds:
-                                   sequential with one and four streams, scattered block-sized reads,
-                                   sequential writes; "disk limit" is the better sequential read
+                                   sequential 1 MiB requests at queue depths 1, 4 and 32 (threads), fio's
+                                   at 32 when fio is installed; scattered block-sized reads. The disk's
+                                   read (write) limit is the best sequential read (write) of them all
   raw buffered cold read           large sequential reads through the page cache
   naive LMDB get, cold             payloads as LMDB values read in random key order (the design we left)
   persistence                      TieredStore save + flush, a durable commit per batch
@@ -44,52 +45,86 @@ PROMPT_TOKENS = 8192
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _raw_io(path: Path, nbytes: int, runs: int, record_nbytes: int) -> dict[str, list[float]]:
-    """The disk's own limits, without tierkv: O_DIRECT reads (one stream, four parallel streams, scattered
-    record-sized reads), buffered cold reads, and O_DIRECT sequential writes."""
+REQUEST_NBYTES = 1 << 20  # the raw measurements' request size
+QUEUE_DEPTHS = (1, 4, 32)  # requests in flight (one thread each): one stream undersells an NVMe disk
+
+
+def _odirect_stream(path: Path, nbytes: int, depth: int, src: mmap.mmap | None) -> float:
+    """Bytes per second of O_DIRECT 1 MiB requests over ``path``'s first ``nbytes``, sequential, ``depth``
+    in flight (thread k does requests k, k+depth, ...). Writes ``src`` when given (then fsync), else reads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    chunk_nbytes = 8 << 20
-    buf = mmap.mmap(-1, chunk_nbytes)
-    src = mmap.mmap(-1, chunk_nbytes)
-    src.write(os.urandom(chunk_nbytes))
-    out: dict[str, list[float]] = {
-        "odirect_write": [],
-        "odirect": [],
-        "odirect_4": [],
-        "odirect_scattered": [],
-        "buffered_cold": [],
-    }
-    n_chunks = max(1, nbytes // chunk_nbytes)
-    nbytes = n_chunks * chunk_nbytes
+    n = nbytes // REQUEST_NBYTES
+    flags = (os.O_WRONLY | os.O_CREAT) if src is not None else os.O_RDONLY
+    fd = os.open(path, flags | os.O_DIRECT, 0o600)
+
+    def stream(k: int) -> None:
+        own = src or mmap.mmap(-1, REQUEST_NBYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        for i in range(k, n, depth):
+            if src is not None:
+                os.pwritev(fd, [own], i * REQUEST_NBYTES)
+            else:
+                os.preadv(fd, [own], i * REQUEST_NBYTES)
+        if src is None:
+            own.close()
+
+    try:
+        with ThreadPoolExecutor(depth) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(stream, range(depth)))
+            if src is not None:
+                os.fsync(fd)
+            return n * REQUEST_NBYTES / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def _fio(path: Path, nbytes: int, write: bool) -> float | None:
+    """fio's O_DIRECT sequential 1 MiB at queue depth 32 (libaio), as a cross-check: None without fio."""
+    import json
+    import shutil as sh
+    import subprocess
+
+    if sh.which("fio") is None:
+        return None
+    rw = "write" if write else "read"
+    r = subprocess.run(
+        ["fio", "--name=limit", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--direct=1",
+         "--ioengine=libaio", "--iodepth=32", f"--size={nbytes}", "--output-format=json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if r.returncode != 0:
+        return None
+    job = json.loads(r.stdout)["jobs"][0][rw]
+    return float(job["bw_bytes"]) or None
+
+
+def _raw_io(path: Path, nbytes: int, runs: int, record_nbytes: int) -> dict[str, list[float]]:
+    """The disk's own limits, without tierkv: O_DIRECT sequential reads and writes of 1 MiB at each of
+    ``QUEUE_DEPTHS``, scattered record-sized O_DIRECT reads, buffered cold reads; fio when installed."""
+    src = mmap.mmap(-1, REQUEST_NBYTES)
+    src.write(os.urandom(REQUEST_NBYTES))
+    buf = mmap.mmap(-1, 8 << 20)
+    nbytes = max(1, nbytes // REQUEST_NBYTES) * REQUEST_NBYTES
+    out: dict[str, list[float]] = {f"write_qd{d}": [] for d in QUEUE_DEPTHS}
+    out |= {f"read_qd{d}": [] for d in QUEUE_DEPTHS}
+    out |= {"odirect_scattered": [], "buffered_cold": [], "fio_read_qd32": [], "fio_write_qd32": []}
     rng = random.Random(0)
     for _ in range(runs):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-        t0 = time.perf_counter()
-        for i in range(n_chunks):
-            os.pwritev(fd, [src], i * chunk_nbytes)
-        os.fsync(fd)
-        out["odirect_write"].append(nbytes / (time.perf_counter() - t0))
-        os.close(fd)
-        for mode in ("odirect", "odirect_4", "odirect_scattered", "buffered_cold"):
+        path.unlink(missing_ok=True)
+        for d in QUEUE_DEPTHS:
+            out[f"write_qd{d}"].append(_odirect_stream(path, nbytes, d, src))
+        for d in QUEUE_DEPTHS:
+            drop_page_cache([path])
+            out[f"read_qd{d}"].append(_odirect_stream(path, nbytes, d, None))
+        for mode in ("odirect_scattered", "buffered_cold"):
             drop_page_cache([path])
             fd = os.open(path, os.O_RDONLY | (0 if mode == "buffered_cold" else os.O_DIRECT))
             t0 = time.perf_counter()
-            if mode in ("odirect", "buffered_cold"):
-                for i in range(n_chunks):
-                    os.preadv(fd, [buf], i * chunk_nbytes)
-                done = nbytes
-            elif mode == "odirect_4":
-
-                def stream(k: int, fd: int = fd) -> None:  # stream k reads chunks k, k+4, ... into its buffer
-                    own = mmap.mmap(-1, chunk_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
-                    for i in range(k, n_chunks, 4):
-                        os.preadv(fd, [own], i * chunk_nbytes)
-                    own.close()
-
-                with ThreadPoolExecutor(4) as pool:
-                    list(pool.map(stream, range(4)))
-                done = nbytes
+            if mode == "buffered_cold":
+                for i in range(nbytes // len(buf)):
+                    os.preadv(fd, [buf], i * len(buf))
+                done = nbytes // len(buf) * len(buf)
             else:  # record-sized reads at random record offsets: blocks scattered over the disk
                 count = nbytes // record_nbytes
                 with memoryview(buf) as whole:
@@ -100,6 +135,10 @@ def _raw_io(path: Path, nbytes: int, runs: int, record_nbytes: int) -> dict[str,
                 done = count * record_nbytes
             out[mode].append(done / (time.perf_counter() - t0))
             os.close(fd)
+    for write in (False, True):
+        drop_page_cache([path])
+        if (bw := _fio(path, nbytes, write)) is not None:
+            out["fio_write_qd32" if write else "fio_read_qd32"].append(bw)
     buf.close()
     src.close()
     path.unlink()
@@ -172,11 +211,18 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
 
     block_nbytes = kv_nbytes // (prompt_tokens // 64)
     raw = _raw_io(base / "raw.bin", data_nbytes, runs, block_nbytes)
-    rows["raw O_DIRECT sequential read"] = summary(raw["odirect"])
-    rows["raw O_DIRECT sequential read, 4 streams"] = summary(raw["odirect_4"])
+    for d in QUEUE_DEPTHS:
+        rows[f"raw O_DIRECT sequential read, 1 MiB, QD {d}"] = summary(raw[f"read_qd{d}"])
+    for d in QUEUE_DEPTHS:
+        rows[f"raw O_DIRECT sequential write, 1 MiB, QD {d}"] = summary(raw[f"write_qd{d}"])
+    for rw in ("read", "write"):
+        if raw[f"fio_{rw}_qd32"]:
+            rows[f"fio O_DIRECT sequential {rw}, 1 MiB, QD 32 (libaio)"] = summary(raw[f"fio_{rw}_qd32"])
     rows["raw O_DIRECT scattered block-sized reads"] = summary(raw["odirect_scattered"])
-    rows["raw O_DIRECT sequential write"] = summary(raw["odirect_write"])
     rows["raw buffered cold read"] = summary(raw["buffered_cold"])
+    # The disk's limits: the best sequential O_DIRECT measurement (any queue depth, ours or fio's).
+    read_limit = max(v["median"] for k, v in rows.items() if "sequential read" in k)
+    write_limit = max(v["median"] for k, v in rows.items() if "sequential write" in k)
     blocks = [kv[:, :, i : i + 64].contiguous().numpy().tobytes() for i in range(0, prompt_tokens, 64)]
     rows["naive LMDB get, cold, random order"] = summary(
         _naive_lmdb(base / "naive", blocks * num_prompts, runs)
@@ -247,11 +293,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             lat.append(time.perf_counter() - t0)
             assert hit.num_tokens == 32768
     shutil.rmtree(store_dir)
-    # The disk's limit: the better of one O_DIRECT stream and four (a queue depth of one undersells NVMe).
-    od = max(
-        rows["raw O_DIRECT sequential read"]["median"],
-        rows["raw O_DIRECT sequential read, 4 streams"]["median"],
-    )
+    od = read_limit
     return {
         "config": {
             "kv_nbytes": data_nbytes,
@@ -263,14 +305,16 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             "cold_method": method,
         },
         "rows_Bps": rows,
+        "disk_read_limit_Bps": read_limit,
+        "disk_write_limit_Bps": write_limit,
         "lookup_32k_s": summary(lat),
         "ratios": {
             "restore cold one-prefix / disk limit": rows["restore one-prefix, cold"]["median"] / od,
             "restore cold interleaved / disk limit": rows["restore interleaved prefixes, cold"]["median"]
             / od,
             "naive LMDB cold / disk limit": rows["naive LMDB get, cold, random order"]["median"] / od,
-            "persistence / O_DIRECT write": rows["persistence (save+flush, durable)"]["median"]
-            / rows["raw O_DIRECT sequential write"]["median"],
+            "persistence / disk write limit": rows["persistence (save+flush, durable)"]["median"]
+            / write_limit,
             "restore warm / memcpy": rows["restore one-prefix, warm page cache"]["median"]
             / rows["memcpy (torch copy_)"]["median"],
             "host tier / memcpy": rows["restore from host tier"]["median"]

@@ -52,6 +52,12 @@ class StoreCollector:
         for outcome, key in (("copied", "blocks_written"), ("dropped", "dropped_saves")):
             staged.add_metric([outcome], stats.get("staging", {}).get(key, 0))
         yield staged
+        recomputed = CounterMetricFamily(
+            "tierkv_recomputed_blocks",
+            "Cached blocks computed instead of read: reading them was judged slower (measured speeds)",
+        )
+        recomputed.add_metric([], stats.get("store", {}).get("recomputed_blocks", 0))
+        yield recomputed
         used = GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes held by the tier", labels=["tier"])
         cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "The tier's budget (0: none)", labels=["tier"])
         for tier in tiers:  # the tiers with a size (not the remote tier)

@@ -21,6 +21,7 @@ from tierkv.keys import BlockChain, BlockKey
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
+from tierkv.tiers.prefault import populate_in_background
 from tierkv.tiers.target import Target
 
 __all__ = ["BlockPool", "MAX_HELD_FRACTION"]
@@ -67,6 +68,7 @@ class BlockPool(Tier):
         self.slot_nbytes = 0
         self.num_slots = 0
         self._pool: torch.Tensor | None = None
+        self._prefault: threading.Thread | None = None
         self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # key -> slot, least recently used first
         self._refs: list[int] = []
         self._held = 0  # slots with a reference: never evicted
@@ -80,10 +82,9 @@ class BlockPool(Tier):
         self._pool = torch.empty(
             (self.num_slots, slot_nbytes), dtype=torch.uint8, device=self.device, pin_memory=self.pin
         )
-        # Touch every page now, once, instead of a page fault per 4 KiB on the save path later.
-        self._pool.zero_()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        # Its pages are faulted in by a background thread (never zeroed on the request path: a slot is
+        # only read after a block was copied into it).
+        self._prefault = populate_in_background(self._pool, self.name)
         log.info(
             "%s tier: %d slots of %d bytes (%.1f MiB on %s%s) in %.2f s",
             self.name,

@@ -1,0 +1,76 @@
+"""Fault a new host pool's pages in behind the caller's back, so that neither the allocation nor the first
+saves and restores pay for them.
+
+A fresh ``torch.empty`` of a few GiB is only address space: each first write to a 4 KiB page faults. Zeroing
+the whole pool at allocation moved that cost to the first save or restore (0.2 to 0.5 s for 1 to 2 GiB on
+the request path). ``MADV_POPULATE_WRITE`` (Linux 5.14) maps the pages writable without writing them, so a
+background thread can populate the pool while other threads already copy blocks into it: the contents
+are never touched. Where the kernel lacks it, pages fault on first write, one block at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["populate_in_background"]
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h
+CHUNK_NBYTES = 64 << 20  # one madvise call: short enough to let the pool's users take turns with it
+
+
+def _madvise() -> object | None:
+    if not os.uname().sysname == "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _populate(start: int, end: int, name: str) -> None:
+    fn = _madvise()
+    if fn is None:
+        return
+    t0 = time.perf_counter()
+    addr = start
+    while addr < end:
+        n = min(CHUNK_NBYTES, end - addr)
+        if fn(ctypes.c_void_p(addr), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:  # type: ignore[operator]
+            err = ctypes.get_errno()
+            log.debug(
+                "%s tier: no MADV_POPULATE_WRITE (%s); pages fault on first use", name, os.strerror(err)
+            )
+            return
+        addr += n
+    log.debug("%s tier: %.1f MiB populated in %.2f s", name, (end - start) / 2**20, time.perf_counter() - t0)
+
+
+def populate_in_background(pool: torch.Tensor, name: str) -> threading.Thread | None:
+    """Start populating ``pool``'s pages (a CPU tensor, not pinned: pinned memory is populated by its
+    allocator); returns the thread, or None when there is nothing to do."""
+    if pool.device.type != "cpu" or pool.is_pinned():
+        return None
+    page = mmap.PAGESIZE
+    start = -(-pool.data_ptr() // page) * page  # whole pages inside the pool only
+    end = (pool.data_ptr() + pool.numel() * pool.element_size()) // page * page
+    if end <= start:
+        return None
+    thread = threading.Thread(
+        target=_populate, args=(start, end, name), name=f"tierkv-{name}-prefault", daemon=True
+    )
+    thread.start()
+    return thread
