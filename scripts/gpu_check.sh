@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a lent GPU machine (the `device` tool runs it; at most 8 minutes on one H200):
-# builds the CUDA extension, runs the GPU tests, runs the GPU benchmark and prints a short table.
+# builds the CUDA extension, runs the GPU tests, runs the GPU benchmark and prints a short table; the
+# vLLM connector tests too where vLLM is installed.
 # The device image has python3 with CUDA torch, transformers, xxhash, pytest and hypothesis, but not
 # lmdb or zstandard: prepare them here first with scripts/gpu_wheels.sh (into .whl/, git-ignored) and
 # pass carry=[".whl"]. Results land in $OUT (or bench/results/gpu without it).
@@ -29,3 +30,13 @@ python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test
 tail -15 "$out/tests.log" | tee -a "$out/gpu.txt"
 echo "== GPU benchmark"
 python3 -m tierkv.bench.gpu --out "$out" 2>&1 | tee -a "$out/gpu.txt"
+echo "== vLLM connector on the GPU (only where vLLM is installed: the device image has none)"
+VLLM_PY="${TIERKV_VLLM_PYTHON:-python3}"
+if "$VLLM_PY" -c "import vllm" > /dev/null 2>&1; then
+  # The connector learns each attention backend's layout from its own cache-write kernel: these tests
+  # save in one engine and load in another, and compare tokens and logprobs with a run without it.
+  timeout 300 "$VLLM_PY" -m pytest -q -p no:cacheprovider tests/vllm > "$out/vllm.log" 2>&1 || true
+  tail -8 "$out/vllm.log" | tee -a "$out/gpu.txt"
+else
+  echo "vLLM not installed here: skipped (pip install vllm, then rerun with TIERKV_VLLM_PYTHON)" | tee -a "$out/gpu.txt"
+fi

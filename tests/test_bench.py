@@ -30,6 +30,9 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     assert tiers["ratios"]["restore cold one-prefix / disk limit"] == pytest.approx(
         tiers["rows_Bps"]["restore one-prefix, cold"]["median"] / tiers["disk_read_limit_Bps"]
     )
+    first = tiers["rows_Bps"]["first restore in a fresh process, cold, host tier on"]
+    assert first["n"] == 2 and first["median"] > 0  # measured in fresh processes, beside the disk limit
+    assert tiers["ratios"]["first restore, host tier on / disk limit"] > 0
     for row in ttft["rows"]:  # TTFT apart: the restore and the forward, each beside its own baseline
         assert 0 < row["host_restore_s"]["median"] < row["host_s"]["median"]
         assert row["forward_1_contiguous_s"]["median"] > 0
