@@ -279,22 +279,29 @@ class TieredStore:
             return Hit(0, by_tier), None
         n = start_block + len(src)
         dest = out if out is not None else torch.empty(spec.shape(n * B), dtype=spec.dtype)
+        promoted: set[int] = set()
+        runs = [(k, first + start_block, end + start_block) for k, first, end in _runs(src)]
+        # Memory tiers first: they hold the slots they read until the restore is over, so the blocks
+        # promoted into them from the slower tiers cannot evict what this restore still has to read.
+        order = sorted(runs, key=lambda run: not self.tiers[run[0]].memory)
         with self._stagers.target(dest, spec) as target:
-            for k, first, end in _runs(src):
-                first, end = first + start_block, end + start_block
+            target.on_verified = self._promoter(chain, src, start_block, target.created_s, promoted)
+            for k, first, end in order:
+                if first >= n:
+                    continue  # past a block that did not restore: the prefix ends there
                 t_read = time.perf_counter()
                 got = self.tiers[k].read_into(chain, first, end - first, target)
                 self.planner.observe_read(
                     self.tiers[k].name, got * spec.block_nbytes, time.perf_counter() - t_read
                 )
-                by_tier[self.tiers[k].name] += got * B
-                n = first + got
                 if got < end - first:
-                    break
+                    n = first + got
+        for k, first, end in runs:
+            by_tier[self.tiers[k].name] += max(0, min(end, n) - first) * B
         if n == start_block:  # the first block read failed verification
             self.counters.add("store", "miss_blocks", len(chain) - start_block)
             return Hit(0, by_tier), None
-        self._spread(chain, src[: n - start_block], dest, target.created_s, start_block)
+        self._spread(chain, src[: n - start_block], dest, target.created_s, start_block, promoted)
         self.counters.add("store", "miss_blocks", len(chain) - n)
         for name, tokens in by_tier.items():
             if tokens:
@@ -308,6 +315,32 @@ class TieredStore:
         it where that is faster (``planner.RestorePlanner``; counted as ``store.recomputed_blocks``)."""
         self.planner.observe_prefill(_model_key(ns), tokens, seconds)
 
+    def _promoter(
+        self,
+        chain: BlockChain,
+        src: Sequence[int],
+        start: int,
+        created_s: dict[int, float],
+        promoted: set[int],
+    ) -> Callable[[int, torch.Tensor], None] | None:
+        """Puts each block a record tier read and verified into the CPU memory tiers above it, on the
+        reading thread while its bytes are in cache: no second pass over the restored KV afterwards."""
+        pools = [
+            (j, t) for j, t in enumerate(self.tiers) if isinstance(t, BlockPool) and t.device.type == "cpu"
+        ]
+        if not pools:
+            return None
+
+        def promote(i: int, block: torch.Tensor) -> None:
+            k = src[i - start]
+            above = [t for j, t in pools if j < k]
+            for pool in above:
+                pool.put(chain.keys[i], block, created_s=created_s.get(i))
+            if above:
+                promoted.add(i)
+
+        return promote
+
     def _spread(
         self,
         chain: BlockChain,
@@ -315,6 +348,7 @@ class TieredStore:
         dest: torch.Tensor,
         created_s: dict[int, float],
         start: int = 0,
+        promoted: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         """After a restore: blocks read from a slower tier are written into the faster ones (memory tiers
         now, so the next request hits there; record tiers behind); slower tiers refresh the blocks served
@@ -325,7 +359,9 @@ class TieredStore:
             below = [start + i for i, k in enumerate(src) if k > j]  # read from a slower tier
             above = [start + i for i, k in enumerate(src) if k < j]
             if isinstance(tier, BlockPool):
-                if tier.device == dest.device or tier.device.type == "cpu":
+                if tier.device.type == "cpu":
+                    below = [i for i in below if i not in promoted]  # those were put as they came in
+                if below and (tier.device == dest.device or tier.device.type == "cpu"):
                     for i, block in _blocks_on(tier.device, dest, below, B):
                         tier.put(chain.keys[i], block, created_s=created_s.get(i))
                 continue

@@ -227,9 +227,9 @@ class RemoteTier(Tier):
                     self.counters.add("remote", "corrupt_blocks")
                     self.delete(chain.ns.digest, chain.keys[i])
                     return i - i0
-                buf[:, :, (i - base) * B : (i - base + 1) * B].copy_(
-                    as_tensor(payload, spec.dtype, spec.block_shape)
-                )
+                block = buf[:, :, (i - base) * B : (i - base + 1) * B]
+                block.copy_(as_tensor(payload, spec.dtype, spec.block_shape))
+                target.verified(i, block)
             return n
 
         return target.fill(first, len(records), fill)

@@ -161,6 +161,13 @@ class Target:
         self._acquire = acquire
         self._stager: _Stager | None = None
         self.locked = False
+        # Called with (block index, its KV on CPU) for each block a source read and verified, on the
+        # reading thread while the bytes are still in cache (the store promotes it there).
+        self.on_verified: Callable[[int, torch.Tensor], None] | None = None
+
+    def verified(self, i: int, block: torch.Tensor) -> None:
+        if self.on_verified is not None:
+            self.on_verified(i, block)
 
     def block(self, i: int) -> torch.Tensor:
         B = self.spec.block_tokens

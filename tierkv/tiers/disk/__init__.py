@@ -175,10 +175,11 @@ class DiskTier(Tier):
         from tierkv.tiers.disk.reader import read_records  # torch: not for the shell tools
 
         entries = self.locate(chain.keys[first : first + count])
+        target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries))
 
         def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
             part = entries[i0 - first : i0 - first + n]
-            return read_records(chain, part, i0, buf, base, self.read_scatter, self.read)
+            return read_records(chain, part, i0, buf, base, self.read_scatter, self.read, target.verified)
 
         got = target.fill(first, len(entries), fill)
         if got < len(entries):
@@ -187,7 +188,6 @@ class DiskTier(Tier):
                 self.counters.add("disk", "corrupt_blocks")
                 self._purge(key, location)
         self.touch(chain.keys[first : first + got], sum(e.nbytes for e in entries[:got]))
-        target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries[:got]))
         return got
 
     def _accepting(self) -> bool:

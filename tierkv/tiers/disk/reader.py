@@ -30,6 +30,7 @@ def read_records(
     base: int,
     read_into: ReadInto,
     read_whole: ReadWhole,
+    verified: Callable[[int, torch.Tensor], None] | None = None,
 ) -> int:
     """Blocks ``first, first+1, ...`` (their ``entries``) into ``target`` at block positions ``i - base``;
     returns how many leading blocks verified.
@@ -37,6 +38,7 @@ def read_records(
     A raw record is scattered by preadv straight into place: the target's (layer, k/v) slabs as byte
     rows, a block's payload one chunk of each row (no bounce buffer, no second copy), and verified on
     the reading thread as soon as it is in. Compressed records are read whole and decoded.
+    ``verified(i, block)`` gets each good block right after its check, on that thread.
     """
     spec = KVSpec.of(chain.ns)
     B = spec.block_tokens
@@ -60,10 +62,11 @@ def read_records(
         else:
             whole.append((i, e))
 
+    def block(i: int) -> torch.Tensor:
+        return target[:, :, (i - base) * B : (i - base + 1) * B]
+
     def place(i: int, payload: memoryview | bytes) -> None:
-        target[:, :, (i - base) * B : (i - base + 1) * B].copy_(
-            as_tensor(payload, spec.dtype, spec.block_shape)
-        )
+        block(i).copy_(as_tensor(payload, spec.dtype, spec.block_shape))
 
     def verify(j: int) -> bool:  # on a reading thread, as soon as record j is in
         i, e, views = scatter[j]
@@ -76,6 +79,8 @@ def read_records(
                 place(i, codec.decode_payload(header, memoryview(b"".join(views[1:]))))
         except RecordError:
             return False
+        if verified is not None:
+            verified(i, block(i))
         return True
 
     ok = read_into([(e, v) for _, e, v in scatter], verify) if scatter else []
@@ -92,4 +97,6 @@ def read_records(
                 except RecordError:
                     end = min(end, i)
                     break
+                if verified is not None:
+                    verified(i, block(i))
     return end - first
