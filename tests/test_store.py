@@ -208,10 +208,28 @@ def test_restore_from_start_block_reads_only_the_blocks_after_it(tmp_path, ns, h
         assert got is not None and got.data_ptr() == out.data_ptr()
         assert torch.equal(out[:, :, 32:], kv[:, :, 32:]) and bool((out[:, :, :32] == 7).all())
         assert store.stats()[tier]["hit_blocks"] == 4
-        hit, got = store.restore(ns, toks, start_block=6)  # the caller holds them all: nothing to read
+        hit, got = store.restore(ns, toks, out=out, start_block=6)  # the caller holds them all
         assert hit.num_blocks == 0 and got is None
         store.save(ns, toks[:32] + [5] * 64, make_kv(ns, 96), start_block=2)  # another suffix
-        hit, _ = store.restore(ns, toks[:32] + [9] * 64, start_block=2)
+        hit, _ = store.restore(ns, toks[:32] + [9] * 64, out=out, start_block=2)
         assert hit.num_blocks == 0  # nothing cached from block 2 of this prompt: a miss
         with pytest.raises(ConfigError, match="start_block"):
-            store.restore(ns, toks, start_block=7)
+            store.restore(ns, toks, out=out, start_block=7)
+        with pytest.raises(ConfigError, match="needs out"):  # rows 0..31 would be garbage
+            store.restore(ns, toks, start_block=2)
+
+
+def test_blocks_the_caller_holds_are_kept_recent_by_its_restores(ns) -> None:
+    """An engine that keeps a shared prefix in its own cache restores from past it every time: the store's
+    copies of that prefix must stay alive (LRU here; the disk's sliding TTL alike) or they would be the
+    first evicted, and every chain under the prefix lost with them."""
+    block_nbytes = make_kv(ns, 16).numel() * 2
+    a, b, c = list(range(96)), [7] * 32, [8] * 32  # 6, 2 and 2 blocks
+    with TieredStore.open(None, host_bytes=8 * block_nbytes) as store:  # host only: its LRU decides
+        store.save(ns, a, make_kv(ns, 96))
+        store.save(ns, b, make_kv(ns, 32))  # the host tier is full: a0..a5, b0, b1
+        out = torch.empty(ns.num_layers, 2, 96, ns.num_kv_heads, ns.head_dim, dtype=torch.float16)
+        hit, _ = store.restore(ns, a, out=out, start_block=2)  # the caller holds a0, a1
+        assert hit.num_blocks == 6
+        store.save(ns, c, make_kv(ns, 32))  # evicts the two least recent blocks
+        assert store.lookup(ns, a).num_blocks == 6 and store.lookup(ns, b).num_blocks == 0

@@ -25,7 +25,7 @@ COUNTER_NAMES = (
     "punch_unsupported",
     "totals_errors",
     "stale_readers",
-    "recomputed_blocks",  # cached, but computed: reading them was judged slower (planner.py)
+    "recomputed_blocks",  # cached, but computed: reading was judged slower (planner.py); in miss_blocks too
 )
 
 

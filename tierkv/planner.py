@@ -22,7 +22,7 @@ __all__ = ["RestorePlanner"]
 
 EXPLORE_EVERY = 16  # cuts of a tier between two reads of it anyway (its estimate stays current)
 WEIGHT = 0.3  # of a new observation in the moving estimates
-MIN_SECONDS = 1e-4  # shorter observations say more about the clock than about the tier
+MIN_SECONDS = 1e-5  # shorter observations say more about the clock than about the tier
 
 
 class RestorePlanner:

@@ -11,6 +11,7 @@ from above gets it back. Saves go to the write-behind (``write_behind.py``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -31,6 +32,8 @@ from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
 from tierkv.write_behind import WriteBehind
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Hit", "TieredStore", "Tokens"]
 
@@ -264,6 +267,13 @@ class TieredStore:
             chain = chain.prefix(out.shape[2] // B)
         if not 0 <= start_block <= len(chain):
             raise ConfigError(f"start_block {start_block} must be in 0..{len(chain)} (the prompt's blocks)")
+        if start_block and out is None:
+            raise ConfigError(
+                "restore with start_block needs out (the caller's rows for the blocks it holds)"
+            )
+        for tier in self.tiers:
+            if start_block:  # the blocks the caller holds were just used too: keep them alive here
+                tier.served_above(chain, range(start_block))
         if len(chain) == start_block:
             return Hit(0, by_tier), None
         for tier in self.tiers:
@@ -334,10 +344,14 @@ class TieredStore:
         def promote(i: int, block: torch.Tensor) -> None:
             k = src[i - start]
             above = [t for j, t in pools if j < k]
-            for pool in above:
-                pool.put(chain.keys[i], block, created_s=created_s.get(i))
-            if above:
-                promoted.add(i)
+            try:  # never waits for the pool (a large save may hold it): then _spread puts it later
+                if above and all(
+                    t.put(chain.keys[i], block, created_s=created_s.get(i), wait=False) is not None
+                    for t in above
+                ):
+                    promoted.add(i)
+            except Exception:  # a promotion is an optimisation: it must not fail the read
+                log.exception("promoting a block into a memory tier failed")
 
         return promote
 

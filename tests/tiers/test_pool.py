@@ -281,3 +281,11 @@ def test_a_fresh_host_pool_is_not_zeroed_on_the_first_put(monkeypatch) -> None:
     block = torch.ones(4, 1024)
     assert pool.put(_key(1), block) is not None
     assert pool._prefault is not None and pool.num_slots == (64 << 20) // block.nbytes
+
+
+def test_a_put_that_must_not_wait_gives_up_while_another_thread_holds_the_pool() -> None:
+    pool = BlockPool(1 << 20, name="host")
+    block = torch.ones(4, 1024)
+    with pool._lock:  # a large save copying under the lock, say
+        assert pool.put(_key(1), block, wait=False) is None
+    assert pool.put(_key(1), block, wait=False) is not None and pool.contains([_key(1)]) == [True]

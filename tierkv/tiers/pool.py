@@ -144,14 +144,24 @@ class BlockPool(Tier):
             return [self._slot(k, now) is not None for k in keys]
 
     def put(
-        self, key: BlockKey, block: torch.Tensor, *, hold: bool = False, created_s: float | None = None
+        self,
+        key: BlockKey,
+        block: torch.Tensor,
+        *,
+        hold: bool = False,
+        created_s: float | None = None,
+        wait: bool = True,
     ) -> torch.Tensor | None:
         """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot.
 
-        None when the tier is off, the block is of another size than the slots, or every slot is in use.
+        None when the tier is off, the block is of another size than the slots, or every slot is in use;
+        without ``wait``, also when another thread holds the pool (a reading thread promoting a block
+        must not stall its reads behind a large save).
         """
         nbytes = block.numel() * block.element_size()
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             if self._pool is None:
                 if self.capacity_nbytes < nbytes:
                     return None
@@ -185,6 +195,8 @@ class BlockPool(Tier):
             if hold:
                 self._ref(slot)
             return self._pool[slot]
+        finally:
+            self._lock.release()
 
     def put_many(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
         """``put`` for a contiguous stack of blocks ``[N, ...]``: the new ones land in one indexed copy (one
@@ -304,6 +316,17 @@ class BlockPool(Tier):
 
     def probe(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
         return self.contains([chain.keys[i] for i in idx])
+
+    def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
+        """Served from above (a faster tier, or the engine's own cache): a hit keeps them recent here."""
+        now = self.clock()
+        with self._lock:
+            for i in idx:
+                key = chain.keys[i]
+                if self._pool is not None and self._slot(key, now) is not None:
+                    self._atime[key] = now
+                    self._lru.move_to_end(key)
+        return []
 
     def read_into(self, chain: BlockChain, first: int, count: int, target: Target) -> int:
         """Slots are copied (asynchronously on a GPU) and stay held until the restore is over."""

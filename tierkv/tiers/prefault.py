@@ -41,7 +41,8 @@ def _madvise() -> object | None:
     return fn
 
 
-def _populate(start: int, end: int, name: str) -> None:
+def _populate(start: int, end: int, name: str, pool: torch.Tensor) -> None:
+    """``pool`` is only held: its memory stays mapped while the thread works on its addresses."""
     fn = _madvise()
     if fn is None:
         return
@@ -70,7 +71,7 @@ def populate_in_background(pool: torch.Tensor, name: str) -> threading.Thread | 
     if end <= start:
         return None
     thread = threading.Thread(
-        target=_populate, args=(start, end, name), name=f"tierkv-{name}-prefault", daemon=True
+        target=_populate, args=(start, end, name, pool), name=f"tierkv-{name}-prefault", daemon=True
     )
     thread.start()
     return thread
