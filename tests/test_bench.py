@@ -48,7 +48,10 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
 
 @pytest.mark.slow  # servers through HTTP, several minutes of CPU: behind --runslow (test_server and test_router
 def test_bench_quick_workloads_and_scaleout(tmp_path, monkeypatch) -> None:  # cover the same paths in CI)
-    res, folder = _quick(tmp_path, monkeypatch, "workloads,scaleout")
+    res, folder = _quick(tmp_path, monkeypatch, "workloads,scaleout,overhead")
+    over = res["overhead"]
+    assert len(over["ttft_s"]["cache on"]) == len(over["ttft_s"]["cache off"]) == 4
+    assert over["overhead"] == pytest.approx(over["median_on_s"] / over["median_off_s"] - 1)
     rates = {(w["workload"], w["mode"]): w["hit_rate"] for w in res["workloads"]["rows"]}
     assert rates[("date at the end", "cache on")] > rates[("date on the first line", "cache on")] == 0
     assert rates[("RAG, rules first", "cache on")] > rates[("RAG, retrieved first", "cache on")]

@@ -53,7 +53,7 @@ def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths
     "--only",
     default="ttft,tiers,workloads,plan,scaleout",
     show_default=True,
-    help="Comma-separated parts: ttft, tiers, workloads, plan, scaleout, restart.",
+    help="Comma-separated parts: ttft, tiers, workloads, plan, scaleout, restart, overhead.",
 )
 @click.option("--plan", "plan_only", is_flag=True, help="Only the break-even plan (fast).")
 @click.option(
@@ -102,10 +102,10 @@ def bench(
         _bench_vllm(quick, model_path or "smollm2", out_dir, runs, vllm_lengths)
         return
 
-    from tierkv.bench import machine, plan, report, restart, scaleout, tiers, ttft, workloads
+    from tierkv.bench import machine, overhead, plan, report, restart, scaleout, tiers, ttft, workloads
 
     parts = {"plan"} if plan_only else {p.strip() for p in only.split(",") if p.strip()}
-    if unknown := parts - {"ttft", "tiers", "workloads", "plan", "scaleout", "restart"}:
+    if unknown := parts - {"ttft", "tiers", "workloads", "plan", "scaleout", "restart", "overhead"}:
         fail(f"--only: unknown part(s) {', '.join(sorted(unknown))}", 2)
     if config_name is not None and config_name not in ttft.MODELS:
         fail(f"--config: expected one of {', '.join(ttft.MODELS)}", 2)
@@ -153,6 +153,9 @@ def bench(
                 base, model=model_path or "tiny", tokens=300 if quick else 3000, runs=1 if quick else 3
             )
             click.echo(restart.markdown(results["restart"]) + "\n")
+        if "overhead" in parts:
+            results["overhead"] = overhead.run(base, quick=quick, model=model_path)
+            click.echo(overhead.markdown(results["overhead"]) + "\n")
         if "scaleout" in parts:
             results["scaleout"] = scaleout.run(base, quick=quick)
             click.echo(scaleout.markdown(results["scaleout"]) + "\n")

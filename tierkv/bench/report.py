@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench import plan, restart, scaleout, tiers, ttft, vllm, workloads
+from tierkv.bench import overhead, plan, restart, scaleout, tiers, ttft, vllm, workloads
 
 
 def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> list[Path]:
@@ -44,6 +44,7 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
     sections: list[tuple[str, str, Callable[[Any], str]]] = [
         ("tiers", "Tier bandwidth", tiers.markdown),
         ("workloads", "Workloads through the HTTP server", workloads.markdown),
+        ("overhead", "The cache's cost when nothing is reused (interleaved)", overhead.markdown),
         ("restart", "A long prompt through HTTP: cold, again, after a restart", restart.markdown),
         ("scaleout", "Two workers: shared remote tier and prefix-aware routing", scaleout.markdown),
         ("plan", "Break-even", lambda p: plan.markdown(p.get("measured"), p["computed"])),

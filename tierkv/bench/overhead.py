@@ -1,0 +1,103 @@
+"""What the cache costs when nothing is ever reused: every prompt new, cache on against cache off.
+
+Two servers run side by side (``tierkv serve`` with its cache, and with ``--no-cache``); requests go to
+one at a time, in blocks of ``per_block`` new prompts, the servers' order alternating from round to round
+(on-off, off-on, ...) so that drift (frequency, the page cache, other tenants of the machine) favours
+neither. Each block is followed by the same pause, in which the cache-on server's writer finishes what
+the block saved; within a block, that writer competes with the block's next prefills as it would in
+service. TTFT at the client (the first streamed chunk, sent right after the prefill), medians.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tierkv.bench.serving import ServeProcess
+from tierkv.bench.workloads import _text
+
+__all__ = ["markdown", "run"]
+
+QUESTION = "Question: which tier answers fastest?"
+
+
+def run(
+    base: Path,
+    *,
+    quick: bool = False,
+    model: str | None = None,
+    rounds: int | None = None,
+    per_block: int | None = None,
+    prompt_chars: int | None = None,
+    pause_s: float = 1.0,
+) -> dict[str, Any]:
+    rounds = rounds or (2 if quick else 6)
+    per_block = per_block or (2 if quick else 5)
+    prompt_chars = prompt_chars or (600 if quick else 2500)
+    model_args = ["--model", model] if model else []
+    servers = {
+        "cache on": ServeProcess(*model_args, "--cache-dir", str(base / "overhead-cache")),
+        "cache off": ServeProcess(*model_args, "--no-cache"),
+    }
+    ttfts: dict[str, list[float]] = {mode: [] for mode in servers}
+    per_round: list[float] = []
+    prompt_tokens = 0
+    n = 0
+    try:
+        for srv in servers.values():
+            srv.chat([{"role": "user", "content": "warm-up"}], 1)
+        for r in range(rounds):
+            order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+            medians = {}
+            for mode in order:
+                block = []
+                for _ in range(per_block):
+                    n += 1
+                    system = _text(random.Random(10_000 + n), prompt_chars)  # never seen before
+                    res = servers[mode].chat(
+                        [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}], 1
+                    )
+                    assert res["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                    prompt_tokens = res["usage"]["prompt_tokens"]
+                    block.append(res["ttft_s"])
+                ttfts[mode] += block
+                medians[mode] = statistics.median(block)
+                time.sleep(pause_s)
+            per_round.append(medians["cache on"] / medians["cache off"] - 1)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    on, off = (statistics.median(ttfts[m]) for m in ("cache on", "cache off"))
+    return {
+        "config": {
+            "model": model or "embedded default",
+            "rounds": rounds,
+            "per_block": per_block,
+            "prompt_tokens": prompt_tokens,
+            "pause_s": pause_s,
+        },
+        "ttft_s": ttfts,
+        "median_on_s": on,
+        "median_off_s": off,
+        "overhead": on / off - 1,
+        "overhead_per_round": per_round,
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c = res["config"]
+    rounds = ", ".join(f"{100 * x:+.1f}%" for x in res["overhead_per_round"])
+    return "\n".join(
+        [
+            f"Model {c['model']}, {c['rounds']} rounds of {c['per_block']} new prompts (~{c['prompt_tokens']} "
+            "tokens) per server, order alternating; TTFT medians.",
+            "",
+            "| cache on | cache off | overhead | per round |",
+            "|---:|---:|---:|---|",
+            f"| {res['median_on_s'] * 1e3:.0f} ms | {res['median_off_s'] * 1e3:.0f} ms | "
+            f"{100 * res['overhead']:+.1f}% | {rounds} |",
+        ]
+    )
