@@ -85,3 +85,12 @@ def test_a_store_computes_what_a_throttled_tier_would_be_slower_to_read(tmp_path
             store.observe_prefill(ns, 16, 1.0)
         hit, got = store.restore(ns, toks)
         assert hit.num_blocks == 8 and torch.equal(got, kv)
+
+
+def test_a_memory_tier_is_never_cut_whatever_the_estimates() -> None:
+    p = RestorePlanner()
+    p.observe_read("host", 1 << 20, 1.0)  # a badly measured 1 MiB/s host tier
+    p.observe_read("disk", 1 << 20, 1.0)
+    p.observe_prefill("m", 10**9, 1.0)  # and an absurdly fast model
+    assert p.cut("m", ["host"] * 3 + ["disk"] * 2, 1 << 20, 16, memory={"host"}) == 3
+    assert p.cut("m", ["host"] * 3, 1 << 20, 16, memory={"host"}) == 3

@@ -12,12 +12,15 @@ from tierkv.cli_common import fail
 
 __all__ = ["bench"]
 
+ONLY_DEFAULT = "ttft,tiers,workloads,plan,scaleout"
+
 
 def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths: str | None) -> None:
     import tempfile
 
     from tierkv.bench import machine, report
     from tierkv.bench import vllm as vllm_bench
+    from tierkv.errors import ConfigError
     from tierkv.integrations.vllm_serve import INSTALL_HINT, vllm_python
 
     python = vllm_python()
@@ -33,17 +36,20 @@ def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths
     target = Path(out_dir) / (machine.tag(desc) + "-vllm" + ("-quick" if quick else ""))
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=".") as tmp:
-        res = vllm_bench.run(
-            Path(tmp),
-            log_dir=target,
-            python=python,
-            model=model,
-            runs=runs or (1 if quick else 3),
-            lengths=sizes,
-            progress=lambda line: click.echo(line, err=True),
-        )
+        try:
+            res = vllm_bench.run(
+                Path(tmp),
+                log_dir=target,
+                python=python,
+                model=model,
+                runs=runs or (1 if quick else 3),
+                lengths=sizes,
+                progress=lambda line: click.echo(line, err=True),
+            )
+        except ConfigError as exc:
+            fail(str(exc), 2)
+    files = report.write(target, desc, {"vllm": res})  # the JSON first: the table is made from it
     click.echo(vllm_bench.markdown(res) + "\n")
-    files = report.write(target, desc, {"vllm": res})
     click.echo("wrote " + ", ".join(str(f) for f in files))
 
 
@@ -51,7 +57,7 @@ def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths
 @click.option("--quick", is_flag=True, help="Small sizes and few runs: proves the benchmarks run (CI).")
 @click.option(
     "--only",
-    default="ttft,tiers,workloads,plan,scaleout",
+    default=ONLY_DEFAULT,
     show_default=True,
     help="Comma-separated parts: ttft, tiers, workloads, plan, scaleout, restart, overhead.",
 )
@@ -78,11 +84,17 @@ def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths
     type=click.Choice(["transformers", "vllm"]),
     default="transformers",
     show_default=True,
-    help="vllm: only TTFT through vLLM's server (cold, tierkv host and disk, ExampleConnector); needs "
-    "vLLM (scripts/setup.sh vllm, then .venv-vllm/bin/tierkv, or TIERKV_VLLM_PYTHON).",
+    help="vllm: TTFT through vLLM's OpenAI server, five servers in turn: cold, tierkv saving, tierkv "
+    "loading after a restart (disk, then host), ExampleConnector saving and loading; --model "
+    "smollm2 or a Hugging Face directory (default smollm2), --runs prompts per length (default 3, "
+    "quick 1). About 45 minutes on 2 CPU cores. Needs vLLM (scripts/setup.sh vllm, then "
+    ".venv-vllm/bin/tierkv, or TIERKV_VLLM_PYTHON).",
 )
 @click.option(
-    "--lengths", "vllm_lengths", help="vllm: comma-separated prompt lengths [default: 1024,2048,4096,8064]."
+    "--lengths",
+    "vllm_lengths",
+    help="vllm: comma-separated prompt lengths, each below the model's context [default: "
+    "1024,2048,4096,8064; quick 256,512].",
 )
 def bench(
     quick: bool,
@@ -99,6 +111,8 @@ def bench(
     import tempfile
 
     if engine == "vllm":
+        if plan_only or config_name or only != ONLY_DEFAULT:
+            fail("--engine vllm runs its own benchmark: --plan, --only and --config do not apply", 2)
         _bench_vllm(quick, model_path or "smollm2", out_dir, runs, vllm_lengths)
         return
 

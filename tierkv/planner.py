@@ -16,7 +16,7 @@ estimates it reads everything (the optimistic default). A tier judged too slow i
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 __all__ = ["RestorePlanner"]
 
@@ -43,6 +43,8 @@ class RestorePlanner:
                 self._update(self._read_Bps, tier, nbytes / seconds)
 
     def observe_prefill(self, model: str, tokens: int, seconds: float) -> None:
+        """``seconds`` must be the forward's real duration (on a GPU: after a synchronize, not the
+        kernels' launch) of ``tokens`` computed after whatever was restored."""
         if tokens > 0 and seconds >= MIN_SECONDS:
             with self._lock:
                 self._update(self._prefill_tps, model, tokens / seconds)
@@ -51,11 +53,19 @@ class RestorePlanner:
         with self._lock:
             return {"read_Bps": dict(self._read_Bps), "prefill_tokens_per_s": dict(self._prefill_tps)}
 
-    def cut(self, model: str, tiers: Sequence[str], block_nbytes: int, block_tokens: int) -> int:
+    def cut(
+        self,
+        model: str,
+        tiers: Sequence[str],
+        block_nbytes: int,
+        block_tokens: int,
+        memory: Collection[str] = (),
+    ) -> int:
         """How many leading blocks of a cached prefix to read; block ``i`` would come from ``tiers[i]``.
 
         Minimises (reading blocks ``0..c-1``) + (computing blocks ``c..``) over ``c``; the whole prefix
-        when an estimate is missing.
+        when an estimate is missing. A cut never starts in a ``memory`` tier: copying from RAM beats any
+        prefill, and one badly timed prefill report must not switch the memory tiers off.
         """
         n = len(tiers)
         with self._lock:
@@ -70,7 +80,8 @@ class RestorePlanner:
                 costs.append(read + (n - c) * compute_s)
                 if c < n:
                     read += read_s[tiers[c]]
-            best = min(range(n + 1), key=lambda c: (costs[c], -c))  # a tie reads
+            allowed = [c for c in range(n) if tiers[c] not in memory] + [n]
+            best = min(allowed, key=lambda c: (costs[c], -c))  # a tie reads
             if best == n:
                 return n
             skipped = tiers[best]  # the tier the cut starts in is the one judged too slow

@@ -280,7 +280,13 @@ class TieredStore:
             tier.requested(chain)
         src = self._sources(chain, start_block)
         if src:  # restore or recompute: reading a slow tier's run may cost more than computing it
-            keep = self.planner.cut(_model_key(ns), [self.tiers[k].name for k in src], spec.block_nbytes, B)
+            keep = self.planner.cut(
+                _model_key(ns),
+                [self.tiers[k].name for k in src],
+                spec.block_nbytes,
+                B,
+                memory={t.name for t in self.tiers if t.memory},
+            )
             if keep < len(src):
                 self.counters.add("store", "recomputed_blocks", len(src) - keep)
                 src = src[:keep]
@@ -321,8 +327,11 @@ class TieredStore:
 
     def observe_prefill(self, ns: Namespace, tokens: int, seconds: float) -> None:
         """The caller computed ``tokens`` of a prompt of ``ns``'s model in ``seconds``: with the tiers' read
-        bandwidth (measured by restores) it lets ``restore`` compute a run of blocks instead of reading
-        it where that is faster (``planner.RestorePlanner``; counted as ``store.recomputed_blocks``)."""
+        bandwidth (measured by restores) it lets ``restore`` compute the rest of a prefix instead of
+        reading it from a disk or remote tier where that is faster (``planner.RestorePlanner``; counted
+        as ``store.recomputed_blocks``, a part of ``miss_blocks``). Report real durations (on a GPU,
+        after a synchronize) of at least a block's tokens: the first report counts at once. ``lookup``
+        does not apply the decision (it says what is cached)."""
         self.planner.observe_prefill(_model_key(ns), tokens, seconds)
 
     def _promoter(

@@ -36,6 +36,7 @@ from typing import Any
 from tierkv.bench.machine import drop_page_cache
 from tierkv.bench.serving import free_port
 from tierkv.bench.table import md_table
+from tierkv.errors import ConfigError
 
 __all__ = ["COLUMNS", "LENGTHS", "markdown", "run"]
 
@@ -152,8 +153,12 @@ def run(
     from tierkv.integrations.vllm_serve import _model, vllm_command
 
     model_dir, served = _model({"model": model})
-    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
-    max_len = max(lengths) + 128
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = int(model_config["vocab_size"])
+    context = int(model_config.get("max_position_embeddings", 4096))
+    if max(lengths) >= context:
+        raise ConfigError(f"--lengths: {max(lengths)} tokens do not fit the model's context ({context})")
+    max_len = min(max(lengths) + 128, context)
     tierkv_cache, example_store = base / "vllm-tierkv-cache", base / "vllm-example-store"
     # float32 on CPU: vLLM's default there is bfloat16, which CPUs without AVX-512 BF16 emulate (1K tokens
     # of SmolLM2 took 30 s here, against about 1 s in float32)
@@ -271,6 +276,13 @@ def run(
     }
 
 
+def _cell(column: dict[str, Any] | None, *, with_cached: bool) -> str:
+    if column is None:
+        return "failed"
+    ms = f"{column['ttft_s'] * 1e3:.0f} ms"
+    return f"{ms} ({column['cached']})" if with_cached else ms
+
+
 def markdown(res: dict[str, Any]) -> str:
     cfg = res["config"]
     head = [
@@ -278,25 +290,17 @@ def markdown(res: dict[str, Any]) -> str:
         f"TTFT medians of {cfg['runs']} prompts per length (a streamed completion of one token); page cache dropped by {cfg['page_cache']}.",
         "",
     ]
-    columns = list(COLUMNS)
-    header = [
-        "tokens",
-        *(COLUMNS[c] for c in columns),
-        "tierkv disk vs cold",
-        "tierkv disk vs Example (cold)",
-    ]
+    header = ["tokens", *COLUMNS.values(), "tierkv disk vs cold", "Example disk / tierkv disk"]
     table = []
     for r in res["rows"]:
-        cells = [
-            f"{r[c]['ttft_s'] * 1e3:.0f} ms ({r[c]['cached']})"
-            if c != "cold"
-            else f"{r[c]['ttft_s'] * 1e3:.0f} ms"
-            for c in columns
-        ]
+        cells = [_cell(r.get(c), with_cached=c != "cold") for c in COLUMNS]
         # the baseline is the fastest of the cold prefills (without a connector, with each of them)
-        cold = min(r[c]["ttft_s"] for c in COLD_COLUMNS if c in r)
-        disk, example = (r[c]["ttft_s"] for c in ("tierkv_disk_cold", "example_disk_cold"))
-        table.append([r["tokens"], *cells, f"{cold / disk:.1f}x", f"{example / disk:.1f}x"])
+        colds = [r[c]["ttft_s"] for c in COLD_COLUMNS if c in r]
+        disk = r.get("tierkv_disk_cold", {}).get("ttft_s")
+        example = r.get("example_disk_cold", {}).get("ttft_s")
+        vs_cold = f"{min(colds) / disk:.1f}x" if colds and disk else "-"
+        vs_example = f"{example / disk:.1f}x" if example and disk else "-"
+        table.append([r["tokens"], *cells, vs_cold, vs_example])
     same = all(r["same_first_token"] for r in res["rows"])
     note = [
         "",

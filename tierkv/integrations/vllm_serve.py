@@ -37,7 +37,7 @@ from tierkv.errors import ConfigError
 __all__ = ["INSTALL_HINT", "connector_config", "serve_vllm", "vllm_command", "vllm_python"]
 
 INSTALL_HINT = (
-    "tierkv serve --engine vllm needs vLLM in this environment: pip install vllm (GPU), or on a CPU "
+    "--engine vllm needs vLLM in this environment: pip install vllm (GPU), or on a CPU "
     "machine scripts/setup.sh vllm and run .venv-vllm/bin/tierkv serve --engine vllm "
     "(or set TIERKV_VLLM_PYTHON to an interpreter that has vLLM)"
 )
