@@ -85,6 +85,9 @@ def test_gather_and_scatter_match_the_backends_write(writer: str, dtype: torch.d
     again = torch.zeros_like(cache)
     layout.scatter(kv, [again], torch.tensor(ids))
     assert torch.equal(again, cache)
+    run = torch.zeros_like(cache)  # consecutive ids: one copy for the run
+    layout.scatter(kv, [run], torch.tensor([1, 2, 3]))
+    assert torch.equal(layout.gather([run], torch.tensor([1, 2, 3]))[:, 0], blocks[:, 0])
 
 
 def test_scatter_starts_at_the_first_loaded_token() -> None:

@@ -165,18 +165,33 @@ class PagedLayout:
             raise ValueError(f"kv holds {kv.shape[2]} tokens, fewer than {first_token} + {n} blocks")
         device = caches[0].device
         ids = block_ids.to(device, torch.long)
+        if self.strides is not None:  # straight into the pages, a run of consecutive block ids at a time
+            id_list = block_ids.tolist()
+            runs: list[tuple[int, int]] = []  # (first position in ids, length)
+            for j, b in enumerate(id_list):
+                if runs and id_list[runs[-1][0]] + runs[-1][1] == b:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+                else:
+                    runs.append((j, 1))
         to_page, _ = self._index(device)
-        page = torch.empty((n, self.page.numel), dtype=caches[0].dtype, device=device)
+        page = (
+            None
+            if self.strides is not None
+            else torch.empty((n, self.page.numel), dtype=caches[0].dtype, device=device)
+        )
         for layer, cache in enumerate(caches):
             src = (
                 kv[layer, :, first_token : first_token + n * B].to(device).unflatten(1, (n, B))
             )  # [2, n, B, H, D]
-            if self.strides is not None:
-                for k, view in enumerate(self._views(page)):
-                    view.copy_(src[k].unflatten(1, view.shape[1:3]))
-            else:
+            if page is None:
+                flat = cache.view(cache.shape[0] // self.page.kernel_blocks, -1)  # [blocks, page cells]
+                for j, m in runs:
+                    first_id = id_list[j]
+                    for k, view in enumerate(self._views(flat[first_id : first_id + m])):
+                        view.copy_(src[k, j : j + m].unflatten(1, view.shape[1:3]))
+            else:  # a layout that is no strided view: through a page buffer, by index
                 torch.index_select(src.transpose(0, 1).reshape(n, -1), 1, to_page, out=page)
-            self.pages(cache)[ids] = page.view(n, *self.page.dims)
+                self.pages(cache)[ids] = page.view(n, *self.page.dims)
 
 
 def probe(
