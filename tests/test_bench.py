@@ -25,7 +25,11 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     for row in ttft["rows"]:
         assert row["host_s"]["median"] < row["cold_s"]["median"]  # restoring beats recomputing
     tiers = res["tiers"]
-    depths = [tiers["rows_Bps"][f"raw O_DIRECT sequential read, 1 MiB, QD {d}"]["median"] for d in (1, 4, 32)]
+    depths = [
+        tiers["rows_Bps"][f"raw O_DIRECT sequential read, {s} MiB, QD {d}"]["median"]
+        for s in (1, 8)
+        for d in (1, 4, 32)
+    ]
     assert tiers["disk_read_limit_Bps"] >= max(depths) > 0  # the limit is the best of them
     assert tiers["ratios"]["restore cold one-prefix / disk limit"] == pytest.approx(
         tiers["rows_Bps"]["restore one-prefix, cold"]["median"] / tiers["disk_read_limit_Bps"]

@@ -2,7 +2,7 @@
 
 Rows (GB/s, medians of ``runs`` with their spread):
   raw O_DIRECT reads and writes    the disk's limits (no page cache) over as many bytes as the store holds:
-                                   sequential 1 MiB requests at queue depths 1, 4 and 32 (threads), fio's
+                                   sequential 1 and 8 MiB requests at queue depths 1, 4 and 32 (threads), fio's
                                    at 32 when fio is installed; scattered block-sized reads. The disk's
                                    read (write) limit is the best sequential read (write) of them all
   raw buffered cold read           large sequential reads through the page cache
@@ -45,26 +45,29 @@ PROMPT_TOKENS = 8192
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-REQUEST_NBYTES = 1 << 20  # the raw measurements' request size
+REQUEST_SIZES = (1 << 20, 8 << 20)  # per request: small requests undersell a disk with a long latency
 QUEUE_DEPTHS = (1, 4, 32)  # requests in flight (one thread each): one stream undersells an NVMe disk
 
 
-def _odirect_stream(path: Path, nbytes: int, depth: int, src: mmap.mmap | None) -> float:
-    """Bytes per second of O_DIRECT 1 MiB requests over ``path``'s first ``nbytes``, sequential, ``depth``
-    in flight (thread k does requests k, k+depth, ...). Writes ``src`` when given (then fsync), else reads."""
+def _odirect_stream(
+    path: Path, nbytes: int, depth: int, src: mmap.mmap | None, request_nbytes: int = 1 << 20
+) -> float:
+    """Bytes per second of O_DIRECT requests of ``request_nbytes`` over ``path``'s first ``nbytes``,
+    sequential, ``depth`` in flight (thread k does requests k, k+depth, ...). Writes ``src`` (a buffer of
+    ``request_nbytes``) when given (then fsync), else reads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    n = nbytes // REQUEST_NBYTES
+    n = nbytes // request_nbytes
     flags = (os.O_WRONLY | os.O_CREAT) if src is not None else os.O_RDONLY
     fd = os.open(path, flags | os.O_DIRECT, 0o600)
 
     def stream(k: int) -> None:
-        own = src or mmap.mmap(-1, REQUEST_NBYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        own = src or mmap.mmap(-1, request_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
         for i in range(k, n, depth):
             if src is not None:
-                os.pwritev(fd, [own], i * REQUEST_NBYTES)
+                os.pwritev(fd, [own], i * request_nbytes)
             else:
-                os.preadv(fd, [own], i * REQUEST_NBYTES)
+                os.preadv(fd, [own], i * request_nbytes)
         if src is None:
             own.close()
 
@@ -74,7 +77,7 @@ def _odirect_stream(path: Path, nbytes: int, depth: int, src: mmap.mmap | None) 
             list(pool.map(stream, range(depth)))
             if src is not None:
                 os.fsync(fd)
-            return n * REQUEST_NBYTES / (time.perf_counter() - t0)
+            return n * request_nbytes / (time.perf_counter() - t0)
     finally:
         os.close(fd)
 
@@ -100,23 +103,27 @@ def _fio(path: Path, nbytes: int, write: bool) -> float | None:
 
 
 def _raw_io(path: Path, nbytes: int, runs: int, record_nbytes: int) -> dict[str, list[float]]:
-    """The disk's own limits, without tierkv: O_DIRECT sequential reads and writes of 1 MiB at each of
-    ``QUEUE_DEPTHS``, scattered record-sized O_DIRECT reads, buffered cold reads; fio when installed."""
-    src = mmap.mmap(-1, REQUEST_NBYTES)
-    src.write(os.urandom(REQUEST_NBYTES))
+    """The disk's own limits, without tierkv: O_DIRECT sequential reads and writes of each of
+    ``REQUEST_SIZES`` at each of ``QUEUE_DEPTHS``, scattered record-sized O_DIRECT reads, buffered cold
+    reads; fio when installed."""
+    largest = max(REQUEST_SIZES)
+    srcs = {size: mmap.mmap(-1, size) for size in REQUEST_SIZES}
+    for m in srcs.values():
+        m.write(os.urandom(len(m)))
     buf = mmap.mmap(-1, 8 << 20)
-    nbytes = max(1, nbytes // REQUEST_NBYTES) * REQUEST_NBYTES
-    out: dict[str, list[float]] = {f"write_qd{d}": [] for d in QUEUE_DEPTHS}
-    out |= {f"read_qd{d}": [] for d in QUEUE_DEPTHS}
+    nbytes = max(1, nbytes // largest) * largest
+    combos = [(size, d) for size in REQUEST_SIZES for d in QUEUE_DEPTHS]
+    out: dict[str, list[float]] = {f"write_{size >> 20}m_qd{d}": [] for size, d in combos}
+    out |= {f"read_{size >> 20}m_qd{d}": [] for size, d in combos}
     out |= {"odirect_scattered": [], "buffered_cold": [], "fio_read_qd32": [], "fio_write_qd32": []}
     rng = random.Random(0)
     for _ in range(runs):
         path.unlink(missing_ok=True)
-        for d in QUEUE_DEPTHS:
-            out[f"write_qd{d}"].append(_odirect_stream(path, nbytes, d, src))
-        for d in QUEUE_DEPTHS:
+        for size, d in combos:
+            out[f"write_{size >> 20}m_qd{d}"].append(_odirect_stream(path, nbytes, d, srcs[size], size))
+        for size, d in combos:
             drop_page_cache([path])
-            out[f"read_qd{d}"].append(_odirect_stream(path, nbytes, d, None))
+            out[f"read_{size >> 20}m_qd{d}"].append(_odirect_stream(path, nbytes, d, None, size))
         for mode in ("odirect_scattered", "buffered_cold"):
             drop_page_cache([path])
             fd = os.open(path, os.O_RDONLY | (0 if mode == "buffered_cold" else os.O_DIRECT))
@@ -140,7 +147,8 @@ def _raw_io(path: Path, nbytes: int, runs: int, record_nbytes: int) -> dict[str,
         if (bw := _fio(path, nbytes, write)) is not None:
             out["fio_write_qd32" if write else "fio_read_qd32"].append(bw)
     buf.close()
-    src.close()
+    for m in srcs.values():
+        m.close()
     path.unlink()
     return out
 
@@ -251,10 +259,12 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
 
     block_nbytes = kv_nbytes // (prompt_tokens // 64)
     raw = _raw_io(base / "raw.bin", data_nbytes, runs, block_nbytes)
-    for d in QUEUE_DEPTHS:
-        rows[f"raw O_DIRECT sequential read, 1 MiB, QD {d}"] = summary(raw[f"read_qd{d}"])
-    for d in QUEUE_DEPTHS:
-        rows[f"raw O_DIRECT sequential write, 1 MiB, QD {d}"] = summary(raw[f"write_qd{d}"])
+    for rw in ("read", "write"):
+        for size in REQUEST_SIZES:
+            for d in QUEUE_DEPTHS:
+                rows[f"raw O_DIRECT sequential {rw}, {size >> 20} MiB, QD {d}"] = summary(
+                    raw[f"{rw}_{size >> 20}m_qd{d}"]
+                )
     for rw in ("read", "write"):
         if raw[f"fio_{rw}_qd32"]:
             rows[f"fio O_DIRECT sequential {rw}, 1 MiB, QD 32 (libaio)"] = summary(raw[f"fio_{rw}_qd32"])

@@ -7,7 +7,7 @@ For a prompt of L+1 tokens (L cached, one computed), medians of ``runs``:
   disk warm   a fresh store without a host tier, page cache warm
   disk cold   the same after dropping the page cache
 Floor of a tier = KV bytes / that tier's bandwidth measured in this run (memcpy; page-cache read; the
-best O_DIRECT read of 1 MiB requests at queue depth 1, 4 or 32) + the median one-token forward after a
+best O_DIRECT read of 1 or 8 MiB requests at queue depth 1, 4 or 32) + the median one-token forward after a
 restore. A second table splits TTFT: the restore alone against the bytes' floor, and the one-token
 forward after a restore against the same forward over the model's own contiguous cache.
 """
@@ -25,7 +25,7 @@ import torch
 
 from tierkv import TieredStore
 from tierkv.bench.machine import drop_page_cache, summary
-from tierkv.bench.tiers import QUEUE_DEPTHS, _odirect_stream
+from tierkv.bench.tiers import QUEUE_DEPTHS, REQUEST_SIZES, _odirect_stream
 from tierkv.default_model import DEFAULT_MODEL_ID, ByteTokenizer, build_default_model
 from tierkv.worker import CachedModel
 
@@ -59,9 +59,11 @@ def _bandwidths(base: Path, nbytes: int) -> dict[str, float]:
         os.fsync(f.fileno())
     buf = mmap.mmap(-1, nbytes)
     out = {"memcpy": nbytes / summary(t)["median"]}
-    # The disk's limit: the best O_DIRECT sequential read of 1 MiB requests at any of the queue depths.
+    # The disk's limit: the best O_DIRECT sequential read, any request size and queue depth.
     out["odirect"] = max(
-        summary([_odirect_stream(path, nbytes, d, None) for _ in range(3)])["median"] for d in QUEUE_DEPTHS
+        summary([_odirect_stream(path, nbytes, d, None, size) for _ in range(3)])["median"]
+        for d in QUEUE_DEPTHS
+        for size in REQUEST_SIZES
     )
     for mode in ("page_cache",):
         ts = []
