@@ -28,5 +28,5 @@ def test_the_vllm_benchmark_measures_every_column(tmp_path: Path, model_dir: Pat
     # 300 tokens: two whole blocks of 128, the last token always computed
     assert row["tierkv_disk_cold"]["cached"] == row["tierkv_host"]["cached"] == 256
     assert row["example_disk_cold"]["cached"] == row["example_warm"]["cached"] == 256
-    assert "tierkv disk vs Example" in (folder / "README.md").read_text()
+    assert "Example disk / tierkv disk" in (folder / "README.md").read_text()
     assert "tierkv connector (worker): loaded" in (folder / "vllm-tierkv-load.log").read_text()

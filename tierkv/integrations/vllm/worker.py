@@ -105,6 +105,12 @@ class WorkerSide:
                 dtype=self.spec.dtype,
                 device=self.caches[0].device,
             )
+            # The memory tiers now, while vLLM starts (their pages are populated behind), not on the
+            # first request's save or load.
+            try:
+                self.store.reserve(self.ns)
+            except (RuntimeError, MemoryError) as exc:  # then on first use, as before
+                log.warning("tierkv: could not reserve the memory tiers now: %s", exc)
             log.info(
                 "tierkv connector (worker): %d layers, %s, layout learned from %s in %.3f s",
                 len(names),
