@@ -315,7 +315,7 @@ def test_cuda_worker_restores_exact_kv_from_every_tier(tmp_path) -> None:
 
 def test_host_runs_uploaded_block_major_land_in_place(ns) -> None:
     """The GPU restore's upload of a run of host blocks (DMA per block, one device copy per run), on CPU."""
-    from tierkv.store import _runs
+    from tierkv.spread import runs_of as _runs
     from tierkv.tiers.pool import _upload_run
 
     assert _runs([0, 0, 1, 1, 1, 0, 2]) == [(0, 0, 2), (1, 2, 5), (0, 5, 6), (2, 6, 7)]

@@ -174,7 +174,7 @@ def test_a_writer_that_falls_behind_never_starves_the_host_tier(tmp_path, ns, mo
 
 
 def test_blocks_for_another_device_are_copied_one_run_at_a_time() -> None:
-    from tierkv.store import _blocks_on
+    from tierkv.spread import blocks_on as _blocks_on
 
     B = 4
     dest = (

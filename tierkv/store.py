@@ -11,9 +11,8 @@ from above gets it back. Saves go to the write-behind (``write_behind.py``).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,14 +25,13 @@ from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
 from tierkv.planner import RestorePlanner
+from tierkv.spread import promoter, runs_of, spread
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
 from tierkv.write_behind import WriteBehind
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Hit", "TieredStore", "Tokens"]
 
@@ -62,31 +60,6 @@ def _chain(ns: Namespace, tokens: Tokens) -> BlockChain:
 def _model_key(ns: Namespace) -> str:
     """A model's prefill speed is one for all its tenants (the salt changes names, not costs)."""
     return f"{ns.model_id}@{ns.revision}/{ns.dtype}/{ns.num_layers}x{ns.num_kv_heads}x{ns.head_dim}"
-
-
-def _runs(src: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(tier, first, end)`` runs of consecutive blocks served by the same tier."""
-    runs: list[tuple[int, int, int]] = []
-    for i, k in enumerate(src):
-        if runs and runs[-1][0] == k:
-            runs[-1] = (k, runs[-1][1], i + 1)
-        else:
-            runs.append((k, i, i + 1))
-    return runs
-
-
-def _blocks_on(
-    device: torch.device, dest: torch.Tensor, idx: Sequence[int], B: int
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """Blocks ``idx`` of ``dest`` on ``device``: from another device, one copy per run of consecutive
-    blocks (not a synchronous copy per block under a pool's lock)."""
-    if dest.device == device:
-        yield from ((i, dest[:, :, i * B : (i + 1) * B]) for i in idx)
-        return
-    for _, a, b in _runs([i - j for j, i in enumerate(idx)]):  # equal within a run of consecutive blocks
-        first = idx[a]
-        part = dest[:, :, first * B : (idx[b - 1] + 1) * B].to(device)
-        yield from ((i, part[:, :, (i - first) * B : (i - first + 1) * B]) for i in idx[a:b])
 
 
 class TieredStore:
@@ -296,12 +269,12 @@ class TieredStore:
         n = start_block + len(src)
         dest = out if out is not None else torch.empty(spec.shape(n * B), dtype=spec.dtype)
         promoted: set[int] = set()
-        runs = [(k, first + start_block, end + start_block) for k, first, end in _runs(src)]
+        runs = [(k, first + start_block, end + start_block) for k, first, end in runs_of(src)]
         # Memory tiers first: they hold the slots they read until the restore is over, so the blocks
         # promoted into them from the slower tiers cannot evict what this restore still has to read.
         order = sorted(runs, key=lambda run: not self.tiers[run[0]].memory)
         with self._stagers.target(dest, spec) as target:
-            target.on_verified = self._promoter(chain, src, start_block, target.created_s, promoted)
+            target.on_verified = promoter(self.tiers, chain, src, start_block, target.created_s, promoted)
             for k, first, end in order:
                 if first >= n:
                     continue  # past a block that did not restore: the prefix ends there
@@ -317,7 +290,16 @@ class TieredStore:
         if n == start_block:  # the first block read failed verification
             self.counters.add("store", "miss_blocks", len(chain) - start_block)
             return Hit(0, by_tier), None
-        self._spread(chain, src[: n - start_block], dest, target.created_s, start_block, promoted)
+        spread(
+            self.tiers,
+            self.writes,
+            chain,
+            src[: n - start_block],
+            dest,
+            target.created_s,
+            start_block,
+            promoted,
+        )
         self.counters.add("store", "miss_blocks", len(chain) - n)
         for name, tokens in by_tier.items():
             if tokens:
@@ -333,66 +315,6 @@ class TieredStore:
         after a synchronize) of at least a block's tokens: the first report counts at once. ``lookup``
         does not apply the decision (it says what is cached)."""
         self.planner.observe_prefill(_model_key(ns), tokens, seconds)
-
-    def _promoter(
-        self,
-        chain: BlockChain,
-        src: Sequence[int],
-        start: int,
-        created_s: dict[int, float],
-        promoted: set[int],
-    ) -> Callable[[int, torch.Tensor], None] | None:
-        """Puts each block a record tier read and verified into the CPU memory tiers above it, on the
-        reading thread while its bytes are in cache: no second pass over the restored KV afterwards."""
-        pools = [
-            (j, t) for j, t in enumerate(self.tiers) if isinstance(t, BlockPool) and t.device.type == "cpu"
-        ]
-        if not pools:
-            return None
-
-        def promote(i: int, block: torch.Tensor) -> None:
-            k = src[i - start]
-            above = [t for j, t in pools if j < k]
-            try:  # never waits for the pool (a large save may hold it): then _spread puts it later
-                if above and all(
-                    t.put(chain.keys[i], block, created_s=created_s.get(i), wait=False) is not None
-                    for t in above
-                ):
-                    promoted.add(i)
-            except Exception:  # a promotion is an optimisation: it must not fail the read
-                log.exception("promoting a block into a memory tier failed")
-
-        return promote
-
-    def _spread(
-        self,
-        chain: BlockChain,
-        src: Sequence[int],
-        dest: torch.Tensor,
-        created_s: dict[int, float],
-        start: int = 0,
-        promoted: set[int] | frozenset[int] = frozenset(),
-    ) -> None:
-        """After a restore: blocks read from a slower tier are written into the faster ones (memory tiers
-        now, so the next request hits there; record tiers behind); slower tiers refresh the blocks served
-        from above and get back those they lost."""
-        B = chain.ns.block_tokens
-        wants: dict[Tier, list[int]] = {}
-        for j, tier in enumerate(self.tiers):
-            below = [start + i for i, k in enumerate(src) if k > j]  # read from a slower tier
-            above = [start + i for i, k in enumerate(src) if k < j]
-            if isinstance(tier, BlockPool):
-                if tier.device.type == "cpu":
-                    below = [i for i in below if i not in promoted]  # those were put as they came in
-                if below and (tier.device == dest.device or tier.device.type == "cpu"):
-                    for i, block in _blocks_on(tier.device, dest, below, B):
-                        tier.put(chain.keys[i], block, created_s=created_s.get(i))
-                continue
-            wanted = [i for i, w in zip(below, tier.needs(chain, below)) if w] if below else []
-            if wanted := sorted(set(wanted) | set(tier.served_above(chain, above))):
-                wants[tier] = wanted
-        if wants:
-            self.writes.write_back(chain, wants, lambda i: dest[:, :, i * B : (i + 1) * B], created_s)
 
     # ---------------------------------------------------------------- maintenance (the admin API's calls)
 

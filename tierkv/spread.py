@@ -1,0 +1,109 @@
+"""After a restore: the restored blocks reach the faster tiers, and the slower tiers hear of their use.
+
+promoter   a callback for ``Target.on_verified``: each block a record tier (disk, remote) read and
+           verified goes into the CPU memory tiers above it on the reading thread, while its bytes
+           are in cache (no second pass over the restored KV)
+spread     what is left once the reads are done: blocks not promoted into the memory tiers, record
+           tiers that want a block written back, slower tiers refreshing blocks served from above
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from tierkv.keys import BlockChain
+from tierkv.tiers.base import Tier
+from tierkv.tiers.pool import BlockPool
+from tierkv.write_behind import WriteBehind
+
+log = logging.getLogger("tierkv.store")
+
+__all__ = ["blocks_on", "promoter", "runs_of", "spread"]
+
+
+def runs_of(src: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(tier, first, end)`` runs of consecutive blocks served by the same tier."""
+    runs: list[tuple[int, int, int]] = []
+    for i, k in enumerate(src):
+        if runs and runs[-1][0] == k:
+            runs[-1] = (k, runs[-1][1], i + 1)
+        else:
+            runs.append((k, i, i + 1))
+    return runs
+
+
+def blocks_on(
+    device: torch.device, dest: torch.Tensor, idx: Sequence[int], B: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Blocks ``idx`` of ``dest`` on ``device``: from another device, one copy per run of consecutive
+    blocks (not a synchronous copy per block under a pool's lock)."""
+    if dest.device == device:
+        yield from ((i, dest[:, :, i * B : (i + 1) * B]) for i in idx)
+        return
+    for _, a, b in runs_of([i - j for j, i in enumerate(idx)]):  # equal within a run of consecutive blocks
+        first = idx[a]
+        part = dest[:, :, first * B : (idx[b - 1] + 1) * B].to(device)
+        yield from ((i, part[:, :, (i - first) * B : (i - first + 1) * B]) for i in idx[a:b])
+
+
+def promoter(
+    tiers: Sequence[Tier],
+    chain: BlockChain,
+    src: Sequence[int],
+    start: int,
+    created_s: dict[int, float],
+    promoted: set[int],
+) -> Callable[[int, torch.Tensor], None] | None:
+    """Puts each block a record tier read and verified into the CPU memory tiers above it, on the
+    reading thread while its bytes are in cache: no second pass over the restored KV afterwards."""
+    pools = [(j, t) for j, t in enumerate(tiers) if isinstance(t, BlockPool) and t.device.type == "cpu"]
+    if not pools:
+        return None
+
+    def promote(i: int, block: torch.Tensor) -> None:
+        k = src[i - start]
+        above = [t for j, t in pools if j < k]
+        try:  # never waits for the pool (a large save may hold it): then spread puts it later
+            if above and all(
+                t.put(chain.keys[i], block, created_s=created_s.get(i), wait=False) is not None for t in above
+            ):
+                promoted.add(i)
+        except Exception:  # a promotion is an optimisation: it must not fail the read
+            log.exception("promoting a block into a memory tier failed")
+
+    return promote
+
+
+def spread(
+    tiers: Sequence[Tier],
+    writes: WriteBehind,
+    chain: BlockChain,
+    src: Sequence[int],
+    dest: torch.Tensor,
+    created_s: dict[int, float],
+    start: int = 0,
+    promoted: set[int] | frozenset[int] = frozenset(),
+) -> None:
+    """After a restore: blocks read from a slower tier are written into the faster ones (memory tiers
+    now, so the next request hits there; record tiers behind); slower tiers refresh the blocks served
+    from above and get back those they lost."""
+    B = chain.ns.block_tokens
+    wants: dict[Tier, list[int]] = {}
+    for j, tier in enumerate(tiers):
+        below = [start + i for i, k in enumerate(src) if k > j]  # read from a slower tier
+        above = [start + i for i, k in enumerate(src) if k < j]
+        if isinstance(tier, BlockPool):
+            if tier.device.type == "cpu":
+                below = [i for i in below if i not in promoted]  # those were put as they came in
+            if below and (tier.device == dest.device or tier.device.type == "cpu"):
+                for i, block in blocks_on(tier.device, dest, below, B):
+                    tier.put(chain.keys[i], block, created_s=created_s.get(i))
+            continue
+        wanted = [i for i, w in zip(below, tier.needs(chain, below)) if w] if below else []
+        if wanted := sorted(set(wanted) | set(tier.served_above(chain, above))):
+            wants[tier] = wanted
+    if wants:
+        writes.write_back(chain, wants, lambda i: dest[:, :, i * B : (i + 1) * B], created_s)
