@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,29 @@ def test_a_new_pool_is_populated_in_the_background_without_touching_its_contents
     thread.join(60)
     assert _rss_nbytes() - before > 200 << 20  # its pages are resident now
     assert bool((t[: 1 << 20] == 7).all())  # and what was written is unchanged
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
+def test_populating_runs_at_idle_priority_so_a_first_restore_keeps_its_cores(monkeypatch) -> None:
+    import tierkv.tiers.prefault as prefault
+
+    real = prefault._madvise()
+    if real is None:
+        pytest.skip("no madvise here")
+    policies: list[int] = []
+
+    def spying(addr, nbytes, advice):  # type: ignore[no-untyped-def]
+        policies.append(os.sched_getscheduler(0))  # 0: the calling thread, on Linux
+        return real(addr, nbytes, advice)
+
+    monkeypatch.setattr(prefault, "_madvise", lambda: spying)
+    t = torch.empty(16 << 20, dtype=torch.uint8)
+    thread = prefault.populate_in_background(t, "test")
+    assert thread is not None
+    thread.join(60)
+    assert len(policies) == (16 << 20) // prefault.CHUNK_NBYTES  # short madvise calls: the mmap lock
+    assert set(policies) == {os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own thread is left as it was
 
 
 def test_a_fresh_host_pool_is_not_zeroed_on_the_first_put(monkeypatch) -> None:

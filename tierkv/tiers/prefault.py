@@ -6,6 +6,10 @@ the whole pool at allocation moved that cost to the first save or restore (0.2 t
 the request path). ``MADV_POPULATE_WRITE`` (Linux 5.14) maps the pages writable without writing them, so a
 background thread can populate the pool while other threads already copy blocks into it: the contents
 are never touched. Where the kernel lacks it, pages fault on first write, one block at a time.
+
+The thread runs at idle priority: populating 1 GiB is about 0.5 s of CPU on the 2-core development
+machine, and a restore right after start-up read 480 MiB at 0.61 GB/s while it ran beside it, against
+0.97 to 1.04 GB/s once it was done (the same with idle priority, or without a host tier).
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ import time
 
 import torch
 
+from tierkv.priority import idle_priority
+
 log = logging.getLogger(__name__)
 
 __all__ = ["populate_in_background"]
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
-CHUNK_NBYTES = 64 << 20  # one madvise call: short enough to let the pool's users take turns with it
+# One madvise call: it holds the process's mmap lock (read), so keep it short (about 2 ms of CPU) for an
+# idle-priority thread: an allocator waiting to map memory must not wait long for it.
+CHUNK_NBYTES = 4 << 20
 
 
 def _madvise() -> object | None:
@@ -46,6 +54,7 @@ def _populate(start: int, end: int, name: str, pool: torch.Tensor) -> None:
     fn = _madvise()
     if fn is None:
         return
+    idle_priority()  # a restore right after start-up must not share its cores with populating
     t0 = time.perf_counter()
     addr = start
     while addr < end:

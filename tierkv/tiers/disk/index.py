@@ -23,6 +23,7 @@ import lmdb
 from tierkv.errors import NamespaceConflictError, StoreFormatError, StoreOpenError
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
+from tierkv.priority import normal_priority
 from tierkv.tiers.disk.opening import open_store
 from tierkv.tiers.disk.schema import (
     DBS,
@@ -36,7 +37,7 @@ from tierkv.tiers.disk.schema import (
     Policy,
     time_key,
 )
-from tierkv.tiers.disk.txn import TxnGate, normal_priority
+from tierkv.tiers.disk.txn import TxnGate
 
 __all__ = ["Index", "MAP_GROW_ATTEMPTS", "Txn"]
 

@@ -16,10 +16,10 @@ from tierkv.codec import decode_header, decode_payload
 from tierkv.errors import RecordError
 from tierkv.keys import BlockKey, chain_key
 from tierkv.metrics import Counters
+from tierkv.priority import idle_priority
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_of
 from tierkv.tiers.disk.segments import SegmentDir, aligned
-from tierkv.tiers.disk.txn import idle_priority
 
 __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Progress", "SWEEP_BATCH", "Sweeper", "Sweeps"]
 

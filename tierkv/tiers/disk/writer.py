@@ -20,13 +20,13 @@ import lmdb
 
 from tierkv.errors import NamespaceConflictError
 from tierkv.metrics import Counters
+from tierkv.priority import idle_priority
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.access_times import AccessTimes  # also exported from here, as before
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import Entry, Hole
 from tierkv.tiers.disk.segment_writer import SegmentWriter
 from tierkv.tiers.disk.segments import SegmentDir, aligned
-from tierkv.tiers.disk.txn import idle_priority
 
 __all__ = [
     "AccessTimes",
