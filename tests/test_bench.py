@@ -30,7 +30,13 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
         for s in (1, 8)
         for d in (1, 4, 32)
     ]
-    assert tiers["disk_read_limit_Bps"] >= max(depths) > 0  # the limit is the best of them
+    depths.append(tiers["rows_Bps"]["raw buffered cold sequential read, 8 MiB, 4 threads"]["median"])
+    runs = tiers["config"]["runs"]
+    assert tiers["rows_Bps"]["raw O_DIRECT sequential read, 1 MiB, QD 1"]["n"] == 2 * runs  # two passes
+    depths += [
+        v["median"] for k, v in tiers["rows_Bps"].items() if k.startswith("fio O_DIRECT sequential read")
+    ]
+    assert tiers["disk_read_limit_Bps"] == max(depths) > 0  # the limit is the best of them
     assert tiers["ratios"]["restore cold one-prefix / disk limit"] == pytest.approx(
         tiers["rows_Bps"]["restore one-prefix, cold"]["median"] / tiers["disk_read_limit_Bps"]
     )
@@ -41,7 +47,7 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
         assert 0 < row["host_restore_s"]["median"] < row["host_s"]["median"]
         assert row["forward_1_contiguous_s"]["median"] > 0
         assert row["restore_floor_s"]["disk_cold"] == pytest.approx(
-            row["kv_nbytes"] / ttft["bandwidth_Bps"]["odirect"]
+            row["kv_nbytes"] / ttft["bandwidth_Bps"]["disk_read_limit"]
         )
     assert "Restore and forward apart" in (folder / "README.md").read_text()
     assert res["plan"]["measured"]["break_even_Bps"] > 0

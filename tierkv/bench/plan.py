@@ -87,14 +87,14 @@ def measured(cm: Any, base: Path, context: int = 1024) -> dict[str, Any]:
         "tiers": {
             "host (memcpy)": bw["memcpy"],
             "disk, warm page cache": bw["page_cache"],
-            "disk, cold (O_DIRECT)": bw["odirect"],
+            "disk, cold (its limit)": bw["disk_read_limit"],
         },
         "speedup_bound": {
             k: v / be
             for k, v in {
                 "host (memcpy)": bw["memcpy"],
                 "disk, warm page cache": bw["page_cache"],
-                "disk, cold (O_DIRECT)": bw["odirect"],
+                "disk, cold (its limit)": bw["disk_read_limit"],
             }.items()
         },
     }
