@@ -179,7 +179,8 @@ class DiskTier(Tier):
 
         def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
             part = entries[i0 - first : i0 - first + n]
-            return read_records(chain, part, i0, buf, base, self.read_scatter, self.read, target.verified)
+            verified = target.verified if target.on_verified is not None else None  # no view per block
+            return read_records(chain, part, i0, buf, base, self.read_scatter, self.read, verified)
 
         got = target.fill(first, len(entries), fill)
         if got < len(entries):
