@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -45,7 +44,7 @@ def read_records(
     prefix_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes
     raw_nbytes = prefix_nbytes + spec.block_nbytes
     rows: list[memoryview] = [  # sliced per record below: a memoryview slice is far cheaper than numpy's
-        memoryview(target[layer, kv].view(torch.uint8).reshape(-1).numpy())
+        memoryview(target[layer, kv].view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
         for layer in range(spec.num_layers)
         for kv in (0, 1)
     ]
