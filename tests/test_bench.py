@@ -31,6 +31,11 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
         for d in (1, 4, 32)
     ]
     depths.append(tiers["rows_Bps"]["raw buffered cold sequential read, 8 MiB, 4 threads"]["median"])
+    own = tiers["rows_Bps"][
+        "raw buffered cold sequential read of the store's segment files, 8 MiB, 4 threads"
+    ]
+    assert own["n"] == tiers["rows_Bps"]["restore one-prefix, cold"]["n"]  # one before each cold restore
+    depths.append(own["median"])
     runs = tiers["config"]["runs"]
     assert tiers["rows_Bps"]["raw O_DIRECT sequential read, 1 MiB, QD 1"]["n"] == 2 * runs  # two passes
     depths += [
@@ -62,6 +67,8 @@ def test_bench_quick_workloads_and_scaleout(tmp_path, monkeypatch) -> None:  # c
     over = res["overhead"]
     assert len(over["ttft_s"]["cache on"]) == len(over["ttft_s"]["cache off"]) == 4
     assert over["overhead"] == pytest.approx(over["median_on_s"] / over["median_off_s"] - 1)
+    low, high = over["overhead_95_interval"]
+    assert low <= high
     rates = {(w["workload"], w["mode"]): w["hit_rate"] for w in res["workloads"]["rows"]}
     assert rates[("date at the end", "cache on")] > rates[("date on the first line", "cache on")] == 0
     assert rates[("RAG, rules first", "cache on")] > rates[("RAG, retrieved first", "cache on")]
@@ -83,3 +90,17 @@ def test_computed_break_even_is_kv_bytes_times_throughput() -> None:
 def test_bench_rejects_unknown_parts(tmp_path) -> None:
     r = CliRunner().invoke(main, ["bench", "--only", "ttft,magic", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "magic" in r.output
+
+
+def test_overhead_interval_is_exact_without_noise_and_widens_with_it() -> None:
+    import random
+
+    from tierkv.bench.overhead import _interval
+
+    off = [1.0 + 0.1 * r for r in range(8) for _ in range(5)]  # drift between rounds, none within
+    low, high = _interval({"cache on": [t * 1.05 for t in off], "cache off": off}, per_block=5)
+    assert low == pytest.approx(0.05) and high == pytest.approx(0.05)
+    rng = random.Random(1)
+    noisy = [t * 1.05 * rng.uniform(0.8, 1.2) for t in off]
+    low, high = _interval({"cache on": noisy, "cache off": off}, per_block=5)
+    assert low < 0.05 < high and high - low > 0.05  # what 20% noise over 8 rounds allows one to claim

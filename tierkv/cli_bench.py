@@ -78,7 +78,9 @@ def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths
     show_default=True,
     help="Results folder (a machine tag is appended).",
 )
-@click.option("--runs", type=int, help="Repetitions per measurement (default 5, quick 2).")
+@click.option(
+    "--runs", type=int, help="Repetitions per measurement (default 5, quick 2); overhead: rounds (default 6)."
+)
 @click.option(
     "--engine",
     type=click.Choice(["transformers", "vllm"]),
@@ -125,6 +127,7 @@ def bench(
         fail(f"--config: expected one of {', '.join(ttft.MODELS)}", 2)
     if model_path is not None and config_name is not None:
         fail("give --model or --config, not both", 2)
+    rounds = runs  # overhead: rounds of new prompts per server (its own default when not given)
     runs = runs or (2 if quick else 5)
     desc = machine.describe(".")
     results: dict[str, Any] = {"quick": quick}
@@ -168,7 +171,7 @@ def bench(
             )
             click.echo(restart.markdown(results["restart"]) + "\n")
         if "overhead" in parts:
-            results["overhead"] = overhead.run(base, quick=quick, model=model_path)
+            results["overhead"] = overhead.run(base, quick=quick, model=model_path, rounds=rounds)
             click.echo(overhead.markdown(results["overhead"]) + "\n")
         if "scaleout" in parts:
             results["scaleout"] = scaleout.run(base, quick=quick)

@@ -7,7 +7,7 @@ For a prompt of L+1 tokens (L cached, one computed), medians of ``runs``:
   disk warm   a fresh store without a host tier, page cache warm
   disk cold   the same after dropping the page cache
 Floor of a tier = KV bytes / that tier's bandwidth measured in this run (memcpy; page-cache read; the
-best O_DIRECT read of 1 or 8 MiB requests at queue depth 1, 4 or 32) + the median one-token forward after a
+disk's read limit: the best raw sequential read of any pattern, as in the tiers benchmark) + the median one-token forward after a
 restore. A second table splits TTFT: the restore alone against the bytes' floor, and the one-token
 forward after a restore against the same forward over the model's own contiguous cache.
 """
@@ -227,7 +227,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"Model `{c['model']}` ({c.get('model_id', c['model'])}): {c['params'] / 1e6:.0f}M params, {c['layers']} layers, {c['kv_heads']} KV heads x "
         f"{c['head_dim']}, {c['dtype']}, {c['token_kv_nbytes'] / 1024:.0f} KiB of KV per token; {c['runs']} runs; "
         f"{c['threads']} threads. Bandwidth in this run: memcpy {bw['memcpy'] / 1e9:.1f} GB/s, page-cache read "
-        f"{bw['page_cache'] / 1e9:.1f} GB/s, disk limit {bw['disk_read_limit'] / 1e9:.2f} GB/s; cold cache via "
+        f"{bw['page_cache'] / 1e9:.1f} GB/s, disk limit {bw.get('disk_read_limit', bw.get('odirect', 0.0)) / 1e9:.2f} GB/s; cold cache via "
         f"{c['cold_method']}.",
         "",
         "TTFT medians (ms). In brackets: the ratio to the tier's floor; `x`: speed-up over the cold prefill.",
