@@ -273,27 +273,61 @@ def test_a_new_pool_is_populated_in_the_background_without_touching_its_contents
     assert bool((t[: 1 << 20] == 7).all())  # and what was written is unchanged
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
-def test_populating_runs_at_idle_priority_so_a_first_restore_keeps_its_cores(monkeypatch) -> None:
+def _spy_populate(monkeypatch, nbytes: int) -> tuple[list[int], list[int], int]:
+    """Populate a fresh tensor of ``nbytes`` with a spying madvise and sched_yield: the calling thread's
+    scheduling policy in each madvise call and at each yield, and how many chunks the range makes."""
     import tierkv.tiers.prefault as prefault
 
     real = prefault._madvise()
     if real is None:
         pytest.skip("no madvise here")
-    policies: list[int] = []
+    in_calls: list[int] = []
+    at_yields: list[int] = []
 
-    def spying(addr, nbytes, advice):  # type: ignore[no-untyped-def]
-        policies.append(os.sched_getscheduler(0))  # 0: the calling thread, on Linux
-        return real(addr, nbytes, advice)
+    def spying(addr, n, advice):  # type: ignore[no-untyped-def]
+        in_calls.append(os.sched_getscheduler(0))  # 0: the calling thread, on Linux
+        return real(addr, n, advice)
+
+    real_yield = os.sched_yield
+
+    def spying_yield() -> None:
+        at_yields.append(os.sched_getscheduler(0))
+        real_yield()
 
     monkeypatch.setattr(prefault, "_madvise", lambda: spying)
-    t = torch.empty(16 << 20, dtype=torch.uint8)
+    monkeypatch.setattr(os, "sched_yield", spying_yield)
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    page = 4096
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + nbytes) // page * page
     thread = prefault.populate_in_background(t, "test")
     assert thread is not None
     thread.join(60)
-    assert len(policies) == (16 << 20) // prefault.CHUNK_NBYTES  # short madvise calls: the mmap lock
-    assert set(policies) == {os.SCHED_IDLE}
+    return in_calls, at_yields, -(-(end - start) // prefault.CHUNK_NBYTES)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
+def test_populating_waits_at_idle_priority_and_holds_the_mmap_lock_at_normal(monkeypatch) -> None:
+    from tierkv.priority import can_leave_idle
+
+    if not can_leave_idle():
+        pytest.skip("idle priority cannot be left here")
+    in_calls, at_yields, chunks = _spy_populate(monkeypatch, 16 << 20)
+    assert len(in_calls) == chunks  # short madvise calls, each holding the mmap lock briefly
+    assert set(at_yields) == {os.SCHED_IDLE}  # between calls: only cores nobody else wants
+    assert set(in_calls) == {os.SCHED_OTHER}  # never preempted for long while holding the lock
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own thread is left as it was
+
+
+def test_populating_is_paced_at_normal_priority_where_idle_cannot_be_left(monkeypatch) -> None:
+    import tierkv.tiers.prefault as prefault
+
+    monkeypatch.setattr(prefault, "can_leave_idle", lambda: False)
+    slept: list[float] = []
+    monkeypatch.setattr(prefault.time, "sleep", slept.append)
+    in_calls, at_yields, chunks = _spy_populate(monkeypatch, 16 << 20)
+    assert set(in_calls) == {os.SCHED_OTHER} and at_yields == []
+    assert len(slept) == chunks and all(s > 0 for s in slept)  # a pause after every call
 
 
 def test_a_fresh_host_pool_is_not_zeroed_on_the_first_put(monkeypatch) -> None:
