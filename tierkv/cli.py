@@ -142,7 +142,11 @@ def stats(cache_dir: str, as_json: bool) -> None:
     "--namespace", "namespace", help="Purge every block of this namespace (digest, or a unique prefix of it)."
 )
 @click.option("--all", "purge_all", is_flag=True, help="Purge every block.")
-@click.option("--check", is_flag=True, help="Read and verify every record; purge the bad ones.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Read and verify every record; purge the bad ones. Exits 1 when it found any (as fsck does).",
+)
 @click.option(
     "--compact", is_flag=True, help="Release space no live record uses (crash leftovers, empty files)."
 )
@@ -189,6 +193,9 @@ def gc(
             f"corrupt {out['corrupt']} (of {out['checked']} checked), segments {out['segments_removed']}; "
             f"freed {format_size(out['freed_nbytes'])}; live {format_size(out['live_nbytes'])}"
         )
+    if out["corrupt"]:  # a cron job or a script must hear of it: the disk or something writing to it is bad
+        verb = "would purge" if dry_run else "purged"
+        fail(f"{out['corrupt']} corrupt record(s) found and {verb}: check the disk (dmesg, SMART)", 1)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

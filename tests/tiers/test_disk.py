@@ -144,9 +144,10 @@ def test_flipped_bytes_are_misses_and_gc_check_purges_them(tmp_path, ns) -> None
         text=True,
         check=False,
     )
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1 and f"{bad} corrupt record(s) found and purged" in r.stderr  # as fsck does
     report = json.loads(r.stdout)
     assert report["checked"] == len(entries) and report["corrupt"] == bad
+    assert report["freed_nbytes"] >= bad * min(e.nbytes for _, e in entries)  # their pages given back
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         assert sum(b for b, _ in store.tier("disk").totals().values()) == len(entries) - bad
         for p, toks in enumerate(prompts):

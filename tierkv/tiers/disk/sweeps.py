@@ -184,11 +184,15 @@ class Sweeps:
             if progress:
                 progress(1)
         if dry_run:
-            corrupt = sum(self.index.still_indexed(BlockKey(k), loc) for k, loc in bad)
-        else:
+            found = [loc for k, loc in bad if self.index.still_indexed(BlockKey(k), loc)]
+            corrupt, freed = len(found), sum(aligned(n) for _, _, n in found)
+        else:  # what punching the records' holes gave back, measured
+            before, _ = self.segments.disk_nbytes()
             corrupt = self.remove_at(bad)
+            after, _ = self.segments.disk_nbytes()
+            freed = max(0, before - after)
         self.counters.add("disk", "corrupt_blocks", corrupt)
-        return SweepReport(checked=checked, corrupt=corrupt)
+        return SweepReport(checked=checked, corrupt=corrupt, freed_nbytes=freed)
 
     def _verifies(self, key: bytes, e: Entry) -> bool:
         # Views into the reused read buffer must not outlive the lock (it may be replaced): they live in
