@@ -261,9 +261,13 @@ def _rss_nbytes() -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="Linux only")
 def test_a_new_pool_is_populated_in_the_background_without_touching_its_contents() -> None:
+    import mmap
+
     from tierkv.tiers.prefault import populate_in_background
 
-    t = torch.empty(256 << 20, dtype=torch.uint8)
+    # Fresh pages from their own mapping: torch.empty may reuse heap memory an earlier test left resident.
+    buf = mmap.mmap(-1, 256 << 20)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
     t[: 1 << 20] = 7  # a block already saved into the pool while the thread runs
     before = _rss_nbytes()
     thread = populate_in_background(t, "test")
@@ -271,6 +275,7 @@ def test_a_new_pool_is_populated_in_the_background_without_touching_its_contents
     thread.join(60)
     assert _rss_nbytes() - before > 200 << 20  # its pages are resident now
     assert bool((t[: 1 << 20] == 7).all())  # and what was written is unchanged
+    del t
 
 
 def _spy_populate(monkeypatch, nbytes: int) -> tuple[list[int], list[int], int]:
