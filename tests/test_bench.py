@@ -54,6 +54,13 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
         assert row["restore_floor_s"]["disk_cold"] == pytest.approx(
             row["kv_nbytes"] / ttft["bandwidth_Bps"]["disk_read_limit"]
         )
+        # the total's floor: the bytes, then the forward a perfect restore would be followed by
+        assert row["floor_host_s"] == pytest.approx(
+            row["kv_nbytes"] / ttft["bandwidth_Bps"]["memcpy"] + row["forward_1_contiguous_s"]["median"]
+        )
+    readme = (folder / "README.md").read_text()
+    assert "Quick run: a smoke test" in readme  # nobody quotes a quick run's numbers unwarned
+    assert f"read limit in this run: {tiers['disk_read_limit_Bps'] / 1e9:.2f} GB/s" in readme
     assert "Restore and forward apart" in (folder / "README.md").read_text()
     assert res["plan"]["measured"]["break_even_Bps"] > 0
     readme = (folder / "README.md").read_text()

@@ -131,6 +131,8 @@ def bench(
     runs = runs or (2 if quick else 5)
     desc = machine.describe(".")
     results: dict[str, Any] = {"quick": quick}
+    if quick:
+        click.echo(report.QUICK_WARNING + "\n")
     if model_path:
         results["model"] = model_path
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=".") as tmp:

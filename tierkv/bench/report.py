@@ -10,6 +10,10 @@ from typing import Any
 
 from tierkv.bench import overhead, plan, restart, scaleout, tiers, ttft, vllm, workloads
 
+QUICK_WARNING = (
+    "**Quick run: a smoke test of the benchmarks (tiny sizes, few runs), not measurements to compare.**"
+)
+
 
 def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -31,6 +35,8 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
         f"GPU {machine['gpu'] or 'none'}; torch {machine['torch']}, Python {machine['python']}.",
         "",
     ]
+    if results.get("quick"):
+        md += [QUICK_WARNING, ""]
     for res in results.get("ttft", []):
         md += [f"## TTFT: `{res['config']['model']}`", "", ttft.markdown(res), ""]
         if results.get("model"):
