@@ -98,6 +98,15 @@ def test_explain_cli_json(tmp_path) -> None:
     text.write_text(RULES)
     r = CliRunner().invoke(main, ["explain", str(text), str(text), "--json"])
     assert json.loads(r.output)["first_divergent_token"] is None
+    assert "the prompts are identical" in CliRunner().invoke(main, ["explain", str(text), str(text)]).output
+    longer = tmp_path / "d.txt"
+    longer.write_text(RULES + " And one more rule.")
+    assert (
+        "FIRST is a prefix of SECOND" in CliRunner().invoke(main, ["explain", str(text), str(longer)]).output
+    )
+    assert (
+        "SECOND is a prefix of FIRST" in CliRunner().invoke(main, ["explain", str(longer), str(text)]).output
+    )
     r = CliRunner().invoke(main, ["explain", str(a), str(b)])
     assert "first divergent token" in r.output and "recomputed" in r.output
 

@@ -98,8 +98,11 @@ def explain(first: str, second: str, model_path: str | None, block_tokens: int |
     if as_json:
         click.echo(json.dumps(out))
         return
-    if d.first_divergent_token is None:
-        click.echo(f"one prompt is a prefix of the other ({d.tokens_a} and {d.tokens_b} tokens)")
+    if d.first_divergent_token is None and d.tokens_a == d.tokens_b:
+        click.echo(f"the prompts are identical ({d.tokens_a} tokens)")
+    elif d.first_divergent_token is None:
+        shorter, longer = ("FIRST", "SECOND") if d.tokens_a < d.tokens_b else ("SECOND", "FIRST")
+        click.echo(f"{shorter} is a prefix of {longer} ({d.tokens_a} and {d.tokens_b} tokens)")
     else:
         click.echo(
             f"first divergent token: {d.first_divergent_token} (block {d.block} of {block_tokens} tokens)"
