@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from tierkv import TieredStore
+from tierkv.bench.disk_limits import sequential_read_limit
 from tierkv.bench.machine import drop_page_cache, summary
-from tierkv.bench.tiers import sequential_read_limit
 from tierkv.default_model import DEFAULT_MODEL_ID, ByteTokenizer, build_default_model
 from tierkv.worker import CachedModel
 

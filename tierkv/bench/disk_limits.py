@@ -1,0 +1,193 @@
+"""The disk's own limits, measured without tierkv: raw sequential reads and writes of several patterns
+(O_DIRECT at several request sizes and queue depths, fio's when installed, the restore's own buffered
+pattern), and scattered record-sized reads. The tiers and TTFT benchmarks divide by the best of them."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import time
+from pathlib import Path
+
+from tierkv.bench.machine import drop_page_cache, summary
+
+__all__ = [
+    "QUEUE_DEPTHS",
+    "READ_THREADS",
+    "REQUEST_SIZES",
+    "buffered_cold",
+    "raw_reads",
+    "raw_rows",
+    "raw_writes",
+    "sequential_read_limit",
+]
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+REQUEST_SIZES = (1 << 20, 8 << 20)  # per request: small requests undersell a disk with a long latency
+QUEUE_DEPTHS = (1, 4, 32)  # requests in flight (one thread each): one stream undersells an NVMe disk
+READ_THREADS = 4  # the disk tier's reading threads (DiskTier's default): the restore's own pattern
+
+
+def _odirect_stream(
+    path: Path, nbytes: int, depth: int, src: mmap.mmap | None, request_nbytes: int = 1 << 20
+) -> float:
+    """Bytes per second of O_DIRECT requests of ``request_nbytes`` over ``path``'s first ``nbytes``,
+    sequential, ``depth`` in flight (thread k does requests k, k+depth, ...). Writes ``src`` (a buffer of
+    ``request_nbytes``) when given (then fsync), else reads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = nbytes // request_nbytes
+    flags = (os.O_WRONLY | os.O_CREAT) if src is not None else os.O_RDONLY
+    fd = os.open(path, flags | os.O_DIRECT, 0o600)
+
+    def stream(k: int) -> None:
+        own = src or mmap.mmap(-1, request_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        for i in range(k, n, depth):
+            if src is not None:
+                os.pwritev(fd, [own], i * request_nbytes)
+            else:
+                os.preadv(fd, [own], i * request_nbytes)
+        if src is None:
+            own.close()
+
+    try:
+        with ThreadPoolExecutor(depth) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(stream, range(depth)))
+            if src is not None:
+                os.fsync(fd)
+            return n * request_nbytes / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def _fio(path: Path, nbytes: int, write: bool, request_nbytes: int) -> float | None:
+    """fio's O_DIRECT sequential requests at queue depth 32 (libaio), as a cross-check: None without fio."""
+    import json
+    import shutil as sh
+    import subprocess
+
+    if sh.which("fio") is None:
+        return None
+    rw = "write" if write else "read"
+    r = subprocess.run(
+        ["fio", "--name=limit", f"--filename={path}", f"--rw={rw}", f"--bs={request_nbytes}", "--direct=1",
+         "--ioengine=libaio", "--iodepth=32", f"--size={nbytes}", "--output-format=json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if r.returncode != 0:
+        return None
+    job = json.loads(r.stdout)["jobs"][0][rw]
+    return float(job["bw_bytes"]) or None
+
+
+def buffered_cold(paths: list[Path], threads: int) -> float:
+    """The restore's own pattern without tierkv: whole files in 8 MiB buffered reads, ``threads`` in
+    flight, after the page cache was dropped. A virtual disk can serve this faster than any O_DIRECT
+    pattern (its host's cache or read-ahead), so it counts towards the limit: a restore must not be
+    measured against less."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunk = 8 << 20
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    for fd in fds:  # as the disk tier's reading descriptors: a larger read-ahead window
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    reads = [(fd, off) for fd, p in zip(fds, paths) for off in range(0, p.stat().st_size, chunk)]
+
+    def stream(k: int) -> int:
+        buf = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        got = sum(os.preadv(fd, [buf], off) for fd, off in reads[k::threads])
+        buf.close()
+        return got
+
+    try:
+        drop_page_cache(paths)
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            nbytes = sum(pool.map(stream, range(threads)))
+            return nbytes / (time.perf_counter() - t0)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def raw_writes(path: Path, nbytes: int, runs: int) -> dict[str, list[float]]:
+    """O_DIRECT sequential writes of each of ``REQUEST_SIZES`` at each of ``QUEUE_DEPTHS``, fio's when
+    installed. Leaves ``path`` written for ``raw_reads``."""
+    srcs = {size: mmap.mmap(-1, size) for size in REQUEST_SIZES}
+    for m in srcs.values():
+        m.write(os.urandom(len(m)))
+    out: dict[str, list[float]] = {}
+    for _ in range(runs):
+        path.unlink(missing_ok=True)
+        for size in REQUEST_SIZES:
+            for d in QUEUE_DEPTHS:
+                out.setdefault(f"write_{size >> 20}m_qd{d}", []).append(
+                    _odirect_stream(path, nbytes, d, srcs[size], size)
+                )
+    for size in REQUEST_SIZES:
+        if (bw := _fio(path, nbytes, True, size)) is not None:
+            out.setdefault(f"fio_write_{size >> 20}m_qd32", []).append(bw)
+    for m in srcs.values():
+        m.close()
+    return out
+
+
+def raw_reads(path: Path, nbytes: int, runs: int, record_nbytes: int, out: dict[str, list[float]]) -> None:
+    """The disk's read limits, without tierkv, appended to ``out``: O_DIRECT sequential reads of each of
+    ``REQUEST_SIZES`` at each of ``QUEUE_DEPTHS``, the restore's pattern buffered and cold, fio's when
+    installed; and scattered record-sized O_DIRECT reads (not a limit: what blocks spread over the disk
+    would cost)."""
+    rng = random.Random(0)
+    buf = mmap.mmap(-1, record_nbytes)
+    for _ in range(runs):
+        for size in REQUEST_SIZES:
+            for d in QUEUE_DEPTHS:
+                drop_page_cache([path])
+                out.setdefault(f"read_{size >> 20}m_qd{d}", []).append(
+                    _odirect_stream(path, nbytes, d, None, size)
+                )
+        out.setdefault("buffered_cold", []).append(buffered_cold([path], READ_THREADS))
+        drop_page_cache([path])
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        count = nbytes // record_nbytes
+        t0 = time.perf_counter()
+        for _ in range(count):
+            os.preadv(fd, [buf], rng.randrange(count) * record_nbytes)
+        out.setdefault("odirect_scattered", []).append(count * record_nbytes / (time.perf_counter() - t0))
+        os.close(fd)
+    for size in REQUEST_SIZES:
+        drop_page_cache([path])
+        if (bw := _fio(path, nbytes, False, size)) is not None:
+            out.setdefault(f"fio_read_{size >> 20}m_qd32", []).append(bw)
+    buf.close()
+
+
+def raw_rows(raw: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    rows: dict[str, dict[str, float]] = {}
+    for rw in ("read", "write"):
+        for size in REQUEST_SIZES:
+            for d in QUEUE_DEPTHS:
+                if f"{rw}_{size >> 20}m_qd{d}" in raw:
+                    rows[f"raw O_DIRECT sequential {rw}, {size >> 20} MiB, QD {d}"] = summary(
+                        raw[f"{rw}_{size >> 20}m_qd{d}"]
+                    )
+        for size in REQUEST_SIZES:
+            if f"fio_{rw}_{size >> 20}m_qd32" in raw:
+                rows[f"fio O_DIRECT sequential {rw}, {size >> 20} MiB, QD 32 (libaio)"] = summary(
+                    raw[f"fio_{rw}_{size >> 20}m_qd32"]
+                )
+    rows[f"raw buffered cold sequential read, 8 MiB, {READ_THREADS} threads"] = summary(raw["buffered_cold"])
+    rows["raw O_DIRECT scattered block-sized reads"] = summary(raw["odirect_scattered"])
+    return rows
+
+
+def sequential_read_limit(path: Path, nbytes: int, runs: int) -> float:
+    """The disk's read limit over ``path`` (written, at least ``nbytes``): the best median of every raw
+    sequential read pattern of ``raw_reads``."""
+    raw: dict[str, list[float]] = {}
+    raw_reads(path, nbytes, runs, 1 << 20, raw)
+    return max(v["median"] for k, v in raw_rows(raw).items() if "sequential read" in k)
