@@ -138,7 +138,7 @@ def test_serve_engine_vllm_without_vllm_is_one_line_and_exit_2(monkeypatch) -> N
     from click.testing import CliRunner
 
     from tierkv.cli import main
-    from tierkv.integrations import vllm_serve
+    from tierkv.integrations.vllm import serve as vllm_serve
 
     monkeypatch.setattr(vllm_serve, "vllm_python", lambda: None)  # as in the main venv: no vLLM
     r = CliRunner().invoke(main, ["serve", "--engine", "vllm", "--model", "smollm2"])
@@ -152,3 +152,83 @@ def test_serve_rejects_unknown_options_unless_for_vllm() -> None:
 
     r = CliRunner().invoke(main, ["serve", "--bogus"])
     assert r.exit_code == 2 and "--bogus" in r.output
+
+
+# ------------------------------------------------------------------------------ serve --engine vllm's exec
+
+
+def _serve_vllm(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[str], dict[str, str]]:
+    """``tierkv serve --engine vllm`` in a subprocess, with an interpreter that passes the check for vLLM
+    and, once exec'd, records the argv (what ps shows every user) and the environment it was given."""
+    python = tmp_path / "python-with-vllm"
+    python.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = "-c" ] && exit 0\n'  # serve's check that vLLM is importable
+        'printf "%s\\n" "$@" > "$0.argv"\n'
+        'env > "$0.env"\n'
+    )
+    python.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERKV_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "serve", "--engine", "vllm", "--model", str(model)]
+        + ["--cache-dir", str(tmp_path / "cache"), *args],
+        env={**env, "TIERKV_VLLM_PYTHON": str(python)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    argv_file, env_file = tmp_path / "python-with-vllm.argv", tmp_path / "python-with-vllm.env"
+    argv = argv_file.read_text().splitlines() if argv_file.exists() else []
+    lines = env_file.read_text().splitlines() if env_file.exists() else []
+    return r, argv, dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def test_serve_engine_vllm_keeps_the_remote_password_out_of_its_output_and_argv(
+    tmp_path, monkeypatch
+) -> None:
+    from tierkv.errors import ConfigError
+    from tierkv.integrations.vllm.options import ConnectorOptions
+
+    url = "redis://tenant:hunter2@10.0.0.9:6379/0"
+    otlp = "http://otel:tok3n@collector:4317"  # one of vLLM's own options: its credentials redacted too
+    r, argv, env = _serve_vllm(tmp_path, "--remote", url, "--", "--otlp-traces-endpoint", otlp)
+    assert r.returncode == 0 and argv, r.stderr
+    assert "hunter2" not in r.stdout + r.stderr and "tok3n" not in r.stderr, r.stderr
+    assert "http://***@collector:4317" in r.stderr  # the exec line is still printed, redacted
+    assert not [a for a in argv if "hunter2" in a]
+    # The connector in the vLLM process reads the URL from its environment.
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["remote"] == "env:TIERKV_REMOTE_URL" and env["TIERKV_REMOTE_URL"] == url
+    monkeypatch.setenv("TIERKV_REMOTE_URL", env["TIERKV_REMOTE_URL"])
+    assert ConnectorOptions.from_extra(extra).remote == url
+    monkeypatch.delenv("TIERKV_REMOTE_URL")
+    with pytest.raises(ConfigError, match="TIERKV_REMOTE_URL is not set"):
+        ConnectorOptions.from_extra(extra)
+    # Without a remote tier nothing is added to the environment.
+    r, argv, env = _serve_vllm(tmp_path)
+    assert r.returncode == 0 and "TIERKV_REMOTE_URL" not in env, r.stderr
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+@pytest.mark.parametrize("budget", ["0", "0GiB"])
+def test_serve_disk_budget_0_is_an_error_on_both_engines(tmp_path, engine, budget) -> None:
+    r, argv, _ = _serve_vllm(tmp_path, "--engine", engine, "--disk-budget", budget)
+    assert r.returncode == 2 and not argv, (r.returncode, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("tierkv: error: disk_budget:"), r.stderr
+    assert "give none" in r.stderr  # how to ask for no budget
+
+
+def test_serve_engine_vllm_disk_budget_none_is_unbounded(tmp_path) -> None:
+    from tierkv.integrations.vllm.options import ConnectorOptions
+
+    r, argv, _ = _serve_vllm(tmp_path, "--disk-budget", "none")
+    assert r.returncode == 0 and argv, r.stderr
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["disk_bytes"] is None and ConnectorOptions.from_extra(extra).disk_bytes is None
+    r, argv, _ = _serve_vllm(tmp_path, "--disk-budget", "3GiB")
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert ConnectorOptions.from_extra(extra).disk_bytes == 3 << 30

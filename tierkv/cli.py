@@ -232,7 +232,10 @@ def gc(
     "CUDA, none on CPU) or 0.  [default: auto]",
 )
 @click.option("--host-cache", help="Host RAM for cached blocks.  [default: 2GiB]")
-@click.option("--disk-budget", help="Disk budget.  [default: 20GiB]")
+@click.option(
+    "--disk-budget",
+    help="Disk budget, a size above 0; none: no budget (0 is an error on both engines).  [default: 20GiB]",
+)
 @click.option("--ttl", help="Sliding TTL of cached blocks.  [default: 24h]")
 @click.option(
     "--sweep-interval",
@@ -242,7 +245,9 @@ def gc(
 )
 @click.option("--no-cache", is_flag=True, default=None, help="Serve without any caching (a baseline).")
 @click.option(
-    "--remote", help="A tier shared by several workers: redis://HOST:PORT or redis+cluster://HOST:PORT."
+    "--remote",
+    help="A tier shared by several workers: redis://HOST:PORT or redis+cluster://HOST:PORT (a URL with a "
+    "password is visible in ps: prefer $TIERKV_REMOTE).",
 )
 @click.option(
     "--remote-admit-after", type=int, help="Share a block once this many requests contained it.  [default: 1]"
@@ -263,6 +268,14 @@ def gc(
 @click.option("--max-context", type=int, help="Context length (default: the model's).")
 @click.option("--max-body", help="Largest request body, past it 413.  [default: 8MiB]")
 @click.option("--body-timeout", help="Time to receive a request body, past it 408.  [default: 30s]")
+@click.option(
+    "--max-body-total",
+    help="Bytes of request bodies being received at once, all connections together; past it 503.  "
+    "[default: 64MiB]",
+)
+@click.option(
+    "--max-connections", type=int, help="Open HTTP connections; past it 503 (uvicorn's).  [default: 256]"
+)
 @click.pass_context
 def serve(ctx: click.Context, engine: str, config_file: str | None, cache_dir: str, **options: Any) -> None:
     """Run the OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; /metrics; /health)."""
@@ -295,7 +308,7 @@ def _serve_config(config_file: str | None, cache_dir: str, options: dict[str, An
 
 
 def _serve_vllm(ctx: click.Context, config_file: str | None, cache_dir: str, options: dict[str, Any]) -> None:
-    from tierkv.integrations.vllm_serve import serve_vllm
+    from tierkv.integrations.vllm.serve import serve_vllm
 
     sys.exit(serve_vllm(_serve_config(config_file, cache_dir, options), ctx.args))
 

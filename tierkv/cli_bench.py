@@ -21,7 +21,7 @@ def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths
     from tierkv.bench import machine, report
     from tierkv.bench import vllm as vllm_bench
     from tierkv.errors import ConfigError
-    from tierkv.integrations.vllm_serve import INSTALL_HINT, vllm_python
+    from tierkv.integrations.vllm.serve import INSTALL_HINT, vllm_python
 
     python = vllm_python()
     if python is None:

@@ -281,3 +281,14 @@ def test_restart_serves_disk_hits_and_sigterm_finishes_the_running_request(tmp_p
         assert by_tier["disk"] == r.usage.prompt_tokens_details.cached_tokens > 1000
     finally:
         assert srv.stop() == 0
+
+
+def test_the_start_log_shows_no_remote_password(tmp_path, monkeypatch) -> None:
+    # Given as the help advises (not in argv); nothing listens there: the remote tier would only fail.
+    monkeypatch.setenv("TIERKV_REMOTE", "redis://tenant:hunter2@127.0.0.1:9/0")
+    srv = ServerProcess(cache_dir=tmp_path)
+    try:
+        out = srv.output()
+    finally:
+        assert srv.stop() == 0
+    assert "hunter2" not in out and "remote redis://***@127.0.0.1:9/0" in out, out

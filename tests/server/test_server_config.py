@@ -1,12 +1,19 @@
-"""`tierkv serve` options that need no model: the background sweep's interval and the admin token's sources."""
+"""`tierkv serve` options that need no model: the background sweep's interval, the admin token's sources,
+the disk budget; and opening the server's store when it is damaged."""
+
+import os
+import subprocess
+import sys
+import threading
 
 import pytest
 from click.testing import CliRunner
 
 from tierkv.cli import main
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, StoreOpenError
 from tierkv.server import startup, state
 from tierkv.server.config import ServeConfig
+from tierkv.tiers.disk import opening
 
 
 @pytest.fixture
@@ -19,6 +26,7 @@ def served(monkeypatch):
         "TIERKV_ADMIN_TOKEN_FILE",
         "TIERKV_SWEEP_INTERVAL",
         "TIERKV_SWEEP_INTERVAL_S",
+        "TIERKV_DISK_BUDGET",
     ):
         monkeypatch.delenv(name, raising=False)
 
@@ -92,3 +100,80 @@ def test_a_bad_admin_token_file_is_one_line_exit_2(served, tmp_path, content, ar
     code, out, config = served(*[a.format(**paths) for a in args])
     assert code == 2 and config is None
     assert out.count("\n") == 1 and out.startswith("tierkv: error:") and words in out, out
+
+
+def test_disk_budget_none_is_unbounded_and_0_an_error(served, tmp_path) -> None:
+    assert served()[2].disk_budget == 20 << 30
+    assert served("--disk-budget", "none")[2].disk_budget is None
+    assert served("--disk-budget", "5GiB")[2].disk_budget == 5 << 30
+    config = ServeConfig.load(
+        {"cache_dir": str(tmp_path), "disk_budget": "none", "host_cache": "1MiB"}, env={}
+    )
+    store = state.open_store(config)
+    try:
+        assert any(phrase.startswith("disk no budget") for phrase in store.describe())
+    finally:
+        store.close()
+    toml = tmp_path / "serve.toml"
+    toml.write_text("disk_budget = 0\n")
+    for args, env in (
+        (["--disk-budget", "0"], None),
+        ([], {"TIERKV_DISK_BUDGET": "0B"}),
+        (["--config", str(toml)], None),
+    ):
+        code, out, config = served(*args, env=env)
+        assert code == 2 and config is None and out.count("\n") == 1, out
+        assert "disk_budget: must be a size above 0" in out and "give none" in out, out
+
+
+def test_a_damaged_store_moved_aside_waits_for_its_new_lock_a_bounded_time(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    config = ServeConfig.load({"cache_dir": str(cache), "host_cache": "1MiB", "sweep_interval_s": 0}, env={})
+    state.open_store(config).close()
+    with open(cache / "index" / "data.mdb", "r+b") as f:
+        f.write(os.urandom(8192))  # both meta pages: LMDB refuses the file, the server moves it aside
+    # Another process opens the new, empty store in the moment after the damaged one was moved aside.
+    holder: list[subprocess.Popen[str]] = []
+    real = opening.make_private_dir
+
+    def make_private_dir(path):  # noqa: ANN001, ANN202
+        real(path)
+        if not holder and list(tmp_path.glob("cache.corrupt-*")):
+            code = (
+                "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+                "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()"
+            )
+            lock = str(path / "owners.lock")
+            holder.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, lock],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            assert holder[0].stdout.readline() == "held\n"
+
+    monkeypatch.setattr(opening, "make_private_dir", make_private_dir)
+    monkeypatch.setattr(opening, "RELOCK_TIMEOUT_S", 1.0, raising=False)
+    result: dict = {}
+
+    def open_it() -> None:
+        try:
+            result["store"] = state.open_store(config)
+        except Exception as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=open_it, daemon=True)
+    thread.start()
+    thread.join(15)
+    hung = thread.is_alive()
+    for proc in holder:  # the other process ends: a waiting open goes on
+        proc.communicate("", timeout=30)
+    thread.join(30)
+    if "store" in result:
+        result["store"].close()
+    assert holder and not hung, "the exclusive re-lock waited without a bound"
+    error = result.get("error")
+    assert isinstance(error, StoreOpenError) and "another process opened the new empty store" in str(error)
+    assert list(tmp_path.glob("cache.corrupt-*"))  # the damaged store is kept for a post-mortem

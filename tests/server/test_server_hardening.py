@@ -1,9 +1,12 @@
 """Requests that pass the schema but not the model, errors inside the server, metrics by route, the admin
-token: real HTTP against the real app (uvicorn in a thread of this process, so a failure can be injected).
+token and fields, limits on connections and bodies: real HTTP against the real app (uvicorn in a thread of
+this process, so a failure can be injected).
 """
 
+import contextlib
 import hmac
 import json
+import socket
 import threading
 import time
 
@@ -16,9 +19,8 @@ from hypothesis import strategies as st
 
 from tierkv.explain import MissLog
 from tierkv.server import admin
-from tierkv.server.app import create_app
 from tierkv.server.config import ServeConfig
-from tierkv.server.guard import BodyGuard
+from tierkv.server.startup import uvicorn_config
 from tierkv.server.state import load_server
 
 from helpers import free_port
@@ -32,9 +34,10 @@ class LiveServer:
         self.server = load_server(config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(self.server)
-        app = BodyGuard(self.app, max_nbytes=config.max_body, timeout_s=config.body_timeout)
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        # As tierkv serve runs it: behind the body guard, bounded in connections.
+        uv_config = uvicorn_config(self.server, host="127.0.0.1", port=self.port, log_level="critical")
+        self.app = uv_config.app.app  # the FastAPI app behind the guard
+        self.uv = uvicorn.Server(uv_config)
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -281,6 +284,238 @@ def test_miss_log_of_one_tenant_never_shows_another_tenants_prompt(live, monkeyp
     assert "'2026-09-08.' against '2026-09-07.'" in miss["explanation"]
     rows = [t for t in report["templates"] if t["template"] == "bot"]
     assert sorted(t["requests"] for t in rows) == [1, 2]  # one row per tenant
+
+
+def _admin(client: httpx.Client, path: str, body: dict) -> httpx.Response:
+    return client.post(
+        path,
+        content=json.dumps(body),  # NaN as JSON's NaN, which json.loads (and so the server) accepts
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
+
+
+def _assert_field_400(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}: "), err
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/admin/purge", {"all": "false"}, "all"),  # a truthy string: it purged everything
+        ("/admin/purge", {"all": "true"}, "all"),
+        ("/admin/purge", {"all": 1}, "all"),
+        ("/admin/purge", {"all": [False]}, "all"),
+        ("/admin/purge", {"namespace": ["ab"]}, "namespace"),
+        ("/admin/purge", {"namespace": 12}, "namespace"),
+        ("/admin/gc", {"all": "false"}, "all"),
+        ("/admin/gc", {"dry_run": "false", "all": True}, "dry_run"),
+        ("/admin/gc", {"check": "yes"}, "check"),
+        ("/admin/gc", {"compact": 0}, "compact"),
+        ("/admin/gc", {"ttl": -1}, "ttl"),
+        ("/admin/gc", {"ttl": float("nan")}, "ttl"),
+        ("/admin/gc", {"ttl": float("inf")}, "ttl"),
+        ("/admin/gc", {"ttl": [3600]}, "ttl"),
+        ("/admin/gc", {"ttl": 10**400}, "ttl"),
+        ("/admin/gc", {"ttl": True}, "ttl"),
+        ("/admin/gc", {"max_age": -0.5}, "max_age"),
+        ("/admin/gc", {"max_age": {"h": 1}}, "max_age"),
+        ("/admin/gc", {"budget": -1}, "budget"),
+        ("/admin/gc", {"budget": float("nan")}, "budget"),
+        ("/admin/gc", {"budget": 1.5}, "budget"),
+        ("/admin/gc", {"budget": [1024]}, "budget"),
+        ("/admin/gc", {"budget": "lots"}, "budget"),
+        ("/admin/gc", {"namespace": ["ab"]}, "namespace"),
+    ],
+)
+def test_admin_fields_of_a_wrong_type_or_range_are_400_and_purge_nothing(live, path, body, param) -> None:
+    with live.client() as c:
+        assert _complete(c, prompt="Kept unless a purge is asked for. " * 4).status_code == 200
+        live.server.store.flush()
+        blocks = c.get("/admin/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()["blocks"]
+        assert blocks > 0
+        _assert_field_400(_admin(c, path, body), param)
+        assert c.get("/admin/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()["blocks"] == blocks
+
+
+def test_admin_fields_of_the_right_type_are_accepted(live) -> None:
+    with live.client() as c:
+        r = _admin(c, "/admin/gc", {"ttl": "24h", "max_age": 0, "budget": "1GiB", "dry_run": True})
+        assert r.status_code == 200 and r.json()["dry_run"] is True, r.text
+        r = _admin(c, "/admin/gc", {"all": False, "check": False, "compact": False, "budget": 1 << 30})
+        assert r.status_code == 200, r.text
+        r = _admin(c, "/admin/purge", {"all": False})  # neither a namespace nor all: true
+        assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
+        assert _admin(c, "/admin/purge", {"namespace": "ffffffffffff"}).status_code == 400  # no such one
+
+
+# ------------------------------------------------------------------------------------ chat templates, limits
+
+# Gemma's chat template (as its tokenizer_config.json ships it, less the BOS): no system role, and the roles
+# must alternate; Llama-2's and Mistral's refuse the same orders the same way, with raise_exception.
+GEMMA_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+
+def _save_templated_model(path) -> None:
+    """A tiny Llama with a byte-level tokenizer and Gemma's chat template, as a Hugging Face directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tierkv.default_model import build_default_model
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = GEMMA_TEMPLATE
+    fast.save_pretrained(path)
+    model = build_default_model(
+        torch.float32,
+        seed=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=len(vocab),
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
+    model.save_pretrained(path)
+
+
+MAX_CONNECTIONS = 2
+MAX_BODY = 256 << 10
+MAX_BODY_TOTAL = 384 << 10  # one largest body and half of another
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory):
+    """A server on a Hugging Face model with Gemma's chat template, with tight connection and body limits."""
+    model = tmp_path_factory.mktemp("model") / "gemma-like"
+    _save_templated_model(model)
+    srv = LiveServer(
+        ServeConfig(
+            model=str(model),
+            cache_dir=str(tmp_path_factory.mktemp("cache")),
+            host_cache=16 << 20,
+            device="cpu",
+            max_context=MAX_CONTEXT,
+            max_connections=MAX_CONNECTIONS,
+            max_body=MAX_BODY,
+            max_body_total=MAX_BODY_TOTAL,
+        )
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("roles", "words"),
+    [
+        (["system", "user"], "System role not supported"),
+        (["user", "user"], "Conversation roles must alternate"),
+        (["assistant"], "Conversation roles must alternate"),
+        (["user", "assistant", "assistant"], "Conversation roles must alternate"),
+    ],
+)
+def test_a_chat_template_that_refuses_the_messages_is_400(strict, roles, words) -> None:
+    with strict.client() as c:
+        r = _chat(c, messages=[{"role": role, "content": f"a {role} message"} for role in roles])
+        _assert_400(r, "messages")
+        assert "chat template" in r.json()["error"]["message"] and words in r.json()["error"]["message"]
+        # The same connection serves what the template accepts.
+        ok = _chat(c, messages=[{"role": r, "content": "hi"} for r in ("user", "assistant", "user")])
+        assert ok.status_code == 200 and _local_port(ok) == _local_port(r), ok.text
+
+
+def _wait_until(check, timeout: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_connections_past_the_limit_are_503_and_served_once_one_closes(strict) -> None:
+    held = [strict.client() for _ in range(MAX_CONNECTIONS)]
+    try:
+        for c in held:  # each now holds a kept-alive connection
+            assert c.get("/health").status_code == 200
+        with strict.client() as extra:
+            assert extra.get("/health").status_code == 503
+        held.pop().close()
+        with strict.client() as extra:
+            _wait_until(lambda: extra.get("/health").status_code == 200)
+    finally:
+        for c in held:
+            c.close()
+
+
+def _start_upload(port: int, length: int | None, first: bytes) -> socket.socket:
+    """A POST whose body has only begun to arrive: ``length`` declared, or chunked when None."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(10)
+    framing = b"Transfer-Encoding: chunked" if length is None else b"Content-Length: %d" % length
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s\r\n\r\n" % framing
+    )
+    if first:
+        s.sendall(first if length is not None else b"%x\r\n%s\r\n" % (len(first), first))
+    return s
+
+
+def _status(s: socket.socket) -> tuple[int, bytes]:
+    reply = b""
+    with contextlib.suppress(OSError):
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    return int(reply.split(b" ", 2)[1]), reply
+
+
+def test_bodies_received_at_once_are_bounded_in_total(strict) -> None:
+    body = json.dumps({"prompt": "z" * (MAX_BODY - 64), "max_tokens": 1}).encode()
+    assert len(body) <= MAX_BODY < len(body) * 2 and MAX_BODY_TOTAL < 2 * len(body)
+    slow = _start_upload(strict.port, len(body), body[:100])  # holds its declared length
+    try:
+        time.sleep(0.3)  # the guard has seen its headers
+        second = _start_upload(strict.port, len(body), b"")  # refused from the header, before its body
+        status, reply = _status(second)
+        second.close()
+        assert status == 503 and b"--max-body-total" in reply and b"retry-after: 1" in reply.lower(), reply
+        chunked = _start_upload(strict.port, None, body[: MAX_BODY // 2])  # counted as it arrives
+        with contextlib.suppress(OSError):
+            for i in range(MAX_BODY // 2, len(body), 16 << 10):
+                piece = body[i : i + (16 << 10)]
+                chunked.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        status, reply = _status(chunked)
+        chunked.close()
+        assert status == 503 and b"--max-body-total" in reply, reply
+        slow.sendall(body[100:])  # the first upload was never disturbed: it is answered (too long: 400)
+        status, reply = _status(slow)
+        assert status == 400 and b"context_length_exceeded" in reply, reply
+    finally:
+        slow.close()
+    # Once it is received, its bytes are given back: a body as large is taken again.
+    again = _start_upload(strict.port, len(body), body)
+    status, reply = _status(again)
+    again.close()
+    assert status == 400 and b"context_length_exceeded" in reply, reply
 
 
 # ------------------------------------------------------------------------------------ fuzzing the engine

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI server with the connector (``tierkv.integrations.vllm_serve``): the engine's scheduler and
+"""vLLM's OpenAI server with the connector (``tierkv.integrations.vllm.serve``): the engine's scheduler and
 its worker are separate processes there, sharing the store's directory."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from vllm_engine import ROOT, tierkv_cli
 
 from tierkv.errors import ConfigError
-from tierkv.integrations.vllm_serve import connector_config, vllm_command
+from tierkv.integrations.vllm.serve import connector_config, vllm_command
 
 PROMPT = " ".join(f"t{t}" for t in random.Random(1).choices(range(3, 500), k=700))  # one token a word
 
@@ -61,7 +61,7 @@ def test_the_command_carries_the_connector_and_serve_options(tmp_path: Path, mod
 
 def test_without_vllm_it_says_how_to_install_and_exits_2() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "tierkv.integrations.vllm_serve", "--model", "/nowhere"],
+        [sys.executable, "-m", "tierkv.integrations.vllm.serve", "--model", "/nowhere"],
         capture_output=True,
         text=True,
         env=dict(os.environ, TIERKV_VLLM_PYTHON="/bin/false"),
@@ -112,7 +112,7 @@ def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Pat
         [
             sys.executable,
             "-m",
-            "tierkv.integrations.vllm_serve",
+            "tierkv.integrations.vllm.serve",
             "--model",
             str(model_dir),
             "--port",

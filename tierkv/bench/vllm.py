@@ -150,7 +150,7 @@ def run(
 ) -> dict[str, Any]:
     """Every column of ``COLUMNS`` at each length, ``runs`` prompts each (medians). ``python`` runs vLLM;
     the servers' logs go to ``log_dir`` (default: ``base``)."""
-    from tierkv.integrations.vllm_serve import _model, vllm_command
+    from tierkv.integrations.vllm.serve import _model, vllm_command
 
     model_dir, served = _model({"model": model})
     model_config = json.loads((Path(model_dir) / "config.json").read_text())

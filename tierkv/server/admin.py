@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,23 +23,80 @@ from tierkv.units import parse_duration, parse_size
 GC_OPTIONS = frozenset({"ttl", "max_age", "budget", "namespace", "all", "check", "compact", "dry_run"})
 
 
+class FieldError(ConfigError):
+    """A field of an admin request's body of the wrong type or out of range; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 def gc_options(opts: dict[str, Any]) -> dict[str, Any]:
     """``store.gc``'s keyword options from a ``POST /admin/gc`` body (durations and sizes as text or numbers).
 
-    ConfigError on an unknown option or a value that does not parse.
+    ConfigError on an unknown option; FieldError on a value of the wrong type, out of range or that does
+    not parse.
     """
     if unknown := set(opts) - GC_OPTIONS:
         raise ConfigError(f"unknown gc option(s): {', '.join(sorted(unknown))}")
     return dict(
-        ttl_s=parse_duration(opts["ttl"]) if opts.get("ttl") is not None else None,
-        max_age_s=parse_duration(opts["max_age"]) if opts.get("max_age") is not None else None,
-        budget_nbytes=parse_size(opts["budget"]) if opts.get("budget") is not None else None,
-        namespace=opts.get("namespace"),
-        purge_all=bool(opts.get("all")),
-        check=bool(opts.get("check")),
-        compact=bool(opts.get("compact")),
-        dry_run=bool(opts.get("dry_run")),
+        ttl_s=_duration(opts, "ttl"),
+        max_age_s=_duration(opts, "max_age"),
+        budget_nbytes=_size(opts, "budget"),
+        namespace=_namespace(opts),
+        purge_all=_flag(opts, "all"),
+        check=_flag(opts, "check"),
+        compact=_flag(opts, "compact"),
+        dry_run=_flag(opts, "dry_run"),
     )
+
+
+def _flag(opts: dict[str, Any], name: str) -> bool:
+    value = opts.get(name, False)
+    if not isinstance(value, bool):  # "false" is a truthy string: it would purge everything
+        raise FieldError(name, f"must be a JSON boolean (true or false), got {json.dumps(value)}")
+    return value
+
+
+def _duration(opts: dict[str, Any], name: str) -> float | None:
+    value = opts.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise FieldError(name, f"must be seconds or a duration like 24h, got {json.dumps(value)}")
+    try:
+        seconds = parse_duration(value)
+    except ConfigError as exc:
+        raise FieldError(name, str(exc)) from None
+    except OverflowError:  # an integer past float's range: JSON integers have no bound
+        seconds = math.inf
+    if not 0 <= seconds < math.inf:  # also NaN, which json.loads accepts
+        raise FieldError(name, f"must be a finite duration of 0 or more, got {value!r}")
+    return seconds
+
+
+def _size(opts: dict[str, Any], name: str) -> int | None:
+    value = opts.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise FieldError(name, f"must be bytes (an integer) or a size like 20GiB, got {json.dumps(value)}")
+    try:
+        nbytes = parse_size(value)
+    except ConfigError as exc:
+        raise FieldError(name, str(exc)) from None
+    if nbytes < 0:
+        raise FieldError(name, f"must be 0 or more bytes, got {value!r}")
+    return nbytes
+
+
+def _namespace(opts: dict[str, Any]) -> str | None:
+    value = opts.get("namespace")
+    if value is not None and not (isinstance(value, str) and value):
+        raise FieldError(
+            "namespace", f"must be a namespace digest or a prefix of it (text), got {json.dumps(value)}"
+        )
+    return value
 
 
 def add_admin_routes(app: FastAPI, server: Server) -> None:
@@ -87,20 +146,23 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
         try:
             return JSON(await asyncio.to_thread(store.gc, **gc_options(opts)))
         except ConfigError as exc:
-            return error(400, str(exc))
+            return error(400, str(exc), param=getattr(exc, "param", None))
 
     @app.post("/admin/purge")
     async def admin_purge(request: Request) -> JSON:
         if isinstance(got := await admitted_with_body(request), JSON):
             return got
         store, opts = got
-        if bool(opts.get("namespace")) == bool(opts.get("all")):
-            return error(400, "give exactly one of namespace (a digest prefix) or all: true")
         try:
-            out = await asyncio.to_thread(store.purge, opts.get("namespace"), purge_all=bool(opts.get("all")))
+            if unknown := set(opts) - {"namespace", "all"}:
+                raise ConfigError(f"unknown purge option(s): {', '.join(sorted(unknown))}")
+            namespace, purge_all = _namespace(opts), _flag(opts, "all")
+            if (namespace is None) == (not purge_all):
+                raise ConfigError("give exactly one of namespace (a digest prefix) or all: true")
+            out = await asyncio.to_thread(store.purge, namespace, purge_all=purge_all)
         except ConfigError as exc:
-            return error(400, str(exc))
+            return error(400, str(exc), param=getattr(exc, "param", None))
         return JSON(out)
 
 
-__all__ = ["GC_OPTIONS", "add_admin_routes", "gc_options"]
+__all__ = ["GC_OPTIONS", "FieldError", "add_admin_routes", "gc_options"]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from jinja2 import TemplateError, TemplateSyntaxError  # chat templates' errors (jinja2 comes with torch)
 
 from tierkv.errors import ConfigError
 from tierkv.prompts import PromptError, encode_text, render_chat
@@ -76,9 +77,16 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         def tokenize() -> list[int]:
-            return render_chat(
-                server.cm.tokenizer, [{"role": msg.role, "content": msg.text()} for msg in req.messages]
-            )
+            messages = [{"role": msg.role, "content": msg.text()} for msg in req.messages]
+            try:
+                return render_chat(server.cm.tokenizer, messages)
+            except TemplateSyntaxError:  # the model's template itself is broken: the server's fault (500)
+                raise
+            except TemplateError as exc:  # raise_exception(...) in the template (Llama-2, Mistral, Gemma
+                # refuse some role orders), or a message it cannot render: the request's fault
+                raise ClientError(
+                    f"messages: the model's chat template does not accept these messages: {exc}", "messages"
+                ) from None
 
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await _generate(req, tokenize, chat=True, default_max_tokens=256, max_tokens=max_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ class ServeConfig:
     block_tokens: int | None = None  # None: by the model's KV bytes (tierkv.models.default_block_tokens)
     gpu_cache: str = "auto"  # a size, a fraction of free GPU memory, auto (0.1 on CUDA, none on CPU) or 0
     host_cache: int = 2 << 30  # bytes of host RAM for KV blocks
-    disk_budget: int = 20 << 30  # bytes on disk
+    disk_budget: int | None = 20 << 30  # bytes on disk; None: no budget (given as "none"; 0 is an error)
     ttl: float = 86400.0  # seconds, sliding from the last hit
     sweep_interval_s: float = 300.0  # seconds between background sweeps (expiry, budget); 0: none
     no_cache: bool = False
@@ -44,6 +45,14 @@ class ServeConfig:
     debug_prompts: bool = False  # keep recent prompts' tokens to show where misses diverged (text!)
     max_body: int = 8 << 20  # bytes of a request body; past it: 413
     body_timeout: float = 30.0  # seconds to receive a whole request body; past it: 408
+    max_body_total: int = 64 << 20  # bytes of bodies being received at once, all connections; past it: 503
+    max_connections: int = 256  # open HTTP connections; past it uvicorn answers 503
+
+    def __post_init__(self) -> None:
+        if self.max_body_total < self.max_body:  # else a body of the allowed size could never be received
+            raise ConfigError(
+                f"max_body_total ({self.max_body_total} bytes) must be at least max_body ({self.max_body})"
+            )
 
     @classmethod
     def load(
@@ -117,7 +126,9 @@ def _coerce(name: str, value: Any) -> Any:
             if text not in ("auto", "0", "off") and not 0 < _float_or(text, 0.0) < 1:
                 parse_size(text)  # else it must be a size: raises one clear error
             return text
-        if name in ("host_cache", "disk_budget", "max_body"):
+        if name == "disk_budget":
+            return parse_disk_budget(value)
+        if name in ("host_cache", "max_body", "max_body_total"):
             return parse_size(value if isinstance(value, (str, int)) else int(value))
         if name in ("ttl", "body_timeout"):
             return parse_duration(value)
@@ -128,6 +139,10 @@ def _coerce(name: str, value: Any) -> Any:
             return seconds
         if name in ("port", "block_tokens", "max_queue", "max_context", "remote_admit_after"):
             return int(value)
+        if name == "max_connections":
+            if (count := int(value)) < 1:
+                raise ConfigError(f"must be at least 1, got {value!r}")
+            return count
         if name in ("no_cache", "debug_prompts"):
             return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
         if name == "dtype" and value not in ("auto", "float32", "bfloat16", "float16"):
@@ -139,6 +154,28 @@ def _coerce(name: str, value: Any) -> Any:
         raise ConfigError(f"{name}: {exc}") from None
 
 
+def parse_disk_budget(value: str | int | float | None) -> int | None:
+    """``--disk-budget``: a size > 0, or ``none`` for no budget. 0 is refused on both engines: it read
+    as unbounded to the vLLM connector and as an error to the transformers engine."""
+    if value is None or str(value).strip().lower() == "none":
+        return None
+    nbytes = parse_size(value if isinstance(value, (str, int)) else int(value))
+    if nbytes <= 0:
+        raise ConfigError(
+            f"must be a size above 0 (e.g. 20GiB), got {value!r}; for a disk tier without a budget give none"
+        )
+    return nbytes
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the userinfo of every URL in it (``redis://user:pass@host``) replaced by ``***``:
+    for anything logged or printed, which others may read."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s]+@")  # to the last @: a password may hold one
+
+
 def _float_or(text: str, default: float) -> float:
     try:
         return float(text)
@@ -146,4 +183,4 @@ def _float_or(text: str, default: float) -> float:
         return default
 
 
-__all__ = ["ServeConfig", "read_token_file"]
+__all__ = ["ServeConfig", "parse_disk_budget", "read_token_file", "redact_url"]

@@ -8,16 +8,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from tierkv.server.app import create_app
-from tierkv.server.config import ServeConfig
+from tierkv.server.config import ServeConfig, redact_url
 from tierkv.server.guard import BodyGuard
-from tierkv.server.state import load_server
+from tierkv.server.state import Server, load_server
 
 log = logging.getLogger("tierkv.server")
 
 
 def serve(config: ServeConfig) -> None:
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = load_server(config)
     ns = server.cm.base_namespace
@@ -33,16 +31,33 @@ def serve(config: ServeConfig) -> None:
         ns.dtype,
         ns.digest.hex()[:16],
         ns.block_tokens,
-        ", ".join(tiers),
+        redact_url(", ".join(tiers)),  # the remote tier's URL may hold a password
         config.host,
         config.port,
     )
-    app = BodyGuard(create_app(server), max_nbytes=config.max_body, timeout_s=config.body_timeout)
-    _GracefulServer(
-        uvicorn.Config(
-            app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=60
-        )
-    ).run()
+    _GracefulServer(uvicorn_config(server, log_level="warning")).run()
+
+
+def uvicorn_config(server: Server, **overrides: Any) -> Any:
+    """uvicorn's config for ``server``: the app behind its body guard, bounded in connections."""
+    import uvicorn
+
+    config = server.config
+    app = BodyGuard(
+        create_app(server),
+        max_nbytes=config.max_body,
+        timeout_s=config.body_timeout,
+        max_total_nbytes=config.max_body_total,
+    )
+    options: dict[str, Any] = dict(
+        host=config.host,
+        port=config.port,
+        timeout_graceful_shutdown=60,
+        # uvicorn counts the connection asking too (it answers 503 once connections >= the limit): + 1
+        # so that max_connections are served.
+        limit_concurrency=config.max_connections + 1,
+    )
+    return uvicorn.Config(app, **(options | overrides))
 
 
 class _GracefulServer:

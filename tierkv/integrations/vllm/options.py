@@ -46,6 +46,8 @@ class ConnectorOptions:
     sweep_interval_s: float = 300.0  # background expiry and budget sweeps; 0: none
     revision: str | None = None  # vouch for the weights: skip hashing the checkpoint files
     sync: bool = True  # fdatasync each disk batch (off only for tests and benchmarks)
+    # The sampled self-check: this fraction of loads is also recomputed by vLLM and compared (worker.py)
+    self_check_rate: float = 0.001
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -69,8 +71,18 @@ class ConnectorOptions:
                 out[name] = parse_duration(value or 0)
             elif name == "remote_admit_after":
                 out[name] = int(value)
+            elif name == "self_check_rate":
+                rate = float(value)
+                if not 0.0 <= rate <= 1.0:  # NaN included
+                    raise ConfigError(f"self_check_rate must be in 0..1, got {value!r}")
+                out[name] = rate
             elif name == "sync":
                 out[name] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            elif name == "remote" and str(value).startswith("env:"):
+                # "env:VAR": the URL (which may hold a password) from the environment, not from argv
+                if not (url := os.environ.get(str(value)[4:])):
+                    raise ConfigError(f"tierkv connector option remote: ${str(value)[4:]} is not set")
+                out[name] = url
             else:
                 out[name] = None if value is None else str(value)
         return cls(**out)

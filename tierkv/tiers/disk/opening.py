@@ -21,12 +21,15 @@ import lmdb
 from tierkv.errors import StoreOpenError
 from tierkv.tiers.disk.segments import fsync_dir
 
-__all__ = ["CORRUPT", "OwnersLock", "make_private_dir", "open_store"]
+__all__ = ["CORRUPT", "RELOCK_TIMEOUT_S", "OwnersLock", "make_private_dir", "open_store"]
 
 log = logging.getLogger("tierkv.disk")
 
 # Errors that mean the environment itself is damaged or foreign: only these may lead to a repair.
 CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.VersionMismatchError)
+# How long the repairer waits for the fresh store's owners lock: another process that opened the empty
+# store in the meantime holds it for as long as it runs.
+RELOCK_TIMEOUT_S = 30.0
 
 
 class OwnersLock:
@@ -45,10 +48,23 @@ class OwnersLock:
             return False
         return True
 
-    def relock_exclusive(self) -> None:
-        """Lock the ``owners.lock`` now at ``path`` (a store just moved aside took the old one along)."""
+    def relock_exclusive(self, timeout_s: float) -> None:
+        """Lock the ``owners.lock`` now at ``path`` (a store just moved aside took the old one along),
+        waiting at most ``timeout_s``; StoreOpenError if another process holds it that long."""
         os.close(self.fd)
-        self.fd = _lock_owner(self.path, exclusive=True)
+        self.fd = os.open(self.path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StoreOpenError(
+                        f"moved the damaged store at {self.path} aside, but another process opened the "
+                        f"new empty store there and held it for {timeout_s:.0f} s: start again"
+                    ) from None
+                time.sleep(0.05)
 
     def share(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_SH)
@@ -94,35 +110,40 @@ def _repair(
             f"the store at {path} cannot be opened ({exc}) and other processes have it "
             "open: stop them, then start again"
         ) from exc
-    try:
-        lock = path / "index" / "lock.mdb"
-        if lock.exists():  # a lock file of another LMDB build, or damaged: recreate it and retry
-            lock.unlink()
-            try:
-                open_env()
-                log.warning("the store's lock file at %s was unusable (%s): recreated it", lock, exc)
-                return
-            except CORRUPT as again:
-                exc = again
-        if not writer:  # a reader (``tierkv stats``) never moves a store: the server owns that
-            raise StoreOpenError(
-                f"the store at {path} is damaged ({exc}); the next server started "
-                f"on it moves it aside and starts empty"
-            ) from exc
-        # Damaged meta pages, a truncated or foreign file: keep it for a post-mortem, start empty.
-        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-        log.error(
-            "cannot open the store at %s (%s): moved aside to %s, starting an empty store",
-            path,
-            exc,
-            aside,
-        )
-        path.rename(aside)
-        make_private_dir(path)
-        owners.relock_exclusive()
-        open_env()
-    finally:
-        owners.share()  # back to shared: others may open it now
+    # On an error open_store closes the lock: no share() then, which could wait on another process again.
+    _repair_alone(path, owners, writer, open_env, exc)
+    owners.share()  # back to shared: others may open it now
+
+
+def _repair_alone(
+    path: Path, owners: OwnersLock, writer: bool, open_env: Callable[[], None], exc: lmdb.Error
+) -> None:
+    lock = path / "index" / "lock.mdb"
+    if lock.exists():  # a lock file of another LMDB build, or damaged: recreate it and retry
+        lock.unlink()
+        try:
+            open_env()
+            log.warning("the store's lock file at %s was unusable (%s): recreated it", lock, exc)
+            return
+        except CORRUPT as again:
+            exc = again
+    if not writer:  # a reader (``tierkv stats``) never moves a store: the server owns that
+        raise StoreOpenError(
+            f"the store at {path} is damaged ({exc}); the next server started "
+            f"on it moves it aside and starts empty"
+        ) from exc
+    # Damaged meta pages, a truncated or foreign file: keep it for a post-mortem, start empty.
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+    log.error(
+        "cannot open the store at %s (%s): moved aside to %s, starting an empty store",
+        path,
+        exc,
+        aside,
+    )
+    path.rename(aside)
+    make_private_dir(path)
+    owners.relock_exclusive(RELOCK_TIMEOUT_S)
+    open_env()
 
 
 def make_private_dir(path: Path) -> None:

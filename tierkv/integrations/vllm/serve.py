@@ -10,7 +10,9 @@ with the same names); what maps:
                          ``tiny`` is the transformers engine's in-memory test model: not servable by vLLM
     host, port, dtype    as given ("auto" dtype: vLLM's choice); max_context -> --max-model-len
     cache_dir, host_cache, disk_budget, ttl, remote, remote_admit_after, sweep_interval_s, revision
-                         the connector's options; no_cache: vLLM without the connector
+                         the connector's options; no_cache: vLLM without the connector. The remote
+                         URL goes to vLLM in $TIERKV_REMOTE_URL, not in its argv (which ps shows to
+                         every user), and the exec line printed has any URL's credentials redacted
     block_tokens         not passed: tierkv follows vLLM's block size (CPU: 128, a multiple of 32)
     (always)             --shutdown-timeout 30 unless given: on SIGTERM vLLM's workers then exit
                          cleanly and the connector flushes what it was still writing (with vLLM's
@@ -24,6 +26,7 @@ install it, exit status 2 (``TIERKV_VLLM_PYTHON`` may name another environment's
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -33,8 +36,17 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
+from tierkv.server.config import parse_disk_budget, redact_url
 
-__all__ = ["INSTALL_HINT", "connector_config", "serve_vllm", "vllm_command", "vllm_python"]
+__all__ = [
+    "INSTALL_HINT",
+    "REMOTE_ENV",
+    "connector_config",
+    "serve_vllm",
+    "vllm_command",
+    "vllm_env",
+    "vllm_python",
+]
 
 INSTALL_HINT = (
     "--engine vllm needs vLLM in this environment: pip install vllm (GPU), or on a CPU "
@@ -43,6 +55,7 @@ INSTALL_HINT = (
 )
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SHUTDOWN_TIMEOUT_S = 30
+REMOTE_ENV = "TIERKV_REMOTE_URL"  # the remote tier's URL (it may hold a password) for the vLLM process
 _CHECK = (
     "import importlib.util, sys; s = importlib.util.find_spec('vllm'); "
     "sys.exit(s is None or s.origin is None)"
@@ -108,6 +121,11 @@ def connector_config(config: Any) -> dict[str, Any]:
         value = _get(config, ours)
         if value not in (None, ""):
             extra[theirs] = value
+    if "remote" in extra:  # the URL itself travels in the environment (vllm_env): argv is public
+        extra["remote"] = f"env:{REMOTE_ENV}"
+    given = config.get("disk_budget", 0) if isinstance(config, Mapping) else getattr(config, "disk_budget", 0)
+    if given is None:  # --disk-budget none: left out, the connector would apply its default of 20 GiB
+        extra["disk_bytes"] = None
     if "cache_dir" not in extra:
         from tierkv.paths import default_cache_dir
 
@@ -119,6 +137,12 @@ def connector_config(config: Any) -> dict[str, Any]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+
+
+def vllm_env(config: Any) -> dict[str, str]:
+    """The variables the vLLM process needs besides this one's: the remote tier's URL, if any."""
+    remote = _get(config, "remote")
+    return {REMOTE_ENV: str(remote)} if remote and not _get(config, "no_cache", False) else {}
 
 
 def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None = None) -> list[str]:
@@ -169,24 +193,22 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
             "tierkv: with --engine vllm the admin API is not served; run tierkv stats / gc beside vLLM",
             file=sys.stderr,
         )
-    print("tierkv: exec " + " ".join(cmd), file=sys.stderr, flush=True)
+    print("tierkv: exec " + redact_url(" ".join(cmd)), file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os.execv(python, cmd)
-    return 0  # not reached: execv replaces the process
+    os.execve(python, cmd, {**os.environ, **vllm_env(config_or_args)})
+    return 0  # not reached: execve replaces the process
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tierkv.integrations.vllm_serve [options] [-- vLLM's own options]``: the same, without the
+    """``python -m tierkv.integrations.vllm.serve [options] [-- vLLM's own options]``: the same, without the
     tierkv CLI (sizes as ``20GiB``, durations as ``24h``)."""
-    import argparse
-
     from tierkv.units import parse_duration, parse_size
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(
-        prog="python -m tierkv.integrations.vllm_serve", description=__doc__.split("\n")[0]
+        prog="python -m tierkv.integrations.vllm.serve", description=__doc__.split("\n")[0]
     )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--host", default="127.0.0.1")
@@ -195,14 +217,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-context", type=int, default=0)
     p.add_argument("--cache-dir", default="")
     p.add_argument("--host-cache", type=parse_size, default=2 << 30)
-    p.add_argument("--disk-budget", type=parse_size, default=20 << 30)
+    p.add_argument("--disk-budget", type=_disk_budget, default=20 << 30, help="a size > 0, or none")
     p.add_argument("--ttl", type=parse_duration, default=86400.0)
-    p.add_argument("--remote")
+    # From the environment by default: a URL with a password on the command line is visible in ps.
+    p.add_argument("--remote", default=os.environ.get("TIERKV_REMOTE"), help="default: $TIERKV_REMOTE")
     p.add_argument("--remote-admit-after", type=int, default=1)
     p.add_argument("--sweep-interval", dest="sweep_interval_s", type=parse_duration, default=300.0)
     p.add_argument("--revision")
     p.add_argument("--no-cache", action="store_true")
     return serve_vllm(p.parse_args(argv), extra)
+
+
+def _disk_budget(text: str) -> int | None:
+    try:
+        return parse_disk_budget(text)
+    except ConfigError as exc:  # argparse shows an ArgumentTypeError's message, not a ValueError's
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 if __name__ == "__main__":
