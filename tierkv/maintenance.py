@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -13,11 +13,12 @@ from tierkv.tiers.disk import DiskTier, SweepReport
 ProgressFactory = Callable[[str], AbstractContextManager[Callable[[int], None] | None]]
 
 
-def resolve_namespace(disk: DiskTier, prefix: str) -> bytes:
-    """The one namespace digest starting with ``prefix`` (hex); ConfigError if none or several."""
+def resolve_namespace(disk: DiskTier, prefix: str, also: Iterable[bytes] = ()) -> bytes:
+    """The one namespace digest starting with ``prefix`` (hex) among those on disk and ``also`` (a store's
+    namespaces saved lately: their blocks may all be on their way still); ConfigError if none or several."""
     if len(prefix) < 4:
         raise ConfigError("give at least 4 hex digits of the namespace digest")
-    known = set(disk.totals()) | set(disk.namespaces())
+    known = set(disk.totals()) | set(disk.namespaces()) | set(also)
     matches = [d for d in known if d.hex().startswith(prefix.lower())]
     if len(matches) != 1:
         raise ConfigError(f"namespace {prefix}: {'no' if not matches else len(matches)} namespaces match")
@@ -30,20 +31,21 @@ def run_gc(
     ttl_s: float | None = None,
     max_age_s: float | None = None,
     budget_nbytes: int | None = None,
-    namespace: str | None = None,
+    namespace: str | bytes | None = None,
     purge_all: bool = False,
     check: bool = False,
     compact: bool = False,
     dry_run: bool = False,
     progress: ProgressFactory | None = None,
 ) -> dict[str, Any]:
-    """Purge (a namespace or all), expire, hold the budget, verify, compact — in that order."""
+    """Purge (a namespace: a digest prefix, or the digest itself; or all), expire, hold the budget,
+    verify, compact — in that order."""
     if namespace and purge_all:
         raise ConfigError("namespace and all exclude each other")
     step = progress or (lambda _label: nullcontext(None))
     report = SweepReport()
     if namespace is not None:
-        digest = resolve_namespace(disk, namespace)
+        digest = namespace if isinstance(namespace, bytes) else resolve_namespace(disk, namespace)
         with step("purge") as tick:
             report += disk.purge_namespace(digest, dry_run=dry_run, progress=tick)
     if purge_all:

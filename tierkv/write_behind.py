@@ -8,36 +8,176 @@ that need it and queued for the record tiers (disk, remote) that need it, which 
 writer threads, straight from a held host slot when there is one (else from a private copy).
 
 The ring drains into this module only; nothing here calls back into the store.
+
+Purges and invalidations (``Generations``): every block on its way carries the generation it was saved
+in (or, written back by a restore, the one the restore began in). A purge or an invalidation starts a new
+generation; a block of what it named from an older one is dropped wherever it is when it arrives: leaving
+the ring, entering a memory tier, or committing to a record tier (the disk writer checks inside the
+transaction that would index it).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
+import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from tierkv import codec
-from tierkv.keys import BlockChain
+from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
 from tierkv.staging import StagingRing
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.pool import BlockPool
 
-__all__ = ["WriteBehind"]
+__all__ = ["FENCE_WAIT_S", "Generations", "WriteBehind"]
+
+log = logging.getLogger("tierkv.store")
+
+FENCE_WAIT_S = 120.0  # a purge waits at most this long for the restores that began before it
+MAX_NAMED = 65536  # purged namespaces and invalidated keys remembered; past it, older saves all drop
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fence:
+    """A purge or invalidation in progress: ``ns`` None and no ``keys`` is everything."""
+
+    ns: NamespaceDigest | None
+    keys: frozenset[bytes]
+
+    def usable(self, chain: BlockChain) -> int:
+        """How many leading blocks of ``chain`` it leaves alone."""
+        if self.ns is not None and self.ns != chain.ns.digest:
+            return len(chain)
+        if not self.keys:
+            return 0
+        return next((i for i, k in enumerate(chain.keys) if k in self.keys), len(chain))
+
+
+class Generations:
+    """Which blocks on their way may still be stored, and which restores a purge must wait for.
+
+    ``fence`` (a purge or an invalidation) starts a new generation: a block saved in an older one, of
+    the namespace or key it names, is no longer ``live``. While the fence is up, restores and lookups see
+    what it names as a miss (they would copy it from one tier into another behind the purge), and it
+    first waits for the restores that began before it (they may still be copying what they read). So
+    once the caller has removed what it named from every tier, nothing brings it back.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._gen = 0
+        self._all = 0  # the generation of the last purge of everything (and the floor, see _name)
+        self._named: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # ns digest or key
+        self._fences: list[_Fence] = []
+        self._readers: collections.Counter[int] = collections.Counter()  # restores by starting generation
+        self._local = threading.local()  # the generation of the restore running on this thread
+        # Namespaces saved lately (bounded): a purge by digest prefix finds one with nothing on disk yet.
+        self._seen: collections.OrderedDict[NamespaceDigest, None] = collections.OrderedDict()
+
+    def saw(self, ns: NamespaceDigest) -> None:
+        with self._cv:
+            self._seen.pop(ns, None)
+            self._seen[ns] = None
+            while len(self._seen) > MAX_NAMED:
+                self._seen.popitem(last=False)
+
+    def seen(self) -> list[NamespaceDigest]:
+        """Namespaces saved lately, oldest first."""
+        with self._cv:
+            return list(self._seen)
+
+    @property
+    def current(self) -> int:
+        """The generation a block handed on now belongs to (a restore's own, on its thread)."""
+        gen = getattr(self._local, "gen", None)
+        if gen is not None:
+            return int(gen)
+        with self._cv:
+            return self._gen
+
+    def live(self, ns: bytes, key: bytes, gen: int) -> bool:
+        """Whether a block saved in generation ``gen`` may still be stored."""
+        with self._cv:
+            return gen >= max(self._all, self._named.get(ns, 0), self._named.get(key, 0))
+
+    def usable(self, chain: BlockChain) -> int:
+        """How many leading blocks of ``chain`` no fence in progress names."""
+        with self._cv:
+            return min((f.usable(chain) for f in self._fences), default=len(chain))
+
+    @contextlib.contextmanager
+    def reading(self, chain: BlockChain) -> Iterator[int]:
+        """A restore of ``chain``: yields how many leading blocks it may read. Fences wait for it, and what
+        it writes back on this thread is of the generation it began in."""
+        with self._cv:
+            n = min((f.usable(chain) for f in self._fences), default=len(chain))
+            gen = self._gen
+            self._readers[gen] += 1
+        self._local.gen = gen
+        try:
+            yield n
+        finally:
+            self._local.gen = None
+            with self._cv:
+                self._readers[gen] -= 1
+                if not self._readers[gen]:
+                    del self._readers[gen]
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def fence(self, ns: NamespaceDigest | None, keys: Sequence[BlockKey] = ()) -> Iterator[int]:
+        """Start a new generation for namespace ``ns`` (None: every namespace) or only its ``keys``, and
+        wait for the restores that began before; the caller removes what it names from every tier inside."""
+        fence = _Fence(ns, frozenset(keys))
+        with self._cv:
+            self._gen += 1
+            gen = self._gen
+            if ns is None and not keys:
+                self._all = gen
+            names: list[bytes] = list(keys) if keys else [ns] if ns is not None else []
+            for name in names:
+                self._name(name, gen)
+            self._fences.append(fence)
+            deadline = time.monotonic() + FENCE_WAIT_S
+            while any(g < gen for g in self._readers):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("a purge waited %.0f s for restores begun before it; going on", FENCE_WAIT_S)
+                    break
+                self._cv.wait(left)
+        try:
+            yield gen
+        finally:
+            with self._cv:
+                self._fences.remove(fence)
+
+    def _name(self, name: bytes, gen: int) -> None:
+        """Remember that ``name`` was purged in ``gen`` (bounded: the oldest forgotten raise the floor, so
+        what they named stays dropped, with every block saved before them)."""
+        self._named.pop(name, None)
+        self._named[name] = gen
+        while len(self._named) > MAX_NAMED:
+            self._all = max(self._all, self._named.popitem(last=False)[1])
 
 
 @dataclasses.dataclass(frozen=True)
 class _Pending:
-    """Block ``i`` of ``chain`` on its way to ``dests`` (the staging ring carries it as metadata)."""
+    """Block ``i`` of ``chain`` on its way to ``dests`` (the staging ring carries it as metadata), saved in
+    generation ``gen``."""
 
     chain: BlockChain
     i: int
     dests: tuple[Tier, ...]
     created_s: float
+    gen: int
 
 
 class WriteBehind:
@@ -62,6 +202,10 @@ class WriteBehind:
         self.staging, self.staging_nbytes, self.staging_wait_s = staging, staging_nbytes, staging_wait_s
         self._ring: StagingRing | None = None
         self._ring_lock = threading.Lock()
+        self.gens = Generations()
+        # Held from a block's liveness check to its copy into the memory tiers, and by a purge clearing
+        # them: a block found live is in the tiers before the clear, or is found dead after it.
+        self.gate = threading.Lock()
 
     def save(
         self,
@@ -74,6 +218,7 @@ class WriteBehind:
         if they are). Returns how many were handed on to the tiers written behind."""
         if not blocks:
             return 0
+        self.gens.saw(chain.ns.digest)
         device = blocks[0].device
         keys = chain.keys[start:]
         for pool in self._device_pools(device):  # device copies, on the compute stream
@@ -102,10 +247,12 @@ class WriteBehind:
         for tier, idx in wants.items():
             for i in idx:
                 per_block.setdefault(i, []).append(tier)
-        now = self.clock()
+        now, gen = self.clock(), self.gens.current  # a restore's: what it read may be purged since
         for i in sorted(per_block):
             private = block(i).to("cpu", copy=True, memory_format=torch.contiguous_format)
-            self._keep(private, _Pending(chain, i, tuple(per_block[i]), created_s.get(i, now)), owned=True)
+            self._keep(
+                private, _Pending(chain, i, tuple(per_block[i]), created_s.get(i, now), gen), owned=True
+            )
 
     def _device_pools(self, device: torch.device) -> list[BlockPool]:
         """Memory tiers written by a device copy: the direct ones on the blocks' device."""
@@ -134,8 +281,8 @@ class WriteBehind:
         todo = [(i, d) for i, d in zip(idx, dests) if d]
         if not todo:
             return 0
-        now = self.clock()
-        pending = [_Pending(chain, i, d, now) for i, d in todo]
+        now, gen = self.clock(), self.gens.current
+        pending = [_Pending(chain, i, d, now, gen) for i, d in todo]
         device = block(todo[0][0]).device
         ring = self._ring_for(KVSpec.of(chain.ns), device)
         if ring is not None:
@@ -178,13 +325,17 @@ class WriteBehind:
         """Copy a CPU block into the memory tiers among ``p.dests`` and queue it for the record tiers
         (``owned``: ``block`` is a private copy nobody else writes, so the record tiers may read it as is)."""
         key = p.chain.keys[p.i]
+        live = functools.partial(self.gens.live, p.chain.ns.digest, key, p.gen)
         records = [t for t in p.dests if not isinstance(t, BlockPool)]
         held: tuple[BlockPool, torch.Tensor] | None = None
-        for pool in (t for t in p.dests if isinstance(t, BlockPool)):
-            hold = bool(records) and held is None and pool.can_hold()
-            slot = pool.put(key, block, hold=hold, created_s=p.created_s)
-            if hold and slot is not None:
-                held = (pool, slot)
+        with self.gate:
+            if not live():  # purged or invalidated since it was saved
+                return
+            for pool in (t for t in p.dests if isinstance(t, BlockPool)):
+                hold = bool(records) and held is None and pool.can_hold()
+                slot = pool.put(key, block, hold=hold, created_s=p.created_s)
+                if hold and slot is not None:
+                    held = (pool, slot)
         if not records:
             return
         # Without a held slot the writers share one private copy: the caller may reuse ``block`` at once.
@@ -209,6 +360,7 @@ class WriteBehind:
                 payload,
                 self.codec,
                 release,
+                live,
             )
             if not tier.write(write):
                 write.done()

@@ -262,3 +262,23 @@ def test_stats_are_exact_after_reopen(tmp_path, ns) -> None:
         assert blocks == 15 and nbytes == disk.usage()["live_nbytes"]
         assert disk.policy.budget_nbytes == 2**20  # the policy persisted for gc
         assert Namespace.from_json(disk.namespaces()[ns.digest].to_json()) == ns
+
+
+def test_purge_namespace_resumes_its_scan_across_transactions(tmp_path, ns, monkeypatch) -> None:
+    """The purge finds and removes each batch inside one write transaction, a bounded number of entries
+    looked at per transaction: every block of the namespace goes, the other's all stay, totals exact."""
+    from tierkv.tiers.disk import sweeps
+
+    monkeypatch.setattr(sweeps, "PURGE_SCAN", 5)
+    monkeypatch.setattr(sweeps, "SWEEP_BATCH", 3)
+    other = Namespace.from_json(ns.to_json()).with_salt("other")
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for space in (ns, other):
+            for j in range(4):
+                store.save(space, [j * 1000 + t for t in range(64)], make_kv(space, 64, seed=j))
+        store.flush()
+        disk = store.tier("disk")
+        assert disk.purge_namespace(ns.digest).purged == 16
+        assert disk.totals() == _totals_by_scan(disk) and set(disk.totals()) == {other.digest}
+        assert disk.totals()[other.digest][0] == 16
+        assert disk.purge_namespace(None).purged == 16 and disk.totals() == {}

@@ -169,15 +169,33 @@ def test_writers_may_hold_at_most_a_share_of_the_slots() -> None:
     host.release(held[1])
 
 
-def test_clear_keeps_only_slots_in_use() -> None:
+def test_clear_removes_held_blocks_too_and_frees_their_slots_on_release() -> None:
+    """A purge must not leave a block because a writer holds its slot (it was served after purge(all)):
+    the block is gone at once; its bytes stay the holder's until it releases them, then the slot is free."""
     host = HostTier(4 * 128, pin=False)
     held = host.put(_key(0), _block(0), hold=True)
     host.put(_key(1), _block(1))
-    host.clear()
-    assert host.contains([_key(0), _key(1)]) == [True, False]
+    assert host.clear() == 2
+    assert host.contains([_key(0), _key(1)]) == [False, False] and len(host) == 0
+    assert torch.equal(held.view(torch.float32), _block(0).view(-1))  # the holder's bytes are intact
+    for i in range(2, 5):  # three free slots: the held one is not among them
+        host.put(_key(i), _block(i))
+    assert host.put(_key(5), _block(5)) is not None and not host.contains([_key(2)])[0]  # evicts, no slot
+    host.release(held)  # the dead slot is free now: the next block takes it, nothing is evicted
+    host.put(_key(6), _block(6))
+    assert host.contains([_key(i) for i in (3, 4, 5, 6)]) == [True] * 4 and host._held == 0
+
+
+def test_discard_removes_only_the_keys_given() -> None:
+    host = HostTier(4 * 128, pin=False)
+    held = host.put(_key(0), _block(0), hold=True)
+    host.put(_key(1), _block(1))
+    assert host.discard([_key(0), _key(2)]) == [True, False]
+    assert host.contains([_key(0), _key(1)]) == [False, True]
+    host.put(_key(0), _block(3))  # saved again while the old slot is still held: a slot of its own
     host.release(held)
-    host.clear()
-    assert len(host) == 0 and host.used_nbytes == 0
+    with host.read([_key(0)]) as (view,):
+        assert view is not None and torch.equal(view.view(torch.float32), _block(3).view(-1))
 
 
 def test_reserve_allocates_the_pool_up_front() -> None:

@@ -235,3 +235,43 @@ def test_a_block_whose_send_failed_is_sent_again(ns) -> None:
         assert tier.stats() is not None and tier.needs(chain, [0]) == [True]
     finally:
         tier.close()
+
+
+def test_invalidate_and_purge_reach_the_remote_tier(tmp_path, ns, redis_server) -> None:
+    """Invalidated blocks are deleted remotely (another worker then misses them) and a save after it sends
+    the new KV; a purged namespace's records go (by SCAN), another namespace's stay."""
+    import dataclasses
+
+    import redis
+
+    other = dataclasses.replace(ns, tenant_salt="other")
+    toks = list(range(64))
+    kv, other_kv = make_kv(ns, 64), make_kv(other, 64, seed=1)
+    r = redis.Redis(port=redis_server.port)
+
+    def worker_b():  # another worker, with nothing of its own
+        return TieredStore.open(None, host_bytes=2**20, remote=redis_server.url)
+
+    with TieredStore.open(tmp_path, host_bytes=2**20, remote=redis_server.url) as a:
+        a.save(ns, toks, kv)
+        a.save(other, toks, other_kv)
+        a.flush()
+        assert len(r.keys(b"tkv:*")) == 8
+        assert a.invalidate(ns, toks, [1]) == 1
+        assert len(r.keys(b"tkv:*")) == 7
+        with worker_b() as b:
+            hit, got = b.restore(ns, toks)
+            assert hit.by_tier["remote"] == 16 and torch.equal(got, kv[:, :, :16])
+        fixed = kv.clone()
+        fixed[:, :, 16:32] = make_kv(ns, 16, seed=7)
+        a.save(ns, toks, fixed)  # sent again: the tier forgot it had sent it
+        a.flush()
+        with worker_b() as b:
+            hit, got = b.restore(ns, toks)
+            assert hit.by_tier["remote"] == 64 and torch.equal(got, fixed)
+        a.purge(ns.digest.hex()[:8])
+        assert len(r.keys(b"tkv:*")) == 4
+        with worker_b() as b:
+            assert b.lookup(ns, toks).num_tokens == 0
+            hit, got = b.restore(other, toks)
+            assert hit.by_tier["remote"] == 64 and torch.equal(got, other_kv)

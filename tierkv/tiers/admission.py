@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tierkv.keys import BlockChain, BlockKey
+from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.tiers.base import BlockWrite, Tier
 
 if TYPE_CHECKING:
@@ -64,6 +64,12 @@ class Admission(Tier):
 
     def write(self, block: BlockWrite) -> bool:
         return self.inner.write(block)
+
+    def drop(self, ns: NamespaceDigest | None) -> int:
+        return self.inner.drop(ns)
+
+    def invalidate(self, ns: NamespaceDigest, keys: Sequence[BlockKey]) -> list[bool]:
+        return self.inner.invalidate(ns, keys)
 
     def stats(self) -> dict[str, int]:
         return self.inner.stats()

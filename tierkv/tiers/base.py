@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tierkv import codec
-from tierkv.keys import BlockChain, BlockKey, Namespace
+from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,9 @@ class BlockWrite:
 
     ``payload`` is the block's bytes on the CPU (a held host slot, or a private copy); it stays valid
     until ``release`` runs, which the tier calls once the record is written or dropped (or the caller,
-    when ``write`` returned False).
+    when ``write`` returned False). ``live()`` turns False once the block was purged or invalidated (see
+    ``write_behind.Generations``): the tier then drops it instead of storing it, checking as late as it
+    can (the disk writer: in the transaction that would index it).
     """
 
     ns: Namespace
@@ -44,6 +46,7 @@ class BlockWrite:
     payload: torch.Tensor
     codec: codec.Codec = codec.Codec.RAW
     release: Callable[[], None] | None = None
+    live: Callable[[], bool] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +107,17 @@ class Tier:
         """Blocks ``idx`` were just served by faster tiers: refresh what this tier holds of them (a hit
         keeps a block alive everywhere) and return those it wants written (lost here, or newly admitted)."""
         return []
+
+    def drop(self, ns: NamespaceDigest | None) -> int:
+        """Remove every block of namespace ``ns`` (None: of every namespace), a purge; returns how many.
+        The store calls it inside a fence (``write_behind.Generations``): blocks still on their way are
+        dropped there, so what this removes does not come back."""
+        return 0
+
+    def invalidate(self, ns: NamespaceDigest, keys: Sequence[BlockKey]) -> list[bool]:
+        """Remove these blocks of namespace ``ns`` (they may be wrong), inside a fence like ``drop``;
+        per key whether this tier held it (or had it queued)."""
+        return [False] * len(keys)
 
     def stats(self) -> dict[str, int]:
         return {}

@@ -2,8 +2,9 @@
 
 One allocation when the first block arrives (its size fixes the slot size), on the pool's device (host RAM,
 pinned when CUDA is present so uploads are DMA; or GPU memory); no allocation per block afterwards. Slots
-being read or waiting for a writer hold a reference and are never evicted. ``host.HostTier`` and
-``gpu.GpuTier`` are this class on their device.
+being read or waiting for a writer hold a reference and are never evicted. A block removed (a purge, an
+invalidation) while its slot is held is gone at once, its slot freed when the last reference is released.
+``host.HostTier`` and ``gpu.GpuTier`` are this class on their device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from tierkv.keys import BlockChain, BlockKey
+from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
@@ -72,6 +73,7 @@ class BlockPool(Tier):
         self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # key -> slot, least recently used first
         self._refs: list[int] = []
         self._held = 0  # slots with a reference: never evicted
+        self._dead: set[int] = set()  # held slots whose block was removed: freed on their last release
         self._free: list[int] = []
         self._lock = threading.Lock()
 
@@ -251,6 +253,21 @@ class BlockPool(Tier):
         assert self._refs[slot] > 0, f"slot {slot} released more often than held"
         self._refs[slot] -= 1
         self._held -= self._refs[slot] == 0
+        if self._refs[slot] == 0 and slot in self._dead:
+            self._dead.discard(slot)
+            self._free.append(slot)
+
+    def _remove(self, key: BlockKey) -> bool:
+        """Remove ``key``'s block now; a held slot is freed on its last release. Caller holds the lock."""
+        slot = self._lru.pop(key, None)
+        if slot is None:
+            return False
+        self._forget(key)
+        if self._refs[slot]:
+            self._dead.add(slot)
+        else:
+            self._free.append(slot)
+        return True
 
     def can_hold(self) -> bool:
         """Whether a writer may hold one more slot (see ``MAX_HELD_FRACTION``)."""
@@ -304,13 +321,16 @@ class BlockPool(Tier):
                 if v is not None:
                     self.release(v)
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Remove every block, held ones too (a reader or writer holding one keeps its bytes until it
+        releases the slot, but nobody finds the block any more). Returns how many."""
         with self._lock:
-            for key, slot in list(self._lru.items()):
-                if self._refs[slot] == 0:
-                    del self._lru[key]
-                    self._forget(key)
-                    self._free.append(slot)
+            return sum(self._remove(key) for key in list(self._lru))
+
+    def discard(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Remove these blocks, held ones too (as ``clear``); per key whether it was here."""
+        with self._lock:
+            return [self._remove(key) for key in keys]
 
     # ---------------------------------------------------------------- the Tier calls
 
@@ -353,6 +373,13 @@ class BlockPool(Tier):
             return False  # the caller keeps what ``block.release`` frees (the Tier contract)
         block.done()
         return True
+
+    def drop(self, ns: NamespaceDigest | None) -> int:
+        """A pool keeps no namespace index: a purge of any namespace clears it whole."""
+        return self.clear()
+
+    def invalidate(self, ns: NamespaceDigest, keys: Sequence[BlockKey]) -> list[bool]:
+        return self.discard(keys)
 
     def stats(self) -> dict[str, int]:
         return {"used_nbytes": self.used_nbytes, "capacity_nbytes": self.capacity_nbytes, "blocks": len(self)}

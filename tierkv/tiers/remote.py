@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv import codec
 from tierkv.errors import RecordError
-from tierkv.keys import BlockChain, BlockKey
+from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.batching import BatchQueue
@@ -52,6 +52,11 @@ WRITE_BATCH = 64  # records per pipelined write
 FLUSH_TIMEOUT_S = 120.0  # flush and close never wait longer for the writer
 QUEUE_BLOCKS = 4096  # write-behind bound; past it saves are dropped and counted
 SENT_KEYS = 65536  # blocks remembered as sent, so saves of a cached prefix do not send it again
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    """``raw`` matched literally by a Redis SCAN pattern."""
+    return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in raw)
 
 
 class CircuitBreaker:
@@ -138,6 +143,7 @@ class RemoteTier(Tier):
         # Blocks this process queued lately, when: a save does not send them again (bounded, oldest forgotten).
         self._sent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._sent_lock = threading.Lock()
+        self._sending = threading.Lock()  # held by the writer over a batch: liveness checked to sent
         self._batches: BatchQueue[Any] = BatchQueue(
             "tierkv-remote-writer", self._write, item_nbytes=lambda _: 1, batch_nbytes=WRITE_BATCH
         )
@@ -185,15 +191,17 @@ class RemoteTier(Tier):
         key: BlockKey,
         make: Callable[[], list[bytes | memoryview]],
         release: Callable[[], None] | None = None,
+        live: Callable[[], bool] | None = None,
     ) -> bool:
-        """Queue a record for the writer thread; False (counted) when the queue is full or the breaker open."""
+        """Queue a record for the writer thread; False (counted) when the queue is full or the breaker open.
+        It is not sent once ``live()`` is False (purged or invalidated meanwhile)."""
         if self._closed or not self.breaker.allow():
             self.counters.add("remote", "dropped_saves")
             return False
         if self._batches.pending >= QUEUE_BLOCKS:
             self.counters.add("remote", "dropped_saves")
             return False
-        self._batches.put((ns_digest, key, make, release))
+        self._batches.put((ns_digest, key, make, release, live))
         return True
 
     # ---------------------------------------------------------------- the Tier calls
@@ -243,7 +251,7 @@ class RemoteTier(Tier):
         return [t is None or (self.ttl_s is not None and now - t > self.ttl_s) for t in sent]
 
     def write(self, block: BlockWrite) -> bool:
-        ok = self.put(block.ns.digest, block.key, block.encode, block.release)
+        ok = self.put(block.ns.digest, block.key, block.encode, block.release, block.live)
         if ok:  # queued: not queued again; forgotten if the send fails, and once Redis expired it
             with self._sent_lock:
                 self._sent[block.key] = time.monotonic()
@@ -261,15 +269,73 @@ class RemoteTier(Tier):
     def delete(self, ns_digest: bytes, key: BlockKey) -> None:
         self._call(lambda: self.client.delete(self.redis_key(ns_digest, key)), None)
 
+    def invalidate(self, ns: NamespaceDigest, keys: Sequence[BlockKey]) -> list[bool]:
+        """Delete these records, after the batch being sent (checked live before the fence) is out."""
+        with self._sending:
+            pass
+        with self._sent_lock:  # a save of them after this sends them again
+            for key in keys:
+                self._sent.pop(key, None)
+
+        def delete() -> list[int]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(self.redis_key(ns, key))
+            return pipe.execute()
+
+        deleted = self._call(delete, None)
+        if deleted is None:
+            log.warning(
+                "remote tier: %d invalidated blocks not deleted (unreachable); their TTL ends them", len(keys)
+            )
+            return [False] * len(keys)
+        return [bool(n) for n in deleted]
+
+    def drop(self, ns: NamespaceDigest | None) -> int:
+        """Delete every record of namespace ``ns`` (None: every tierkv record), by SCAN, after the batch
+        being sent is out."""
+        with self._sending:
+            pass
+        with self._sent_lock:  # no namespace index here: all are sent again when saved
+            self._sent.clear()
+        pattern = b"tkv:" + (_glob_escape(ns[:16]) + b":*" if ns is not None else b"*")
+
+        def delete(found: list[bytes]) -> int:
+            pipe = self.client.pipeline(transaction=False)  # one key per DEL: a cluster's slots differ
+            for k in found:
+                pipe.delete(k)
+            return sum(pipe.execute())
+
+        def purge() -> int:
+            n, found = 0, []
+            for key in self.client.scan_iter(match=pattern, count=1000):  # deleting while scanning is fine
+                found.append(key)
+                if len(found) >= 1000:
+                    n, found = n + delete(found), []
+            return n + (delete(found) if found else 0)
+
+        purged = self._call(purge, None)
+        if purged is None:
+            log.warning("remote tier: purge failed (unreachable); its records go with their TTL")
+            return 0
+        return int(purged)
+
     def _write(self, batch: list[Any]) -> None:
+        with self._sending:  # a purge or invalidation waits for the batch whose liveness was checked
+            self._send(batch)
+
+    def _send(self, batch: list[Any]) -> None:
         records = []
         try:
-            for ns_digest, key, make, _ in batch:
-                records.append((self.redis_key(ns_digest, key), b"".join(make())))
+            for ns_digest, key, make, _, live in batch:
+                if live is None or live():
+                    records.append((self.redis_key(ns_digest, key), b"".join(make())))
         finally:
-            for *_, release in batch:
+            for *_, release, _ in batch:
                 if release is not None:
                     release()
+        if not records:
+            return
         ex = int(self.ttl_s) if self.ttl_s else None
 
         def send() -> bool:
@@ -285,7 +351,7 @@ class RemoteTier(Tier):
         else:
             self.counters.add("remote", "dropped_saves", len(records))
             with self._sent_lock:  # not there: a later save sends them again
-                for _, key, _, _ in batch:
+                for _, key, *_ in batch:
                     self._sent.pop(key, None)
 
     def flush(self) -> None:

@@ -23,8 +23,8 @@ import lmdb
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
-from tierkv.tiers.disk.index import Index
-from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Policy, SweepReport
+from tierkv.tiers.disk.index import Index, Txn
+from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Hole, Policy, SweepReport
 from tierkv.tiers.disk.segments import SegmentDir
 from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
 from tierkv.tiers.disk.writer import (
@@ -143,16 +143,23 @@ class DiskTier(Tier):
         return out
 
     @contextlib.contextmanager
-    def read(self, entries: Sequence[Entry]) -> Iterator[list[memoryview]]:
-        """The whole records of ``entries``, as views valid inside the ``with`` block only."""
+    def read(
+        self, entries: Sequence[Entry], failed: set[tuple[int, int, int]] | None = None
+    ) -> Iterator[list[memoryview]]:
+        """The whole records of ``entries``, as views valid inside the ``with`` block only (zeros for one
+        that cannot be read; with an I/O error its location is added to ``failed``)."""
         with self.segments.read_lock:
-            yield self.segments.read([e.location for e in entries]) if entries else []
+            yield self.segments.read([e.location for e in entries], failed) if entries else []
 
     def read_scatter(
-        self, requests: Sequence[tuple[Entry, list[memoryview]]], verify: Callable[[int], bool] | None = None
+        self,
+        requests: Sequence[tuple[Entry, list[memoryview]]],
+        verify: Callable[[int], bool] | None = None,
+        failed: set[tuple[int, int, int]] | None = None,
     ) -> list[bool]:
-        """Scatter each record into its destination views; ``verify(i)`` runs on the reading thread."""
-        return self.segments.readv([(*e.location, views) for e, views in requests], verify)
+        """Scatter each record into its destination views; ``verify(i)`` runs on the reading thread. The
+        locations of records an I/O error hit are added to ``failed``."""
+        return self.segments.readv([(*e.location, views) for e, views in requests], verify, failed)
 
     # ---------------------------------------------------------------- the Tier calls
 
@@ -170,23 +177,29 @@ class DiskTier(Tier):
         return self.policy.expired(e, now)
 
     def read_into(self, chain: BlockChain, first: int, count: int, target: Target) -> int:
-        """Records verified on the reading threads; a bad one is purged (if still indexed: a sweep in
-        another process may have released it meanwhile, and then it is a plain miss)."""
+        """Records verified on the reading threads; a bad one (or one an I/O error hit) ends the run and
+        is purged, if still indexed: a sweep in another process may have released it meanwhile, and then
+        it is a plain miss."""
         from tierkv.tiers.disk.reader import read_records  # torch: not for the shell tools
 
         entries = self.locate(chain.keys[first : first + count])
         target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries))
+        failed: set[tuple[int, int, int]] = set()  # locations an I/O error hit
+        scatter = functools.partial(self.read_scatter, failed=failed)
+        whole = functools.partial(self.read, failed=failed)
 
         def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
             part = entries[i0 - first : i0 - first + n]
             verified = target.verified if target.on_verified is not None else None  # no view per block
-            return read_records(chain, part, i0, buf, base, self.read_scatter, self.read, verified)
+            return read_records(chain, part, i0, buf, base, scatter, whole, verified)
 
         got = target.fill(first, len(entries), fill)
-        if got < len(entries):
-            key, location = chain.keys[first + got], entries[got].location
+        bad = {e.location: chain.keys[first + j] for j, e in enumerate(entries) if e.location in failed}
+        if got < len(entries):  # the one that ended the run, and any other an I/O error hit
+            bad[entries[got].location] = chain.keys[first + got]
+        for location, key in bad.items():
             if self.still_indexed(key, location):  # else another process released it: a plain miss
-                self.counters.add("disk", "corrupt_blocks")
+                self.counters.add("disk", "read_errors" if location in failed else "corrupt_blocks")
                 self._purge(key, location)
         self.touch(chain.keys[first : first + got], sum(e.nbytes for e in entries[:got]))
         return got
@@ -213,6 +226,7 @@ class DiskTier(Tier):
             block.created_s,
             release=block.release,
             ns_spec=block.ns.spec_bytes,
+            live=block.live,
         )
 
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
@@ -287,18 +301,20 @@ class DiskTier(Tier):
         created_s: float,
         release: Callable[[], None] | None = None,
         ns_spec: bytes | None = None,
+        live: Callable[[], bool] | None = None,
     ) -> bool:
         """Queue one record (its bytes, or a function the writer thread calls to encode it).
 
         ``release`` runs on the writer thread once the record is written or skipped. Returns False (and
         counts a dropped save) when the queue is full, the tier is degraded or its writer is gone; then
         nothing runs and the caller still owns what ``release`` would have freed. ``ns_spec`` (the
-        namespace's JSON) is recorded with the namespace's first block, for stats.
+        namespace's JSON) is recorded with the namespace's first block, for stats. Once ``live()`` is
+        False the record is dropped, not indexed (checked in the transaction that would index it).
         """
         if self.writer is None or self._closed:
             raise RuntimeError("this DiskTier was opened without a writer")
         make: Callable[[], Record] = record if callable(record) else functools.partial(list, (record,))
-        return self.writer.put(Put(ns_digest, bytes(key), make, nbytes, created_s, release, ns_spec))
+        return self.writer.put(Put(ns_digest, bytes(key), make, nbytes, created_s, release, ns_spec, live))
 
     def purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
         """Remove a record that failed verification, if the index still points at what was read."""
@@ -308,6 +324,33 @@ class DiskTier(Tier):
     def _purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
         if self.writer is None or self._closed or not self.writer.purge(Purge(bytes(key), location)):
             self.segments.release(self.index.remove_at([(bytes(key), location)]))
+
+    def drop(self, ns: NamespaceDigest | None) -> int:
+        return self.purge_namespace(ns).purged
+
+    def invalidate(self, ns: NamespaceDigest, keys: Sequence[BlockKey]) -> list[bool]:
+        """Remove these keys' records now, in one write transaction on the caller's thread: a record the
+        writer committed before it is removed (LMDB serialises write transactions), and the writer refuses
+        any later commit of a save from before the fence (its liveness is checked in that transaction).
+        Per key: indexed, or a save of it was queued."""
+        if self.read_only or self._closed:
+            return [False] * len(keys)
+        pending = self.writer.pending(keys) if self.writer is not None else [False] * len(keys)
+
+        def remove(txn: Txn) -> tuple[list[Hole], list[bool]]:
+            holes: list[Hole] = []
+            held: list[bool] = []
+            for key in keys:
+                raw = txn.get(key, db=self.index.db["index"])
+                held.append(raw is not None)
+                if raw is not None:
+                    e = Entry.unpack(raw)
+                    holes.append((*e.location, self.index.remove(txn, key, e)))
+            return holes, held
+
+        holes, held = self.index.write(remove)
+        self.segments.release(holes)
+        return [h or p for h, p in zip(held, pending)]
 
     def register_namespace(self, ns: Namespace) -> None:
         """Record a namespace's spec (for stats). Saves do this themselves, in the transaction that indexes

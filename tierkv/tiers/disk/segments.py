@@ -84,6 +84,7 @@ class SegmentDir:
         self.path = path
         self.counters = counters or Counters()
         self._punch_warned = False
+        self._read_errors_logged: set[int | None] = set()  # errnos already logged: once each, no storm
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._fds: OrderedDict[int, int] = OrderedDict()  # slot -> fd, least recently used first
         self._fds_lock = threading.Lock()
@@ -202,11 +203,14 @@ class SegmentDir:
         with self._fds_lock:
             return len(self._fds) + len(self._retired)
 
-    def read(self, locations: Sequence[tuple[int, int, int]]) -> list[memoryview]:
+    def read(
+        self, locations: Sequence[tuple[int, int, int]], failed: set[tuple[int, int, int]] | None = None
+    ) -> list[memoryview]:
         """Read records ``(seg_id, offset, nbytes)``; returns one view per record, in the given order.
 
         The views share one reused buffer: they are valid until the next ``read`` (callers hold the
-        ``read_lock``). A record that cannot be read comes back as zeros and fails verification.
+        ``read_lock``). A record that cannot be read comes back as zeros and fails verification; one an
+        I/O error hit (EIO: a bad sector) is also added to ``failed``.
         """
         order = sorted(range(len(locations)), key=lambda i: locations[i][:2])
         total = sum(aligned(n) for _, _, n in locations)
@@ -238,26 +242,62 @@ class SegmentDir:
             for skip in range(0, nbytes, READ_CHUNK_NBYTES):
                 chunks.append((seg_id, offset + skip, bpos + skip, min(READ_CHUNK_NBYTES, nbytes - skip)))
         if len(chunks) == 1:
-            self._read_chunk(buf, *chunks[0])
+            errors = [self._read_chunk(buf, *chunks[0])]
         else:
-            list(self._pool.map(lambda c: self._read_chunk(buf, *c), chunks))
+            errors = list(self._pool.map(lambda c: self._read_chunk(buf, *c), chunks))
+        if any(errors):
+            # A chunk holds several records: read each of them alone, so only those the error is in fail
+            # (the records before a bad one are still served).
+            for i in range(len(locations)):
+                seg_id, offset, nbytes = locations[i]
+                hit = any(
+                    e and c[0] == seg_id and c[1] < offset + nbytes and offset < c[1] + c[3]
+                    for c, e in zip(chunks, errors)
+                )
+                if hit and self._read_chunk(buf, seg_id, offset, starts[i], aligned(nbytes)):
+                    if failed is not None:
+                        failed.add(locations[i])
         return [buf[starts[i] : starts[i] + locations[i][2]] for i in range(len(locations))]
 
-    def _read_chunk(self, buf: memoryview, seg_id: int, offset: int, bpos: int, nbytes: int) -> None:
+    def _read_chunk(self, buf: memoryview, seg_id: int, offset: int, bpos: int, nbytes: int) -> bool:
+        """Read ``nbytes`` at ``offset`` into ``buf[bpos:]``, zeros past what could be read; True if an I/O
+        error (not a short file) stopped it."""
         got = 0
-        with self._read_fd(seg_id) as fd:
-            while fd is not None and got < nbytes:
-                n = os.preadv(fd, [buf[bpos + got : bpos + nbytes]], offset + got)
-                if n <= 0:
-                    break
-                got += n
+        error = False
+        try:
+            with self._read_fd(seg_id) as fd:
+                while fd is not None and got < nbytes:
+                    n = os.preadv(fd, [buf[bpos + got : bpos + nbytes]], offset + got)
+                    if n <= 0:
+                        break
+                    got += n
+        except OSError as exc:
+            self._read_error(exc, seg_id, offset + got)
+            error = True
         if got < nbytes:
             buf[bpos + got : bpos + nbytes] = bytes(nbytes - got)
+        return error
+
+    def _read_error(self, exc: OSError, seg_id: int, offset: int) -> None:
+        """An I/O error reading a segment: the caller makes the record a miss and purges it. Logged once per
+        kind (errno): a failing disk must not flood the log with a line per block."""
+        with self._fds_lock:
+            if exc.errno in self._read_errors_logged:
+                return
+            self._read_errors_logged.add(exc.errno)
+        log.warning(
+            "disk tier read error in segment %d at offset %d (%s): the block is a miss, purged and "
+            "recomputed; further read errors of this kind are counted (read_errors), not logged",
+            seg_id,
+            offset,
+            str(exc),  # not the exception: its traceback holds views of the read buffer
+        )
 
     def readv(
         self,
         requests: Sequence[tuple[int, int, int, list[memoryview]]],
         after: Callable[[int], bool] | None = None,
+        failed: set[tuple[int, int, int]] | None = None,
     ) -> list[bool]:
         """Scatter-read records ``(seg_id, offset, nbytes, [destination views])`` into place, in parallel.
 
@@ -265,7 +305,8 @@ class SegmentDir:
         tensor. Records adjacent in a file are read by one ``preadv`` (up to ``READ_CHUNK_NBYTES``), the
         page padding between them into a scratch page. ``after(i)``, run on the reading thread once
         record ``i`` is in, verifies it while other reads are in flight. Returns, per record, whether it
-        arrived in full and ``after`` accepted it.
+        arrived in full and ``after`` accepted it. A record an I/O error hit is not ok and is added to
+        ``failed`` as ``(seg_id, offset, nbytes)``.
         """
         groups: list[list[int]] = []
         for i, (seg_id, offset, _, _) in enumerate(requests):
@@ -291,7 +332,17 @@ class SegmentDir:
                 pad = aligned(requests[j][2]) - requests[j][2]
                 if pad and j != group[-1]:
                     views.append(self._pad[:pad])
-            if not self._readv_one(seg_id, offset, views, sequential=len(group) > 1):
+            try:
+                if not self._readv_one(seg_id, offset, views, sequential=len(group) > 1):
+                    return
+            except OSError as exc:
+                if len(group) > 1:  # which record is it in? Each alone: those before it are served
+                    for j in group:
+                        read_group([j])
+                    return
+                self._read_error(exc, seg_id, offset)
+                if failed is not None:
+                    failed.add(requests[group[0]][:3])
                 return
             for j in group:
                 ok[j] = after(j) if after is not None else True

@@ -26,6 +26,7 @@ __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Progress", "SWEEP_BATCH", "Sweeper", "Sw
 log = logging.getLogger("tierkv.disk")
 
 SWEEP_BATCH = 256  # deletions per transaction
+PURGE_SCAN = 4096  # index entries a purge looks at per transaction (it holds LMDB's write lock meanwhile)
 DEFAULT_SWEEP_INTERVAL_S = 300.0  # a server's own expiry and budget sweep
 Progress = Callable[[int], None] | None
 
@@ -160,15 +161,42 @@ class Sweeps:
     def purge_namespace(
         self, digest: bytes | None, *, dry_run: bool = False, progress: Progress = None
     ) -> SweepReport:
-        """Delete every block of one namespace (``None``: of all namespaces)."""
-        found = [
-            (bytes(k), e.location)
-            for k, e in self.index.iter_entries()
-            if digest is None or e.ns_digest == digest
-        ]
+        """Delete every block of one namespace (``None``: of all namespaces).
+
+        Each batch is found and removed in one write transaction, walking the index in key order: a
+        record any writer committed before the purge began is seen by it (LMDB serialises write
+        transactions), where a scan in read transactions could miss one committed just behind it. (The
+        store's own saves still on their way are dropped by their writer: ``write_behind.Generations``.)
+        """
         if dry_run:
-            return SweepReport(purged=len(found))
-        return SweepReport(purged=self.remove_at(found, progress))
+            n = sum(digest is None or e.ns_digest == digest for _, e in self.index.iter_entries())
+            return SweepReport(purged=n)
+        db = self.index.db
+        last: bytes | None = None
+
+        def batch(txn: Txn) -> tuple[bytes | None, list[Hole]]:
+            cur = txn.cursor(db=db["index"])
+            ok = cur.set_range(last + b"\0") if last is not None else cur.first()
+            found: list[tuple[bytes, Entry]] = []
+            scanned, key = 0, None
+            while ok and scanned < PURGE_SCAN and len(found) < SWEEP_BATCH:
+                key, e = bytes(cur.key()), Entry.unpack(cur.value())
+                if digest is None or e.ns_digest == digest:
+                    found.append((key, e))
+                scanned += 1
+                ok = cur.next()
+            holes = [(*e.location, self.index.remove(txn, k, e)) for k, e in found]  # the cursor is done
+            return (key if ok else None), holes
+
+        removed = 0
+        while True:
+            last, holes = self.index.write(batch)
+            self.segments.release(holes)
+            removed += len(holes)
+            if progress and holes:
+                progress(len(holes))
+            if last is None:
+                return SweepReport(purged=removed)
 
     def check(self, *, dry_run: bool = False, progress: Progress = None) -> SweepReport:
         """Read and verify every record (header, tokens, key, payload checksum); purge the bad ones.
@@ -197,8 +225,12 @@ class Sweeps:
     def _verifies(self, key: bytes, e: Entry) -> bool:
         # Views into the reused read buffer must not outlive the lock (it may be replaced): they live in
         # _record_ok's frame only.
+        failed: set[tuple[int, int, int]] = set()
         with self.segments.read_lock:
-            return _record_ok(key, e, self.segments.read([e.location])[0])
+            ok = _record_ok(key, e, self.segments.read([e.location], failed)[0])
+        if failed:  # unreadable (EIO): purged like a corrupt record, and counted as what it is too
+            self.counters.add("disk", "read_errors")
+        return ok
 
     def compact(self, *, dry_run: bool = False) -> SweepReport:
         """Release every byte no live record uses: gaps a crash left, whole orphan files, empty segments.

@@ -1,5 +1,7 @@
 """The disk tier's write-behind: one thread per process appends queued records to this process's own
-segment and indexes them, and writes access times, purges and flush barriers in queue order.
+segment and indexes them, and writes access times, purges and flush barriers in queue order (batch by
+batch; within a batch, purges first). A record whose save was purged or invalidated since it was queued
+is dropped, not indexed (``Put.live``, checked in the indexing transaction).
 
 Write order: a batch is appended and fdatasync'ed first, then indexed in one LMDB transaction, so after
 a crash or a power cut every indexed record is complete; bytes a crash left unindexed are never
@@ -65,11 +67,15 @@ class Put:
     created_s: float
     release: Callable[[], None] | None  # called once the record is written or skipped
     ns_spec: bytes | None = None  # the namespace's JSON, stored with its first block
+    live: Callable[[], bool] | None = None  # False once purged or invalidated: then dropped, not indexed
     record: Record = dataclasses.field(default_factory=list)
 
     @property
     def record_nbytes(self) -> int:
         return sum(memoryview(b).nbytes for b in self.record)
+
+    def is_live(self) -> bool:
+        return self.live is None or self.live()
 
 
 @dataclasses.dataclass(slots=True)
@@ -114,7 +120,7 @@ class Writer:
         self.segment_nbytes = segment_nbytes
         self.segment: SegmentWriter | None = None  # this process's own, flock-held while it lives
         self._queued_nbytes = 0
-        self._queued_keys: dict[bytes, int] = {}  # keys in the queue: a second save is not queued
+        self._queued_keys: dict[bytes, Put] = {}  # keys in the queue: a second save is not queued
         self._lock = threading.Lock()
         self._degraded_until = 0.0
         self._degraded = False  # in a failure episode (logged once)
@@ -142,7 +148,8 @@ class Writer:
                 self._note_gone()
                 self.counters.add("disk", "dropped_saves")
                 return False
-            if self._queued_keys.get(item.key):  # already on its way: nothing to do
+            queued = self._queued_keys.get(item.key)
+            if queued is not None and queued.is_live():  # already on its way: nothing to do
                 if item.release is not None:
                     item.release()
                 return True
@@ -153,7 +160,7 @@ class Writer:
                 self.counters.add("disk", "dropped_saves")
                 return False
             self._queued_nbytes += item.nbytes
-            self._queued_keys[item.key] = 1
+            self._queued_keys[item.key] = item
         self._batches.put(item)
         return True
 
@@ -169,6 +176,13 @@ class Writer:
             )
 
     def queued(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: a live save of it is queued (one purged or invalidated since will be dropped)."""
+        with self._lock:
+            items = [self._queued_keys.get(bytes(k)) for k in keys]
+        return [p is not None and p.is_live() for p in items]
+
+    def pending(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: a save of it is queued or being written, live or not."""
         with self._lock:
             return [bytes(k) in self._queued_keys for k in keys]
 
@@ -218,11 +232,13 @@ class Writer:
     # ---------------------------------------------------------------- the thread
 
     def _handle(self, items: list[Item]) -> None:
-        """One batch, in queue order: records appended and indexed, purges, then access times."""
-        self._guarded(self._write_batch, [i for i in items if isinstance(i, Put)])
+        """One batch: purges, records appended and indexed, then access times. Purges first: each names the
+        location it found bad, never a record written since, and a save of the same block in this batch
+        (the caller recomputed it) must not be skipped as already stored, then lose to the purge."""
         purges = [(i.key, i.location) for i in items if isinstance(i, Purge)]
         if purges:
             self._guarded(lambda: self.segments.release(self.index.remove_at(purges)))
+        self._guarded(self._write_batch, [i for i in items if isinstance(i, Put)])
         self._guarded(self.times.flush)
 
     def _guarded(self, fn: Callable[..., object], *args: Any) -> None:
@@ -276,7 +292,8 @@ class Writer:
             with self._lock:
                 self._queued_nbytes -= sum(p.nbytes for p in puts)
                 for p in puts:
-                    self._queued_keys.pop(p.key, None)
+                    if self._queued_keys.get(p.key) is p:  # not a later save of the key (this one died)
+                        del self._queued_keys[p.key]
             for p in puts:
                 if p.release is not None:
                     p.release()
@@ -291,7 +308,7 @@ class Writer:
         seen: set[bytes] = set()
         with self.index.read() as txn:
             for p in puts:
-                if p.key in seen:
+                if p.key in seen or not p.is_live():  # dead first: a live save of its key may follow
                     continue
                 seen.add(p.key)
                 raw = txn.get(p.key, db=self.index.db["index"])
@@ -316,6 +333,12 @@ class Writer:
             holes: list[Hole] = []
             unused: list[Hole] = []  # appended, but another writer stored the key first
             for p, off in zip(fresh, offsets):
+                if not p.is_live():
+                    # Purged or invalidated since the first look. Checked in the transaction: one that
+                    # purges after this commit sees the record (LMDB serialises write transactions),
+                    # and every later one here sees the purge.
+                    unused.append((seg.seg_id, off, p.record_nbytes, False))
+                    continue
                 raw = txn.get(p.key, db=self.index.db["index"])
                 if raw is not None:
                     old = Entry.unpack(raw)
