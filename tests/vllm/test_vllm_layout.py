@@ -90,6 +90,29 @@ def test_gather_and_scatter_match_the_backends_write(writer: str, dtype: torch.d
     assert torch.equal(layout.gather([run], torch.tensor([1, 2, 3]))[:, 0], blocks[:, 0])
 
 
+@pytest.mark.parametrize("writer", ["side_by_side", "reversed"])
+def test_a_permuted_cache_view_is_gathered_and_scattered_in_place(writer: str) -> None:
+    """vLLM hands a permuted view when a backend's stride order is not the identity (HND: heads outside
+    tokens in memory); scatter must write through it, not ``view`` it (which raised)."""
+    write, _ = WRITERS[writer]
+    num_blocks, ids = 5, [3, 0, 4]
+    physical = torch.zeros(num_blocks, B, H, 2 * D)  # [blocks, tokens, heads, C] in memory
+    cache = physical.permute(0, 2, 1, 3)  # seen as [blocks, heads, tokens, C]
+    assert not cache.is_contiguous()
+    page = PageShape.of(cache, num_blocks)
+    layout = probe(
+        write, block_tokens=B, num_kv_heads=H, head_dim=D, page=page, dtype=torch.float32, like=cache
+    )
+    kv = torch.randn(1, 2, len(ids) * B, H, D)
+    expect = torch.zeros_like(physical).permute(0, 2, 1, 3)
+    write(kv[0, 0], kv[0, 1], expect, torch.cat([torch.arange(B) + b * B for b in ids]))
+    layout.scatter(kv, [cache], torch.tensor(ids))
+    assert torch.equal(cache, expect)  # the real cache's storage, written through the view
+    back = layout.gather([cache], torch.tensor(ids))
+    for i in range(len(ids)):
+        assert torch.equal(back[i, 0], kv[0, :, i * B : (i + 1) * B])
+
+
 def test_scatter_starts_at_the_first_loaded_token() -> None:
     page = PageShape(1, H, B, 2 * D)
     layout = probe(side_by_side, block_tokens=B, num_kv_heads=H, head_dim=D, page=page, dtype=torch.float32)

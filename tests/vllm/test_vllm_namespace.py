@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from fake_engine import configs as _configs
 
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm.namespace import checkpoint_fingerprint, kv_namespace, unsupported
@@ -40,42 +40,6 @@ def test_options_parse_sizes_and_durations_and_refuse_unknown_keys(monkeypatch: 
         ConnectorOptions.from_extra({"cache-dir": "/c"})
 
 
-def _configs(tmp_path: Path, **changes):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    if not (model / "model.safetensors").exists():
-        (model / "model.safetensors").write_bytes(b"weights v1")
-    spec = FullAttentionSpec(
-        block_size=changes.pop("block_size", 128),
-        num_kv_heads=2,
-        head_size=64,
-        dtype=changes.pop("dtype", torch.float32),
-        sliding_window=changes.pop("window", None),
-    )
-    kv = KVCacheConfig(
-        num_blocks=10,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], spec)],
-        kv_cache_layout=changes.pop("layout", "LBHNC"),
-    )
-    hf = SimpleNamespace(to_dict=lambda: {"hidden_size": 256, "rope_theta": changes.get("rope", 1e4)})
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(
-            model=str(model), revision=None, hf_config=hf, served_model_name=None, quantization=None
-        ),
-        cache_config=SimpleNamespace(cache_dtype=changes.pop("cache_dtype", "auto")),
-        parallel_config=SimpleNamespace(
-            tensor_parallel_size=changes.pop("tp", 1),
-            pipeline_parallel_size=1,
-            decode_context_parallel_size=1,
-        ),
-        device_config=SimpleNamespace(device_type=changes.pop("device", "cpu")),
-    )
-    return vllm_config, kv
-
-
 def test_the_namespace_follows_the_engine(tmp_path: Path) -> None:
     ns = kv_namespace(*_configs(tmp_path))
     assert (ns.model_id, ns.dtype, ns.num_layers, ns.num_kv_heads, ns.head_dim, ns.block_tokens) == (
@@ -95,6 +59,7 @@ def test_the_namespace_follows_the_engine(tmp_path: Path) -> None:
         kv_namespace(*_configs(tmp_path, device="cuda")),
         kv_namespace(*_configs(tmp_path, rope=5e5)),
         kv_namespace(*_configs(tmp_path, tp=2)),
+        kv_namespace(*_configs(tmp_path, load_format="gguf")),
         kv_namespace(*_configs(tmp_path), tp_rank=0, revision="my-finetune-3"),
         ns.with_salt("tenant"),
     ]
@@ -110,7 +75,13 @@ def test_other_weights_are_another_namespace(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("change", "reason"), [({"window": 256}, "sliding"), ({"cache_dtype": "fp8"}, "unquantized")]
+    ("change", "reason"),
+    [
+        ({"window": 256}, "sliding"),
+        ({"cache_dtype": "fp8"}, "unquantized"),
+        ({"pcp": 2}, "prefill context parallelism"),
+        ({"load_format": "dummy"}, "random weights"),
+    ],
 )
 def test_what_cannot_be_kept_exactly_turns_the_connector_off(
     tmp_path: Path, change: dict, reason: str
@@ -123,3 +94,19 @@ def test_a_hybrid_model_turns_the_connector_off(tmp_path: Path) -> None:
     vllm_config, kv = _configs(tmp_path)
     kv = dataclasses.replace(kv, kv_cache_groups=[*kv.kv_cache_groups, *kv.kv_cache_groups])
     assert "2 KV cache groups" in unsupported(vllm_config, kv)
+
+
+def test_an_unknown_tensor_parallel_rank_turns_the_worker_off(tmp_path: Path) -> None:
+    """Without vLLM's distributed state, rank 0 is certain only for one rank: with two, every rank would
+    take rank 0's keys (it returned 0 on any exception), so the worker must refuse to run."""
+    from tierkv.integrations.vllm.guard import tp_group
+    from tierkv.integrations.vllm.options import ConnectorOptions
+    from tierkv.integrations.vllm.worker import WorkerSide
+
+    assert tp_group(1).size == 1
+    with pytest.raises(RuntimeError, match="tensor-parallel rank"):
+        tp_group(2)
+    vllm_config, kv = _configs(tmp_path, tp=2)
+    worker = WorkerSide(vllm_config, kv, ConnectorOptions(cache_dir=str(tmp_path / "cache")))
+    assert worker.store is None and "tensor-parallel rank" in str(worker.off)
+    assert not (tmp_path / "cache").exists()  # it never opened a store under a guessed rank

@@ -53,6 +53,11 @@ def test_the_command_carries_the_connector_and_serve_options(tmp_path: Path, mod
     given = vllm_command(config, ["--shutdown-timeout=5"])
     assert given[-1] == "--shutdown-timeout=5" and "--shutdown-timeout" not in given
     assert "--kv-transfer-config" not in vllm_command({**config, "no_cache": True})
+    # the connector loads only under synchronous scheduling; a choice given to vLLM is left alone
+    assert "--no-async-scheduling" in cmd
+    assert "--no-async-scheduling" not in vllm_command({**config, "no_cache": True})
+    assert vllm_command(config, ["--async-scheduling"]).count("--async-scheduling") == 1
+    assert "--no-async-scheduling" not in vllm_command(config, ["--async-scheduling"])
     with pytest.raises(ConfigError, match="tiny"):
         vllm_command({"model": "tiny"})
     with pytest.raises(ConfigError, match="config.json"):

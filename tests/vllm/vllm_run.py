@@ -2,7 +2,9 @@
 
 SPEC: {"model": dir, "connector": extra-config dict or null (no connector), "prompts": [{"tokens": [...],
 "salt": str or null}, ...], "max_tokens": int, "logprobs": int, "block_size": int or null}. The prompts run
-one after another (each its own ``generate``), greedy, ignoring EOS. RESULT: per prompt the generated
+one after another (each its own ``generate``), greedy, ignoring EOS; or "batches": [[prompt, ...], ...],
+each list one ``generate`` (scheduled together), "reset_between": true to empty vLLM's own prefix cache
+between them. "faults": see ``faults.py``. RESULT: per prompt the generated
 token ids, their logprobs, ``num_cached_tokens`` and seconds; plus the engine's start-up seconds.
 
 ``make_model(dir)`` writes the test model: a random-weight Llama (4 layers, 2 KV heads of 64) with a
@@ -20,14 +22,20 @@ from pathlib import Path
 VOCAB = 512
 
 
-def make_model(path: str | Path) -> Path:
+def make_model(path: str | Path, sliding_window: int | None = None) -> Path:
+    """``sliding_window``: a Mistral of the same size whose attention sees that many tokens (a model the
+    connector cannot keep exactly: it must turn itself off)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     path = Path(path)
     if (path / "config.json").exists():
         return path
-    cfg = LlamaConfig(
+    config_class, model_class = (
+        (MistralConfig, MistralForCausalLM) if sliding_window else (LlamaConfig, LlamaForCausalLM)
+    )
+    extra = {"sliding_window": sliding_window} if sliding_window else {}
+    cfg = config_class(
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
@@ -43,10 +51,11 @@ def make_model(path: str | Path) -> Path:
         eos_token_id=2,
         pad_token_id=0,
         initializer_range=0.2,
+        **extra,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(20261201)
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
     _tokenizer().save_pretrained(tmp)
@@ -82,7 +91,9 @@ def main(spec_path: str, result_path: str) -> None:
             "kv_connector": "TierKVConnector",
             "kv_connector_module_path": "tierkv.integrations.vllm",
             "kv_role": spec.get("kv_role", "kv_both"),
-            "kv_connector_extra_config": spec["connector"],
+            "kv_load_failure_policy": spec.get("kv_load_failure_policy", "recompute"),
+            # the self-check recomputes a sampled load: off unless a test asks (hit counts are asserted)
+            "kv_connector_extra_config": {"self_check_rate": 0.0, **spec["connector"]},
         }
     # 128: CPU's default, and valid on GPU backends too (whose default, 16, the tests do not assume)
     kwargs["block_size"] = spec.get("block_size") or 128
@@ -108,29 +119,51 @@ def main(spec_path: str, result_path: str) -> None:
         logprobs=spec.get("logprobs", 1),
         detokenize=False,
     )
+    before_batch = None
+    if spec.get("faults"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import faults
+
+        before_batch = faults.install(spec["faults"], spec["connector"]["cache_dir"])
     results = []
-    for p in spec["prompts"]:
-        prompt = TokensPrompt(prompt_token_ids=p["tokens"])
-        if p.get("salt"):
-            prompt["cache_salt"] = p["salt"]
+    # "prompts": one generate call each; "batches": lists of prompts, each list one generate call (its
+    # requests scheduled together, sharing steps)
+    batches = spec.get("batches") or [[p] for p in spec["prompts"]]
+    for n, batch in enumerate(batches):
+        if n and spec.get("reset_between"):  # vLLM's own prefix cache forgets: the next batch asks tierkv
+            llm.reset_prefix_cache()
+        if before_batch is not None:
+            before_batch(n)
+        prompts = []
+        for p in batch:
+            prompt = TokensPrompt(prompt_token_ids=p["tokens"])
+            if p.get("salt"):
+                prompt["cache_salt"] = p["salt"]
+            prompts.append(prompt)
         t1 = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t1
-        gen = out.outputs[0]
-        results.append(
-            {
-                "tokens": list(gen.token_ids),
-                "logprobs": [lp[t].logprob for lp, t in zip(gen.logprobs or [], gen.token_ids)],
-                "num_cached_tokens": out.num_cached_tokens or 0,
-                "seconds": seconds,
-            }
-        )
-    Path(result_path).write_text(json.dumps({"startup_s": startup, "results": results}))
+        for out in outs:
+            gen = out.outputs[0]
+            results.append(
+                {
+                    "tokens": list(gen.token_ids),
+                    "logprobs": [lp[t].logprob for lp, t in zip(gen.logprobs or [], gen.token_ids)],
+                    "num_cached_tokens": out.num_cached_tokens or 0,
+                    "seconds": seconds,
+                }
+            )
+    if before_batch is not None:
+        faults.finish()
     del llm  # the engine shuts down: the connector's store is closed, its write-behind flushed
+    summary = {"startup_s": startup, "results": results}
+    if spec.get("faults"):
+        summary["faults"] = faults.counts
+    Path(result_path).write_text(json.dumps(summary))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--make-model":
-        make_model(sys.argv[2])
+        make_model(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
     else:
         main(sys.argv[1], sys.argv[2])

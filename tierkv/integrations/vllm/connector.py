@@ -11,9 +11,11 @@ prompts up and plans each step's loads and saves, the worker side (``worker.py``
 between vLLM's paged cache and the store. ``kv_role`` ``kv_consumer`` only loads, ``kv_producer`` only
 saves.
 
-tierkv is a cache: a block that fails verification is reported as a load error and recomputed, so the
-scheduler's ``kv_load_failure_policy`` is set to ``recompute`` (vLLM's default, ``fail``, would fail the
-request instead).
+A block that fails verification or cannot be read is reported to vLLM as a load error, never used. What
+vLLM then does is its ``kv_load_failure_policy``, honoured as given: ``recompute`` (recommended for a
+cache: the request computes those blocks itself) or ``fail`` (vLLM's default: the request fails). vLLM
+cannot tell an explicit ``fail`` from its default, so the connector says at start-up what ``fail`` means
+and how to ask for ``recompute``; the sampled self-check needs ``recompute`` and is off without it.
 """
 
 from __future__ import annotations
@@ -52,19 +54,22 @@ class TierKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if config.kv_load_failure_policy != "recompute":
-                log.info(
-                    "tierkv: kv_load_failure_policy %s -> recompute (a block that fails verification is "
-                    "recomputed, never served)",
+            recompute = config.kv_load_failure_policy == "recompute"
+            if not recompute:
+                log.warning(
+                    "tierkv: kv_load_failure_policy is %r: a request whose cached blocks fail verification "
+                    "or cannot be read fails instead of computing them; for a cache, set "
+                    '"kv_load_failure_policy": "recompute" in --kv-transfer-config (the self-check is off '
+                    "without it)",
                     config.kv_load_failure_policy,
                 )
-                config.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(
                 vllm_config,
                 kv_cache_config,
                 self.options,
                 load=config.is_kv_consumer,
                 save=config.is_kv_producer,
+                self_check=recompute,
             )
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.options)

@@ -165,31 +165,32 @@ class PagedLayout:
             raise ValueError(f"kv holds {kv.shape[2]} tokens, fewer than {first_token} + {n} blocks")
         device = caches[0].device
         ids = block_ids.to(device, torch.long)
+        id_list: list[int] = []
+        runs: list[tuple[int, int]] = []  # (first position in ids, length)
         if self.strides is not None:  # straight into the pages, a run of consecutive block ids at a time
             id_list = block_ids.tolist()
-            runs: list[tuple[int, int]] = []  # (first position in ids, length)
             for j, b in enumerate(id_list):
                 if runs and id_list[runs[-1][0]] + runs[-1][1] == b:
                     runs[-1] = (runs[-1][0], runs[-1][1] + 1)
                 else:
                     runs.append((j, 1))
         to_page, _ = self._index(device)
-        page = (
-            None
-            if self.strides is not None
-            else torch.empty((n, self.page.numel), dtype=caches[0].dtype, device=device)
-        )
+        page: torch.Tensor | None = None
         for layer, cache in enumerate(caches):
             src = (
                 kv[layer, :, first_token : first_token + n * B].to(device).unflatten(1, (n, B))
             )  # [2, n, B, H, D]
-            if page is None:
+            if self.strides is not None and cache.is_contiguous():
                 flat = cache.view(cache.shape[0] // self.page.kernel_blocks, -1)  # [blocks, page cells]
                 for j, m in runs:
                     first_id = id_list[j]
                     for k, view in enumerate(self._views(flat[first_id : first_id + m])):
                         view.copy_(src[k, j : j + m].unflatten(1, view.shape[1:3]))
-            else:  # a layout that is no strided view: through a page buffer, by index
+            else:
+                # A layout that is no strided view, or a cache that is itself a permuted view (a backend
+                # whose stride order is not the identity, e.g. HND): through a page buffer, by index.
+                if page is None:
+                    page = torch.empty((n, self.page.numel), dtype=caches[0].dtype, device=device)
                 torch.index_select(src.transpose(0, 1).reshape(n, -1), 1, to_page, out=page)
                 self.pages(cache)[ids] = page.view(n, *self.page.dims)
 
@@ -203,9 +204,12 @@ def probe(
     page: PageShape,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    like: torch.Tensor | None = None,
 ) -> PagedLayout:
     """Learn the layout from ``write`` (the backend's cache write, see ``WriteFn``), or raise
-    ``UnsupportedLayout``."""
+    ``UnsupportedLayout``. ``like``: a layer's real cache; the probe's scratch pages get its stride order
+    (a backend may hand a permuted view, and a kernel might honour or ignore its strides: probe what it
+    will really be given)."""
     B, H, D = block_tokens, num_kv_heads, head_dim
     n = 2 * B * H * D
     if page.numel != n:
@@ -226,7 +230,7 @@ def probe(
     scale = 1
     while scale < n:  # one write per base-`base` digit of the canonical index
         digit = ((canonical // scale) % base).to(torch.float32).to(dtype).view(*((2, B, H, D)))
-        cache = torch.full(page.dims, -1.0, dtype=dtype, device=device)  # -1: never a digit
+        cache = _scratch(page, like, dtype, device).fill_(-1.0)  # -1: never a digit
         write(digit[0].to(device), digit[1].to(device), cache, slots)
         got = cache.reshape(-1).to("cpu", torch.float64)
         if bool(((got < 0) | (got >= base) | (got != torch.round(got))).any()):
@@ -236,22 +240,41 @@ def probe(
     if not torch.equal(torch.sort(where).values, canonical):
         raise UnsupportedLayout("the backend's cache write does not place each K and V element once")
     layout = PagedLayout(where, block_tokens=B, num_kv_heads=H, head_dim=D, page=page)
-    _round_trip(layout, write, dtype, device)
+    _round_trip(layout, write, dtype, device, like)
     return layout
 
 
-def _round_trip(layout: PagedLayout, write: WriteFn, dtype: torch.dtype, device: torch.device | str) -> None:
+def _scratch(
+    page: PageShape, like: torch.Tensor | None, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """One block's page ``page.dims``, laid out in memory in the dimension order of ``like`` (row-major
+    without it)."""
+    if like is None or like.is_contiguous():
+        return torch.empty(page.dims, dtype=dtype, device=device)
+    strides = like.stride()
+    order = sorted(range(4), key=lambda d: -strides[d])  # outermost first
+    physical = torch.empty([page.dims[d] for d in order], dtype=dtype, device=device)
+    return physical.permute([order.index(d) for d in range(4)])
+
+
+def _round_trip(
+    layout: PagedLayout,
+    write: WriteFn,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    like: torch.Tensor | None,
+) -> None:
     """Random K and V written by the backend must gather back bit for bit, and scatter to the same page."""
     B = layout.block_tokens
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn((1, *layout.block_shape), generator=gen).to(dtype)  # [layers=1, 2, B, H, D]
-    cache = torch.zeros(layout.page.dims, dtype=dtype, device=device)
+    cache = _scratch(layout.page, like, dtype, device).zero_()
     write(kv[0, 0].to(device), kv[0, 1].to(device), cache, torch.arange(B, dtype=torch.long, device=device))
     ids = torch.zeros(1, dtype=torch.long)
     back = layout.gather([cache], ids)
     if not torch.equal(back[0].cpu().view(torch.uint8), kv.view(torch.uint8)):
         raise UnsupportedLayout("K and V written by the backend do not read back unchanged")
-    again = torch.zeros_like(cache)
+    again = _scratch(layout.page, like, dtype, device).zero_()
     layout.scatter(kv, [again], ids)
-    if not torch.equal(again.view(torch.uint8), cache.view(torch.uint8)):
+    if not torch.equal(again.contiguous().view(torch.uint8), cache.contiguous().view(torch.uint8)):
         raise UnsupportedLayout("a scattered block differs from the backend's own write")

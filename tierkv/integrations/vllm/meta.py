@@ -14,13 +14,17 @@ class BlockSpan:
     """Blocks ``first .. first + len(block_ids)`` of a request's prompt, in vLLM blocks ``block_ids``.
 
     ``token_ids`` are the prompt's tokens up to the span's end (its chain of keys runs from block 0);
-    ``salt`` is the request's ``cache_salt``."""
+    ``salt`` is the request's ``cache_salt``. ``deps``: the vLLM blocks of the request's blocks before
+    ``first`` (a computed block's KV depends on them: see ``guard.py``). ``check``: a load the sampled
+    self-check will compare with vLLM's recomputation of the same blocks."""
 
     req_id: str
     token_ids: list[int]
     salt: str
     first: int
     block_ids: list[int]
+    deps: list[int] = dataclasses.field(default_factory=list)
+    check: bool = False
 
     @property
     def end(self) -> int:
@@ -31,6 +35,9 @@ class BlockSpan:
 class TierKVMetadata(KVConnectorMetadata):
     loads: list[BlockSpan] = dataclasses.field(default_factory=list)  # into vLLM's cache before the forward
     saves: list[BlockSpan] = dataclasses.field(default_factory=list)  # out of it after the forward
+    # blocks of a self-checked load that this step recomputed: compared after the forward, before saves
+    checks: list[BlockSpan] = dataclasses.field(default_factory=list)
+    forget: list[str] = dataclasses.field(default_factory=list)  # finished: drop their self-check copies
     epoch: str = ""  # set by a reset of the connector's cache (see namespace.with_epoch)
 
 

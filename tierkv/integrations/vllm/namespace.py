@@ -5,7 +5,7 @@ is built from what both have: the ``VllmConfig`` and the ``KVCacheConfig``.
 
     model_id    the served model name (``stats`` and ``explain`` show it)
     revision    w:<xxh3-128 over the checkpoint files> (or the revision the user vouches for)
-                +cfg:<hash of the model config> +q:<weight quantization>
+                +cfg:<hash of the model config> +q:<weight quantization> (+load:<load_format> unless auto)
                 +vllm:<device>/<KV cache layout>/<cache spec> (the layout tag: a different one never hits)
                 +tp<rank>of<size> (each tensor-parallel rank holds its own heads)
     dtype, layers, kv heads, head dim, block tokens    from the KV cache spec (vLLM's block size)
@@ -70,9 +70,17 @@ def unsupported(vllm_config: Any, kv_cache_config: Any) -> str | None:
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         return "pipeline parallelism (each stage would need its own namespace; not done yet)"
-    if getattr(parallel, "decode_context_parallel_size", 1) != 1:
+    if parallel.decode_context_parallel_size != 1:
         return "decode context parallelism (tokens sharded across ranks)"
+    if parallel.prefill_context_parallel_size != 1:
+        return "prefill context parallelism (tokens sharded across ranks)"
+    if _load_format(vllm_config) == "dummy":
+        return "load_format dummy (random weights: their KV is no checkpoint's)"
     return None
+
+
+def _load_format(vllm_config: Any) -> str:
+    return str(vllm_config.load_config.load_format).lower()
 
 
 @functools.lru_cache(maxsize=8)
@@ -161,6 +169,7 @@ def kv_namespace(
         _weights(vllm_config, revision),
         f"cfg:{_config_hash(model_config.hf_config)}",
         f"q:{model_config.quantization or 'none'}",
+        *([] if _load_format(vllm_config) == "auto" else [f"load:{_load_format(vllm_config)}"]),
         f"vllm:{layout_tag(vllm_config, kv_cache_config)}",
         f"tp{tp_rank}of{tp_size}",
     ]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
+import time
 import uuid
 from typing import Any
 
@@ -41,47 +43,86 @@ class _Request:
     stored_blocks: int = 0  # blocks tierkv held at the last lookup
     load: tuple[int, int] | None = None  # blocks [first, end) to load at the next step
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    check: tuple[int, int] | None = None  # a self-checked load's blocks, not yet recomputed by vLLM
+
+
+# What a request must have for the connector to key it with certainty; a vLLM whose requests lack any of
+# these turns the connector off (their absence would read as "text only, no adapter").
+_REQUEST_FIELDS = ("prompt_token_ids", "mm_features", "lora_request", "prompt_embeds", "cache_salt")
 
 
 def _eligible(request: Any) -> bool:
     return (
         request.prompt_token_ids is not None
-        and not getattr(request, "mm_features", None)
-        and getattr(request, "lora_request", None) is None
-        and getattr(request, "prompt_embeds", None) is None
+        and not request.mm_features
+        and request.lora_request is None
+        and request.prompt_embeds is None
     )
 
 
 class SchedulerSide:
     def __init__(
-        self, vllm_config: Any, kv_cache_config: Any, options: ConnectorOptions, *, load: bool, save: bool
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        options: ConnectorOptions,
+        *,
+        load: bool,
+        save: bool,
+        self_check: bool = True,
     ) -> None:
+        """``self_check``: whether vLLM recomputes failed loads (its ``kv_load_failure_policy``), which the
+        sampled self-check needs."""
         self.load_enabled = load
         self.save_enabled = save
         self.store: Any = None
-        self.off = unsupported(vllm_config, kv_cache_config)
+        self.epoch = ""
+        self.lookup_errors: dict[str, int] = {}
+        self._lookup_backoff_s = 0.0
+        self._lookup_paused_until = 0.0
         self._reqs: dict[str, _Request] = {}
+        self._forget: list[str] = []
+        self.check_rate = options.self_check_rate if self_check else 0.0
+        self._sample = random.Random()
+        self.off = unsupported(vllm_config, kv_cache_config)
         if self.off:
             log.warning("tierkv connector is off for this engine: %s", self.off)
             return
+        if load and vllm_config.scheduler_config.async_scheduling:
+            # vLLM 0.32 plans step N+1 before it hears that a synchronous load of step N failed, and sends
+            # that step's tokens, computed over the unloaded block, to the user (tests/vllm/
+            # test_vllm_scheduler_unit.py shows it). Saves stay on: nothing wrong is saved either way.
+            log.warning(
+                "tierkv connector: no loads under asynchronous scheduling (a load that fails would reach "
+                "the user as tokens computed from a block that did not load); run vLLM with "
+                "--no-async-scheduling to restore cached prefixes. Blocks are still saved."
+            )
+            self.load_enabled = load = False
         self.base_ns: Namespace = kv_namespace(
             vllm_config, kv_cache_config, revision=options.revision, tp_rank=0
         )
-        self.epoch = ""
         self.ns = self.base_ns
         self.block_tokens = self.ns.block_tokens
         self.store = shared_store(options)
         log.info(
-            "tierkv connector (scheduler): %s, blocks of %d tokens, %s",
+            "tierkv connector (scheduler): %s, blocks of %d tokens, %s, self-check of %.3g of loads",
             self.ns.model_id,
             self.block_tokens,
             "load and save" if load and save else "load only" if load else "save only",
+            self.check_rate,
         )
 
     # ------------------------------------------------------------------ lookups
 
     def _request(self, request: Any) -> _Request | None:
+        if self.off:
+            return None
         r = self._reqs.get(request.request_id)
+        if r is None:
+            missing = [f for f in _REQUEST_FIELDS if not hasattr(request, f)]
+            if missing:  # another vLLM: what it would say about images or adapters is unknown
+                self.turn_off(f"vLLM's requests have no {', '.join(missing)}")
+                return None
         if r is None and _eligible(request):
             salt = request.cache_salt or ""
             ns = self.ns.with_salt(salt) if salt else self.ns
@@ -98,12 +139,36 @@ class SchedulerSide:
         r = self._request(request)
         if r is None:
             return 0, False
-        hit = self.store.lookup(r.chain.ns, r.chain)
+        hit = self._lookup(r)
+        if hit is None:
+            return 0, False
         r.local_tokens, r.stored_blocks, r.by_tier = num_computed_tokens, hit.num_blocks, hit.by_tier
         B = self.block_tokens
         usable = min(hit.num_blocks, (request.num_tokens - 1) // B)  # at least one token left to compute
         new = usable * B - num_computed_tokens
         return (new, False) if new > 0 else (0, False)
+
+    def _lookup(self, r: _Request) -> Any:
+        """The store's lookup, or None: a lookup that fails (LMDB's reader table full, a store that cannot
+        reopen after a map resize, EIO) is a miss, never an exception in vLLM's scheduler loop. Each kind
+        of failure is logged once; lookups then pause (doubling from 1 s to a minute) so a failing disk
+        costs the scheduler nothing per request."""
+        now = time.monotonic()
+        if now < self._lookup_paused_until:
+            self.lookup_errors["skipped"] = self.lookup_errors.get("skipped", 0) + 1
+            return None
+        try:
+            hit = self.store.lookup(r.chain.ns, r.chain)
+        except Exception as exc:
+            kind = type(exc).__name__
+            self.lookup_errors[kind] = self.lookup_errors.get(kind, 0) + 1
+            if self.lookup_errors[kind] == 1:
+                log.warning("tierkv: a lookup failed (%s: %s); it counts as a miss", kind, exc)
+            self._lookup_backoff_s = min(60.0, max(1.0, 2 * self._lookup_backoff_s))
+            self._lookup_paused_until = now + self._lookup_backoff_s
+            return None
+        self._lookup_backoff_s = 0.0
+        return hit
 
     def hit_sources(self, request: Any, num_tokens: int) -> dict[str, int]:
         """``num_tokens`` loaded, split by the tier that held them (in proportion to the lookup's split)."""
@@ -134,8 +199,9 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: Any) -> TierKVMetadata:
         meta = TierKVMetadata(epoch=self.epoch)
-        if self.store is None:
+        if self.store is None or self.off:
             return meta
+        meta.forget, self._forget = self._forget, []
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             r = self._reqs.get(new.req_id)
@@ -161,17 +227,32 @@ class SchedulerSide:
             first, end = r.load
             r.load = None
             if end <= len(r.block_ids):
+                check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
                 meta.loads.append(
-                    BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end])
+                    BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end], check=check)
                 )
-        if self.save_enabled and scheduled:
-            # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
-            # prefix-cached before. (The write-behind skips blocks a tier already holds.)
-            first, end = computed // B, min(len(r.prompt), computed + scheduled) // B
-            if end > first and end <= len(r.block_ids):
-                meta.saves.append(
-                    BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end])
+                if check:
+                    r.check = (first, end)
+        if not scheduled:
+            return
+        # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
+        # prefix-cached before. (The write-behind skips blocks a tier already holds.)
+        first, end = computed // B, min(len(r.prompt), computed + scheduled) // B
+        if end <= first or end > len(r.block_ids):
+            return
+        if r.check is not None:  # vLLM recomputes a self-checked load: compare what overlaps this step
+            lo, hi = max(first, r.check[0]), min(end, r.check[1])
+            if lo < hi:
+                meta.checks.append(
+                    BlockSpan(req_id, r.prompt[: hi * B], r.salt, lo, r.block_ids[lo:hi], r.block_ids[:lo])
                 )
+                r.check = None if hi >= r.check[1] else (hi, r.check[1])
+        if self.save_enabled:
+            meta.saves.append(
+                BlockSpan(
+                    req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end], r.block_ids[:first]
+                )
+            )
 
     def update_connector_output(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -180,6 +261,14 @@ class SchedulerSide:
                 "tierkv: a worker cannot use this KV layout (%s); no more hits are offered", report.disabled
             )
             self.load_enabled = False
+
+    def turn_off(self, why: str) -> None:
+        """No more lookups, loads or saves from now on (what was planned for this step still runs)."""
+        if self.store is not None:
+            log.warning("tierkv connector is off for this engine: %s", why)
+            self.off = why
+            self.load_enabled = self.save_enabled = False
+            self._reqs.clear()
 
     def reset(self) -> bool:
         """vLLM resets its external cache (an API call, or after updating weights in place): from now on
@@ -192,7 +281,9 @@ class SchedulerSide:
         return True
 
     def request_finished(self, request: Any) -> None:
-        self._reqs.pop(request.request_id, None)
+        r = self._reqs.pop(request.request_id, None)
+        if r is not None and r.check is not None:
+            self._forget.append(request.request_id)
 
     def close(self) -> None:
         if self.store is not None:

@@ -14,6 +14,8 @@ with the same names); what maps:
                          URL goes to vLLM in $TIERKV_REMOTE_URL, not in its argv (which ps shows to
                          every user), and the exec line printed has any URL's credentials redacted
     block_tokens         not passed: tierkv follows vLLM's block size (CPU: 128, a multiple of 32)
+    (with the connector) --no-async-scheduling unless either is given: the connector's loads are
+                         synchronous, and under vLLM's asynchronous scheduling it does not load
     (always)             --shutdown-timeout 30 unless given: on SIGTERM vLLM's workers then exit
                          cleanly and the connector flushes what it was still writing (with vLLM's
                          default, 0, they are killed, and the last blocks handed to the store are lost)
@@ -169,6 +171,12 @@ def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None
         cmd += ["--max-model-len", str(int(_get(config, "max_context")))]
     if not _get(config, "no_cache", False):
         cmd += ["--kv-transfer-config", json.dumps(connector_config(config))]
+    if not _get(config, "no_cache", False) and not any(
+        a.split("=")[0] in ("--async-scheduling", "--no-async-scheduling") for a in extra_args
+    ):
+        # Under asynchronous scheduling (vLLM's default on GPUs) the connector cannot load exactly: a load
+        # that fails would reach the user as tokens computed over a block that did not load (scheduler.py).
+        cmd += ["--no-async-scheduling"]
     if not any(a.split("=")[0] == "--shutdown-timeout" for a in extra_args):
         # vLLM's default (0) kills its worker processes on SIGTERM: blocks still in the write-behind
         # would be lost. With a timeout the workers exit cleanly and the connector flushes its store.

@@ -4,12 +4,15 @@
                          from its own cache-write kernel (``layout.probe``), or the connector stays off
     start_load_kv        per request: ``store.restore`` of the chain's blocks from the first one vLLM
                          does not hold to the hit's end (verified on read), then a scatter of blocks ``first..`` into the request's vLLM blocks. A
-                         block that did not restore (failed verification, expired meanwhile) and every
-                         block after it are reported by ``get_block_ids_with_load_errors``: vLLM
-                         recomputes them, so wrong KV is never used; that request saves nothing this step
-    wait_for_save        per request: the prompt blocks this step completed, gathered block-major in one
-                         pass over the layers and handed to ``store.save_blocks``, which returns at once
-                         (memory tiers copy now, disk and remote are written behind)
+                         block that did not restore (failed verification, a read error, expired
+                         meanwhile, a scatter that raised) and every block after it are reported by
+                         ``get_block_ids_with_load_errors``: vLLM recomputes them (or fails the request,
+                         with ``kv_load_failure_policy`` ``fail``), so wrong KV is never used
+    wait_for_save        the ranks agree on which loads failed (``guard.py``); then the sampled
+                         self-check's comparisons; then per request the prompt blocks this step completed,
+                         unless computed from a block that did not load on some rank, gathered
+                         block-major in one pass over the layers and handed to ``store.save_blocks``, which
+                         returns at once (memory tiers copy now, disk and remote are written behind)
 
 Loads and saves are whole-step, not layer by layer: on CPU there is nothing to overlap them with, and a
 restore is one read of contiguous records per run of blocks.
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, tp_group
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
@@ -35,13 +39,19 @@ log = logging.getLogger("vllm.tierkv")
 __all__ = ["WorkerSide"]
 
 
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+# The self-check's copies of restored blocks wait here until vLLM recomputed them; beyond this, loads
+# are not sampled.
+MAX_CHECK_NBYTES = 256 << 20
+# Largest relative difference (per block and layer, L2) between a restored block and vLLM's recomputation
+# that counts as the same KV: float rounding of another batch shape is far below, a block computed from
+# another context far above (layer 0 alone may agree: its KV depends on the token only).
+CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 1e-1}
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # no distributed state (a unit test): rank 0
-        return 0
+
+def kv_difference(restored: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
+    """Per block, the largest relative L2 difference over its layers (``[n, layers, 2, B, H, D]`` each)."""
+    a, b = restored.to(torch.float32).flatten(2), recomputed.to(torch.float32).flatten(2)
+    return ((a - b).norm(dim=2) / b.norm(dim=2).clamp_min(1e-30)).amax(dim=1)
 
 
 class WorkerSide:
@@ -49,12 +59,14 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.options = options
-        self.off = unsupported(vllm_config, kv_cache_config)
         self.store: Any = None
         self.layout: PagedLayout | None = None
         self.caches: list[torch.Tensor] = []
+        self.epoch = ""
+        self.ranks = RankGroup()
+        self.guard = LoadGuard()
         self._errors: set[int] = set()
-        self._failed: set[str] = set()  # requests whose load failed this step: nothing of theirs is saved
+        self._checks: dict[str, tuple[int, torch.Tensor]] = {}  # req_id -> (first block, restored blocks)
         self._reported = False
         self._save_buffer: torch.Tensor | None = None
         self._load_buffer: torch.Tensor | None = None
@@ -65,14 +77,23 @@ class WorkerSide:
             "load_s": 0.0,
             "save_blocks": 0,
             "save_s": 0.0,
+            "unsound_save_blocks": 0,  # not saved: computed from a block whose load failed on some rank
+            "check_blocks": 0,  # self-check: restored blocks compared with vLLM's recomputation
+            "check_mismatch_blocks": 0,
         }
+        self.off = unsupported(vllm_config, kv_cache_config)
+        if not self.off:
+            try:
+                self.ranks = tp_group(vllm_config.parallel_config.tensor_parallel_size)
+            except RuntimeError as exc:
+                self.off = str(exc)
         if self.off:
+            log.warning("tierkv connector is off on this worker: %s", self.off)
             return
         self.base_ns: Namespace = kv_namespace(
-            vllm_config, kv_cache_config, revision=options.revision, tp_rank=_tp_rank()
+            vllm_config, kv_cache_config, revision=options.revision, tp_rank=self.ranks.rank
         )
         self.ns = self.base_ns
-        self.epoch = ""
         self.spec = KVSpec.of(self.ns)
         self.store = shared_store(options)
 
@@ -85,8 +106,13 @@ class WorkerSide:
         try:
             self.caches = [kv_caches[name] for name in names]
             page = PageShape.of(self.caches[0], self.kv_cache_config.num_blocks)
-            if any(c.shape != self.caches[0].shape or c.dtype != self.spec.dtype for c in self.caches):
-                raise UnsupportedLayout("the layers' KV caches differ in shape or dtype")
+            if any(
+                c.shape != self.caches[0].shape
+                or c.stride() != self.caches[0].stride()
+                or c.dtype != self.spec.dtype
+                for c in self.caches
+            ):
+                raise UnsupportedLayout("the layers' KV caches differ in shape, strides or dtype")
             layer = self.vllm_config.compilation_config.static_forward_context[names[0]]
             impl = layer.impl
 
@@ -104,6 +130,7 @@ class WorkerSide:
                 page=page,
                 dtype=self.spec.dtype,
                 device=self.caches[0].device,
+                like=self.caches[0],
             )
             # The memory tiers now, while vLLM starts (their pages are populated behind), not on the
             # first request's save or load.
@@ -125,7 +152,7 @@ class WorkerSide:
 
     def report(self) -> TierKVWorkerMetadata | None:
         """Once, if this worker cannot load: the scheduler then stops offering hits."""
-        if self.off and self.store is not None and not self._reported:
+        if self.off and not self._reported:
             self._reported = True
             return TierKVWorkerMetadata(disabled=self.off)
         return None
@@ -156,8 +183,11 @@ class WorkerSide:
             self.ns = with_epoch(self.base_ns, self.epoch)
 
     def start_load(self, meta: TierKVMetadata) -> None:
+        if self.store is None:  # off: vLLM is told every block it was promised failed (none are, then)
+            for span in meta.loads:
+                self._errors.update(span.block_ids)
+            return
         self._follow(meta)
-        self._failed.clear()
         for span in meta.loads:
             self._load(span)
 
@@ -179,7 +209,18 @@ class WorkerSide:
         if hit is not None:
             self.stats["read_blocks"] += sum(hit.by_tier.values()) // B
         if got and kv is not None:
-            self.layout.scatter(kv, self.caches, torch.tensor(ids[:got], dtype=torch.long), span.first * B)
+            try:
+                self.layout.scatter(
+                    kv, self.caches, torch.tensor(ids[:got], dtype=torch.long), span.first * B
+                )
+            except Exception:  # pages may be half written: every block of the span is recomputed
+                log.exception(
+                    "tierkv: writing %d restored blocks of %s into vLLM's cache failed", got, span.req_id
+                )
+                got = 0
+        self.guard.loaded(ids[:got])
+        if got and span.check:
+            self._keep_for_check(span, kv, got)
         if got < len(ids):
             self._fail(span, got)
         self.stats["load_blocks"] += got
@@ -195,23 +236,93 @@ class WorkerSide:
                 span.req_id,
             )
         self._errors.update(failed)
-        self._failed.add(span.req_id)
+        self.guard.failed(failed)
         self.stats["load_failed_blocks"] += len(failed)
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
 
+    # ------------------------------------------------------------------ the sampled self-check
+
+    def _keep_for_check(self, span: BlockSpan, kv: torch.Tensor, got: int) -> None:
+        """Keep a copy of what was restored, and have vLLM recompute it (reported as a load error, the blocks
+        are recomputed from the first one; they are not tainted: what was restored is in them)."""
+        B = self.ns.block_tokens
+        nbytes = got * self.spec.block_nbytes
+        if sum(t.numel() * t.element_size() for _, t in self._checks.values()) + nbytes > MAX_CHECK_NBYTES:
+            return
+        rows = kv[:, :, span.first * B : (span.first + got) * B]  # [layers, 2, got * B, H, D]
+        blocks = rows.unflatten(2, (got, B)).permute(2, 0, 1, 3, 4, 5).to("cpu", copy=True).contiguous()
+        self._checks[span.req_id] = (span.first, blocks)
+        self._errors.update(span.block_ids[:got])
+
+    def _check(self, span: BlockSpan) -> None:
+        """Compare vLLM's recomputation of a self-checked load's blocks with what the store restored; on a
+        difference, the store forgets those blocks (and the rest of the load) and it is logged and counted."""
+        kept = self._checks.get(span.req_id)
+        if kept is None or self.layout is None or self.store is None:
+            return
+        first, restored = kept
+        lo, hi = max(span.first, first), min(span.end, first + restored.shape[0])
+        if lo >= hi or not self.guard.tainted.isdisjoint(span.deps):
+            return
+        ids = span.block_ids[lo - span.first : hi - span.first]
+        recomputed = self.layout.gather(self.caches, torch.tensor(ids, dtype=torch.long)).cpu()
+        diff = kv_difference(restored[lo - first : hi - first], recomputed)
+        tolerance = CHECK_TOLERANCE.get(self.spec.dtype, 1e-1)
+        self.stats["check_blocks"] += hi - lo
+        bad = [lo + j for j, d in enumerate(diff.tolist()) if not d <= tolerance]
+        if bad:
+            self.stats["check_mismatch_blocks"] += first + restored.shape[0] - bad[0]
+            chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
+            log.error(
+                "tierkv self-check: block %d of %s (namespace %s, key %s) differs from vLLM's recomputation "
+                "(relative difference %.3g > %.3g); blocks %d..%d are purged from the store",
+                bad[0],
+                span.req_id,
+                chain.ns.digest.hex()[:16],
+                chain.keys[bad[0]].hex()[:16],
+                float(diff[bad[0] - lo]),
+                tolerance,
+                bad[0],
+                first + restored.shape[0] - 1,
+            )
+            try:
+                self.store.invalidate(
+                    chain.ns, chain, range(bad[0], min(len(chain), first + restored.shape[0]))
+                )
+            except Exception:
+                log.exception("tierkv self-check: purging the blocks that differ failed")
+        if hi >= first + restored.shape[0]:
+            del self._checks[span.req_id]
+
     # ------------------------------------------------------------------ saves
 
     def save(self, meta: TierKVMetadata) -> None:
-        if self.layout is None or self.store is None:
+        # Every rank, every step with loads (the same metadata reaches every rank): the union of the
+        # ranks' failed loads. A collective, so before any return. (Each rank reports its own failures to
+        # vLLM from start_load, which unions the ranks' reports; this union is for the taint only.)
+        self.guard.settle(self.ranks, agree=bool(meta.loads))
+        if self.store is None:
             return
         self._follow(meta)
-        for span in meta.saves:
-            if span.req_id not in self._failed:
-                self._save(span)
-        self._failed.clear()
+        for req_id in meta.forget:
+            self._checks.pop(req_id, None)
+        if self.layout is None:
+            return
+        for span in meta.checks:
+            self._check(span)
+        sound, unsound = self.guard.split(meta.saves)
+        for span in unsound:
+            log.info(
+                "tierkv: not saving %d blocks of %s: computed from a block whose load failed",
+                len(span.block_ids),
+                span.req_id,
+            )
+            self.stats["unsound_save_blocks"] += len(span.block_ids)
+        for span in sound:
+            self._save(span)
 
     def _save(self, span: BlockSpan) -> None:
         t0 = time.perf_counter()
@@ -234,12 +345,16 @@ class WorkerSide:
         if self.store is not None:
             store, self.store = self.store, None
             log.info(
-                "tierkv connector (worker): loaded %d blocks (%d read, %d failed) in %.2f s, saved %d in %.2f s",
+                "tierkv connector (worker): loaded %d blocks (%d read, %d failed) in %.2f s, saved %d in "
+                "%.2f s, %d not saved after failed loads, self-check %d blocks (%d differed)",
                 self.stats["load_blocks"],
                 self.stats["read_blocks"],
                 self.stats["load_failed_blocks"],
                 self.stats["load_s"],
                 self.stats["save_blocks"],
                 self.stats["save_s"],
+                self.stats["unsound_save_blocks"],
+                self.stats["check_blocks"],
+                self.stats["check_mismatch_blocks"],
             )
             release_store(store)

@@ -1,0 +1,112 @@
+"""Faults injected into a vLLM engine process with the connector (``vllm_run.py``, spec key ``faults``).
+
+    partial_load   probability that a restore stops at a random block (evicted or expired meanwhile)
+    read_eio       probability that a read of a record (``os.preadv``) fails with EIO
+    write_enospc   probability that an append to a segment (``os.pwritev``) fails with ENOSPC
+    purge_at_batches  at the start of these batches another process purges the whole cache directory
+                   (``tierkv gc --all``), while the batch runs
+    seed           the faults' random generator
+
+They act below the connector (the store, the file system, another process), never inside it: the
+connector must turn each into a miss or a recompute, and save nothing wrong.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+counts: dict[str, int] = {"partial_load": 0, "read_eio": 0, "write_enospc": 0, "purge": 0}
+_threads: list[threading.Thread] = []
+
+
+def finish() -> None:
+    """Wait for the purging processes started, and for the engine's store to write what it holds (the
+    disk writer runs on idle cores: otherwise at shutdown, after the counts are reported)."""
+    for t in _threads:
+        t.join(timeout=120)
+    from tierkv.integrations.vllm import options
+
+    for entry in list(options._stores.values()):
+        entry.store.flush()
+
+
+def install(faults: dict[str, Any], cache_dir: str) -> Callable[[int], None]:
+    """Patch the faults in; returns the hook ``vllm_run`` calls before each batch."""
+    rng = random.Random(faults.get("seed", 0))
+    lock = threading.Lock()
+
+    def draw(name: str) -> bool:
+        p = float(faults.get(name, 0.0))
+        with lock:
+            hit = p > 0 and rng.random() < p
+        if hit:
+            counts[name] += 1
+        return hit
+
+    if faults.get("partial_load"):
+        from tierkv.store import TieredStore
+
+        restore = TieredStore.restore
+
+        def partial(
+            self: TieredStore, ns: Any, token_ids: Any, out: Any = None, *, start_block: int = 0
+        ) -> Any:
+            if draw("partial_load"):  # blocks from ``keep`` on are gone by the time of the load
+                from tierkv.keys import BlockChain
+                from tierkv.store import Hit
+
+                chain = token_ids if isinstance(token_ids, BlockChain) else BlockChain.of(ns, token_ids)
+                keep = rng.randrange(start_block, max(start_block + 1, len(chain)))
+                if keep == start_block:
+                    return Hit(0, dict.fromkeys(self.tier_names, 0)), None
+                token_ids = chain.prefix(keep)
+            return restore(self, ns, token_ids, out, start_block=start_block)
+
+        TieredStore.restore = partial  # type: ignore[method-assign]
+
+    if faults.get("read_eio"):
+        preadv = os.preadv
+
+        def failing_preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+            if draw("read_eio"):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return preadv(fd, buffers, offset, *args)
+
+        os.preadv = failing_preadv
+
+    if faults.get("write_enospc"):
+        pwritev = os.pwritev
+
+        def full_pwritev(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+            if draw("write_enospc"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return pwritev(fd, buffers, offset, *args)
+
+        os.pwritev = full_pwritev
+
+    purges = set(faults.get("purge_at_batches", ()))
+    cli = [os.environ.get("TIERKV_CLI_PYTHON", sys.executable), "-m", "tierkv.cli"]
+
+    def purge() -> None:
+        r = subprocess.run(
+            [*cli, "gc", "--all", "--cache-dir", cache_dir], capture_output=True, text=True, timeout=120
+        )
+        if r.returncode == 0:
+            counts["purge"] += 1
+        else:
+            print(f"faults: purge failed: {r.stderr[-500:]}", file=sys.stderr)
+
+    def before_batch(n: int) -> None:
+        """Batch ``n`` starts: another process purges the directory while it runs, if asked."""
+        if n in purges:
+            _threads.append(threading.Thread(target=purge, name="faults-purge", daemon=True))
+            _threads[-1].start()
+
+    return before_batch

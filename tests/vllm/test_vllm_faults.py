@@ -1,0 +1,198 @@
+"""No wrong KV is saved when a load fails: the connector's worker side, step by step, one rank and two.
+
+Each test drives ``WorkerSide`` with the metadata the scheduler side sends (``fake_engine.worker``: a real
+store, vLLM's paged caches as tensors written through a probed layout), makes a load fail, "runs the
+forward" by writing the pages vLLM would compute, and checks what reached the store. Two ranks run as two
+processes over a gloo group, as vLLM's tensor-parallel CPU group is.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fake_engine import LAYERS, B, D, H
+from fake_engine import worker as make_worker
+
+P = random.Random(5).choices(range(3, 500), k=3 * B + 10)  # request A: 3 whole blocks
+Q = P[: 3 * B] + random.Random(6).choices(range(3, 500), k=B + 5)  # request B: A's 3 blocks, then its own
+
+
+def _span(req: str, tokens: list[int], first: int, ids: list[int], deps: list[int] = (), **kw: Any) -> Any:
+    from tierkv.integrations.vllm.meta import BlockSpan
+
+    end = first + len(ids)
+    return BlockSpan(req, tokens[: end * B], "", first, list(ids), list(deps), **kw)
+
+
+def _meta(loads: list = (), saves: list = (), checks: list = ()) -> Any:
+    from tierkv.integrations.vllm.meta import TierKVMetadata
+
+    return TierKVMetadata(loads=list(loads), saves=list(saves), checks=list(checks))
+
+
+def _kv(blocks: int, seed: int) -> torch.Tensor:
+    """Canonical KV ``[blocks, layers, 2, B, H, D]`` (what ``save_blocks`` takes)."""
+    return torch.randn((blocks, LAYERS, 2, B, H, D), generator=torch.Generator().manual_seed(seed))
+
+
+def _compute(w: Any, ids: list[int], kv: torch.Tensor) -> None:
+    """The forward writes blocks ``ids`` of every layer (``kv`` canonical, block-major)."""
+    w.layout.scatter(kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3), w.caches, torch.tensor(ids))
+
+
+def _stored(w: Any, tokens: list[int]) -> int:
+    """Blocks of ``tokens`` the store holds, from block 0."""
+    w.store.flush()
+    return w.store.lookup(w.ns, tokens).num_blocks
+
+
+def _prepare(w: Any, blocks: int) -> torch.Tensor:
+    """P's first ``blocks`` blocks in the store, as a cold prefill would have saved them."""
+    kv = _kv(3, seed=1)
+    w.store.save_blocks(w.ns, P[: blocks * B], kv[:blocks])
+    w.store.flush()
+    return kv
+
+
+def test_a_request_that_read_a_failed_load_in_the_same_step_saves_nothing(tmp_path: Path) -> None:
+    """One worker: vLLM registers A's loading blocks in its prefix cache at allocation, so B, scheduled in
+    the same step, hits them. A's block 2 is not in the store (evicted after the lookup): B's block 3 was
+    computed from garbage and must not be saved, although B's own load (none) did not fail."""
+    w = make_worker(tmp_path)
+    _prepare(w, 2)  # the scheduler saw 3 blocks; block 2 is gone by the load
+    w.start_load(_meta(loads=[_span("A", P, 0, [10, 11, 12])]))
+    _compute(w, [13], _kv(1, seed=9))  # B's block 3, attending to vLLM blocks 10..12
+    w.save(_meta(loads=[_span("A", P, 0, [10, 11, 12])], saves=[_span("B", Q, 3, [13], [10, 11, 12])]))
+    assert w.take_load_errors() == {12}
+    assert _stored(w, Q) == 2  # B's block 3 not saved
+    assert w.stats["unsound_save_blocks"] == 1 and {12, 13} <= w.guard.tainted
+    # The next step: vLLM recomputes A's block 2 (A rewound to it) and B's block 3 in the same forward.
+    good = _kv(2, seed=2)
+    _compute(w, [12, 13], good)
+    w.save(_meta(saves=[_span("B", Q, 3, [13], [10, 11, 12]), _span("A", P, 2, [12], [10, 11])]))
+    assert _stored(w, Q) == 4 and not w.guard.tainted  # both sound: A's recomputation is in the step
+    hit, kv = w.store.restore(w.ns, Q[: 4 * B])
+    assert torch.equal(kv[:, :, 3 * B :], good[1].permute(0, 1, 2, 3, 4))
+
+
+def test_a_step_scheduled_on_top_of_a_failed_load_saves_nothing(tmp_path: Path) -> None:
+    """Asynchronous scheduling plans step N+1 before step N's load errors reach the scheduler: A's next
+    chunk (blocks 3..) is computed on top of the block that failed, and must not be saved."""
+    w = make_worker(tmp_path)
+    _prepare(w, 1)
+    w.start_load(_meta(loads=[_span("A", Q, 0, [10, 11, 12])]))
+    w.save(_meta(loads=[_span("A", Q, 0, [10, 11, 12])]))
+    assert w.take_load_errors() == {11, 12}
+    _compute(w, [13], _kv(1, seed=3))
+    w.save(_meta(saves=[_span("A", Q, 3, [13], [10, 11, 12])]))
+    assert _stored(w, Q) == 1 and w.stats["unsound_save_blocks"] == 1
+
+
+def test_a_block_loaded_again_is_clean_again(tmp_path: Path) -> None:
+    w = make_worker(tmp_path)
+    _prepare(w, 1)
+    w.start_load(_meta(loads=[_span("A", P, 0, [10, 11])]))
+    w.save(_meta(loads=[_span("A", P, 0, [10, 11])]))
+    assert w.guard.tainted == {11}
+    _prepare(w, 2)
+    w.start_load(_meta(loads=[_span("C", P, 0, [10, 11])]))
+    w.save(_meta(loads=[_span("C", P, 0, [10, 11])]))
+    assert not w.guard.tainted and not w.take_load_errors() - {11}
+
+
+def test_a_scatter_that_raises_is_a_load_error_not_a_failed_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's step must not raise because a scatter did (it was outside the worker's try): every block of
+    the span is reported and recomputed, and tainted (its pages may be half written)."""
+    w = make_worker(tmp_path)
+    _prepare(w, 3)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("view size is not compatible with input tensor's size and stride")
+
+    monkeypatch.setattr(w.layout, "scatter", broken)
+    w.start_load(_meta(loads=[_span("A", P, 0, [10, 11, 12])]))
+    w.save(_meta(loads=[_span("A", P, 0, [10, 11, 12])]))
+    assert w.take_load_errors() == {10, 11, 12} and w.guard.tainted == {10, 11, 12}
+
+
+def test_a_store_that_raises_on_restore_is_a_load_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make_worker(tmp_path)
+    _prepare(w, 3)
+
+    def eio(*args: Any, **kwargs: Any) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(w.store, "restore", eio)
+    w.start_load(_meta(loads=[_span("A", P, 1, [11, 12])]))
+    w.save(_meta(loads=[_span("A", P, 1, [11, 12])]))
+    assert w.take_load_errors() == {11, 12}
+
+
+# ---------------------------------------------------------------------------------------------- two ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, tmp: str, out: Any) -> None:
+    try:
+        import torch.distributed as dist
+
+        import tierkv.integrations.vllm.worker as worker_module
+        from tierkv.integrations.vllm.guard import RankGroup
+
+        dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+        worker_module.tp_group = lambda size: RankGroup(dist.group.WORLD, 2, rank)
+        w = make_worker(Path(tmp), tp=2)
+        assert w.ranks.size == 2 and f"tp{rank}of2" in w.ns.revision
+        _prepare(w, 3 if rank == 0 else 2)  # rank 1 lost block 2 (each rank evicts on its own)
+        load = _span("A", P, 0, [10, 11, 12])
+        w.start_load(_meta(loads=[load]))
+        _compute(w, [13], _kv(1, seed=9 + rank))  # through the all-reduce, rank 0 read rank 1's garbage
+        w.save(_meta(loads=[load], saves=[_span("B", Q, 3, [13], [10, 11, 12])]))
+        errors = w.take_load_errors()
+        stored = _stored(w, Q)
+        _compute(w, [12, 13], _kv(2, seed=20 + rank))  # vLLM recomputes A's block 2 and B's block 3
+        w.save(_meta(saves=[_span("B", Q, 3, [13], [10, 11, 12]), _span("A", P, 2, [12], [10, 11])]))
+        out.put((rank, sorted(errors), stored, _stored(w, Q), w.stats["unsound_save_blocks"]))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_two_ranks_agree_that_a_load_failed_on_one_of_them(tmp_path: Path) -> None:
+    """Tensor parallelism: the scheduler looks up rank 0's namespace only; rank 1's block 2 is gone. Rank 0's
+    own load succeeds, but its forward read rank 1's unloaded pages through the all-reduce: neither rank may
+    save what this step computed, and vLLM hears of the failed block."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    results = {r[0]: r[1:] for r in got}
+    for rank, result in results.items():
+        assert len(result) == 4, f"rank {rank} failed:\n{result[0]}"
+    assert results[0][0] == [] and results[1][0] == [12]  # vLLM unions the ranks' reports
+    for rank in (0, 1):
+        _, stored_after_failure, stored_after_recompute, unsound = results[rank]
+        assert stored_after_failure == (3 if rank == 0 else 2)  # B's block 3 saved by neither rank
+        assert unsound == 1
+        assert stored_after_recompute == 4  # saved once recomputed from sound pages
