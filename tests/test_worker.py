@@ -22,12 +22,21 @@ TINY = dict(
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tiny_model(store, dtype=torch.float32, seed=1, block_tokens=16, attn="auto") -> CachedModel:
+def tiny_model(
+    store, dtype=torch.float32, seed=1, block_tokens=16, attn="auto", self_check_rate=0.0
+) -> CachedModel:
     # float16 with eager attention: CPU SDPA in float16 is not invariant to the query length (see
     # test_float16_sdpa_tolerance); float32 and bfloat16 use SDPA, the default.
     attn = ("eager" if dtype == torch.float16 else "sdpa") if attn == "auto" else attn
     model = build_default_model(dtype, seed=seed, attn_implementation=attn, **TINY)
-    return CachedModel(model, ByteTokenizer(), store, model_id="tiny", block_tokens=block_tokens)
+    return CachedModel(
+        model,
+        ByteTokenizer(),
+        store,
+        model_id="tiny",
+        block_tokens=block_tokens,
+        self_check_rate=self_check_rate,
+    )
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:

@@ -26,6 +26,8 @@ COUNTER_NAMES = (
     "totals_errors",
     "stale_readers",
     "recomputed_blocks",  # cached, but computed: reading was judged slower (planner.py); in miss_blocks too
+    "checked_blocks",  # the sampled self-check: restored blocks also computed cold and compared
+    "check_mismatch_blocks",  # ... that differed (invalidated in every tier)
 )
 
 

@@ -12,7 +12,9 @@ prompt that is entirely cached restores all full blocks but the one holding its 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import random
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +31,14 @@ from tierkv.layout import DTYPE_NAMES
 from tierkv.store import Hit, TieredStore
 
 __all__ = ["CachedModel", "GenerateResult", "PrefillResult", "StreamEvent"]
+
+log = logging.getLogger("tierkv.worker")
+
+# The self-check's largest |logit difference| between a prefill over a restored prefix and a cold one, as a
+# fraction of the cold logits' largest magnitude. A restore gives the cold prefill's logits bit for bit on
+# the same device and dtype (tests/test_worker.py); this leaves room for kernels that round differently
+# with the query length, and is far below what KV of another context does to the logits.
+CHECK_TOLERANCE = 1e-3
 
 
 @dataclasses.dataclass
@@ -70,8 +80,15 @@ class CachedModel:
         model_id: str,
         block_tokens: int | None = None,
         revision: str | None = None,
+        self_check_rate: float = 0.0,
     ) -> None:
-        """``block_tokens`` None: by the model's KV bytes a token (``tierkv.models.default_block_tokens``)."""
+        """``block_tokens`` None: by the model's KV bytes a token (``tierkv.models.default_block_tokens``).
+        ``self_check_rate``: the fraction of prefills with a hit that are also computed cold and compared
+        (``_self_check``)."""
+        if not 0.0 <= self_check_rate <= 1.0:
+            raise ConfigError(f"self_check_rate must be in 0..1, got {self_check_rate}")
+        self.self_check_rate = self_check_rate
+        self._sample = random.Random()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.store = store
@@ -229,7 +246,40 @@ class CachedModel:
             self.store.observe_prefill(ns, len(token_ids) - n, t2 - t1)
         if chain is not None:
             self._save(chain, cache, n)
+        if n and chain is not None and self.self_check_rate and self._sample.random() < self.self_check_rate:
+            logits, cache = self._self_check(chain, token_ids, n, logits, cache)
         return PrefillResult(logits, cache, hit, len(token_ids) - n, t1 - t0, t2 - t1)
+
+    def _self_check(
+        self, chain: BlockChain, token_ids: Sequence[int], n: int, logits: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """The sampled self-check: the prompt computed cold as well, its next-token logits compared with
+        those after the restore of ``n`` tokens. Verification (checksums, keys, tokens) cannot see KV that
+        was wrong when it was saved; this measures it. A difference is logged with the namespace and the
+        blocks, counted, and the blocks restored are invalidated in every tier (the cold prefill then saves
+        them again). The request is answered from the cold prefill either way. Costs one cold prefill."""
+        assert self.store is not None
+        B = chain.ns.block_tokens
+        cold, cold_cache = self._forward(token_ids, new_cache(self.model))
+        diff = float((cold - logits).abs().max())
+        bound = CHECK_TOLERANCE * max(1.0, float(cold.abs().max()))
+        counters = self.store.counters
+        counters.add("store", "checked_blocks", n // B)
+        if not diff <= bound:
+            counters.add("store", "check_mismatch_blocks", n // B)
+            log.error(
+                "tierkv self-check: the next-token logits after restoring %d tokens differ from a cold "
+                "prefill's by %.3g (bound %.3g): namespace %s, blocks 0..%d (first key %s) are purged",
+                n,
+                diff,
+                bound,
+                chain.ns.digest.hex()[:16],
+                n // B - 1,
+                chain.keys[0].hex()[:16],
+            )
+            self.store.invalidate(chain.ns, chain, range(n // B))
+            self._save(chain, cold_cache, 0)
+        return cold, cold_cache
 
     def _save(self, chain: BlockChain, cache: Any, cached_tokens: int) -> None:
         """Hand the full blocks after ``cached_tokens`` to the store (it returns at once).

@@ -47,6 +47,7 @@ class ServeConfig:
     body_timeout: float = 30.0  # seconds to receive a whole request body; past it: 408
     max_body_total: int = 64 << 20  # bytes of bodies being received at once, all connections; past it: 503
     max_connections: int = 256  # open HTTP connections; past it uvicorn answers 503
+    self_check_rate: float = 0.001  # prefills with a hit also computed cold and compared (worker.py)
 
     def __post_init__(self) -> None:
         if self.max_body_total < self.max_body:  # else a body of the allowed size could never be received
@@ -139,6 +140,11 @@ def _coerce(name: str, value: Any) -> Any:
             return seconds
         if name in ("port", "block_tokens", "max_queue", "max_context", "remote_admit_after"):
             return int(value)
+        if name == "self_check_rate":
+            rate = float(value)
+            if not 0.0 <= rate <= 1.0:  # NaN included
+                raise ConfigError(f"must be in 0..1, got {value!r}")
+            return rate
         if name == "max_connections":
             if (count := int(value)) < 1:
                 raise ConfigError(f"must be at least 1, got {value!r}")

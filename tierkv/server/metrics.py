@@ -24,6 +24,7 @@ _STORE_COUNTERS = {  # store counter -> (metric, help)
     ),
     "dropped_saves": ("tierkv_tier_dropped_saves", "Saves dropped (queue full or tier degraded)"),
     "write_errors": ("tierkv_tier_write_errors", "Write batches that failed (e.g. a full disk)"),
+    "read_errors": ("tierkv_tier_read_errors", "Records whose read failed (EIO): purged, recomputed"),
 }
 
 
@@ -58,6 +59,14 @@ class StoreCollector:
         )
         recomputed.add_metric([], stats.get("store", {}).get("recomputed_blocks", 0))
         yield recomputed
+        checked = CounterMetricFamily(
+            "tierkv_selfcheck_blocks",
+            "Restored blocks the sampled self-check also computed cold, by outcome (differed: purged)",
+            labels=["outcome"],
+        )
+        checked.add_metric(["checked"], stats.get("store", {}).get("checked_blocks", 0))
+        checked.add_metric(["differed"], stats.get("store", {}).get("check_mismatch_blocks", 0))
+        yield checked
         used = GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes held by the tier", labels=["tier"])
         cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "The tier's budget (0: none)", labels=["tier"])
         for tier in tiers:  # the tiers with a size (not the remote tier)

@@ -62,6 +62,7 @@ def load_server(config: ServeConfig) -> Server:
         )
     else:
         cm = CachedModel.default(store, dtype=dtype, device=device, block_tokens=config.block_tokens)
+    cm.self_check_rate = config.self_check_rate
     if store is not None:  # sized after the model is loaded, so a fraction sees its weights as used
         gpu_nbytes = gpu_budget_nbytes(config.gpu_cache, cm.device)
         if gpu_nbytes:
