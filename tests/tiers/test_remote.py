@@ -275,3 +275,12 @@ def test_invalidate_and_purge_reach_the_remote_tier(tmp_path, ns, redis_server) 
             assert b.lookup(ns, toks).num_tokens == 0
             hit, got = b.restore(other, toks)
             assert hit.by_tier["remote"] == 64 and torch.equal(got, other_kv)
+
+
+def test_the_remote_tier_describes_itself_without_its_password() -> None:
+    """``describe`` goes into start-up logs (the vLLM connector's too): a URL's credentials stay out."""
+    from tierkv.tiers.remote import RemoteTier
+
+    tier = RemoteTier.__new__(RemoteTier)
+    tier.url = "redis://user:s3cr3t@cache.internal:6379/0"
+    assert tier.describe() == "remote redis://***@cache.internal:6379/0"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import tomllib
 from tierkv.config import DiskConfig, RemoteConfig, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.paths import default_cache_dir
+from tierkv.redact import redact_url
 from tierkv.units import parse_duration, parse_size
 
 
@@ -171,15 +171,6 @@ def parse_disk_budget(value: str | int | float | None) -> int | None:
             f"must be a size above 0 (e.g. 20GiB), got {value!r}; for a disk tier without a budget give none"
         )
     return nbytes
-
-
-def redact_url(text: str) -> str:
-    """``text`` with the userinfo of every URL in it (``redis://user:pass@host``) replaced by ``***``:
-    for anything logged or printed, which others may read."""
-    return _USERINFO.sub(r"\1***@", text)
-
-
-_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s]+@")  # to the last @: a password may hold one
 
 
 def _float_or(text: str, default: float) -> float:

@@ -22,6 +22,7 @@ from tierkv import codec
 from tierkv.errors import RecordError
 from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.metrics import Counters
+from tierkv.redact import redact_url
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.batching import BatchQueue
 
@@ -264,7 +265,7 @@ class RemoteTier(Tier):
         return {"breaker_open": int(self.breaker.state == "open"), "breaker_trips": self.breaker.trips}
 
     def describe(self) -> str:
-        return f"remote {self.url}"
+        return f"remote {redact_url(self.url)}"  # for logs: a password in the URL stays out
 
     def delete(self, ns_digest: bytes, key: BlockKey) -> None:
         self._call(lambda: self.client.delete(self.redis_key(ns_digest, key)), None)
