@@ -47,6 +47,7 @@ def configs(tmp_path: Path, **changes):
         ),
         device_config=SimpleNamespace(device_type=changes.pop("device", "cpu")),
         load_config=SimpleNamespace(load_format=changes.pop("load_format", "auto")),
+        scheduler_config=SimpleNamespace(async_scheduling=changes.pop("async_scheduling", False)),
     )
     return vllm_config, kv
 
@@ -74,3 +75,28 @@ def worker(tmp_path: Path, *, num_blocks: int = 32, **changes: Any) -> Any:
     page = PageShape.of(w.caches[0], num_blocks)
     w.layout = probe(side_by_side, block_tokens=B, num_kv_heads=H, head_dim=D, page=page, dtype=torch.float32)
     return w
+
+
+def scheduler(tmp_path: Path, **changes: Any) -> Any:
+    """A ``SchedulerSide`` on a store in ``tmp_path / "cache"``; ``changes`` as ``configs``'."""
+    from tierkv.integrations.vllm.options import ConnectorOptions
+    from tierkv.integrations.vllm.scheduler import SchedulerSide
+
+    vllm_config, kv = configs(tmp_path, **changes)
+    options = ConnectorOptions(cache_dir=str(tmp_path / "cache"), host_bytes=0, sync=False, self_check_rate=0)
+    return SchedulerSide(vllm_config, kv, options, load=True, save=True)
+
+
+def request(req_id: str, tokens: list[int], **fields: Any) -> Any:
+    """What the connector reads of a vLLM ``Request``; ``fields`` override (or, set to ``...``, remove)."""
+    values = {
+        "request_id": req_id,
+        "prompt_token_ids": tokens,
+        "num_tokens": len(tokens),
+        "mm_features": [],
+        "lora_request": None,
+        "prompt_embeds": None,
+        "cache_salt": None,
+        **fields,
+    }
+    return SimpleNamespace(**{k: v for k, v in values.items() if v is not ...})
