@@ -312,3 +312,27 @@ def test_gc_check_purges_an_unreadable_record_and_counts_it(tmp_path, ns, monkey
         assert out["checked"] == 4 and out["corrupt"] == 1
         assert store.stats()["disk"]["read_errors"] == 1
         assert store.lookup(ns, toks).num_tokens == 2 * B
+
+
+def test_a_read_that_fails_for_want_of_descriptors_purges_nothing(tmp_path, ns, monkeypatch) -> None:
+    """EMFILE (a process at its descriptor limit) says nothing about the records: a miss, never a purge
+    (every restore would otherwise wipe the blocks it tried to read)."""
+    toks = list(range(4 * B))
+    kv = make_kv(ns, 4 * B)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+
+        def emfile(*args: object) -> int:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+        monkeypatch.setattr(os, "preadv", emfile)
+        hit, got = store.restore(ns, toks)
+        assert hit.num_tokens == 0 and got is None
+        store.flush()
+        disk = store.stats()["disk"]
+        assert disk["transient_read_errors"] == 1 and disk["read_errors"] == 0 and disk["corrupt_blocks"] == 0
+        monkeypatch.undo()
+        hit, got = store.restore(ns, toks)
+        assert hit.by_tier["disk"] == 4 * B and torch.equal(got, kv)

@@ -19,7 +19,8 @@ COUNTER_NAMES = (
     "corrupt_blocks",
     "dropped_saves",
     "write_errors",
-    "read_errors",
+    "read_errors",  # records the medium could not return (EIO): purged
+    "transient_read_errors",  # reads that failed not for the record's sake (EMFILE, ENOMEM): a miss only
     "sweeps",
     "sweep_errors",
     "punch_unsupported",

@@ -25,7 +25,7 @@ from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Hole, Policy, SweepReport
-from tierkv.tiers.disk.segments import SegmentDir
+from tierkv.tiers.disk.segments import SegmentDir, TransientReadError
 from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
 from tierkv.tiers.disk.writer import (
     DEFAULT_BATCH_NBYTES,
@@ -86,6 +86,7 @@ class DiskTier(Tier):
         self.writer: Writer | None = None
         self._sweeper: Sweeper | None = None
         self._closed = False
+        self._transient_logged = False  # a read that failed not for the record's sake: logged once
         if writer:
             self.index.clear_stale_readers()
             self.sweeps.seal_dead_writers()
@@ -193,7 +194,16 @@ class DiskTier(Tier):
             verified = target.verified if target.on_verified is not None else None  # no view per block
             return read_records(chain, part, i0, buf, base, scatter, whole, verified)
 
-        got = target.fill(first, len(entries), fill)
+        try:
+            got = target.fill(first, len(entries), fill)
+        except TransientReadError as exc:  # not the records' fault (no descriptors, no memory): a miss
+            self.counters.add("disk", "transient_read_errors")
+            if not self._transient_logged:
+                self._transient_logged = True
+                log.warning(
+                    "disk tier read failed (%s): a miss, nothing purged; further ones are counted", exc
+                )
+            return 0
         bad = {e.location: chain.keys[first + j] for j, e in enumerate(entries) if e.location in failed}
         if got < len(entries):  # the one that ended the run, and any other an I/O error hit
             bad[entries[got].location] = chain.keys[first + got]
