@@ -41,6 +41,11 @@ def test_the_self_check_finds_wrong_kv_behind_valid_checksums_and_answers_exactl
         assert unchecked.hit.num_tokens == 96
         assert not torch.equal(unchecked.logits, cold.logits)
 
+        longer = ids + prompt(60, salt=7)
+        cold_longer = cm.prefill(longer, use_cache=False)
+        cm.prefill(longer)  # unchecked: blocks 6..9 computed from the poison, and saved
+        store.flush()
+
         cm.self_check_rate = 1.0
         checked = cm.prefill(ids)
         stats = store.stats()["store"]
@@ -52,6 +57,10 @@ def test_the_self_check_finds_wrong_kv_behind_valid_checksums_and_answers_exactl
         again = cm.prefill(ids)  # the poison was purged, and the cold prefill's blocks saved instead
         assert again.hit.num_tokens == 96
         assert (again.logits - cold.logits).abs().max() <= 1e-4
+        # What an unchecked request computed from the poison went with the namespace: none of it is served.
+        descendant = cm.prefill(longer)
+        assert descendant.hit.num_tokens == 96
+        assert (descendant.logits - cold_longer.logits).abs().max() <= 1e-4
 
 
 def test_the_self_check_finds_nothing_on_a_sound_store(tmp_path) -> None:

@@ -244,20 +244,25 @@ class CachedModel:
         if observe:
             assert self.store is not None
             self.store.observe_prefill(ns, len(token_ids) - n, t2 - t1)
-        if chain is not None:
-            self._save(chain, cache, n)
+        saved = n  # the blocks before are in the store already
         if n and chain is not None and self.self_check_rate and self._sample.random() < self.self_check_rate:
-            logits, cache = self._self_check(chain, token_ids, n, logits, cache)
+            logits, cache, sound = self._self_check(chain, token_ids, n, logits)  # before the save: see there
+            saved = n if sound else 0
+        if chain is not None:
+            self._save(chain, cache, saved)
         return PrefillResult(logits, cache, hit, len(token_ids) - n, t1 - t0, t2 - t1)
 
     def _self_check(
-        self, chain: BlockChain, token_ids: Sequence[int], n: int, logits: torch.Tensor, cache: Any
-    ) -> tuple[torch.Tensor, Any]:
+        self, chain: BlockChain, token_ids: Sequence[int], n: int, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, Any, bool]:
         """The sampled self-check: the prompt computed cold as well, its next-token logits compared with
         those after the restore of ``n`` tokens. Verification (checksums, keys, tokens) cannot see KV that
         was wrong when it was saved; this measures it. A difference is logged with the namespace and the
-        blocks, counted, and the blocks restored are invalidated in every tier (the cold prefill then saves
-        them again). The request is answered from the cold prefill either way. Costs one cold prefill."""
+        blocks, counted, and the whole namespace is purged from the store: the blocks earlier, unchecked
+        requests computed from the wrong ones are in it too, under keys no one can list (and this request's
+        own, computed after the restore, are not saved: the caller saves the cold prefill's). The request is
+        answered from the cold prefill either way. Costs one cold prefill. Returns the cold logits and cache,
+        and whether the restore was sound."""
         assert self.store is not None
         B = chain.ns.block_tokens
         cold, cold_cache = self._forward(token_ids, new_cache(self.model))
@@ -269,7 +274,7 @@ class CachedModel:
             counters.add("store", "check_mismatch_blocks", n // B)
             log.error(
                 "tierkv self-check: the next-token logits after restoring %d tokens differ from a cold "
-                "prefill's by %.3g (bound %.3g): namespace %s, blocks 0..%d (first key %s) are purged",
+                "prefill's by %.3g (bound %.3g): namespace %s (blocks 0..%d, first key %s) is purged",
                 n,
                 diff,
                 bound,
@@ -277,9 +282,9 @@ class CachedModel:
                 n // B - 1,
                 chain.keys[0].hex()[:16],
             )
-            self.store.invalidate(chain.ns, chain, range(n // B))
-            self._save(chain, cold_cache, 0)
-        return cold, cold_cache
+            self.store.purge(namespace=chain.ns.digest.hex())
+            return cold, cold_cache, False
+        return cold, cold_cache, True
 
     def _save(self, chain: BlockChain, cache: Any, cached_tokens: int) -> None:
         """Hand the full blocks after ``cached_tokens`` to the store (it returns at once).

@@ -108,6 +108,26 @@ def test_a_step_scheduled_on_top_of_a_failed_load_saves_nothing(tmp_path: Path) 
     assert not _holds(w, Q, 3) and w.stats["unsound_save_blocks"] == 1
 
 
+def test_blocks_computed_from_a_self_checked_load_wait_for_the_check(tmp_path: Path) -> None:
+    """A sampled load is reported failed so that vLLM recomputes it for the comparison; until then what the
+    forward computed from it is not saved (were the restored blocks wrong, it would be too, and kept)."""
+    w = make_worker(tmp_path)
+    _prepare(w, 2)
+    load = _span("A", Q, 0, [10, 11])
+    load.check = True
+    w.start_load(_meta(loads=[load]))
+    _compute(w, [12], _kv(1, seed=4))
+    w.save(_meta(loads=[load], saves=[_span("A", Q, 2, [12], [10, 11])]))
+    assert w.take_load_errors() == {10, 11}  # so that vLLM recomputes them
+    assert not _holds(w, Q, 2) and {10, 11, 12} <= w.guard.tainted
+    # vLLM recomputes blocks 0..2 (A rewound to 0): the check agrees, and then they are saved.
+    restored = w.layout.gather(w.caches, torch.tensor([10, 11]))
+    _compute(w, [10, 11, 12], torch.cat([restored, _kv(1, seed=4)]))
+    w.save(_meta(saves=[_span("A", Q, 0, [10, 11, 12])], checks=[_span("A", Q, 0, [10, 11])]))
+    assert w.stats["check_blocks"] == 2 and w.stats["check_mismatch_blocks"] == 0
+    assert _holds(w, Q, 2) and not w.guard.tainted and not w._checks
+
+
 def test_a_block_loaded_again_is_clean_again(tmp_path: Path) -> None:
     w = make_worker(tmp_path)
     _prepare(w, 1)
@@ -249,3 +269,43 @@ def test_a_vllm_whose_requests_lack_a_field_turns_the_connector_off(tmp_path: Pa
     assert side.off and "mm_features" in side.off
     assert side.num_new_matched_tokens(request("B", P), 0) == (0, False)  # and stays off
     side.close()
+
+
+def _absent_rank(rank: int, port: int, out: Any) -> None:
+    try:
+        import time
+
+        import torch.distributed as dist
+
+        from tierkv.integrations.vllm.guard import RankGroup, RanksDisagree
+
+        dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+        if rank == 1:  # its forward raised: it never reaches the agreement
+            time.sleep(6)
+            out.put((rank, "absent"))
+            return
+        t0 = time.monotonic()
+        try:
+            RankGroup(dist.group.WORLD, 2, 0, timeout_s=2.0).union({3})
+            out.put((rank, "agreed"))
+        except RanksDisagree:
+            out.put((rank, f"disagree after {time.monotonic() - t0:.1f} s"))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_a_rank_that_never_comes_is_a_bounded_wait_not_a_hang() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_absent_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert results[1] == "absent"
+    assert results[0].startswith("disagree after"), results[0]
+    assert float(results[0].split()[2]) < 5.0

@@ -30,26 +30,41 @@ from tierkv.integrations.vllm.meta import BlockSpan
 
 log = logging.getLogger("vllm.tierkv")
 
-__all__ = ["LoadGuard", "RankGroup", "tp_group"]
+__all__ = ["LoadGuard", "RankGroup", "RanksDisagree", "tp_group"]
+
+
+class RanksDisagree(RuntimeError):
+    """Another rank did not reach the agreement in time (its step failed): nothing of this step is sound."""
 
 
 class RankGroup:
     """The tensor-parallel ranks of one engine, over a CPU (gloo) process group; one rank needs none."""
 
-    def __init__(self, group: Any = None, size: int = 1, rank: int = 0) -> None:
+    def __init__(self, group: Any = None, size: int = 1, rank: int = 0, timeout_s: float = 120.0) -> None:
         self.group = group
         self.size = size
         self.rank = rank
+        self.timeout_s = timeout_s
 
     def union(self, ids: set[int]) -> set[int]:
         """The union of every rank's ``ids`` (a collective: every rank calls it at the same point). Costs one
-        all-reduce of a flag; the sets themselves travel only when some rank has one."""
+        all-reduce of a flag; the sets themselves travel only when some rank has one. Raises
+        ``RanksDisagree`` when a rank does not come (a forward that raised on it still runs wait_for_save,
+        in a ``finally``, while the others wait in theirs): bounded, not a hang."""
         if self.size == 1:
             return set(ids)
+        import datetime
+
         import torch.distributed as dist
 
         flag = torch.tensor([1 if ids else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise RanksDisagree(
+                f"the tensor-parallel ranks did not agree in {self.timeout_s:.0f} s: {exc}"
+            ) from exc
         if not int(flag.item()):
             return set()
         every: list[Any] = [None] * self.size

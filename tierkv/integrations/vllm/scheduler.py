@@ -115,9 +115,9 @@ class SchedulerSide:
     # ------------------------------------------------------------------ lookups
 
     def _request(self, request: Any) -> _Request | None:
-        if self.off:
-            return None
         r = self._reqs.get(request.request_id)
+        if self.off:
+            return r  # a load promised before the connector turned off is still planned
         if r is None:
             missing = [f for f in _REQUEST_FIELDS if not hasattr(request, f)]
             if missing:  # another vLLM: what it would say about images or adapters is unknown
@@ -199,7 +199,7 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: Any) -> TierKVMetadata:
         meta = TierKVMetadata(epoch=self.epoch)
-        if self.store is None or self.off:
+        if self.store is None:
             return meta
         meta.forget, self._forget = self._forget, []
         steps = scheduler_output.num_scheduled_tokens
@@ -226,7 +226,8 @@ class SchedulerSide:
         if r.load is not None:
             first, end = r.load
             r.load = None
-            if end <= len(r.block_ids):
+            end = min(end, len(r.block_ids))  # (never fewer: vLLM allocated them; but never a dropped load)
+            if end > first:
                 check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
                 meta.loads.append(
                     BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end], check=check)
@@ -268,7 +269,9 @@ class SchedulerSide:
             log.warning("tierkv connector is off for this engine: %s", why)
             self.off = why
             self.load_enabled = self.save_enabled = False
-            self._reqs.clear()
+            self.check_rate = 0.0
+            # Requests vLLM was promised a load for keep it (vLLM counts those tokens as computed): they
+            # go when they finish.
 
     def reset(self) -> bool:
         """vLLM resets its external cache (an API call, or after updating weights in place): from now on

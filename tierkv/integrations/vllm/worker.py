@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, tp_group
+from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, RanksDisagree, tp_group
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
@@ -186,6 +186,7 @@ class WorkerSide:
         if self.store is None:  # off: vLLM is told every block it was promised failed (none are, then)
             for span in meta.loads:
                 self._errors.update(span.block_ids)
+                self.guard.failed(span.block_ids)
             return
         self._follow(meta)
         for span in meta.loads:
@@ -220,7 +221,10 @@ class WorkerSide:
                 got = 0
         self.guard.loaded(ids[:got])
         if got and span.check:
-            self._keep_for_check(span, kv, got)
+            try:
+                self._keep_for_check(span, kv, got)
+            except Exception:  # an optional check must never fail the step (a copy that cannot be made)
+                log.exception("tierkv self-check: keeping a copy of %s's restored blocks failed", span.req_id)
         if got < len(ids):
             self._fail(span, got)
         self.stats["load_blocks"] += got
@@ -256,15 +260,22 @@ class WorkerSide:
         blocks = rows.unflatten(2, (got, B)).permute(2, 0, 1, 3, 4, 5).to("cpu", copy=True).contiguous()
         self._checks[span.req_id] = (span.first, blocks)
         self._errors.update(span.block_ids[:got])
+        # Tainted like a failed load until vLLM recomputed them: what this step's forward computes from
+        # them must not be saved before the check has said they were right.
+        self.guard.failed(span.block_ids[:got])
 
     def _check(self, span: BlockSpan) -> None:
-        """Compare vLLM's recomputation of a self-checked load's blocks with what the store restored; on a
-        difference, the store forgets those blocks (and the rest of the load) and it is logged and counted."""
+        """Compare vLLM's recomputation of a self-checked load's blocks with what the store restored. On a
+        difference the store held wrong KV: it is logged and counted, and the whole namespace is purged
+        (blocks other requests computed from it before, unchecked, are in it too, under keys no one can
+        list)."""
         kept = self._checks.get(span.req_id)
         if kept is None or self.layout is None or self.store is None:
             return
         first, restored = kept
         lo, hi = max(span.first, first), min(span.end, first + restored.shape[0])
+        if hi >= first + restored.shape[0] or not self.guard.tainted.isdisjoint(span.deps):
+            del self._checks[span.req_id]  # the last comparison (or none is possible): the copy goes
         if lo >= hi or not self.guard.tainted.isdisjoint(span.deps):
             return
         ids = span.block_ids[lo - span.first : hi - span.first]
@@ -273,29 +284,22 @@ class WorkerSide:
         tolerance = CHECK_TOLERANCE.get(self.spec.dtype, 1e-1)
         self.stats["check_blocks"] += hi - lo
         bad = [lo + j for j, d in enumerate(diff.tolist()) if not d <= tolerance]
-        if bad:
-            self.stats["check_mismatch_blocks"] += first + restored.shape[0] - bad[0]
-            chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
-            log.error(
-                "tierkv self-check: block %d of %s (namespace %s, key %s) differs from vLLM's recomputation "
-                "(relative difference %.3g > %.3g); blocks %d..%d are purged from the store",
-                bad[0],
-                span.req_id,
-                chain.ns.digest.hex()[:16],
-                chain.keys[bad[0]].hex()[:16],
-                float(diff[bad[0] - lo]),
-                tolerance,
-                bad[0],
-                first + restored.shape[0] - 1,
-            )
-            try:
-                self.store.invalidate(
-                    chain.ns, chain, range(bad[0], min(len(chain), first + restored.shape[0]))
-                )
-            except Exception:
-                log.exception("tierkv self-check: purging the blocks that differ failed")
-        if hi >= first + restored.shape[0]:
-            del self._checks[span.req_id]
+        if not bad:
+            return
+        self.stats["check_mismatch_blocks"] += hi - bad[0]
+        self._checks.pop(span.req_id, None)
+        chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
+        log.error(
+            "tierkv self-check: block %d of %s (namespace %s, key %s) differs from vLLM's recomputation "
+            "(relative difference %.3g > %.3g); the namespace is purged from the store",
+            bad[0],
+            span.req_id,
+            chain.ns.digest.hex()[:16],
+            chain.keys[bad[0]].hex()[:16],
+            float(diff[bad[0] - lo]),
+            tolerance,
+        )
+        self.store.purge(namespace=chain.ns.digest.hex())
 
     # ------------------------------------------------------------------ saves
 
@@ -303,7 +307,15 @@ class WorkerSide:
         # Every rank, every step with loads (the same metadata reaches every rank): the union of the
         # ranks' failed loads. A collective, so before any return. (Each rank reports its own failures to
         # vLLM from start_load, which unions the ranks' reports; this union is for the taint only.)
-        self.guard.settle(self.ranks, agree=bool(meta.loads))
+        try:
+            self.guard.settle(self.ranks, agree=bool(meta.loads))
+        except RanksDisagree as exc:  # the collectives are out of step from now on: off, for good
+            log.error("tierkv connector is off on this worker: %s", exc)
+            self.off = str(exc)
+            if self.store is not None:
+                store, self.store = self.store, None
+                release_store(store)
+            return
         if self.store is None:
             return
         self._follow(meta)
@@ -312,7 +324,11 @@ class WorkerSide:
         if self.layout is None:
             return
         for span in meta.checks:
-            self._check(span)
+            try:
+                self._check(span)
+            except Exception:  # an optional check must never fail the step
+                log.exception("tierkv self-check of %s failed", span.req_id)
+                self._checks.pop(span.req_id, None)
         sound, unsound = self.guard.split(meta.saves)
         for span in unsound:
             log.info(
