@@ -54,11 +54,11 @@ def configs(tmp_path: Path, **changes):
 
 def side_by_side(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """A GPU backend's cache write: [blocks, heads, tokens, 2 * head_dim], K then V in the last dim."""
-    tokens = cache.shape[2]
+    tokens, d = cache.shape[2], key.shape[-1]
     for t, slot in enumerate(slots.tolist()):
         block, offset = divmod(slot, tokens)
-        cache[block, :, offset, :D] = key[t]
-        cache[block, :, offset, D:] = value[t]
+        cache[block, :, offset, :d] = key[t]
+        cache[block, :, offset, d:] = value[t]
 
 
 def worker(tmp_path: Path, *, num_blocks: int = 32, **changes: Any) -> Any:

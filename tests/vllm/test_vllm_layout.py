@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_engine import side_by_side  # FlashAttention's write: K then V in the last dim
 
 from tierkv.integrations.vllm.layout import PageShape, UnsupportedLayout, probe
 
 B, H, D = 32, 2, 64
-
-
-def side_by_side(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """FlashAttention's write: cache [blocks, heads, tokens, 2 * head_dim], K then V in the last dim."""
-    tokens = cache.shape[2]
-    for t, slot in enumerate(slots.tolist()):
-        block, offset = divmod(slot, tokens)
-        cache[block, :, offset, :D] = key[t]
-        cache[block, :, offset, D:] = value[t]
 
 
 def cpu_kernel(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
