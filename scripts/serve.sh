@@ -8,16 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh serve 2> >(grep -v "is ignored: it is neither" >&2)
 port=8000
-model_given=${TIERKV_MODEL:+yes}
-args=("$@")
+args=("$@")  # no --model: tierkv serve's default, smollm2
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in
     --port) port="${args[$((i + 1))]}" ;;
     --port=*) port="${args[$i]#--port=}" ;;
-    --model | --model=* | --config | --config=*) model_given=yes ;;  # a config file may name the model
   esac
 done
-[ -n "$model_given" ] || args=(--model smollm2 "${args[@]}")
 cat <<MSG
 tierkv: starting on http://127.0.0.1:${port}  (Ctrl-C or SIGTERM stops it cleanly)
 Try, in another shell (send it twice with a long system prompt: the second reports cached_tokens):
@@ -25,4 +22,4 @@ Try, in another shell (send it twice with a long system prompt: the second repor
     "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' | python3 -m json.tool
 Metrics: http://127.0.0.1:${port}/metrics   Store: .venv/bin/tierkv stats
 MSG
-exec .venv/bin/tierkv serve "${args[@]}"
+exec .venv/bin/tierkv serve ${args[@]+"${args[@]}"}

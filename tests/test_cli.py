@@ -232,3 +232,27 @@ def test_serve_engine_vllm_disk_budget_none_is_unbounded(tmp_path) -> None:
     r, argv, _ = _serve_vllm(tmp_path, "--disk-budget", "3GiB")
     extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert ConnectorOptions.from_extra(extra).disk_bytes == 3 << 30
+
+
+def test_serve_defaults_to_smollm2_unless_a_layer_names_a_model(tmp_path, monkeypatch) -> None:
+    """One default model everywhere (scripts/serve.sh's): smollm2; a config file, TIERKV_MODEL or --model
+    name another (tests that want the random model say --model tiny)."""
+    from tierkv.server import startup
+
+    configs: list = []
+    monkeypatch.setattr(startup, "serve", configs.append)
+    monkeypatch.delenv("TIERKV_MODEL", raising=False)
+
+    def model(*args: str, env: dict | None = None) -> str:
+        r = CliRunner().invoke(main, ["serve", *args], env=env)
+        assert r.exit_code == 0, r.output
+        return configs.pop().model
+
+    assert model() == "smollm2"
+    assert model("--model", "tiny") == "tiny"
+    assert model(env={"TIERKV_MODEL": "tiny"}) == "tiny"
+    toml = tmp_path / "serve.toml"
+    toml.write_text('model = "tiny"\n')
+    assert model("--config", str(toml)) == "tiny"
+    assert model("--config", str(toml), "--model", "smollm2") == "smollm2"
+    assert "[default: smollm2]" in CliRunner().invoke(main, ["serve", "--help"]).output

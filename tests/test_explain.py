@@ -88,7 +88,7 @@ def test_explain_cli_json(tmp_path) -> None:
                 }
             )
         )
-    r = CliRunner().invoke(main, ["explain", str(a), str(b), "--json"])
+    r = CliRunner().invoke(main, ["explain", "--model", "tiny", str(a), str(b), "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["first_divergent_token"] == len(TOK.encode("<|system|>\nDate: 2026-09-0"))
@@ -96,19 +96,33 @@ def test_explain_cli_json(tmp_path) -> None:
     assert "[[8" in out["context"]["second"] and "[[7" in out["context"]["first"]
     text = tmp_path / "c.txt"
     text.write_text(RULES)
-    r = CliRunner().invoke(main, ["explain", str(text), str(text), "--json"])
+    r = CliRunner().invoke(main, ["explain", "--model", "tiny", str(text), str(text), "--json"])
     assert json.loads(r.output)["first_divergent_token"] is None
-    assert "the prompts are identical" in CliRunner().invoke(main, ["explain", str(text), str(text)]).output
+    assert (
+        "the prompts are identical"
+        in CliRunner().invoke(main, ["explain", "--model", "tiny", str(text), str(text)]).output
+    )
     longer = tmp_path / "d.txt"
     longer.write_text(RULES + " And one more rule.")
     assert (
-        "FIRST is a prefix of SECOND" in CliRunner().invoke(main, ["explain", str(text), str(longer)]).output
+        "FIRST is a prefix of SECOND"
+        in CliRunner().invoke(main, ["explain", "--model", "tiny", str(text), str(longer)]).output
     )
     assert (
-        "SECOND is a prefix of FIRST" in CliRunner().invoke(main, ["explain", str(longer), str(text)]).output
+        "SECOND is a prefix of FIRST"
+        in CliRunner().invoke(main, ["explain", "--model", "tiny", str(longer), str(text)]).output
     )
-    r = CliRunner().invoke(main, ["explain", str(a), str(b)])
+    r = CliRunner().invoke(main, ["explain", "--model", "tiny", str(a), str(b)])
     assert "first divergent token" in r.output and "recomputed" in r.output
+    # It says which model and block size it counted with (the tiny model's blocks: 64 tokens).
+    assert (
+        r.output.splitlines()[0]
+        == "model tiny; blocks of 64 tokens (as tierkv serve picks it for the model on a CPU)"
+    )
+    r = CliRunner().invoke(
+        main, ["explain", "--model", "tiny", "--block-tokens", "16", str(a), str(b), "--json"]
+    )
+    assert json.loads(r.output)["model"] == "tiny" and json.loads(r.output)["block_tokens"] == 16
 
 
 def test_lint_flags_dynamic_content_before_stable_content(tmp_path) -> None:
@@ -121,10 +135,11 @@ def test_lint_flags_dynamic_content_before_stable_content(tmp_path) -> None:
     assert lint(RULES + "\nGenerated at 2026-09-07 10:15 UTC", enc) == []  # at the end: harmless
     path = tmp_path / "template.txt"
     path.write_text(bad)
-    r = CliRunner().invoke(main, ["lint", str(path)])
+    r = CliRunner().invoke(main, ["lint", "--model", "tiny", str(path)])
     assert r.exit_code == 1 and "Move the dynamic parts" in r.output
+    assert r.output.startswith("model tiny; blocks of 64 tokens")
     path.write_text(RULES + "\nToday: {{ date }}")
-    assert CliRunner().invoke(main, ["lint", str(path)]).exit_code == 0
+    assert CliRunner().invoke(main, ["lint", "--model", "tiny", str(path)]).exit_code == 0
 
 
 def test_server_miss_log_explains_where_a_prompt_diverged(tmp_path) -> None:

@@ -314,7 +314,27 @@ def test_explain_tokenizes_as_smollm2(smol_dir: Path, tmp_path: Path) -> None:
 
 
 def test_explain_counts_in_the_blocks_the_server_uses(smol_dir: Path, smol32: CachedModel) -> None:
-    from tierkv.cli_prompts import _default_block_tokens
+    from tierkv.cli.prompts import _default_block_tokens
 
     assert _default_block_tokens("smollm2") == smol32.base_namespace.block_tokens == 16
-    assert _default_block_tokens(None) == 64  # the tiny model: 12 KiB a token
+    assert _default_block_tokens(None) == 16  # the default model, as tierkv serve's
+    assert _default_block_tokens("tiny") == 64  # the tiny model: 12 KiB a token
+
+
+def test_explain_and_lint_default_to_the_served_model_and_say_so(smol_dir: Path, tmp_path: Path) -> None:
+    """Without --model, explain and lint count as `tierkv serve` (and scripts/serve.sh) runs: smollm2."""
+    from click.testing import CliRunner
+
+    from tierkv.cli import main
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("Today is 2026-09-07. You are a geography tutor.")
+    b.write_text("Today is 2026-09-08. You are a geography tutor.")
+    out = CliRunner().invoke(main, ["explain", str(a), str(b)])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[0] == (
+        "model smollm2; blocks of 16 tokens (as tierkv serve picks it for the model on a CPU)"
+    )
+    assert "first divergent token: 12 (block 0 of 16 tokens)" in out.output
+    got = json.loads(CliRunner().invoke(main, ["lint", "--json", str(a)]).output)
+    assert got["model"] == "smollm2" and got["block_tokens"] == 16

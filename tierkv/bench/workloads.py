@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench.serving import ServeProcess
+from tierkv.bench.serving import ServeProcess, serve_all
 from tierkv.bench.table import md_table
 
 WORDS = (
@@ -111,26 +111,29 @@ def _stats(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(base: Path, *, quick: bool = False, max_tokens: int = 8, model: str | None = None) -> dict[str, Any]:
-    """``model``: what ``tierkv serve --model`` takes (smollm2, tiny, a directory); None: the embedded default."""
+    """``model``: what ``tierkv serve --model`` takes (smollm2, tiny, a directory); None: tiny."""
     specs = _workloads(quick)
     out: dict[str, Any] = {
         "config": {
             "quick": quick,
             "max_tokens": max_tokens,
-            "model": f"{model} (CPU)" if model else "embedded default (CPU)",
+            "model": f"{model or 'tiny'} (CPU)",
         },
         "rows": [],
     }
-    model_args = ["--model", model] if model else []
-    for mode, args in (("cache on", ["--cache-dir", str(base / "cache")]), ("cache off", ["--no-cache"])):
-        srv = ServeProcess(*model_args, *args)
-        try:
+    model_args = ["--model", model or "tiny"]
+    # Both servers start together (the start-ups overlap) and are measured one after the other.
+    servers = serve_all([*model_args, "--cache-dir", str(base / "cache")], [*model_args, "--no-cache"])
+    try:
+        for mode, srv in zip(("cache on", "cache off"), servers):
             srv.chat([{"role": "user", "content": "warm-up"}], 1)
             for name, spec in specs.items():
                 out["rows"].append(
                     {"workload": name, "mode": mode, **_stats(_run_one(srv, name, spec, max_tokens))}
                 )
-        finally:
+            srv.stop()  # before the next one is measured
+    finally:
+        for srv in servers:
             srv.stop()
     return out
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import tomllib
 
+from tierkv import models
 from tierkv.config import DiskConfig, RemoteConfig, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.paths import default_cache_dir
@@ -18,9 +19,7 @@ from tierkv.units import parse_duration, parse_size
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    model: str | None = (
-        None  # smollm2, tiny or a local Hugging Face directory; None: tiny (the embedded model)
-    )
+    model: str | None = models.DEFAULT  # smollm2, tiny (the embedded test model) or a local HF directory
     revision: str | None = None  # vouch for the weights instead of fingerprinting them
     host: str = "127.0.0.1"  # loopback unless asked: the admin API and the cache are not for the internet
     port: int = 8000

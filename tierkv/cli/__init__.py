@@ -1,0 +1,51 @@
+"""The ``tierkv`` command: a click group whose commands live in one module per group, each imported only
+when one of its commands runs (``tierkv --help`` imports them all, but none of them imports torch, the
+server or a tokenizer at module level):
+
+    tierkv.cli.store    stats, gc        the store on disk (safe while a server writes to it)
+    tierkv.cli.serve    serve, route     the OpenAI-compatible server and the prefix-aware router
+    tierkv.cli.prompts  explain, lint    the prompt tools
+    tierkv.cli.bench    bench            the benchmarks of ``tierkv.bench``
+
+``python -m tierkv.cli`` and the ``tierkv`` console script (``tierkv.cli:main``) are the same command.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+__all__ = ["COMMANDS", "main"]
+
+# command name -> (module, attribute)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "stats": ("tierkv.cli.store", "stats"),
+    "gc": ("tierkv.cli.store", "gc"),
+    "serve": ("tierkv.cli.serve", "serve"),
+    "route": ("tierkv.cli.serve", "route"),
+    "explain": ("tierkv.cli.prompts", "explain"),
+    "lint": ("tierkv.cli.prompts", "lint_cmd"),
+    "bench": ("tierkv.cli.bench", "bench"),
+}
+
+
+class _LazyGroup(click.Group):
+    """A group that imports a command's module only when the command is looked up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in COMMANDS:
+            module, attr = COMMANDS[cmd_name]
+            command = getattr(importlib.import_module(module), attr)
+            assert isinstance(command, click.Command)
+            return command
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tierkv")
+def main() -> None:
+    """tierkv: a tiered KV-cache store for LLM inference."""

@@ -1,0 +1,181 @@
+"""``tierkv stats`` and ``tierkv gc``: the store on disk, opened read-only for stats and as a second writer
+for gc (both safe while a server writes to it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tierkv.cli.common import cache_dir_option, fail, parsed
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.units import format_duration, format_size, parse_duration, parse_size
+
+__all__ = ["gc", "stats"]
+
+
+@contextmanager
+def _open_disk(cache_dir: str) -> Iterator[Any]:
+    from tierkv.tiers.disk import DiskTier
+
+    try:
+        if not (Path(cache_dir) / "index" / "data.mdb").exists():
+            fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", 1)
+        disk = DiskTier(cache_dir, writer=False)
+    except TierKVError as exc:  # another format version; permissions, read-only media, a lock file
+        fail(str(exc), 2)
+    except OSError as exc:
+        fail(f"cannot open the store at {cache_dir}: {exc}", 2)
+    try:
+        yield disk
+    finally:
+        disk.close()
+
+
+@click.command()
+@cache_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def stats(cache_dir: str, as_json: bool) -> None:
+    """Totals per namespace, ages, expired blocks not yet swept, budget and space."""
+    from tierkv.inspect import store_stats
+
+    with _open_disk(cache_dir) as disk:
+        report = store_stats(disk)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    p = report["policy"]
+    click.echo(f"store      {report['cache_dir']}")
+    click.echo(
+        f"blocks     {report['blocks']}   live {format_size(report['live_nbytes'])}   "
+        f"on disk {format_size(report['segment_allocated_nbytes'] + report['index_file_nbytes'])} "
+        f"(segments {format_size(report['segment_allocated_nbytes'])} allocated of "
+        f"{format_size(report['segment_apparent_nbytes'])} apparent, index {format_size(report['index_file_nbytes'])})"
+    )
+    budget = format_size(p["budget_nbytes"]) if p["budget_nbytes"] else "none"
+    used = f" ({100 * report['budget_used']:.1f}% used)" if report["budget_used"] is not None else ""
+    click.echo(
+        f"policy     budget {budget}{used}   ttl {format_duration(p['ttl_s']) if p['ttl_s'] else 'none'}   "
+        f"max age {format_duration(p['max_age_s']) if p['max_age_s'] else 'none'}"
+    )
+    for g in report["gpus"]:
+        click.echo(
+            f"gpu {g['index']}      {g['name']}   memory {format_size(g['memory_used_nbytes'])} of "
+            f"{format_size(g['memory_total_nbytes'])}   busy {g['utilization_gpu_pct']}%   PCIe "
+            f"{format_size(g['pcie_tx_Bps'])}/s out, {format_size(g['pcie_rx_Bps'])}/s in"
+        )
+    now = time.time()
+    for ns in report["namespaces"]:
+        spec = json.loads(ns["spec"]) if ns["spec"] else {}
+        click.echo(
+            f"\nnamespace  {ns['digest'][:16]}  {spec.get('model_id', '?')}@{spec.get('revision', '?')} "
+            f"{spec.get('dtype', '?')} block {spec.get('block_tokens', '?')}"
+            + (f" salt {spec['tenant_salt']!r}" if spec.get("tenant_salt") else "")
+        )
+
+        def age(t: float | None) -> str:
+            return format_duration(now - t) + " ago" if t else "-"
+
+        click.echo(
+            f"  blocks {ns['blocks']}  {format_size(ns['nbytes'])}  oldest {age(ns['oldest_created_s'])}  "
+            f"newest {age(ns['newest_created_s'])}  expired, not swept {ns['expired_unswept']}"
+        )
+        click.echo("  last access  " + "  ".join(f"{k} {v}" for k, v in ns["last_access_histogram"].items()))
+
+
+@click.command()
+@cache_dir_option
+@click.option(
+    "--ttl",
+    callback=parsed(parse_duration),
+    help="Delete blocks idle longer than this (e.g. 24h); default: the store's TTL.",
+)
+@click.option(
+    "--max-age", callback=parsed(parse_duration), help="Delete blocks created longer ago than this."
+)
+@click.option(
+    "--budget",
+    callback=parsed(parse_size),
+    help="Evict least recently used blocks down to this size (e.g. 20GiB).",
+)
+@click.option(
+    "--namespace", "namespace", help="Purge every block of this namespace (digest, or a unique prefix of it)."
+)
+@click.option("--all", "purge_all", is_flag=True, help="Purge every block.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Read and verify every record; purge the bad ones. Exits 1 when it found any (as fsck does).",
+)
+@click.option(
+    "--compact", is_flag=True, help="Release space no live record uses (crash leftovers, empty files)."
+)
+@click.option("--dry-run", is_flag=True, help="Count what would go; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def gc(
+    cache_dir: str,
+    ttl: float | None,
+    max_age: float | None,
+    budget: int | None,
+    namespace: str | None,
+    purge_all: bool,
+    check: bool,
+    compact: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Sweep expired blocks, hold the byte budget, purge, verify, compact."""
+    from tierkv.maintenance import run_gc
+
+    with _open_disk(cache_dir) as disk:
+        show = sys.stderr.isatty() and not as_json
+        try:
+            out = run_gc(
+                disk,
+                ttl_s=ttl,
+                max_age_s=max_age,
+                budget_nbytes=budget,
+                namespace=namespace,
+                purge_all=purge_all,
+                check=check,
+                compact=compact,
+                dry_run=dry_run,
+                progress=lambda label: _progress(show, label),
+            )
+        except ConfigError as exc:
+            fail(str(exc), 2)
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo(
+            ("would remove" if dry_run else "removed")
+            + f": expired {out['expired']}, evicted {out['evicted']}, purged {out['purged']}, "
+            f"corrupt {out['corrupt']} (of {out['checked']} checked), segments {out['segments_removed']}; "
+            f"freed {format_size(out['freed_nbytes'])}; live {format_size(out['live_nbytes'])}"
+        )
+    if out["corrupt"]:  # a cron job or a script must hear of it: the disk or something writing to it is bad
+        verb = "would purge" if dry_run else "purged"
+        fail(f"{out['corrupt']} corrupt record(s) found and {verb}: check the disk (dmesg, SMART)", 1)
+
+
+@contextmanager
+def _progress(show: bool, label: str) -> Iterator[Callable[[int], None] | None]:
+    """A counter on stderr when it is a terminal (sweeps do not know their length in advance)."""
+    if not show:
+        yield None
+        return
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        click.echo(f"\r{label}: {done[0]} blocks", nl=False, err=True)
+
+    yield tick
+    if done[0]:
+        click.echo("", err=True)
