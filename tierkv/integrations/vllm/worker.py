@@ -344,10 +344,10 @@ class WorkerSide:
         t0 = time.perf_counter()
         n = len(span.block_ids)
         assert self.layout is not None
-        blocks = self._buffer("save", (n, *self.spec.block_shape), grow_dim=0)
-        self.layout.gather(self.caches, torch.tensor(span.block_ids, dtype=torch.long), out=blocks)
-        chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
-        try:
+        try:  # the gather too (a buffer that cannot be allocated): a failed save is never a failed step
+            blocks = self._buffer("save", (n, *self.spec.block_shape), grow_dim=0)
+            self.layout.gather(self.caches, torch.tensor(span.block_ids, dtype=torch.long), out=blocks)
+            chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
             self.store.save_blocks(chain.ns, chain, blocks, start_block=span.first)
         except Exception:  # a cache: a failed save is a future miss, never a failed request
             log.exception("tierkv: saving %d blocks of %s failed", n, span.req_id)
