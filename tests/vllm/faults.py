@@ -5,7 +5,7 @@
     write_enospc   probability that an append to a segment (``os.pwritev``) fails with ENOSPC
     purge_at_batches  at the start of these batches another process purges the whole cache directory
                    (``tierkv gc --all``), while the batch runs
-    seed           the faults' random generator
+    seed           the faults' random generator (the first chance of each fault always hits)
 
 They act below the connector (the store, the file system, another process), never inside it: the
 connector must turn each into a miss or a recompute, and save nothing wrong.
@@ -43,9 +43,11 @@ def install(faults: dict[str, Any], cache_dir: str) -> Callable[[int], None]:
     lock = threading.Lock()
 
     def draw(name: str) -> bool:
+        """The first chance of each fault always hits (how many chances there are is timing's: appends
+        and reads are batched), later ones with its probability."""
         p = float(faults.get(name, 0.0))
         with lock:
-            hit = p > 0 and rng.random() < p
+            hit = p > 0 and (not counts[name] or rng.random() < p)
         if hit:
             counts[name] += 1
         return hit
