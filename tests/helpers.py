@@ -22,6 +22,24 @@ def make_kv(ns: Namespace, num_tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(spec.shape(num_tokens), generator=g).to(spec.dtype)
 
 
+def save_byte_tokenizer(path: Path | str, chat_template: str | None = None) -> int:
+    """A byte-level BPE tokenizer (``<s>`` 0, ``</s>`` 1, then the 256 byte symbols) saved as a Hugging Face
+    tokenizer in ``path``, with ``chat_template`` if given; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return len(vocab)
+
+
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (a real second process), failing loudly on error."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}

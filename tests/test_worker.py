@@ -9,7 +9,7 @@ from tierkv import TieredStore
 from tierkv.default_model import ByteTokenizer, build_default_model
 from tierkv.worker import CachedModel
 
-from helpers import run_python
+from helpers import run_python, save_byte_tokenizer
 
 TINY = dict(
     hidden_size=128,
@@ -210,20 +210,11 @@ def test_embedded_default_model_shape_and_determinism() -> None:
 
 def _save_local_model(path) -> None:
     """A tiny Llama and a byte-level BPE tokenizer saved as a Hugging Face directory (no hub)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
+    vocab_size = save_byte_tokenizer(path)
     model = build_default_model(
         torch.float32,
         seed=3,
-        **dict(TINY, vocab_size=len(vocab), bos_token_id=0, eos_token_id=1, pad_token_id=None),
+        **dict(TINY, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=None),
     )
     model.save_pretrained(path)
 

@@ -23,7 +23,7 @@ from tierkv.server.config import ServeConfig
 from tierkv.server.startup import uvicorn_config
 from tierkv.server.state import load_server
 
-from helpers import free_port
+from helpers import free_port, save_byte_tokenizer
 
 MAX_CONTEXT = 512
 TOKEN = "sekret"
@@ -368,19 +368,9 @@ GEMMA_TEMPLATE = (
 
 def _save_templated_model(path) -> None:
     """A tiny Llama with a byte-level tokenizer and Gemma's chat template, as a Hugging Face directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from tierkv.default_model import build_default_model
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = GEMMA_TEMPLATE
-    fast.save_pretrained(path)
+    vocab_size = save_byte_tokenizer(path, GEMMA_TEMPLATE)
     model = build_default_model(
         torch.float32,
         seed=3,
@@ -390,7 +380,7 @@ def _save_templated_model(path) -> None:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        vocab_size=len(vocab),
+        vocab_size=vocab_size,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=None,
