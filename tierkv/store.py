@@ -21,7 +21,7 @@ import torch
 from tierkv import codec
 from tierkv.config import StoreConfig
 from tierkv.errors import ConfigError
-from tierkv.keys import BlockChain, Namespace, NamespaceDigest
+from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
 from tierkv.planner import RestorePlanner
@@ -352,64 +352,18 @@ class TieredStore:
 
     def purge(self, namespace: str | None = None, *, purge_all: bool = False) -> dict[str, Any]:
         """Drop one namespace (a digest prefix) or everything from every tier, then run a gc pass over the
-        disk (expiry, budget; its report is returned). The memory tiers keep no namespace index: they are
-        cleared whole.
+        disk (its report is returned). A barrier: see ``removal.purge``."""
+        from tierkv.removal import purge
 
-        A barrier: no block saved before the call is in any tier when it returns, those still on their way
-        included (in the staging ring, queued or being written: dropped where they are, see
-        ``write_behind.Generations``), and a restore begun before it is waited for. Meanwhile the blocks
-        it names are misses. A crash in the middle leaves some of them on disk, whole: purging again
-        finishes the job. (Another process's saves of the namespace still on their way are its own: a
-        ``tierkv gc`` purge beside a live server does not reach them.)"""
-        from tierkv.maintenance import resolve_namespace
-
-        disk = self._durable()
-        if namespace and purge_all:
-            raise ConfigError("namespace and all exclude each other")
-        if namespace is None and not purge_all:  # nothing named: a gc pass, the memory tiers emptied
-            out = self.gc()
-            for tier in self.tiers:
-                if isinstance(tier, BlockPool):
-                    tier.clear()
-            return out
-        digest = None
-        if namespace is not None:
-            digest = NamespaceDigest(resolve_namespace(disk, namespace, self.writes.gens.seen()))
-        with self.writes.gens.fence(digest):
-            with self.writes.gate:  # a block found live before the fence is in the pools by now
-                for tier in self.tiers:
-                    if isinstance(tier, BlockPool):
-                        tier.drop(digest)
-            out = self.gc(namespace=digest, purge_all=purge_all)
-            for tier in self.tiers:
-                if not isinstance(tier, (BlockPool, DiskTier)):
-                    tier.drop(digest)
-        return out
+        return purge(self, namespace, purge_all=purge_all)
 
     def invalidate(self, ns: Namespace, token_ids: Tokens, blocks: Iterable[int]) -> int:
-        """Remove blocks ``blocks`` (indices into the prompt's full blocks) from every tier: a caller
-        learnt a copy may be wrong (a connector told a save was bad, a sampled check that found a restored
-        block different from the recomputed one). Held host slots, disk records and remote keys go, and
-        their saves still on their way are dropped; a restore begun before is waited for. Later blocks
-        are left (no prefix reaches them without these). Returns how many of them some tier held (or had
-        queued); saving them again afterwards stores the new KV."""
-        chain = _chain(ns, token_ids)
-        idx = sorted(set(blocks))
-        if idx and not 0 <= idx[0] <= idx[-1] < len(chain):
-            raise ConfigError(f"block indices must be in 0..{len(chain) - 1} (the prompt's full blocks)")
-        if not idx:
-            return 0
-        keys = [chain.keys[i] for i in idx]
-        held = [False] * len(keys)
-        with self.writes.gens.fence(ns.digest, keys):
-            for tier in self.tiers:
-                if isinstance(tier, BlockPool):
-                    with self.writes.gate:
-                        got = tier.invalidate(ns.digest, keys)
-                else:
-                    got = tier.invalidate(ns.digest, keys)
-                held = [a or b for a, b in zip(held, got)]
-        return sum(held)
+        """Remove blocks ``blocks`` (indices into the prompt's full blocks) from every tier, their saves
+        on their way included: a caller learnt a copy may be wrong. Returns how many of them some tier
+        held (or had queued). See ``removal.invalidate``."""
+        from tierkv.removal import invalidate
+
+        return invalidate(self, _chain(ns, token_ids), blocks)
 
     def report(self) -> dict[str, Any]:
         """``tierkv stats``' report of the disk tier, plus what only this process knows under ``live``."""

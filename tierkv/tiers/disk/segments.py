@@ -29,12 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tierkv.metrics import Counters
+from tierkv.tiers.disk.files import ALIGN, TransientReadError, aligned, media_or_raise
 
 __all__ = [
     "ALIGN",
     "MAX_READ_FDS",
     "READ_CHUNK_NBYTES",
     "SegmentDir",
+    "TransientReadError",
     "aligned",
     "fsync_dir",
     "punch_hole",
@@ -42,29 +44,12 @@ __all__ = [
 
 log = logging.getLogger("tierkv.disk")
 
-ALIGN = 4096  # file offsets and record footprints are page multiples: punchable, O_DIRECT-able
 READ_CHUNK_NBYTES = 8 << 20  # one preadv per chunk; several in flight keep the disk's queue full
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv / pwritev
-# Errors that say the medium could not return the record's bytes: the record is purged. Any other error of a
-# read (no descriptors left: EMFILE, ENFILE; no memory) says nothing about the record, which stays.
-MEDIA_ERRNOS = frozenset(
-    getattr(errno, name)
-    for name in ("EIO", "ENODATA", "EBADMSG", "EUCLEAN", "EREMOTEIO")
-    if hasattr(errno, name)
-)
-
-
-class TransientReadError(OSError):
-    """A read failed for a reason that is not the record's (EMFILE, ENOMEM, ...): a miss, nothing purged."""
-
-
-def _media_or_raise(exc: OSError, seg_id: int) -> None:
-    if exc.errno not in MEDIA_ERRNOS:
-        raise TransientReadError(exc.errno, f"reading segment {seg_id}: {exc.strerror}") from None
-
-
 MAX_READ_FDS = 256  # cached read descriptors (two per segment); least recently used closed past it
 _TEMP = ".new-"  # a segment being created: <id>.seg.new-<pid>-<tid>, renamed once locked
+
+
 _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
 
@@ -79,10 +64,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def aligned(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
@@ -290,7 +271,7 @@ class SegmentDir:
                         break
                     got += n
         except OSError as exc:
-            _media_or_raise(exc, seg_id)
+            media_or_raise(exc, seg_id)
             self._read_error(exc, seg_id, offset + got)
             error = True
         if got < nbytes:
@@ -355,7 +336,7 @@ class SegmentDir:
                 if not self._readv_one(seg_id, offset, views, sequential=len(group) > 1):
                     return
             except OSError as exc:
-                _media_or_raise(exc, seg_id)
+                media_or_raise(exc, seg_id)
                 if len(group) > 1:  # which record is it in? Each alone: those before it are served
                     for j in group:
                         read_group([j])
