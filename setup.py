@@ -1,18 +1,29 @@
-"""Only here to build the optional CUDA extension (``TIERKV_BUILD_CUDA=1 pip install -e .``).
+"""Builds the native record reader and writer (``native/records.c`` -> ``tierkv._native``), and on request
+the optional CUDA extension (``TIERKV_BUILD_CUDA=1 pip install -e .``).
 
-A plain install never needs nvcc or a CUDA build of torch: everything else is in pyproject.toml.
+The native module is optional: where no C compiler is found the install goes on without it and tierkv
+uses its Python data path (``tierkv stats`` and the server's start-up line say which one runs). A plain
+install never needs nvcc or a CUDA build of torch: everything else is in pyproject.toml.
 """
 
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
 
-ext_modules = []
+ext_modules = [
+    Extension(
+        "tierkv._native",
+        ["native/records.c"],
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
+        libraries=["dl", "pthread"],
+        optional=os.environ.get("TIERKV_REQUIRE_NATIVE") != "1",
+    )
+]
 cmdclass = {}
 if os.environ.get("TIERKV_BUILD_CUDA") == "1":
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    ext_modules = [CUDAExtension("tierkv._cuda_ext", ["cuda_ext/gather_scatter.cu"])]
+    ext_modules.append(CUDAExtension("tierkv._cuda_ext", ["cuda_ext/gather_scatter.cu"]))
     cmdclass = {"build_ext": BuildExtension}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

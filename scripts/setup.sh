@@ -25,7 +25,7 @@ if [ "$extras" = "vllm" ]; then
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
   stamp="$venv/.tierkv-installed"
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ native/records.c -nt "$stamp" ]; then
     "$venv/bin/python" -m pip install -q --no-deps -e .
     "$venv/bin/python" -m pip install -q "lmdb>=1.4" "xxhash>=3.0" "zstandard>=0.21" "click>=8.1" "pytest>=8" \
       "pytest-benchmark>=4"
@@ -46,7 +46,9 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "$venv/bin/python" -m pip install -q "torch==${TIERKV_TORCH_VERSION:-2.13.0}"
 fi
 stamp="$venv/.tierkv-installed-${extras:-base}"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# native/records.c: the package's build compiles it into tierkv._native (optional: without a compiler the
+# install goes on and tierkv reads through its Python path); a changed source is rebuilt.
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ native/records.c -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
   touch "$stamp"
 fi

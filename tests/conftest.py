@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-from tierkv import Namespace
+from tierkv import Namespace, native
+
+from helpers import ReadFaults
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -18,6 +23,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["python", "native"])
+def reader(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with each disk reader: the Python path (the reference) and the native one. Where the
+    native module is not built the native case is skipped, unless TIERKV_REQUIRE_NATIVE=1 (the test
+    command sets it): then it fails."""
+    if request.param == "native" and native.reason() is not None:
+        if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"the native reader is required here but unavailable: {native.reason()}")
+        pytest.skip(f"native reader unavailable: {native.reason()}")
+    with native.use(request.param == "native"):
+        yield request.param
+
+
+@pytest.fixture
+def read_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadFaults]:
+    faults = ReadFaults(monkeypatch)
+    yield faults
+    faults.clear()
 
 
 @pytest.fixture

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -191,3 +193,52 @@ def gc_beside(proc: subprocess.Popen[str], cache_dir: Path, options: list[list[s
     out, err = proc.communicate()
     assert proc.returncode == 0, err
     return runs, out
+
+
+class ReadFaults:
+    """Reads of chosen records fail as a bad sector would (EIO by default), in both readers: through
+    ``os.preadv`` (the Python reader) and the native reader's fault hook, at the same file ranges."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self._monkeypatch = monkeypatch
+        self._ranges: list[tuple[str, int, int, int]] = []  # (segment file name, start, end, errno)
+
+    def fail(self, store: Any, chain: Any, blocks: list[int], err: int = errno.EIO) -> None:
+        disk = store.tier("disk")
+        entries = disk.locate(chain.keys)
+        for i in blocks:
+            seg_id, offset, nbytes = entries[i].location
+            self._add(disk.segments.file(seg_id), offset, offset + nbytes, err)
+
+    def fail_all(self, store: Any, err: int) -> None:
+        for path in sorted(store.tier("disk").segments.path.glob("*.seg")):
+            self._add(path, 0, 1 << 62, err)
+
+    def _add(self, path: Path, start: int, end: int, err: int) -> None:
+        from tierkv import native
+
+        self._ranges.append((path.name, start, end, err))
+        if native.reason() is None:
+            st = os.stat(path)
+            native.module().inject_fault(st.st_dev, st.st_ino, start, end, err)
+        real = getattr(self, "_real", None) or os.preadv
+        self._real = real
+        ranges = self._ranges
+
+        def preadv(fd: int, buffers: list[memoryview], offset: int, *args: int) -> int:
+            size = sum(memoryview(b).nbytes for b in buffers)
+            name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+            for seg, a, b, e in ranges:
+                if name == seg and offset < b and a < offset + size:
+                    raise OSError(e, os.strerror(e))
+            return real(fd, buffers, offset, *args)
+
+        self._monkeypatch.setattr(os, "preadv", preadv)
+
+    def clear(self) -> None:
+        from tierkv import native
+
+        self._ranges.clear()
+        if native.reason() is None:
+            native.module().clear_faults()
+        self._monkeypatch.setattr(os, "preadv", getattr(self, "_real", os.preadv))

@@ -7,10 +7,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,28 +21,9 @@ from helpers import make_kv
 B = 16  # the ``ns`` fixture's block tokens
 
 
-def _fail_reads_of(store: TieredStore, chain: BlockChain, blocks: list[int]) -> Callable[..., int]:
-    """An ``os.preadv`` that raises EIO for any read touching the records of ``blocks`` (as a bad sector
-    would), and reads everything else."""
-    disk = store.tier("disk")
-    entries = disk.locate(chain.keys)
-    bad = [entries[i].location for i in blocks]
-    real = os.preadv
-
-    def preadv(fd: int, buffers: list[memoryview], offset: int, *args: int) -> int:
-        size = sum(memoryview(b).nbytes for b in buffers)
-        name = os.readlink(f"/proc/self/fd/{fd}")
-        for seg_id, off, n in bad:
-            if name.endswith(f"{seg_id:010d}.seg") and offset < off + n and off < offset + size:
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, buffers, offset, *args)
-
-    return preadv
-
-
 @pytest.mark.parametrize("codec_", ["raw", "zstd"])
 def test_a_disk_read_error_ends_the_prefix_is_counted_purged_and_logged_once(
-    tmp_path, ns, monkeypatch, caplog, codec_: str
+    tmp_path, ns, read_faults, reader, caplog, codec_: str
 ) -> None:
     toks = list(range(6 * B))
     kv = make_kv(ns, 6 * B)
@@ -53,13 +32,13 @@ def test_a_disk_read_error_ends_the_prefix_is_counted_purged_and_logged_once(
         store.save(ns, toks, kv)
         store.flush()
     with TieredStore.open(tmp_path, host_bytes=0, codec_=codec_) as store, caplog.at_level(logging.WARNING):
-        monkeypatch.setattr(os, "preadv", _fail_reads_of(store, chain, [3]))
+        read_faults.fail(store, chain, [3])
         hit, got = store.restore(ns, toks)  # was: OSError out of restore (a 500)
         assert hit.num_tokens == 3 * B and got is not None and torch.equal(got, kv[:, :, : 3 * B])
         store.flush()  # the purge is queued to the disk writer
         disk = store.stats()["disk"]
         assert disk["read_errors"] == 1 and disk["corrupt_blocks"] == 0
-        monkeypatch.undo()  # the fault is gone: the record is not (purged, only if still indexed there)
+        read_faults.clear()  # the fault is gone: the record is not (purged, only if still indexed there)
         assert store.lookup(ns, toks).num_tokens == 3 * B
         assert store.tier("disk").probe(chain, range(6)) == [True] * 3 + [False] + [True] * 2
 
@@ -68,13 +47,13 @@ def test_a_disk_read_error_ends_the_prefix_is_counted_purged_and_logged_once(
         other_kv = make_kv(ns, 4 * B, seed=5)
         store.save(ns, other, other_kv)
         store.flush()
-        monkeypatch.setattr(os, "preadv", _fail_reads_of(store, BlockChain.of(ns, other), [0]))
+        read_faults.fail(store, BlockChain.of(ns, other), [0])
         hit, got = store.restore(ns, other)
         assert hit.num_tokens == 0 and got is None
         store.flush()
         hit, got = store.restore(ns, other)  # purged: a plain miss, nothing read
         assert hit.num_tokens == 0 and got is None
-        monkeypatch.undo()
+        read_faults.clear()
         assert store.stats()["disk"]["read_errors"] == 2
         logged = [r for r in caplog.records if "read error" in r.getMessage()]
         assert len(logged) == 1, [r.getMessage() for r in logged]
@@ -301,20 +280,20 @@ def test_invalidate_of_a_block_in_the_staging_ring_drops_it(tmp_path, ns, monkey
         gate.set()
 
 
-def test_gc_check_purges_an_unreadable_record_and_counts_it(tmp_path, ns, monkeypatch) -> None:
+def test_gc_check_purges_an_unreadable_record_and_counts_it(tmp_path, ns, read_faults) -> None:
     toks = list(range(4 * B))
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         store.save(ns, toks, make_kv(ns, 4 * B))
         store.flush()
-        monkeypatch.setattr(os, "preadv", _fail_reads_of(store, BlockChain.of(ns, toks), [2]))
+        read_faults.fail(store, BlockChain.of(ns, toks), [2])
         out = store.gc(check=True)  # was: OSError out of the check
-        monkeypatch.undo()
+        read_faults.clear()
         assert out["checked"] == 4 and out["corrupt"] == 1
         assert store.stats()["disk"]["read_errors"] == 1
         assert store.lookup(ns, toks).num_tokens == 2 * B
 
 
-def test_a_read_that_fails_for_want_of_descriptors_purges_nothing(tmp_path, ns, monkeypatch) -> None:
+def test_a_read_that_fails_for_want_of_descriptors_purges_nothing(tmp_path, ns, read_faults, reader) -> None:
     """EMFILE (a process at its descriptor limit) says nothing about the records: a miss, never a purge
     (every restore would otherwise wipe the blocks it tried to read)."""
     toks = list(range(4 * B))
@@ -323,16 +302,12 @@ def test_a_read_that_fails_for_want_of_descriptors_purges_nothing(tmp_path, ns, 
         store.save(ns, toks, kv)
         store.flush()
     with TieredStore.open(tmp_path, host_bytes=0) as store:
-
-        def emfile(*args: object) -> int:
-            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-
-        monkeypatch.setattr(os, "preadv", emfile)
+        read_faults.fail_all(store, errno.EMFILE)
         hit, got = store.restore(ns, toks)
         assert hit.num_tokens == 0 and got is None
         store.flush()
         disk = store.stats()["disk"]
         assert disk["transient_read_errors"] == 1 and disk["read_errors"] == 0 and disk["corrupt_blocks"] == 0
-        monkeypatch.undo()
+        read_faults.clear()
         hit, got = store.restore(ns, toks)
         assert hit.by_tier["disk"] == 4 * B and torch.equal(got, kv)

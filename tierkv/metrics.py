@@ -21,6 +21,9 @@ COUNTER_NAMES = (
     "write_errors",
     "read_errors",  # records the medium could not return (EIO): purged
     "transient_read_errors",  # reads that failed not for the record's sake (EMFILE, ENOMEM): a miss only
+    "read_cached_nbytes",  # the native reader: bytes the page cache held (read buffered, straight into place)
+    "read_direct_nbytes",  # ... bytes read from the disk with O_DIRECT
+    "read_blocking_nbytes",  # ... bytes read buffered and blocking (no O_DIRECT on this file system)
     "sweeps",
     "sweep_errors",
     "punch_unsupported",

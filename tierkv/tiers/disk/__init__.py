@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
+from tierkv import native
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
@@ -72,7 +73,11 @@ class DiskTier(Tier):
         read_threads: int = 4,
         sweep_interval_s: float = 0.0,
         counters: Counters | None = None,
+        direct_reads: bool | None = None,
     ) -> None:
+        """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT instead of
+        buffered with readahead (None: ``TIERKV_DIRECT_READS=1`` in the environment). Which is faster is the
+        disk's: ``tierkv bench`` measures both."""
         self.path = Path(path)
         self.clock = clock
         self.counters = counters or Counters()
@@ -80,7 +85,14 @@ class DiskTier(Tier):
         self.index = Index(
             self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy, counters=self.counters
         )
-        self.segments = SegmentDir(self.path / "segments", read_threads=read_threads, counters=self.counters)
+        if direct_reads is None:
+            direct_reads = os.environ.get("TIERKV_DIRECT_READS") == "1"
+        self.segments = SegmentDir(
+            self.path / "segments",
+            read_threads=read_threads,
+            counters=self.counters,
+            direct_reads=direct_reads,
+        )
         self.sweeps = Sweeps(self.index, self.segments, self.counters)
         self.times = AccessTimes(self.index)
         self.writer: Writer | None = None
@@ -189,10 +201,16 @@ class DiskTier(Tier):
         scatter = functools.partial(self.read_scatter, failed=failed)
         whole = functools.partial(self.read, failed=failed)
 
+        read_native = None
+        if native.enabled():
+            from tierkv.tiers.disk.native_read import read_run
+
+            read_native = functools.partial(read_run, self.segments, chain, failed=failed)
+
         def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
             part = entries[i0 - first : i0 - first + n]
             verified = target.verified if target.on_verified is not None else None  # no view per block
-            return read_records(chain, part, i0, buf, base, scatter, whole, verified)
+            return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native)
 
         try:
             got = target.fill(first, len(entries), fill)
@@ -292,7 +310,14 @@ class DiskTier(Tier):
             if self._sweeper is not None
             else "no background sweep"
         )
-        return f"disk {budget} at {self.path} ({ttl}, {sweep})"
+        return f"disk {budget} at {self.path} ({ttl}, {sweep}; reads: {self.read_path()})"
+
+    def read_path(self) -> str:
+        """Which reader serves this tier: native (O_DIRECT or buffered) or Python, and why."""
+        if not native.enabled():
+            return native.describe()
+        how = "O_DIRECT where uncached" if self.segments.direct_reads else "buffered with readahead"
+        return f"native ({how}, {native.READ_THREADS} reads in flight)"
 
     # ---------------------------------------------------------------- writes
 

@@ -12,6 +12,7 @@ from tierkv import codec
 from tierkv.errors import RecordError
 from tierkv.keys import BlockChain
 from tierkv.layout import KVSpec
+from tierkv.tiers.disk.native_read import ST_OK, ST_PYTHON
 from tierkv.tiers.disk.schema import Entry
 from tierkv.tiers.target import as_tensor, expected
 
@@ -19,6 +20,9 @@ __all__ = ["read_records"]
 
 ReadInto = Callable[[Sequence[tuple[Entry, list[memoryview]]], Callable[[int], bool]], list[bool]]
 ReadWhole = Callable[[Sequence[Entry]], contextlib.AbstractContextManager[list[memoryview]]]
+# The native reader (native_read.read_run without its first arguments): records (i, entry, position) into a
+# tensor; each record's status and the records' headers.
+ReadNative = Callable[[Sequence[tuple[int, Entry, int]], torch.Tensor], tuple[list[int], memoryview]]
 
 
 def read_records(
@@ -30,6 +34,7 @@ def read_records(
     read_into: ReadInto,
     read_whole: ReadWhole,
     verified: Callable[[int, torch.Tensor], None] | None = None,
+    read_native: ReadNative | None = None,
 ) -> int:
     """Blocks ``first, first+1, ...`` (their ``entries``) into ``target`` at block positions ``i - base``;
     returns how many leading blocks verified.
@@ -38,28 +43,33 @@ def read_records(
     rows, a block's payload one chunk of each row (no bounce buffer, no second copy), and verified on
     the reading thread as soon as it is in. Compressed records are read whole and decoded.
     ``verified(i, block)`` gets each good block right after its check, on that thread.
+
+    With ``read_native``, the raw records are read and verified by the native reader in one call without
+    the GIL; ``verified`` then runs once it returns.
     """
     spec = KVSpec.of(chain.ns)
     B = spec.block_tokens
     prefix_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes
     raw_nbytes = prefix_nbytes + spec.block_nbytes
-    rows: list[memoryview] = [  # sliced per record below: a memoryview slice is far cheaper than numpy's
-        memoryview(target[layer, kv].view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
-        for layer in range(spec.num_layers)
-        for kv in (0, 1)
-    ]
-    chunk = spec.block_nbytes // (spec.num_layers * 2)
-    scratch = memoryview(bytearray(prefix_nbytes * len(entries)))
-    scatter: list[tuple[int, Entry, list[memoryview]]] = []
+    scatter: list[tuple[int, Entry]] = []  # raw records: scattered straight into place
     whole: list[tuple[int, Entry]] = []
     for j, e in enumerate(entries):
-        i, pos = first + j, first + j - base
-        if e.nbytes == raw_nbytes:
-            views = [scratch[j * prefix_nbytes : (j + 1) * prefix_nbytes]]
-            views += [row[pos * chunk : (pos + 1) * chunk] for row in rows]
-            scatter.append((i, e, views))
-        else:
-            whole.append((i, e))
+        (scatter if e.nbytes == raw_nbytes else whole).append((first + j, e))
+    chunk = spec.block_nbytes // (spec.num_layers * 2)
+    rows: list[memoryview] = []  # the Python path's: the target's (layer, k/v) slabs as byte rows
+    prefixes = memoryview(bytearray(prefix_nbytes * len(scatter)))
+
+    def views(j: int) -> list[memoryview]:  # record j's prefix, then its chunk of each row
+        if not rows:  # sliced per record: a memoryview slice is far cheaper than numpy's
+            rows.extend(
+                memoryview(target[layer, kv].view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+                for layer in range(spec.num_layers)
+                for kv in (0, 1)
+            )
+        pos = scatter[j][0] - base
+        return [prefixes[j * prefix_nbytes : (j + 1) * prefix_nbytes]] + [
+            row[pos * chunk : (pos + 1) * chunk] for row in rows
+        ]
 
     def block(i: int) -> torch.Tensor:
         return target[:, :, (i - base) * B : (i - base + 1) * B]
@@ -67,24 +77,36 @@ def read_records(
     def place(i: int, payload: memoryview | bytes) -> None:
         block(i).copy_(as_tensor(payload, spec.dtype, spec.block_shape))
 
-    def verify(j: int) -> bool:  # on a reading thread, as soon as record j is in
-        i, e, views = scatter[j]
+    def verify(j: int, pieces: list[memoryview]) -> bool:  # record j, in place (on a reading thread)
+        i = scatter[j][0]
         try:
-            header, toks = codec.parse_header(views[0], e.nbytes)
+            header, toks = codec.parse_header(pieces[0], scatter[j][1].nbytes)
             codec.check_expected(header, toks, expected(chain, i))
             if header.codec == codec.Codec.RAW:
-                codec.check_raw_pieces(header, views[1:])
+                codec.check_raw_pieces(header, pieces[1:])
             else:  # a compressed record that happens to have the raw length
-                place(i, codec.decode_payload(header, memoryview(b"".join(views[1:]))))
+                place(i, codec.decode_payload(header, memoryview(b"".join(pieces[1:]))))
         except RecordError:
             return False
         if verified is not None:
             verified(i, block(i))
         return True
 
-    ok = read_into([(e, v) for _, e, v in scatter], verify) if scatter else []
+    ok: list[bool] = []
+    if scatter and read_native is not None:
+        status, prefixes = read_native([(i, e, i - base) for i, e in scatter], target)
+        for j, st in enumerate(status):
+            if st == ST_PYTHON:  # compressed yet of the raw length: Python decodes it, the header already in
+                ok.append(verify(j, views(j)))
+            else:
+                ok.append(st == ST_OK)
+                if ok[-1] and verified is not None:
+                    verified(scatter[j][0], block(scatter[j][0]))
+    elif scatter:
+        pieces = [views(j) for j in range(len(scatter))]
+        ok = read_into([(e, pieces[j]) for j, (_, e) in enumerate(scatter)], lambda j: verify(j, pieces[j]))
     end = first + len(entries)
-    for (i, _, _), good in zip(scatter, ok):
+    for (i, _), good in zip(scatter, ok):
         if not good:
             end = i
             break

@@ -46,7 +46,7 @@ log = logging.getLogger("tierkv.disk")
 
 READ_CHUNK_NBYTES = 8 << 20  # one preadv per chunk; several in flight keep the disk's queue full
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv / pwritev
-MAX_READ_FDS = 256  # cached read descriptors (two per segment); least recently used closed past it
+MAX_READ_FDS = 256  # cached read descriptors (up to three per segment); least recently used closed past it
 _TEMP = ".new-"  # a segment being created: <id>.seg.new-<pid>-<tid>, renamed once locked
 
 
@@ -79,8 +79,12 @@ def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
 class SegmentDir:
     """The folder of segment files: paths, cached read descriptors, coalesced parallel reads."""
 
-    def __init__(self, path: Path, read_threads: int = 4, counters: Counters | None = None) -> None:
+    def __init__(
+        self, path: Path, read_threads: int = 4, counters: Counters | None = None, direct_reads: bool = False
+    ) -> None:
         self.path = path
+        # The native reader reads records the page cache lacks with O_DIRECT (else buffered, with readahead).
+        self.direct_reads = direct_reads
         self.counters = counters or Counters()
         self._punch_warned = False
         self._read_errors_logged: set[int | None] = set()  # errnos already logged: once each, no storm
@@ -92,6 +96,7 @@ class SegmentDir:
         self._pool = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="tierkv-read")
         self._buf: mmap.mmap | None = None  # reused: fresh large buffers cost a page fault per 4 KiB
         self.read_lock = threading.Lock()  # held by callers of ``read`` while they use its views
+        self._direct_ok = True  # until the file system refuses an O_DIRECT open
         self._pad = memoryview(bytearray(ALIGN))  # sink for the padding between records (content unused)
 
     def file(self, seg_id: int) -> Path:
@@ -143,9 +148,34 @@ class SegmentDir:
         return len(gone)
 
     @contextlib.contextmanager
-    def _read_fd(self, seg_id: int, sequential: bool = True) -> Iterator[int | None]:
-        """A cached read descriptor, held for the ``with`` block; two per file, since readahead is a
-        per-descriptor setting. None if the segment is gone (the caller sees a miss).
+    def held_fds(self, seg_ids: Sequence[int]) -> Iterator[dict[int, tuple[int, int, int]]]:
+        """For the native reader: each segment's (readahead, no-readahead, O_DIRECT or -1) descriptors, held
+        for the ``with`` block; segments that are gone are left out (their records are misses)."""
+        with contextlib.ExitStack() as stack:
+            out: dict[int, tuple[int, int, int]] = {}
+            for seg_id in seg_ids:
+                seq = stack.enter_context(self._read_fd(seg_id))
+                rnd = stack.enter_context(self._read_fd(seg_id, sequential=False))
+                if seq is None or rnd is None:
+                    continue
+                direct = self.direct_reads and self._direct_ok
+                dfd = stack.enter_context(self._read_fd(seg_id, direct=True)) if direct else None
+                out[seg_id] = (seq, rnd, -1 if dfd is None else dfd)
+            yield out
+
+    def _open_direct(self, seg_id: int) -> int | None:
+        try:
+            return os.open(self.file(seg_id), os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct_ok = False  # this file system refuses O_DIRECT (tmpfs): buffered reads only
+            return None
+
+    @contextlib.contextmanager
+    def _read_fd(self, seg_id: int, sequential: bool = True, direct: bool = False) -> Iterator[int | None]:
+        """A cached read descriptor, held for the ``with`` block; three per file (readahead is a
+        per-descriptor setting; the native reader's O_DIRECT one). None if the segment is gone (the caller sees a miss).
 
         A run of adjacent records is read with readahead (it streams on past each request); a lone record
         without (readahead would read its neighbours, which belong to other prefixes, halving bandwidth).
@@ -153,20 +183,23 @@ class SegmentDir:
         not exhaust descriptors. A descriptor leaving the cache is closed once no read uses it, so its
         number is never reused under a read in flight.
         """
-        slot = seg_id * 2 + sequential
+        slot = seg_id * 3 + (2 if direct else sequential)
         with self._fds_lock:
             fd = self._fds.get(slot)
             if fd is not None:
                 self._fds.move_to_end(slot)
             else:
                 try:
-                    fd = os.open(self.file(seg_id), os.O_RDONLY | os.O_CLOEXEC)
+                    if direct:
+                        fd = self._open_direct(seg_id)
+                    else:
+                        fd = os.open(self.file(seg_id), os.O_RDONLY | os.O_CLOEXEC)
+                        os.posix_fadvise(
+                            fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM
+                        )
                 except FileNotFoundError:
                     fd = None
-                else:
-                    os.posix_fadvise(
-                        fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM
-                    )
+                if fd is not None:
                     self._fds[slot] = fd
                     while len(self._fds) > MAX_READ_FDS:
                         self._retire(self._fds.popitem(last=False)[1])
@@ -193,8 +226,8 @@ class SegmentDir:
 
     def forget(self, seg_id: int) -> None:
         with self._fds_lock:
-            for seq in (0, 1):
-                fd = self._fds.pop(seg_id * 2 + seq, None)
+            for kind in (0, 1, 2):  # random, sequential, O_DIRECT
+                fd = self._fds.pop(seg_id * 3 + kind, None)
                 if fd is not None:
                     self._retire(fd)
 
@@ -272,13 +305,13 @@ class SegmentDir:
                     got += n
         except OSError as exc:
             media_or_raise(exc, seg_id)
-            self._read_error(exc, seg_id, offset + got)
+            self.read_error(exc, seg_id, offset + got)
             error = True
         if got < nbytes:
             buf[bpos + got : bpos + nbytes] = bytes(nbytes - got)
         return error
 
-    def _read_error(self, exc: OSError, seg_id: int, offset: int) -> None:
+    def read_error(self, exc: OSError, seg_id: int, offset: int) -> None:
         """An I/O error reading a segment: the caller makes the record a miss and purges it. Logged once per
         kind (errno): a failing disk must not flood the log with a line per block."""
         with self._fds_lock:
@@ -334,6 +367,9 @@ class SegmentDir:
                     views.append(self._pad[:pad])
             try:
                 if not self._readv_one(seg_id, offset, views, sequential=len(group) > 1):
+                    if len(group) > 1:  # the file ends early: which record does it end in? Each alone
+                        for j in group:
+                            read_group([j])
                     return
             except OSError as exc:
                 media_or_raise(exc, seg_id)
@@ -341,7 +377,7 @@ class SegmentDir:
                     for j in group:
                         read_group([j])
                     return
-                self._read_error(exc, seg_id, offset)
+                self.read_error(exc, seg_id, offset)
                 if failed is not None:
                     failed.add(requests[group[0]][:3])
                 return

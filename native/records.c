@@ -1,0 +1,607 @@
+/* tierkv._native: the disk tier's record runs, read and written without the GIL.
+ *
+ * read_run   reads a run of raw block records straight into a restore's destination slabs, verifies
+ *            each (header fields and checksum, namespace, key, token ids, payload checksum) on the
+ *            reading threads, and says per record whether it may be served. Records already in the
+ *            page cache are read buffered straight into place (mincore tells which are);
+ *            the rest with O_DIRECT at a queue depth of several threads, through aligned bounce buffers.
+ * write_run  appends a run of encoded records to a segment file with O_DIRECT (page-aligned, padded),
+ *            computing each payload's checksum on the way, then fdatasync.
+ *
+ * xxh3-64 comes from the system's libxxhash (dlopen, no header needed: the functions used are its stable
+ * ABI); without it the module reports itself unavailable and tierkv keeps its Python path, which is also
+ * the reference the tests compare this one with. The GIL is released only around the I/O and memory work
+ * on buffers the caller keeps alive for the call; every offset is checked against the sizes given.
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define ALIGN 4096
+#define IOV_CAP 1024              /* Linux's IOV_MAX */
+#ifndef GROUP_NBYTES
+#define GROUP_NBYTES (1u << 20)   /* one read request: adjacent records coalesced up to this */
+#endif
+#define MAX_THREADS 64
+#define MAX_NDIM 6
+#define FIELDS_NBYTES 168         /* codec.py's _FIELDS.size */
+#define HEADER_NBYTES 176         /* fields + their xxh3-64 */
+#define MAX_PAYLOAD_NBYTES (1ull << 34)
+
+/* Per-record outcome, as read_run returns it. */
+enum { ST_OK = 0, ST_BAD = 1, ST_MEDIA = 2, ST_PYTHON = 3, ST_TRANSIENT = 4 };
+
+/* ------------------------------------------------------------------ xxh3 from libxxhash */
+typedef uint64_t (*xxh3_fn)(const void *, size_t);
+typedef void *(*xxh3_create_fn)(void);
+typedef int (*xxh3_reset_fn)(void *);
+typedef int (*xxh3_update_fn)(void *, const void *, size_t);
+typedef uint64_t (*xxh3_digest_fn)(const void *);
+typedef int (*xxh3_free_fn)(void *);
+static xxh3_fn xxh3;
+static xxh3_create_fn xxh3_create;
+static xxh3_reset_fn xxh3_reset;
+static xxh3_update_fn xxh3_update;
+static xxh3_digest_fn xxh3_digest;
+static xxh3_free_fn xxh3_free;
+static char unavailable[256];
+
+static int load_xxhash(void) {
+    const char *names[] = {"libxxhash.so.0", "libxxhash.so"};
+    void *lib = NULL;
+    for (size_t i = 0; i < sizeof names / sizeof *names && !lib; i++) lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        snprintf(unavailable, sizeof unavailable, "libxxhash not found (%s)", dlerror());
+        return 0;
+    }
+    xxh3 = (xxh3_fn)dlsym(lib, "XXH3_64bits");
+    xxh3_create = (xxh3_create_fn)dlsym(lib, "XXH3_createState");
+    xxh3_reset = (xxh3_reset_fn)dlsym(lib, "XXH3_64bits_reset");
+    xxh3_update = (xxh3_update_fn)dlsym(lib, "XXH3_64bits_update");
+    xxh3_digest = (xxh3_digest_fn)dlsym(lib, "XXH3_64bits_digest");
+    xxh3_free = (xxh3_free_fn)dlsym(lib, "XXH3_freeState");
+    if (!xxh3 || !xxh3_create || !xxh3_reset || !xxh3_update || !xxh3_digest || !xxh3_free) {
+        snprintf(unavailable, sizeof unavailable, "libxxhash lacks the XXH3 functions");
+        return 0;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------ injected faults (tests only) */
+/* A read that overlaps a listed byte range of a listed file fails with the listed errno, as a bad sector
+ * would: the fault tests use the same faults against this path and the Python one. */
+typedef struct { dev_t dev; ino_t ino; int64_t start, end; int err; } fault_t;
+static fault_t faults[64];
+static atomic_int nfaults;
+static pthread_mutex_t faults_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int injected(int fd, int64_t off, int64_t len) {
+    if (atomic_load(&nfaults) == 0) return 0;
+    struct stat st;
+    if (fstat(fd, &st) != 0) return 0;
+    int err = 0;
+    pthread_mutex_lock(&faults_lock);
+    for (int i = 0; i < atomic_load(&nfaults) && !err; i++)
+        if (faults[i].dev == st.st_dev && faults[i].ino == st.st_ino && off < faults[i].end && faults[i].start < off + len)
+            err = faults[i].err;
+    pthread_mutex_unlock(&faults_lock);
+    return err;
+}
+
+/* ------------------------------------------------------------------ bounce buffers */
+/* Aligned O_DIRECT buffers, kept between calls: a fresh one pays a page fault per 4 KiB. */
+#define BOUNCE_KEEP 16
+static void *bounce_free[BOUNCE_KEEP];
+static int bounce_nfree;
+static pthread_mutex_t bounce_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void *bounce_get(void) {
+    void *p = NULL;
+    pthread_mutex_lock(&bounce_lock);
+    if (bounce_nfree) p = bounce_free[--bounce_nfree];
+    pthread_mutex_unlock(&bounce_lock);
+    if (!p && posix_memalign(&p, ALIGN, GROUP_NBYTES + ALIGN) != 0) p = NULL;
+    return p;
+}
+
+static void bounce_put(void *p) {
+    if (!p) return;
+    pthread_mutex_lock(&bounce_lock);
+    if (bounce_nfree < BOUNCE_KEEP) {
+        bounce_free[bounce_nfree++] = p;
+        p = NULL;
+    }
+    pthread_mutex_unlock(&bounce_lock);
+    free(p);
+}
+
+/* ------------------------------------------------------------------ a run to read */
+typedef struct {
+    int64_t fd, dfd, offset, nbytes, pos; /* as packed by Python: 5 x int64 per record */
+} req_t;
+
+typedef struct {
+    /* inputs */
+    const req_t *reqs;
+    int64_t n;
+    const uint64_t *rows; /* (layer, k/v) slab base addresses */
+    int64_t nrows, chunk, row_nbytes;
+    uint8_t *prefix;      /* n x prefix_nbytes: each record's header and token ids land here */
+    int64_t prefix_nbytes, token_nbytes;
+    const uint8_t *ns_digest, *keys, *tokens;
+    int dtype, ndim;
+    uint32_t shape[MAX_NDIM];
+    int direct_ok;
+    /* groups of adjacent records: [first, count) */
+    int64_t *gfirst, *gcount, ngroups;
+    atomic_long next;
+    /* outputs */
+    uint8_t *status;
+    int *errnos;
+    atomic_llong nbytes_cached, nbytes_direct, nbytes_blocking;
+} run_t;
+
+static inline int64_t aligned(int64_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+static int is_media(int err) {
+    return err == EIO || err == ENODATA || err == EBADMSG || err == EUCLEAN || err == EREMOTEIO;
+}
+
+/* The iovecs of records [first, first+count) as they lie in the file: each record's prefix, its slab
+ * pieces, then (between records) its page padding into a scratch page. */
+static int build_iov(run_t *r, int64_t first, int64_t count, struct iovec *iov, uint8_t *pad) {
+    int k = 0;
+    for (int64_t j = first; j < first + count; j++) {
+        const req_t *q = &r->reqs[j];
+        iov[k].iov_base = r->prefix + j * r->prefix_nbytes;
+        iov[k++].iov_len = (size_t)r->prefix_nbytes;
+        for (int64_t row = 0; row < r->nrows; row++) {
+            iov[k].iov_base = (void *)(uintptr_t)(r->rows[row] + (uint64_t)(q->pos * r->chunk));
+            iov[k++].iov_len = (size_t)r->chunk;
+        }
+        int64_t padn = aligned(q->nbytes) - q->nbytes;
+        if (padn && j != first + count - 1) {
+            iov[k].iov_base = pad;
+            iov[k++].iov_len = (size_t)padn;
+        }
+    }
+    return k;
+}
+
+/* Drop the first `n` bytes of an iovec list in place; returns the new start index. */
+static int iov_advance(struct iovec *iov, int k, int at, size_t n) {
+    while (at < k && n >= iov[at].iov_len) {
+        n -= iov[at].iov_len;
+        at++;
+    }
+    if (at < k && n) {
+        iov[at].iov_base = (uint8_t *)iov[at].iov_base + n;
+        iov[at].iov_len -= n;
+    }
+    return at;
+}
+
+/* Copy `n` bytes from `src` into the iovec list, consuming it. */
+static int iov_fill(struct iovec *iov, int k, int at, const uint8_t *src, size_t n) {
+    while (at < k && n) {
+        size_t m = n < iov[at].iov_len ? n : iov[at].iov_len;
+        memcpy(iov[at].iov_base, src, m);
+        src += m;
+        n -= m;
+        if (m == iov[at].iov_len) at++;
+        else {
+            iov[at].iov_base = (uint8_t *)iov[at].iov_base + m;
+            iov[at].iov_len -= m;
+        }
+    }
+    return at;
+}
+
+/* How many bytes from `off` (page-aligned) the page cache holds without a gap, up to `len`. mincore on a
+ * mapping of the range: unlike a RWF_NOWAIT read, it starts no readahead (which would read the same
+ * bytes twice, once buffered and once with O_DIRECT). */
+static int64_t resident_prefix(int fd, int64_t off, int64_t len) {
+    static long page;
+    if (!page) page = sysconf(_SC_PAGESIZE);
+    int64_t done = 0;
+    unsigned char vec[512];
+    while (done < len) {
+        int64_t at = off + done, map_off = at / page * page;
+        int64_t span = (int64_t)sizeof vec * page - (at - map_off);
+        if (span > len - done) span = len - done;
+        size_t map_len = (size_t)(at - map_off + span);
+        void *m = mmap(NULL, map_len, PROT_READ, MAP_SHARED, fd, map_off);
+        if (m == MAP_FAILED) return done;
+        int rc = mincore(m, map_len, vec);
+        munmap(m, map_len);
+        if (rc != 0) return done;
+        size_t npages = (map_len + (size_t)page - 1) / (size_t)page, p = 0;
+        while (p < npages && (vec[p] & 1)) p++;
+        int64_t resident = (int64_t)(p * (size_t)page) - (at - map_off);
+        if (p < npages) return done + (resident > 0 ? resident : 0);
+        done += span;
+    }
+    return len;
+}
+
+/* A buffered read of `limit` bytes into the iovec list (consumed); the bytes read, or -errno. */
+static int64_t preadv_upto(int fd, struct iovec *iov, int k, int *at, int64_t off, int64_t limit) {
+    int64_t done = 0;
+    while (done < limit && *at < k) {
+        struct iovec part[IOV_CAP];
+        int m = 0;
+        int64_t want = 0;
+        for (int i = *at; i < k && want < limit - done; i++, m++) {
+            part[m] = iov[i];
+            if (want + (int64_t)part[m].iov_len > limit - done) part[m].iov_len = (size_t)(limit - done - want);
+            want += (int64_t)part[m].iov_len;
+        }
+        ssize_t got = preadv(fd, part, m, off + done);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (got == 0) break;
+        done += got;
+        *at = iov_advance(iov, k, *at, (size_t)got);
+    }
+    return done;
+}
+
+/* Read one group into place. Returns 0, a positive errno (the read failed), or -1 (short: the file ends
+ * before the records do). */
+static int read_group(run_t *r, int64_t first, int64_t count, void **bounce, uint8_t *pad) {
+    const req_t *q0 = &r->reqs[first], *ql = &r->reqs[first + count - 1];
+    int64_t off = q0->offset, total = ql->offset + ql->nbytes - off;
+    struct iovec iov[IOV_CAP];
+    int k = build_iov(r, first, count, iov, pad), at = 0;
+    int64_t done = 0;
+    int err = injected((int)q0->fd, off, total);
+    if (err) return err;
+    /* What the page cache holds: straight into place, one copy. */
+    int64_t cached = r->direct_ok && q0->dfd >= 0 ? resident_prefix((int)q0->fd, off, total) : 0;
+    if (cached > 0) {
+        int64_t got = preadv_upto((int)q0->fd, iov, k, &at, off, cached);
+        if (got < 0) return (int)-got;
+        done = got;
+    }
+    atomic_fetch_add(&r->nbytes_cached, done);
+    if (done == total) return 0;
+    if (r->direct_ok && q0->dfd >= 0) {
+        /* The rest from the disk: O_DIRECT from the page boundary at or before it, through the bounce
+         * buffer (GROUP_NBYTES + ALIGN long), then copied into place. */
+        if (!*bounce) *bounce = bounce_get();
+        int64_t pos = off + done, end = off + total;
+        while (*bounce && pos < end) {
+            int64_t start = pos / ALIGN * ALIGN, want = aligned(end) - start;
+            size_t len = (size_t)(want < (int64_t)GROUP_NBYTES ? want : (int64_t)GROUP_NBYTES);
+            ssize_t got = pread((int)q0->dfd, *bounce, len, start);
+            if (got < 0) {
+                if (errno == EINTR) continue;
+                if (errno == EINVAL) break; /* this file or range refuses O_DIRECT: buffered below */
+                return errno;
+            }
+            if (got == 0) return -1;
+            atomic_fetch_add(&r->nbytes_direct, got);
+            int64_t useful = start + got < end ? start + got : end;
+            if (useful > pos) {
+                at = iov_fill(iov, k, at, (uint8_t *)*bounce + (pos - start), (size_t)(useful - pos));
+                pos = useful;
+            }
+            if (got % ALIGN) break; /* the file ends inside a page: what is left, buffered below */
+        }
+        done = pos - off;
+        if (done == total) return 0;
+    }
+    /* No O_DIRECT here (tmpfs, an unaligned tail, no memory for a bounce): a plain blocking read. */
+    while (done < total) {
+        ssize_t got = preadv((int)q0->fd, iov + at, k - at, off + done);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (got == 0) return -1;
+        atomic_fetch_add(&r->nbytes_blocking, got);
+        done += got;
+        at = iov_advance(iov, k, at, (size_t)got);
+    }
+    return 0;
+}
+
+/* Whether record j, now in place, is the block asked for. */
+static int verify(run_t *r, int64_t j, void *state) {
+    const req_t *q = &r->reqs[j];
+    const uint8_t *h = r->prefix + j * r->prefix_nbytes;
+    if (memcmp(h, "TKVB", 4) != 0 || rd16(h + 4) != 1) return ST_BAD;
+    uint32_t token_count = rd32(h + 36);
+    if (token_count * 4ull != (uint64_t)r->token_nbytes) return ST_BAD;
+    if (xxh3_reset(state) != 0) return ST_BAD;
+    xxh3_update(state, h, FIELDS_NBYTES);
+    xxh3_update(state, h + HEADER_NBYTES, (size_t)r->token_nbytes);
+    if (xxh3_digest(state) != rd64(h + FIELDS_NBYTES)) return ST_BAD;
+    /* The header is as written; now, is it this block? */
+    int codec = h[6], dtype = h[7], ndim = h[8];
+    if (dtype != r->dtype || ndim != r->ndim) return ST_BAD;
+    for (int d = 0; d < ndim; d++)
+        if (rd32(h + 12 + 4 * d) != r->shape[d]) return ST_BAD;
+    if (memcmp(h + 40, r->ns_digest, 32) != 0) return ST_BAD;
+    if (memcmp(h + 104, r->keys + 32 * j, 32) != 0) return ST_BAD;
+    if (memcmp(h + HEADER_NBYTES, r->tokens + r->token_nbytes * j, (size_t)r->token_nbytes) != 0) return ST_BAD;
+    uint64_t raw_nbytes = rd64(h + 144), stored = rd64(h + 152), check = rd64(h + 160);
+    if (stored > MAX_PAYLOAD_NBYTES || raw_nbytes > MAX_PAYLOAD_NBYTES) return ST_BAD;
+    if ((uint64_t)r->prefix_nbytes + stored != (uint64_t)q->nbytes) return ST_BAD;
+    if (codec != 0) return ST_PYTHON; /* compressed yet of the raw length: Python decodes it */
+    if (raw_nbytes != (uint64_t)(r->nrows * r->chunk)) return ST_BAD;
+    if (xxh3_reset(state) != 0) return ST_BAD;
+    for (int64_t row = 0; row < r->nrows; row++)
+        xxh3_update(state, (const void *)(uintptr_t)(r->rows[row] + (uint64_t)(q->pos * r->chunk)), (size_t)r->chunk);
+    return xxh3_digest(state) == check ? ST_OK : ST_BAD;
+}
+
+static void settle(run_t *r, int64_t first, int64_t count, int err, void *state) {
+    for (int64_t j = first; j < first + count; j++) {
+        if (err > 0) {
+            r->status[j] = is_media(err) ? ST_MEDIA : ST_TRANSIENT;
+            r->errnos[j] = err;
+        } else if (err < 0) {
+            r->status[j] = ST_BAD;
+        } else {
+            r->status[j] = (uint8_t)verify(r, j, state);
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    run_t *r = arg;
+    void *bounce = NULL, *state = xxh3_create();
+    uint8_t *pad = NULL;
+    if (posix_memalign((void **)&pad, ALIGN, ALIGN) != 0) pad = NULL;
+    for (;;) {
+        long g = atomic_fetch_add(&r->next, 1);
+        if (g >= r->ngroups) break;
+        int64_t first = r->gfirst[g], count = r->gcount[g];
+        if (!state || !pad) {
+            settle(r, first, count, ENOMEM, NULL);
+            continue;
+        }
+        int err = read_group(r, first, count, &bounce, pad);
+        if (count > 1 && (err < 0 || (err > 0 && is_media(err)))) {
+            /* A bad sector or the file's end: which record is it in? Each alone: the others are served. */
+            for (int64_t j = first; j < first + count; j++) settle(r, j, 1, read_group(r, j, 1, &bounce, pad), state);
+            continue;
+        }
+        settle(r, first, count, err, state);
+    }
+    bounce_put(bounce);
+    if (state) xxh3_free(state);
+    free(pad);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ Python: read_run */
+static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0) {
+        PyErr_Format(PyExc_TypeError, "%s: a contiguous%s buffer is needed", what, writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(read_run_doc,
+    "read_run(reqs, rows, chunk, row_nbytes, prefix, token_nbytes, ns_digest, keys, tokens, dtype, shape,\n"
+    "         threads, direct) -> (status: bytes, errnos: list, (cached, direct, blocking) bytes)\n\n"
+    "reqs: int64 [n, 5] (fd, O_DIRECT fd or -1, offset, record nbytes, block position), in file order within\n"
+    "a segment; rows: int64 addresses of the destination's (layer, k/v) slabs, each row_nbytes long;\n"
+    "prefix: writable, n x (176 + token_nbytes) bytes, receives each record's header and token ids.");
+
+static PyObject *read_run(PyObject *self, PyObject *args) {
+    PyObject *o_reqs, *o_rows, *o_prefix, *o_ns, *o_keys, *o_tokens, *o_shape;
+    long long chunk, row_nbytes, token_nbytes;
+    int dtype, threads, direct;
+    if (!PyArg_ParseTuple(args, "OOLLOLOOOiOii", &o_reqs, &o_rows, &chunk, &row_nbytes, &o_prefix, &token_nbytes,
+                          &o_ns, &o_keys, &o_tokens, &dtype, &o_shape, &threads, &direct))
+        return NULL;
+    if (!xxh3) return PyErr_Format(PyExc_RuntimeError, "tierkv._native unavailable: %s", unavailable);
+    Py_buffer reqs = {0}, rows = {0}, prefix = {0}, ns = {0}, keys = {0}, tokens = {0};
+    PyObject *result = NULL;
+    run_t r;
+    memset(&r, 0, sizeof r);
+    if (get_buffer(o_reqs, &reqs, 0, "reqs") || get_buffer(o_rows, &rows, 0, "rows") ||
+        get_buffer(o_prefix, &prefix, 1, "prefix") || get_buffer(o_ns, &ns, 0, "ns_digest") ||
+        get_buffer(o_keys, &keys, 0, "keys") || get_buffer(o_tokens, &tokens, 0, "tokens"))
+        goto done;
+    int64_t n = reqs.len / (Py_ssize_t)sizeof(req_t);
+    int64_t nrows = rows.len / 8, prefix_nbytes = HEADER_NBYTES + token_nbytes;
+    /* Everything the threads will touch, checked here, with the GIL. */
+    if (reqs.len % (Py_ssize_t)sizeof(req_t) || rows.len % 8 || nrows < 1 || chunk <= 0 || row_nbytes <= 0 ||
+        token_nbytes < 0 || token_nbytes % 4 || ns.len != 32 || keys.len != 32 * n || tokens.len != token_nbytes * n ||
+        prefix.len < prefix_nbytes * n || (int64_t)(nrows + 2) > IOV_CAP) {
+        PyErr_SetString(PyExc_ValueError, "read_run: inconsistent sizes");
+        goto done;
+    }
+    if (!PySequence_Check(o_shape) || PySequence_Size(o_shape) < 1 || PySequence_Size(o_shape) > MAX_NDIM) {
+        PyErr_SetString(PyExc_ValueError, "read_run: shape must have 1 to 6 dimensions");
+        goto done;
+    }
+    r.ndim = (int)PySequence_Size(o_shape);
+    for (int d = 0; d < r.ndim; d++) {
+        PyObject *it = PySequence_GetItem(o_shape, d);
+        long v = it ? PyLong_AsLong(it) : -1;
+        Py_XDECREF(it);
+        if (v < 0 || v > UINT32_MAX) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "read_run: bad shape");
+            goto done;
+        }
+        r.shape[d] = (uint32_t)v;
+    }
+    const req_t *rq = reqs.buf;
+    for (int64_t j = 0; j < n; j++) {
+        if (rq[j].fd < 0 || rq[j].offset < 0 || rq[j].offset % ALIGN || rq[j].pos < 0 ||
+            (rq[j].pos + 1) * chunk > row_nbytes || rq[j].nbytes != prefix_nbytes + nrows * chunk) {
+            PyErr_Format(PyExc_ValueError, "read_run: record %lld out of bounds", (long long)j);
+            goto done;
+        }
+    }
+    r.reqs = rq;
+    r.n = n;
+    r.rows = rows.buf;
+    r.nrows = nrows;
+    r.chunk = chunk;
+    r.row_nbytes = row_nbytes;
+    r.prefix = prefix.buf;
+    r.prefix_nbytes = prefix_nbytes;
+    r.token_nbytes = token_nbytes;
+    r.ns_digest = ns.buf;
+    r.keys = keys.buf;
+    r.tokens = tokens.buf;
+    r.dtype = dtype;
+    r.direct_ok = direct;
+    r.gfirst = PyMem_Calloc((size_t)n + 1, sizeof(int64_t));
+    r.gcount = PyMem_Calloc((size_t)n + 1, sizeof(int64_t));
+    r.status = PyMem_Calloc((size_t)n + 1, 1);
+    r.errnos = PyMem_Calloc((size_t)n + 1, sizeof(int));
+    if (!r.gfirst || !r.gcount || !r.status || !r.errnos) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Adjacent records of one file make one request, up to GROUP_NBYTES and the iovec limit. */
+    int64_t per_rec_iov = nrows + 2;
+    for (int64_t j = 0; j < n; j++) {
+        if (r.ngroups) {
+            int64_t g = r.ngroups - 1, last = r.gfirst[g] + r.gcount[g] - 1;
+            int64_t span = rq[j].offset + rq[j].nbytes - rq[r.gfirst[g]].offset;
+            if (rq[last].fd == rq[j].fd && rq[last].offset + aligned(rq[last].nbytes) == rq[j].offset &&
+                span <= (int64_t)GROUP_NBYTES && (r.gcount[g] + 1) * per_rec_iov <= IOV_CAP) {
+                r.gcount[g]++;
+                continue;
+            }
+        }
+        r.gfirst[r.ngroups] = j;
+        r.gcount[r.ngroups++] = 1;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > r.ngroups) threads = (int)r.ngroups;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_t tids[MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[started], NULL, worker, &r) != 0) break;
+        started++;
+    }
+    if (r.ngroups) worker(&r); /* the calling thread reads too */
+    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    Py_END_ALLOW_THREADS
+    {
+        PyObject *errs = PyList_New(0);
+        if (!errs) goto done;
+        for (int64_t j = 0; j < n; j++) {
+            PyObject *e = PyLong_FromLong(r.errnos[j]);
+            if (!e || PyList_Append(errs, e) != 0) {
+                Py_XDECREF(e);
+                Py_DECREF(errs);
+                goto done;
+            }
+            Py_DECREF(e);
+        }
+        result = Py_BuildValue("(y#N(LLL))", (const char *)r.status, (Py_ssize_t)n, errs,
+                               (long long)atomic_load(&r.nbytes_cached), (long long)atomic_load(&r.nbytes_direct),
+                               (long long)atomic_load(&r.nbytes_blocking));
+    }
+done:
+    PyMem_Free(r.gfirst);
+    PyMem_Free(r.gcount);
+    PyMem_Free(r.status);
+    PyMem_Free(r.errnos);
+    if (reqs.obj) PyBuffer_Release(&reqs);
+    if (rows.obj) PyBuffer_Release(&rows);
+    if (prefix.obj) PyBuffer_Release(&prefix);
+    if (ns.obj) PyBuffer_Release(&ns);
+    if (keys.obj) PyBuffer_Release(&keys);
+    if (tokens.obj) PyBuffer_Release(&tokens);
+    return result;
+}
+
+/* ------------------------------------------------------------------ Python: xxh3 (for the tests) */
+static PyObject *py_xxh3(PyObject *self, PyObject *arg) {
+    if (!xxh3) return PyErr_Format(PyExc_RuntimeError, "tierkv._native unavailable: %s", unavailable);
+    Py_buffer b;
+    if (get_buffer(arg, &b, 0, "data")) return NULL;
+    uint64_t h;
+    Py_BEGIN_ALLOW_THREADS
+    h = xxh3(b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* ------------------------------------------------------------------ Python: faults (for the tests) */
+static PyObject *inject_fault(PyObject *self, PyObject *args) {
+    unsigned long long dev, ino;
+    long long start, end;
+    int err;
+    if (!PyArg_ParseTuple(args, "KKLLi", &dev, &ino, &start, &end, &err)) return NULL;
+    pthread_mutex_lock(&faults_lock);
+    int i = atomic_load(&nfaults);
+    if (i < (int)(sizeof faults / sizeof *faults)) {
+        faults[i] = (fault_t){(dev_t)dev, (ino_t)ino, start, end, err};
+        atomic_store(&nfaults, i + 1);
+    }
+    pthread_mutex_unlock(&faults_lock);
+    if (i >= (int)(sizeof faults / sizeof *faults)) return PyErr_Format(PyExc_ValueError, "too many faults");
+    Py_RETURN_NONE;
+}
+
+static PyObject *clear_faults(PyObject *self, PyObject *unused) {
+    pthread_mutex_lock(&faults_lock);
+    atomic_store(&nfaults, 0);
+    pthread_mutex_unlock(&faults_lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *why_unavailable(PyObject *self, PyObject *unused) {
+    if (xxh3) Py_RETURN_NONE;
+    return PyUnicode_FromString(unavailable);
+}
+
+static PyMethodDef methods[] = {
+    {"read_run", read_run, METH_VARARGS, read_run_doc},
+    {"xxh3_64", py_xxh3, METH_O, "xxh3-64 of a buffer, as libxxhash computes it (tests compare it with xxhash's)."},
+    {"inject_fault", inject_fault, METH_VARARGS, "inject_fault(dev, ino, start, end, errno): reads of that range fail."},
+    {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
+    {"why_unavailable", why_unavailable, METH_NOARGS, "None if usable, else why not."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    load_xxhash();
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyModule_AddIntConstant(m, "ALIGN", ALIGN);
+    PyModule_AddIntConstant(m, "HEADER_NBYTES", HEADER_NBYTES);
+    PyModule_AddIntConstant(m, "GROUP_NBYTES", GROUP_NBYTES);
+    PyModule_AddIntConstant(m, "ST_OK", ST_OK);
+    PyModule_AddIntConstant(m, "ST_BAD", ST_BAD);
+    PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
+    PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
+    PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
+    return m;
+}

@@ -1,0 +1,223 @@
+"""The native reader against the Python one (the reference), on real segment files: the same blocks served
+bit for bit, and the same misses, purges and counts for every kind of damage, buffered and with O_DIRECT."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv import Namespace, TieredStore, codec, native
+from tierkv.keys import BlockChain
+
+from helpers import make_kv
+
+pytestmark = pytest.mark.skipif(
+    native.reason() is not None and os.environ.get("TIERKV_REQUIRE_NATIVE") != "1",
+    reason=f"native reader unavailable: {native.reason()}",
+)
+
+# Records larger than the native reader's 1 MiB request: each is read in several O_DIRECT pieces.
+BIG = Namespace(
+    model_id="big", revision="r", dtype="float32", num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=64
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=5000))
+def test_native_xxh3_is_xxhash_s(data: bytes) -> None:
+    assert native.module().xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+
+
+def _restore(path, ns: Namespace, prompts, *, use_native: bool, direct: bool = False, host_bytes: int = 0):
+    out = []
+    with native.use(use_native), TieredStore.open(path, host_bytes=host_bytes, direct_reads=direct) as store:
+        for toks in prompts:
+            hit, kv = store.restore(ns, toks)
+            out.append((hit.num_tokens, None if kv is None else kv.clone()))
+        stats = store.stats()["disk"]
+    return out, stats
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
+@pytest.mark.parametrize("layout", ["one-go", "interleaved"])
+@pytest.mark.parametrize("space", ["small", "big"])
+def test_native_serves_exactly_what_the_python_reader_serves(tmp_path, ns, direct, layout, space) -> None:
+    space_ns = ns if space == "small" else BIG
+    B = space_ns.block_tokens
+    n_blocks = 9 if space == "small" else 3
+    prompts = [[p * 100_000 + t for t in range(n_blocks * B + 5)] for p in range(3)]
+    kvs = [make_kv(space_ns, len(t), seed=p) for p, t in enumerate(prompts)]
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        if layout == "one-go":
+            for toks, kv in zip(prompts, kvs):
+                store.save(space_ns, toks, kv)
+        else:  # block b of every prompt before block b+1: no two blocks of a prompt adjacent on disk
+            for b in range(n_blocks):
+                for toks, kv in zip(prompts, kvs):
+                    store.save(space_ns, toks[: (b + 1) * B], kv[:, :, : (b + 1) * B], start_block=b)
+        store.flush()
+    ref, _ = _restore(tmp_path, space_ns, prompts, use_native=False)
+    got, stats = _restore(tmp_path, space_ns, prompts, use_native=True, direct=direct)
+    for (n_ref, kv_ref), (n_got, kv_got), kv in zip(ref, got, kvs):
+        assert n_ref == n_got == n_blocks * B
+        assert torch.equal(kv_got, kv_ref) and torch.equal(kv_got, kv[:, :, : n_blocks * B])
+    read = stats["read_cached_nbytes"] + stats["read_direct_nbytes"] + stats["read_blocking_nbytes"]
+    assert read >= sum(k[:, :, : n_blocks * B].numel() * k.element_size() for k in kvs)
+    if direct:  # the restores before it read buffered: what the page cache held is read from there
+        assert stats["read_cached_nbytes"] > 0
+
+
+def _damage(path, store_ns: Namespace, toks, block: int, at: str) -> None:
+    """Change one record on disk: a flipped byte in a chosen part, or a forged record of another block
+    whose checksums are all valid (a foreign block under this key)."""
+    with TieredStore.open(path, host_bytes=0) as store:
+        disk = store.tier("disk")
+        seg_id, offset, nbytes = disk.locate(BlockChain.of(store_ns, toks).keys)[block].location
+        seg = disk.segments.file(seg_id)
+    token_nbytes = 4 * store_ns.block_tokens
+    where = {
+        "magic": 0,
+        "header": 40,  # inside the namespace digest: the header checksum fails
+        "tokens": codec.HEADER_NBYTES + 5,
+        "payload-first": codec.HEADER_NBYTES + token_nbytes,
+        "payload-last": nbytes - 1,
+    }
+    with open(seg, "r+b") as f:
+        if at in where:
+            f.seek(offset + where[at])
+            byte = f.read(1)
+            f.seek(offset + where[at])
+            f.write(bytes([byte[0] ^ 0x40]))
+            return
+        other = dataclasses.replace(store_ns, tenant_salt="someone-else") if at == "foreign-ns" else store_ns
+        other_toks = toks if at == "foreign-ns" else [t + 1 for t in toks]
+        chain = BlockChain.of(other, other_toks)
+        kv = make_kv(store_ns, store_ns.block_tokens, seed=9)
+        rec = codec.encode(
+            ns_digest=other.digest,
+            parent_key=chain.parent(block),
+            key=chain.keys[block],
+            token_bytes=chain.tokens(block),
+            dtype=store_ns.dtype,
+            shape=tuple(kv.shape),
+            payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
+            created_s=0.0,
+        )
+        assert len(rec) == nbytes
+        f.seek(offset)
+        f.write(rec)
+
+
+@pytest.mark.parametrize(
+    "at", ["magic", "header", "tokens", "payload-first", "payload-last", "foreign-ns", "foreign-tokens"]
+)
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
+def test_a_damaged_record_ends_the_prefix_and_is_purged_by_both_readers(tmp_path, ns, at, direct) -> None:
+    B = ns.block_tokens
+    toks = list(range(6 * B))
+    kv = make_kv(ns, 6 * B)
+    results = []
+    for use_native in (False, True):
+        path = tmp_path / f"native-{use_native}"
+        with TieredStore.open(path, host_bytes=0) as store:
+            store.save(ns, toks, kv)
+            store.flush()
+        _damage(path, ns, toks, 4, at)
+        with native.use(use_native), TieredStore.open(path, host_bytes=0, direct_reads=direct) as store:
+            hit, got = store.restore(ns, toks)
+            assert hit.num_tokens == 4 * B and torch.equal(got, kv[:, :, : 4 * B])
+            store.flush()
+            stats = store.stats()["disk"]
+            assert stats["corrupt_blocks"] == 1 and stats["read_errors"] == 0
+            assert store.tier("disk").probe(BlockChain.of(ns, toks), range(6)) == [True] * 4 + [False, True]
+        results.append(hit.num_tokens)
+    assert results[0] == results[1]
+
+
+def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, reader) -> None:
+    B = ns.block_tokens
+    toks = list(range(5 * B))
+    kv = make_kv(ns, 5 * B)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+        seg_id, offset, _ = store.tier("disk").locate(BlockChain.of(ns, toks).keys)[3].location
+        seg = store.tier("disk").segments.file(seg_id)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        os.truncate(seg, offset + 100)  # under a running store (an opening store checks segment lengths)
+        hit, got = store.restore(ns, toks)
+        assert hit.num_tokens == 3 * B and torch.equal(got, kv[:, :, : 3 * B])
+
+
+def test_the_native_reader_promotes_what_it_read_into_the_host_tier(tmp_path, ns) -> None:
+    B = ns.block_tokens
+    toks = list(range(8 * B))
+    kv = make_kv(ns, 8 * B)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=64 << 20) as store:
+        hit, _ = store.restore(ns, toks)
+        assert hit.by_tier["disk"] == 8 * B
+        hit, got = store.restore(ns, toks)
+        assert hit.by_tier["host"] == 8 * B and torch.equal(got, kv)
+
+
+def test_a_compressed_record_of_the_raw_length_goes_to_python_and_is_checked_there(tmp_path, ns) -> None:
+    """A header that says zstd on a record exactly as long as a raw one: the native reader leaves its
+    payload to Python's decoder, which refuses garbage (a miss), never serves it as raw KV."""
+    from tierkv.tiers.disk.native_read import ST_PYTHON, read_run
+
+    B = ns.block_tokens
+    toks = list(range(2 * B))
+    kv = make_kv(ns, 2 * B)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+        disk = store.tier("disk")
+        chain = BlockChain.of(ns, toks)
+        entries = disk.locate(chain.keys)
+        seg_id, offset, nbytes = entries[1].location
+    rec = bytearray(disk.segments.file(seg_id).read_bytes()[offset : offset + nbytes])
+    fields = bytearray(rec[: codec.HEADER_NBYTES - 8])
+    fields[6] = int(codec.Codec.ZSTD)
+    check = xxhash.xxh3_64(bytes(fields))
+    check.update(bytes(rec[codec.HEADER_NBYTES : codec.HEADER_NBYTES + 4 * B]))
+    rec[: codec.HEADER_NBYTES] = bytes(fields) + check.intdigest().to_bytes(8, "little")
+    with open(disk.segments.file(seg_id), "r+b") as f:
+        f.seek(offset)
+        f.write(rec)
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
+        disk = store.tier("disk")
+        out = torch.zeros_like(kv)
+        status, _ = read_run(disk.segments, chain, [(0, entries[0], 0), (1, entries[1], 1)], out, set())
+        assert status == [0, ST_PYTHON]
+        hit, got = store.restore(ns, toks)
+        assert hit.num_tokens == B and torch.equal(got, kv[:, :, :B])
+
+
+def test_read_run_refuses_out_of_bounds_requests(tmp_path) -> None:
+    nat = native.module()
+    out = np.zeros(4096, dtype=np.uint8)
+    rows = np.array([out.ctypes.data], dtype=np.int64)
+    prefix = bytearray(176 + 64)
+    args = (rows, 1024, 4096, prefix, 64, b"\0" * 32, b"\0" * 32, b"\0" * 64, 0, (16,), 1, 0)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        for pos, nbytes in [(4, 176 + 64 + 1024), (0, 176 + 64 + 1023), (-1, 176 + 64 + 1024)]:
+            reqs = np.array([[fd, -1, 0, nbytes, pos]], dtype=np.int64)
+            with pytest.raises(ValueError):
+                nat.read_run(reqs, *args)
+        with pytest.raises(ValueError):  # keys for two records, one request
+            nat.read_run(
+                np.array([[fd, -1, 0, 176 + 64 + 1024, 0]], dtype=np.int64), *args[:6], b"\0" * 64, *args[7:]
+            )
+    finally:
+        os.close(fd)

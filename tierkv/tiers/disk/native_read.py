@@ -1,0 +1,105 @@
+"""The native reader's side in Python: one ``tierkv._native.read_run`` call per run of raw records, with
+the GIL released for all of its reads and checks (see ``native/records.c``). ``reader.read_records`` calls
+it where the native path is usable and keeps its own Python path as the fallback and the reference."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tierkv import codec, native
+from tierkv.keys import BlockChain
+from tierkv.layout import KVSpec
+from tierkv.tiers.disk.files import TransientReadError, aligned
+from tierkv.tiers.disk.schema import Entry
+from tierkv.tiers.disk.segments import SegmentDir
+
+__all__ = ["ST_OK", "ST_PYTHON", "read_run"]
+
+ST_OK, ST_BAD, ST_MEDIA, ST_PYTHON, ST_TRANSIENT = 0, 1, 2, 3, 4
+
+
+def read_run(
+    segments: SegmentDir,
+    chain: BlockChain,
+    records: Sequence[tuple[int, Entry, int]],
+    target: torch.Tensor,
+    failed: set[tuple[int, int, int]] | None,
+) -> tuple[list[int], memoryview]:
+    """Raw records ``(block index, entry, block position in target)`` into ``target`` (a CPU tensor
+    ``[layers, 2, tokens, kv_heads, head_dim]`` whose every slab is contiguous), verified. Returns each
+    record's status (``ST_OK``; ``ST_PYTHON``: in place, but compressed, for Python to check; else not
+    served) and the records' headers and token ids (``HEADER_NBYTES + token bytes`` each).
+
+    A record an I/O error of the medium hit is added to ``failed``; any other error of a read (no
+    descriptors, no memory) raises ``TransientReadError``: a miss that says nothing about the record."""
+    nat = native.module()
+    spec = KVSpec.of(chain.ns)
+    rows = [target[layer, kv] for layer in range(spec.num_layers) for kv in (0, 1)]
+    chunk = spec.block_nbytes // len(rows)
+    row_nbytes = rows[0].numel() * rows[0].element_size()
+    token_nbytes = chain.block_token_nbytes
+    prefix = bytearray((codec.HEADER_NBYTES + token_nbytes) * len(records))
+    status = [ST_BAD] * len(records)
+    with segments.held_fds(sorted({e.location[0] for _, e, _ in records})) as fds:
+        present = [j for j, (_, e, _) in enumerate(records) if e.location[0] in fds]  # else unlinked: a miss
+        if not present:
+            return status, memoryview(prefix)
+        reqs = np.empty((len(present), 5), dtype=np.int64)
+        for k, j in enumerate(present):
+            seg_id, offset, nbytes = records[j][1].location
+            seq, rnd, dfd = fds[seg_id]
+            # Readahead only for a record with an adjacent one in the run: a lone record's neighbours
+            # belong to other prefixes, and reading them would halve the bandwidth.
+            lone = not any(
+                0 <= m < len(records)
+                and records[m][1].location[0] == seg_id
+                and abs(records[m][1].location[1] - offset)
+                == aligned(nbytes if m > j else records[m][1].nbytes)
+                for m in (j - 1, j + 1)
+            )
+            reqs[k] = (rnd if lone else seq, dfd, offset, nbytes, records[j][2])
+        got, errnos, (cached, direct, blocking) = nat.read_run(
+            reqs,
+            np.array([r.data_ptr() for r in rows], dtype=np.int64),
+            chunk,
+            row_nbytes,
+            prefix,
+            token_nbytes,
+            chain.ns.digest,
+            b"".join(chain.keys[records[j][0]] for j in present),
+            b"".join(chain.tokens(records[j][0]) for j in present),
+            codec.DTYPE_CODES[chain.ns.dtype],
+            spec.block_shape,
+            native.READ_THREADS,
+            int(segments.direct_reads),
+        )
+    counters = segments.counters
+    counters.add("disk", "read_cached_nbytes", cached)
+    counters.add("disk", "read_direct_nbytes", direct)
+    counters.add("disk", "read_blocking_nbytes", blocking)
+    view = memoryview(prefix)
+    for k, j in enumerate(present):
+        seg_id, offset, nbytes = records[j][1].location
+        if got[k] == ST_TRANSIENT:
+            raise TransientReadError(
+                errnos[k], f"reading segment {seg_id}: {errno.errorcode.get(errnos[k], errnos[k])}"
+            )
+        if got[k] == ST_MEDIA:
+            segments.read_error(
+                OSError(errnos[k], errno.errorcode.get(errnos[k], "I/O error")), seg_id, offset
+            )
+            if failed is not None:
+                failed.add((seg_id, offset, nbytes))
+        status[j] = got[k]
+    # The headers came back in ``present`` order: lay them out per record.
+    if len(present) < len(records):
+        size = codec.HEADER_NBYTES + token_nbytes
+        out = bytearray(size * len(records))
+        for k, j in enumerate(present):
+            out[j * size : (j + 1) * size] = view[k * size : (k + 1) * size]
+        view = memoryview(out)
+    return status, view
