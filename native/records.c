@@ -21,6 +21,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -538,6 +539,175 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the writer's file operations (tests) */
+/* The power-cut harness records every write and sync that reaches a segment file; the native writer's
+ * happen here, so it logs them when asked (trace_writes), in order, for the harness to replay. */
+typedef struct { int sync; int fd; int64_t offset, nbytes; } wtrace_t;
+static wtrace_t wtrace[8192];
+static int wtrace_n, wtrace_on;
+static pthread_mutex_t wtrace_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void wtrace_add(int sync, int fd, int64_t offset, int64_t nbytes) {
+    if (!wtrace_on) return;
+    pthread_mutex_lock(&wtrace_lock);
+    if (wtrace_n < (int)(sizeof wtrace / sizeof *wtrace)) wtrace[wtrace_n++] = (wtrace_t){sync, fd, offset, nbytes};
+    pthread_mutex_unlock(&wtrace_lock);
+}
+
+static PyObject *trace_writes(PyObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    pthread_mutex_lock(&wtrace_lock);
+    PyObject *out = PyList_New(wtrace_n);
+    for (int i = 0; out && i < wtrace_n; i++)
+        PyList_SET_ITEM(out, i, Py_BuildValue("(siLL)", wtrace[i].sync ? "sync" : "write", wtrace[i].fd,
+                                              (long long)wtrace[i].offset, (long long)wtrace[i].nbytes));
+    wtrace_n = 0;
+    wtrace_on = on;
+    pthread_mutex_unlock(&wtrace_lock);
+    return out;
+}
+
+/* ------------------------------------------------------------------ write_run */
+/* Background byte work runs at SCHED_IDLE only here, with the GIL released: a thread preempted at idle
+ * priority while holding the GIL would stall every Python thread for as long as the cores stay busy. */
+typedef struct { int policy; int ok; } prio_t;
+
+static prio_t go_idle(int idle) {
+    prio_t p = {SCHED_OTHER, 0};
+    if (!idle) return p;
+    p.policy = sched_getscheduler(0);
+    struct sched_param sp = {0};
+    p.ok = p.policy == SCHED_OTHER && sched_setscheduler(0, SCHED_IDLE, &sp) == 0;
+    return p;
+}
+
+static void come_back(prio_t p) {
+    struct sched_param sp = {0};
+    if (p.ok) sched_setscheduler(0, p.policy, &sp);
+}
+
+typedef struct { Py_buffer head, tokens, payload; } wrec_t;
+
+PyDoc_STRVAR(write_run_doc,
+    "write_run(fd, offset, records, sync, idle) -> None\n\n"
+    "records: [(head, token_bytes, payload)], head being a record's 176 header bytes whose two checksums\n"
+    "(payload, then header) are filled in here. Writes them back to back at offset, each padded to 4 KiB,\n"
+    "then fdatasync if sync. With idle, the work runs at SCHED_IDLE (the caller has made sure the thread\n"
+    "may come back to normal priority). OSError on a failed or short write.");
+
+static PyObject *write_run(PyObject *self, PyObject *args) {
+    int fd, sync, idle;
+    long long offset;
+    PyObject *o_recs;
+    if (!PyArg_ParseTuple(args, "iLOii", &fd, &offset, &o_recs, &sync, &idle)) return NULL;
+    if (!xxh3) return PyErr_Format(PyExc_RuntimeError, "tierkv._native unavailable: %s", unavailable);
+    if (offset < 0 || offset % ALIGN) return PyErr_Format(PyExc_ValueError, "write_run: unaligned offset");
+    PyObject *seq = PySequence_Fast(o_recs, "write_run: records must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    wrec_t *recs = PyMem_Calloc((size_t)n + 1, sizeof(wrec_t));
+    uint8_t *heads = PyMem_Malloc((size_t)n * HEADER_NBYTES + 1);
+    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * ((size_t)n * 4 + 1));
+    void *zeros = PyMem_Calloc(ALIGN, 1);
+    PyObject *result = NULL;
+    if (!recs || !heads || !iov || !zeros) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(seq, j);
+        PyObject *h, *t, *pl;
+        if (!PyTuple_Check(it) || !PyArg_ParseTuple(it, "OOO", &h, &t, &pl)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "write_run: each record is (head, tokens, payload)");
+            goto done;
+        }
+        if (get_buffer(h, &recs[j].head, 0, "head")) goto done;
+        if (get_buffer(t, &recs[j].tokens, 0, "tokens")) {
+            PyBuffer_Release(&recs[j].head);
+            goto done;
+        }
+        if (get_buffer(pl, &recs[j].payload, 0, "payload")) {
+            PyBuffer_Release(&recs[j].head);
+            PyBuffer_Release(&recs[j].tokens);
+            goto done;
+        }
+        if (recs[j].head.len != HEADER_NBYTES) {
+            PyErr_SetString(PyExc_ValueError, "write_run: a head is 176 bytes");
+            goto done;
+        }
+    }
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    prio_t prio = go_idle(idle);
+    void *state = xxh3_create();
+    int k = 0;
+    int64_t total = 0;
+    if (!state) err = ENOMEM;
+    for (Py_ssize_t j = 0; j < n && !err; j++) {
+        uint8_t *h = heads + j * HEADER_NBYTES;
+        memcpy(h, recs[j].head.buf, HEADER_NBYTES);
+        uint64_t check = xxh3(recs[j].payload.buf, (size_t)recs[j].payload.len);
+        memcpy(h + 160, &check, 8);
+        xxh3_reset(state);
+        xxh3_update(state, h, FIELDS_NBYTES);
+        xxh3_update(state, recs[j].tokens.buf, (size_t)recs[j].tokens.len);
+        check = xxh3_digest(state);
+        memcpy(h + FIELDS_NBYTES, &check, 8);
+        int64_t nbytes = HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len;
+        iov[k++] = (struct iovec){h, HEADER_NBYTES};
+        if (recs[j].tokens.len) iov[k++] = (struct iovec){recs[j].tokens.buf, (size_t)recs[j].tokens.len};
+        if (recs[j].payload.len) iov[k++] = (struct iovec){recs[j].payload.buf, (size_t)recs[j].payload.len};
+        if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){zeros, (size_t)(aligned(nbytes) - nbytes)};
+        total += aligned(nbytes);
+    }
+    int at = 0;
+    int64_t done_nbytes = 0;
+    while (!err && at < k) {
+        int m = k - at < IOV_CAP ? k - at : IOV_CAP;
+        ssize_t w = pwritev(fd, iov + at, m, offset + done_nbytes);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (w == 0) {
+            err = EIO;
+            break;
+        }
+        wtrace_add(0, fd, offset + done_nbytes, w);
+        done_nbytes += w;
+        at = iov_advance(iov, k, at, (size_t)w);
+    }
+    if (!err && done_nbytes != total) err = EIO;
+    if (!err && sync) {
+        if (fdatasync(fd) != 0) err = errno;
+        else wtrace_add(1, fd, 0, 0);
+    }
+    if (state) xxh3_free(state);
+    come_back(prio);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t j = 0; recs && j < n; j++) { /* PyBuffer_Release clears .obj: each released once */
+        if (recs[j].head.obj) PyBuffer_Release(&recs[j].head);
+        if (recs[j].tokens.obj) PyBuffer_Release(&recs[j].tokens);
+        if (recs[j].payload.obj) PyBuffer_Release(&recs[j].payload);
+    }
+    PyMem_Free(recs);
+    PyMem_Free(heads);
+    PyMem_Free(iov);
+    PyMem_Free(zeros);
+    Py_DECREF(seq);
+    return result;
+}
+
 /* ------------------------------------------------------------------ Python: xxh3 (for the tests) */
 static PyObject *py_xxh3(PyObject *self, PyObject *arg) {
     if (!xxh3) return PyErr_Format(PyExc_RuntimeError, "tierkv._native unavailable: %s", unavailable);
@@ -582,9 +752,11 @@ static PyObject *why_unavailable(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"read_run", read_run, METH_VARARGS, read_run_doc},
+    {"write_run", write_run, METH_VARARGS, write_run_doc},
     {"xxh3_64", py_xxh3, METH_O, "xxh3-64 of a buffer, as libxxhash computes it (tests compare it with xxhash's)."},
     {"inject_fault", inject_fault, METH_VARARGS, "inject_fault(dev, ino, start, end, errno): reads of that range fail."},
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
+    {"trace_writes", trace_writes, METH_O, "trace_writes(on) -> the writes and syncs logged since the last call."},
     {"why_unavailable", why_unavailable, METH_NOARGS, "None if usable, else why not."},
     {NULL, NULL, 0, NULL},
 };

@@ -26,8 +26,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(params=["python", "native"])
-def reader(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run the test with each disk reader: the Python path (the reference) and the native one. Where the
+def data_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with each disk data path (reader and writer): the Python one (the reference) and the
+    native one. Where the
     native module is not built the native case is skipped, unless TIERKV_REQUIRE_NATIVE=1 (the test
     command sets it): then it fails."""
     if request.param == "native" and native.reason() is not None:

@@ -23,7 +23,7 @@ B = 16  # the ``ns`` fixture's block tokens
 
 @pytest.mark.parametrize("codec_", ["raw", "zstd"])
 def test_a_disk_read_error_ends_the_prefix_is_counted_purged_and_logged_once(
-    tmp_path, ns, read_faults, reader, caplog, codec_: str
+    tmp_path, ns, read_faults, data_path, caplog, codec_: str
 ) -> None:
     toks = list(range(6 * B))
     kv = make_kv(ns, 6 * B)
@@ -293,7 +293,9 @@ def test_gc_check_purges_an_unreadable_record_and_counts_it(tmp_path, ns, read_f
         assert store.lookup(ns, toks).num_tokens == 2 * B
 
 
-def test_a_read_that_fails_for_want_of_descriptors_purges_nothing(tmp_path, ns, read_faults, reader) -> None:
+def test_a_read_that_fails_for_want_of_descriptors_purges_nothing(
+    tmp_path, ns, read_faults, data_path
+) -> None:
     """EMFILE (a process at its descriptor limit) says nothing about the records: a miss, never a purge
     (every restore would otherwise wipe the blocks it tried to read)."""
     toks = list(range(4 * B))

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv import TieredStore
+from tierkv import TieredStore, native
 from tierkv.tiers.disk import index as index_mod
 from tierkv.tiers.disk import segment_writer as segment_writer_mod
 from tierkv.tiers.disk import segments as segments_mod
@@ -85,6 +85,39 @@ class RecordingOS:
     def unlink(self, path):
         os.unlink(path)
         self._log.append(Op("unlink", str(path)))
+
+
+class RecordingNative:
+    """Stands in for ``tierkv.native`` inside ``segment_writer``: the native writer's own writes and syncs,
+    as it logged them (``trace_writes``), in order, each write's bytes read back from the file."""
+
+    def __init__(self, log: list[Op]) -> None:
+        self._log = log
+
+    def enabled(self) -> bool:
+        return native.enabled()
+
+    def module(self) -> RecordingNative:
+        return self
+
+    def write_run(self, fd, offset, records, sync, idle):
+        nat = native.module()
+        nat.trace_writes(True)
+        try:
+            nat.write_run(fd, offset, records, sync, idle)
+        finally:
+            events = nat.trace_writes(False)
+            path = RecordingOS._path(fd)
+            rfd = os.open(path, os.O_RDONLY)  # the writer's own is write-only
+            try:
+                for kind, efd, off, n in events:
+                    assert efd == fd
+                    if kind == "write":
+                        self._log.append(Op("write", path, off, os.pread(rfd, n, off)))
+                    else:
+                        self._log.append(Op("sync", path))
+            finally:
+                os.close(rfd)
 
 
 @dataclasses.dataclass
@@ -165,6 +198,7 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
     recording = RecordingOS(log)
     monkeypatch.setattr(segments_mod, "os", recording)
     monkeypatch.setattr(segment_writer_mod, "os", recording)
+    monkeypatch.setattr(segment_writer_mod, "native", RecordingNative(log))
     real_punch = segments_mod.punch_hole
 
     def punch(fd: int, offset: int, nbytes: int) -> bool:
@@ -279,7 +313,7 @@ def run_power_cuts(tmp_path: Path, ns, monkeypatch, samples_per_cut: int) -> dic
     return counts
 
 
-def test_power_cuts_at_every_point_of_a_workload(tmp_path, ns, monkeypatch) -> None:
+def test_power_cuts_at_every_point_of_a_workload(tmp_path, ns, monkeypatch, data_path) -> None:
     counts = run_power_cuts(tmp_path, ns, monkeypatch, samples_per_cut=1)
     assert counts["commits"] >= 10 and counts["syncs"] >= 5
     assert counts["states"] >= 4 * 40
@@ -287,12 +321,12 @@ def test_power_cuts_at_every_point_of_a_workload(tmp_path, ns, monkeypatch) -> N
 
 
 @pytest.mark.slow
-def test_power_cuts_many_random_subsets(tmp_path, ns, monkeypatch) -> None:
+def test_power_cuts_many_random_subsets(tmp_path, ns, monkeypatch, data_path) -> None:
     counts = run_power_cuts(tmp_path, ns, monkeypatch, samples_per_cut=12)
     print(f"power-cut states checked: {counts}")
 
 
-def test_the_harness_catches_a_missing_sync(tmp_path, ns, monkeypatch) -> None:
+def test_the_harness_catches_a_missing_sync(tmp_path, ns, monkeypatch, data_path) -> None:
     """Without the segment's fdatasync before the index commit, some crash state serves damaged records:
     the harness would see it (so its passing above means something)."""
     monkeypatch.setattr(

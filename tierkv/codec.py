@@ -45,7 +45,10 @@ __all__ = [
     "decode_payload",
     "encode",
     "encode_parts",
+    "encode_unsealed",
     "parse_header",
+    "seal",
+    "Unsealed",
 ]
 
 MAGIC = b"TKVB"
@@ -106,7 +109,21 @@ def _unshuffle(data: bytes, itemsize: int) -> bytes:
     return arr.reshape(itemsize, -1).T.tobytes()
 
 
-def encode_parts(
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unsealed:
+    """A record whose two checksums are still to be computed (``seal``, or the native writer, which
+    hashes the payload on its own thread without the GIL): ``head`` is the header with zeros in both."""
+
+    head: bytes
+    token_bytes: bytes
+    payload: bytes | memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + len(self.token_bytes) + memoryview(self.payload).nbytes
+
+
+def encode_unsealed(
     *,
     ns_digest: NamespaceDigest,
     parent_key: BlockKey,
@@ -118,12 +135,9 @@ def encode_parts(
     created_s: float,
     codec: Codec = Codec.RAW,
     zstd_level: int = 1,
-) -> list[bytes | memoryview]:
-    """One record as buffers to write back to back (header, token ids, payload): no joining copy.
-
-    ``payload`` is the raw canonical-layout KV (a contiguous buffer); with the raw codec it is returned
-    as is, so it must stay unchanged until written.
-    """
+) -> Unsealed:
+    """One record, all but its checksums. ``payload`` is the raw canonical-layout KV (a contiguous
+    buffer); with the raw codec it is kept as is, so it must stay unchanged until written."""
     if len(shape) > MAX_NDIM:
         raise ValueError(f"at most {MAX_NDIM} dims, got {shape}")
     raw_nbytes = memoryview(payload).nbytes
@@ -146,11 +160,24 @@ def encode_parts(
         created_s,
         raw_nbytes,
         memoryview(stored).nbytes,
-        xxhash.xxh3_64_intdigest(stored),
+        0,  # the payload's checksum: ``seal``'s
     )
-    check = xxhash.xxh3_64(fields)
-    check.update(token_bytes)
-    return [fields + _CHECK.pack(check.intdigest()) + token_bytes, stored]
+    return Unsealed(fields + _CHECK.pack(0), token_bytes, stored)
+
+
+def seal(rec: Unsealed) -> list[bytes | memoryview]:
+    """The record as buffers to write back to back (header and token ids, payload): no joining copy.
+    The native writer does the same (``native/records.c``); this is the reference."""
+    fields = bytearray(rec.head[: _FIELDS.size])
+    struct.pack_into("<Q", fields, _FIELDS.size - 8, xxhash.xxh3_64_intdigest(rec.payload))
+    check = xxhash.xxh3_64(bytes(fields))
+    check.update(rec.token_bytes)
+    return [bytes(fields) + _CHECK.pack(check.intdigest()) + rec.token_bytes, rec.payload]
+
+
+def encode_parts(**kwargs: Any) -> list[bytes | memoryview]:
+    """One record as buffers to write back to back (see ``encode_unsealed`` and ``seal``)."""
+    return seal(encode_unsealed(**kwargs))
 
 
 def encode(**kwargs: Any) -> bytes:

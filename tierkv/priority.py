@@ -1,5 +1,14 @@
-"""Thread priorities: background work (the disk writer, sweeps, populating a new host tier) runs only on
-CPU that inference leaves idle, except while it holds a lock others wait on."""
+"""Thread priorities for background work: the disk writer, sweeps, populating a new host tier.
+
+Python bytecode never runs at ``SCHED_IDLE``: a thread preempted there while holding the GIL stalls every
+other Python thread, the model's included, for as long as the cores stay busy (measured on 2 cores with one
+busy: the main thread's p99 wait for the GIL was 371 ms beside an idle-priority thread, 14.6 ms beside a
+normal one). So background threads run at nice 19 (a small share of a busy core, but never starved) and
+pace themselves; they go to ``SCHED_IDLE`` only inside native calls that released the GIL
+(``tierkv._native.write_run``), where being starved stalls nobody. Sections that hold what others wait for
+(LMDB's write lock, the resize gate, the process's mmap lock) run at nice 0 where the process may raise a
+thread's priority again.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +21,19 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["WRITER_NICE", "can_leave_idle", "idle_priority", "normal_priority"]
+__all__ = ["BACKGROUND_NICE", "background_priority", "can_raise_priority", "native_idle", "normal_priority"]
 
-WRITER_NICE = 19  # where SCHED_IDLE is refused: the lowest priority
+BACKGROUND_NICE = 19
 CAP_SYS_NICE = 23  # linux/capability.h
 
-
-_priority = threading.local()  # .idle: this thread runs at idle priority outside transactions
+_priority = threading.local()  # .background: this thread runs at BACKGROUND_NICE outside its sections
 
 
 @functools.cache
-def can_leave_idle() -> bool:
-    """Whether a thread may go back from SCHED_IDLE to normal priority (``normal_priority``): it needs
-    CAP_SYS_NICE or an RLIMIT_NICE of 20 (unprivileged containers have neither). Without it, a thread
-    that went idle would hold locks at idle priority for good."""
+def can_raise_priority() -> bool:
+    """Whether a thread may lower its nice value again, or leave SCHED_IDLE: it needs CAP_SYS_NICE or an
+    RLIMIT_NICE of 20 (unprivileged containers have neither). Without it a background thread holds its
+    locks at nice 19, and native calls do not go idle (they could not come back)."""
     try:
         soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
         if soft == resource.RLIM_INFINITY or soft >= 20:
@@ -39,38 +47,39 @@ def can_leave_idle() -> bool:
         return False
 
 
-def idle_priority() -> None:
-    """Run the calling thread only on otherwise idle CPU (SCHED_IDLE) where it can come back for its
-    transactions, else at the lowest nice."""
-    tid = threading.get_native_id()
-    try:
-        if not can_leave_idle():
-            raise PermissionError("SCHED_IDLE could not be left")
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        _priority.idle = True
-    except (OSError, AttributeError):
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+def native_idle() -> bool:
+    """Whether a native call may run its byte work at SCHED_IDLE (and come back before taking the GIL)."""
+    return hasattr(os, "SCHED_IDLE") and can_raise_priority()
+
+
+def background_priority() -> None:
+    """The calling thread from now on: nice 19 (on Linux, a thread id's nice is that thread's own)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        _priority.background = True
 
 
 @contextlib.contextmanager
 def normal_priority() -> Iterator[bool]:
-    """An idle-priority thread holding LMDB's write lock (or a place in the resize gate, or the mmap lock)
-    would make the model thread and other processes wait for CPU nobody gives it: such sections run at
-    normal priority. Yields whether the thread runs at normal priority inside."""
-    if not getattr(_priority, "idle", False):
+    """A background thread holding LMDB's write lock (or a place in the resize gate, or the mmap lock)
+    would make the model's thread and other processes wait for a thread that gets a small share of a busy
+    core: such sections run at nice 0. Yields whether the thread runs at normal priority inside."""
+    if not getattr(_priority, "background", False):
         yield True
+        return
+    if not can_raise_priority():
+        yield False
         return
     tid = threading.get_native_id()
     try:
-        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-    except OSError:  # not permitted here: stay idle
+        os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except OSError:
         yield False
         return
-    _priority.idle = False
+    _priority.background = False
     try:
         yield True
     finally:
         with contextlib.suppress(OSError):
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        _priority.idle = True
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+        _priority.background = True

@@ -296,29 +296,33 @@ def test_a_new_pool_is_populated_in_the_background_without_touching_its_contents
     del t
 
 
-def _spy_populate(monkeypatch, nbytes: int) -> tuple[list[int], list[int], int]:
-    """Populate a fresh tensor of ``nbytes`` with a spying madvise and sched_yield: the calling thread's
-    scheduling policy in each madvise call and at each yield, and how many chunks the range makes."""
+def _spy_populate(monkeypatch, nbytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+    """Populate a fresh tensor of ``nbytes`` with a spying madvise and sleep: the calling thread's
+    scheduling policy and nice value in each madvise call and at each pause, and how many chunks the range
+    makes."""
+    import threading
+
     import tierkv.tiers.prefault as prefault
 
     real = prefault._madvise()
     if real is None:
         pytest.skip("no madvise here")
-    in_calls: list[int] = []
-    at_yields: list[int] = []
+    in_calls: list[tuple[int, int]] = []
+    at_pauses: list[tuple[int, int]] = []
+
+    def where() -> tuple[int, int]:  # 0 / the thread id: the calling thread, on Linux
+        return os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def spying(addr, n, advice):  # type: ignore[no-untyped-def]
-        in_calls.append(os.sched_getscheduler(0))  # 0: the calling thread, on Linux
+        in_calls.append(where())
         return real(addr, n, advice)
 
-    real_yield = os.sched_yield
-
-    def spying_yield() -> None:
-        at_yields.append(os.sched_getscheduler(0))
-        real_yield()
+    def spying_sleep(s: float) -> None:
+        assert s > 0
+        at_pauses.append(where())
 
     monkeypatch.setattr(prefault, "_madvise", lambda: spying)
-    monkeypatch.setattr(os, "sched_yield", spying_yield)
+    monkeypatch.setattr(prefault.time, "sleep", spying_sleep)
     t = torch.empty(nbytes, dtype=torch.uint8)
     page = 4096
     start = -(-t.data_ptr() // page) * page
@@ -326,31 +330,20 @@ def _spy_populate(monkeypatch, nbytes: int) -> tuple[list[int], list[int], int]:
     thread = prefault.populate_in_background(t, "test")
     assert thread is not None
     thread.join(60)
-    return in_calls, at_yields, -(-(end - start) // prefault.CHUNK_NBYTES)
+    return in_calls, at_pauses, -(-(end - start) // prefault.CHUNK_NBYTES)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
-def test_populating_waits_at_idle_priority_and_holds_the_mmap_lock_at_normal(monkeypatch) -> None:
-    from tierkv.priority import can_leave_idle
+def test_populating_runs_at_nice_19_paced_and_holds_the_mmap_lock_at_normal_priority(monkeypatch) -> None:
+    from tierkv.priority import can_raise_priority
 
-    if not can_leave_idle():
-        pytest.skip("idle priority cannot be left here")
-    in_calls, at_yields, chunks = _spy_populate(monkeypatch, 16 << 20)
-    assert len(in_calls) == chunks  # short madvise calls, each holding the mmap lock briefly
-    assert set(at_yields) == {os.SCHED_IDLE}  # between calls: only cores nobody else wants
-    assert set(in_calls) == {os.SCHED_OTHER}  # never preempted for long while holding the lock
-    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own thread is left as it was
-
-
-def test_populating_is_paced_at_normal_priority_where_idle_cannot_be_left(monkeypatch) -> None:
-    import tierkv.tiers.prefault as prefault
-
-    monkeypatch.setattr(prefault, "can_leave_idle", lambda: False)
-    slept: list[float] = []
-    monkeypatch.setattr(prefault.time, "sleep", slept.append)
-    in_calls, at_yields, chunks = _spy_populate(monkeypatch, 16 << 20)
-    assert set(in_calls) == {os.SCHED_OTHER} and at_yields == []
-    assert len(slept) == chunks and all(s > 0 for s in slept)  # a pause after every call
+    in_calls, at_pauses, chunks = _spy_populate(monkeypatch, 16 << 20)
+    assert len(in_calls) == chunks == len(at_pauses)  # short madvise calls, each followed by a pause
+    assert {p for p, _ in in_calls + at_pauses} == {os.SCHED_OTHER}  # never Python at SCHED_IDLE
+    assert {n for _, n in at_pauses} == {19}
+    # The mmap lock is held at nice 0 where the process may come back to it, else at nice 19.
+    assert {n for _, n in in_calls} == ({0} if can_raise_priority() else {19})
+    assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the caller's own thread is left as it was
 
 
 def test_a_fresh_host_pool_is_not_zeroed_on_the_first_put(monkeypatch) -> None:

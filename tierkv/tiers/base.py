@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tierkv import codec
+from tierkv.codec import Unsealed
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 
 if TYPE_CHECKING:
@@ -54,7 +55,11 @@ class BlockWrite:
         return codec.HEADER_NBYTES + len(self.token_bytes) + self.payload.numel()
 
     def encode(self) -> list[bytes | memoryview]:
-        return codec.encode_parts(
+        return codec.seal(self.unsealed())
+
+    def unsealed(self) -> Unsealed:
+        """The record without its checksums: the disk tier's native writer computes them off the GIL."""
+        return codec.encode_unsealed(
             ns_digest=self.ns.digest,
             parent_key=self.parent,
             key=self.key,

@@ -7,9 +7,12 @@ the request path). ``MADV_POPULATE_WRITE`` (Linux 5.14) maps the pages writable 
 background thread can populate the pool while other threads already copy blocks into it: the contents
 are never touched. Where the kernel lacks it, pages fault on first write, one block at a time.
 
-The thread takes only idle cores: populating 1 GiB is about 0.5 s of CPU on the 2-core development
-machine, and a restore right after start-up read 480 MiB at 0.61 GB/s while it ran beside it at normal
-priority, against 0.97 to 1.04 GB/s once it was done (the same as without a host tier).
+The thread runs at nice 19 and paces itself (a pause as long as each call: at most half a core): populating
+1 GiB is about 0.5 s of CPU on the 2-core development machine, and a restore right after start-up read
+480 MiB at 0.61 GB/s while it ran beside it at normal priority and unpaced, against 0.97 to 1.04 GB/s once
+it was done. Each madvise call holds the process's mmap lock, so it runs at nice 0 where the process may
+raise a thread's priority (an allocator's mmap or munmap waits for it). Never at SCHED_IDLE: see
+``priority.py``.
 """
 
 from __future__ import annotations
@@ -24,15 +27,15 @@ import time
 
 import torch
 
-from tierkv.priority import can_leave_idle, idle_priority, normal_priority
+from tierkv.priority import background_priority, normal_priority
 
 log = logging.getLogger(__name__)
 
 __all__ = ["populate_in_background"]
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
-# One madvise call: it holds the process's mmap lock (read), so keep it short (about 2 ms of CPU) for an
-# idle-priority thread: an allocator waiting to map memory must not wait long for it.
+# One madvise call: it holds the process's mmap lock (read), so keep it short (about 2 ms of CPU): an
+# allocator waiting to map memory must not wait long for it.
 CHUNK_NBYTES = 4 << 20
 
 
@@ -50,25 +53,15 @@ def _madvise() -> object | None:
 
 
 def _populate(start: int, end: int, name: str, pool: torch.Tensor) -> None:
-    """``pool`` is only held: its memory stays mapped while the thread works on its addresses.
-
-    Between calls the thread waits at idle priority for a core nobody else wants; each call runs at
-    normal priority, since it holds the process's mmap lock (read) and an allocator's mmap or munmap
-    waits for it: a holder preempted at idle priority could stall the model's thread for as long as the
-    cores stay busy. Where idle priority cannot be left, calls are paced at normal priority instead
-    (a pause as long as the call), so population takes at most half a core."""
+    """``pool`` is only held: its memory stays mapped while the thread works on its addresses."""
     fn = _madvise()
     if fn is None:
         return
-    idle = can_leave_idle()
-    if idle:
-        idle_priority()
+    background_priority()
     t0 = time.perf_counter()
     addr = start
     while addr < end:
         n = min(CHUNK_NBYTES, end - addr)
-        if idle:
-            os.sched_yield()  # let every runnable normal-priority thread go first
         with normal_priority():
             call_s = time.perf_counter()
             rc = fn(ctypes.c_void_p(addr), ctypes.c_size_t(n), MADV_POPULATE_WRITE)  # type: ignore[operator]
@@ -79,8 +72,7 @@ def _populate(start: int, end: int, name: str, pool: torch.Tensor) -> None:
                 "%s tier: no MADV_POPULATE_WRITE (%s); pages fault on first use", name, os.strerror(err)
             )
             return
-        if not idle:
-            time.sleep(call_s)
+        time.sleep(call_s)  # paced: at most half a core
         addr += n
     log.debug("%s tier: %.1f MiB populated in %.2f s", name, (end - start) / 2**20, time.perf_counter() - t0)
 

@@ -249,7 +249,7 @@ class DiskTier(Tier):
         return self.put(
             block.ns.digest,
             block.key,
-            block.encode,
+            block.unsealed,
             block.nbytes,
             block.created_s,
             release=block.release,

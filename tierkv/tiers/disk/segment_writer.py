@@ -13,6 +13,9 @@ import os
 import threading
 from collections.abc import Sequence
 
+from tierkv import native
+from tierkv.codec import Unsealed, seal
+from tierkv.priority import native_idle
 from tierkv.tiers.disk.segments import _IOV_MAX, _TEMP, ALIGN, SegmentDir, aligned, fsync_dir
 
 __all__ = ["SegmentWriter"]
@@ -48,15 +51,28 @@ class SegmentWriter:
             raise
         self.end = 0
 
-    def append(self, records: Sequence[Sequence[bytes | memoryview]]) -> list[int]:
-        """Write records (each a list of buffers) back to back, each padded to a page, with gathered
-        writes (no joining copy); make them durable; return their offsets."""
-        offsets: list[int] = []
+    def append(self, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> list[int]:
+        """Write records (each a list of buffers, or a record still to be sealed) back to back, each padded
+        to a page, with gathered writes (no joining copy); make them durable; return their offsets.
+
+        Records to be sealed go to the native writer where it runs: checksums, writes and the sync with the
+        GIL released, at SCHED_IDLE where this thread may come back from it."""
+        if native.enabled() and all(isinstance(r, Unsealed) for r in records):
+            offsets = []
+            pos = self.end
+            for r in records:
+                offsets.append(pos)
+                pos += aligned(r.nbytes)  # type: ignore[union-attr]
+            batch = [(r.head, r.token_bytes, r.payload) for r in records]  # type: ignore[union-attr]
+            native.module().write_run(self.fd, self.end, batch, int(self.sync), int(native_idle()))
+            self.end = pos
+            return offsets
+        offsets = []
         parts: list[memoryview] = []
         pos = self.end
         for rec in records:
             offsets.append(pos)
-            views = [memoryview(b).cast("B") for b in rec]
+            views = [memoryview(b).cast("B") for b in (seal(rec) if isinstance(rec, Unsealed) else rec)]
             nbytes = sum(v.nbytes for v in views)
             parts += views
             if aligned(nbytes) > nbytes:

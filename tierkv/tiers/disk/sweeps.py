@@ -16,7 +16,7 @@ from tierkv.codec import decode_header, decode_payload
 from tierkv.errors import RecordError
 from tierkv.keys import BlockKey, chain_key
 from tierkv.metrics import Counters
-from tierkv.priority import idle_priority
+from tierkv.priority import background_priority
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_of
 from tierkv.tiers.disk.segments import SegmentDir, aligned
@@ -300,7 +300,7 @@ def _record_ok(key: bytes, e: Entry, view: memoryview) -> bool:
 
 
 class Sweeper:
-    """The server's own gc: ``sweep()`` every ``interval_s`` on a thread at idle priority, off the model
+    """The server's own gc: ``sweep()`` every ``interval_s`` on a thread at nice 19, off the model
     thread; it also seals segments of writers that died, clears stale reader slots and drops read
     descriptors of segments other processes removed."""
 
@@ -315,7 +315,7 @@ class Sweeper:
         self._thread.start()
 
     def _loop(self, interval_s: float) -> None:
-        idle_priority()
+        background_priority()
         counters = self._sweeps.counters
         while not self._stop.wait(interval_s):
             try:

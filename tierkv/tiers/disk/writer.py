@@ -20,9 +20,10 @@ from typing import Any
 
 import lmdb
 
+from tierkv.codec import Unsealed
 from tierkv.errors import NamespaceConflictError
 from tierkv.metrics import Counters
-from tierkv.priority import idle_priority
+from tierkv.priority import background_priority
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.access_times import AccessTimes  # also exported from here, as before
 from tierkv.tiers.disk.index import Index, Txn
@@ -55,7 +56,9 @@ TOUCH_FLUSH_INTERVAL_S = 1.0  # access times are coalesced in memory and written
 DEGRADED_RETRY_S = 5.0  # after a write error (full disk) the tier drops writes this long, then retries
 FLUSH_TIMEOUT_S = 120.0  # flush() (and so SIGTERM) never waits longer for the writer
 
-Record = list  # of buffers (bytes or memoryviews) written back to back: see codec.encode_parts
+# A record: buffers (bytes or memoryviews) written back to back (codec.encode_parts), or one whose checksums
+# the segment writer computes (codec.Unsealed: natively, off the GIL, where the native module runs).
+Record = list[bytes | memoryview] | Unsealed
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,6 +75,8 @@ class Put:
 
     @property
     def record_nbytes(self) -> int:
+        if isinstance(self.record, Unsealed):
+            return self.record.nbytes
         return sum(memoryview(b).nbytes for b in self.record)
 
     def is_live(self) -> bool:
@@ -124,10 +129,10 @@ class Writer:
         self._lock = threading.Lock()
         self._degraded_until = 0.0
         self._degraded = False  # in a failure episode (logged once)
-        # Background persistence must not slow the model down. On Linux, scheduling settings made with the
-        # thread's id apply to this thread only: SCHED_IDLE runs it only on otherwise idle CPU (measured: a
-        # server with no cache hits was 9 to 16% slower than with the cache off at nice 0 or 10, on 2 cores).
-        # Under constant load the queue then fills and saves are dropped and counted: a future miss only.
+        # Background persistence must not slow the model down (measured: a server with no cache hits was 9
+        # to 16% slower than with the cache off with the writer at nice 0 or 10, on 2 cores). The thread's
+        # Python runs at nice 19; its byte work (checksums, writes, syncs) runs in the native writer at
+        # SCHED_IDLE, without the GIL (priority.py says why never Python at idle priority).
         self._batches: BatchQueue[Item] = BatchQueue(
             "tierkv-disk-writer",
             self._handle,
@@ -135,7 +140,7 @@ class Writer:
             batch_nbytes=batch_nbytes,
             idle_s=TOUCH_FLUSH_INTERVAL_S,
             on_idle=lambda: self._guarded(self.times.flush),
-            on_start=idle_priority,
+            on_start=background_priority,
         )
         self.thread = self._batches.thread
 

@@ -1,5 +1,6 @@
-"""The native reader against the Python one (the reference), on real segment files: the same blocks served
-bit for bit, and the same misses, purges and counts for every kind of damage, buffered and with O_DIRECT."""
+"""The native data path against the Python one (the reference), on real segment files: the reader serves the
+same blocks bit for bit, with the same misses, purges and counts for every kind of damage, buffered and with
+O_DIRECT; the writer writes the same bytes, and runs no Python at idle priority."""
 
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def test_a_damaged_record_ends_the_prefix_and_is_purged_by_both_readers(tmp_path
     assert results[0] == results[1]
 
 
-def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, reader) -> None:
+def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, data_path) -> None:
     B = ns.block_tokens
     toks = list(range(5 * B))
     kv = make_kv(ns, 5 * B)
@@ -221,3 +222,62 @@ def test_read_run_refuses_out_of_bounds_requests(tmp_path) -> None:
             )
     finally:
         os.close(fd)
+
+
+def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> None:
+    B = ns.block_tokens
+    toks = list(range(10 * B))
+    kv = make_kv(ns, 10 * B)
+    files = []
+    for use_native in (False, True):
+        path = tmp_path / f"native-{use_native}"
+        with native.use(use_native), TieredStore.open(path, host_bytes=0, clock=lambda: 1000.0) as store:
+            store.save(ns, toks, kv)
+            store.flush()
+        files.append(b"".join(p.read_bytes() for p in sorted((path / "segments").glob("*.seg"))))
+        with native.use(not use_native), TieredStore.open(path, host_bytes=0) as store:  # the other reads it
+            hit, got = store.restore(ns, toks)
+            assert hit.num_tokens == 10 * B and torch.equal(got, kv)
+    assert len(files[0]) >= 10 * 4096 and files[0] == files[1]
+
+
+def test_the_disk_writer_runs_python_at_nice_19_and_never_at_idle_priority(tmp_path, ns) -> None:
+    """Idle priority only inside the native writer, without the GIL: after it, the thread is back."""
+    import threading
+
+    from tierkv.tiers.disk.writer import Put
+
+    seen: list[tuple[int, int]] = []
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        disk = store.tier("disk")
+        B = ns.block_tokens
+        for k in range(3):  # the writer thread, while it runs Python between native writes
+            toks = list(range(k * 1000, k * 1000 + 2 * B))
+            store.save(ns, toks, make_kv(ns, 2 * B, seed=k))
+            assert disk.writer is not None
+
+            def spy() -> list[bytes]:
+                seen.append(
+                    (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                )
+                return [b"\0" * 64]
+
+            disk.writer.put(Put(ns.digest, bytes([k]) * 32, spy, 64, 0.0, None))
+            store.flush()
+    assert len(seen) == 3 and all(policy == os.SCHED_OTHER and nice == 19 for policy, nice in seen)
+
+
+def test_write_run_at_idle_priority_comes_back_to_where_it_was(tmp_path) -> None:
+    from tierkv.priority import native_idle
+
+    if not native_idle():
+        pytest.skip("this process may not leave SCHED_IDLE: the native writer does not go idle here")
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        head = bytes(codec.HEADER_NBYTES)
+        native.module().write_run(fd, 0, [(head, b"\1" * 64, b"\2" * 1000)], 1, 1)
+    finally:
+        os.close(fd)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    data = (tmp_path / "f").read_bytes()
+    assert len(data) == 4096 and data[codec.HEADER_NBYTES : codec.HEADER_NBYTES + 64] == b"\1" * 64
