@@ -262,3 +262,53 @@ def test_a_write_back_is_copied_before_restore_returns(tmp_path, ns) -> None:
         store.tier("host").clear()
         hit, got = store.restore(ns, toks)
         assert hit.by_tier["disk"] == T and torch.equal(got, kv)
+
+
+def _burst(store, ns, prompts: int, blocks: int, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
+    B = ns.block_tokens
+    out = []
+    for p in range(prompts):
+        toks = [p * 100_000 + t for t in range(blocks * B)]
+        kv = make_kv(ns, blocks * B, seed=seed + p)
+        store.save(ns, toks, kv)
+        out.append((toks, kv))
+    return out
+
+
+def test_a_burst_larger_than_the_disk_queue_loses_nothing_the_host_tier_holds(tmp_path, ns) -> None:
+    """The host tier is write-back: a block the disk writer's queue has no room for waits there (dirty)
+    and is written once there is room; flush() waits for all of it. Nothing is dropped or lost."""
+    from tierkv import TieredStore
+
+    block_nbytes = KVSpec.of(ns).block_nbytes
+    with TieredStore.open(tmp_path, host_bytes=400 * block_nbytes, queue_nbytes=8 * block_nbytes) as store:
+        saved = _burst(store, ns, prompts=10, blocks=30)  # 300 blocks through a queue of 8
+        lost = store.flush()
+        stats = store.stats()["disk"]
+        assert lost == 0 and stats["dropped_saves"] == 0 and stats["writeback_lost_blocks"] == 0
+        assert stats["blocks_written"] == 300
+    with TieredStore.open(tmp_path, host_bytes=0) as store:  # after a restart: all of it on disk
+        for toks, kv in saved:
+            hit, got = store.restore(ns, toks)
+            assert hit.by_tier["disk"] == len(toks) and torch.equal(got, kv)
+
+
+def test_a_dirty_block_that_must_leave_the_host_tier_is_counted_lost_and_flush_says_so(tmp_path, ns) -> None:
+    from tierkv import TieredStore
+
+    block_nbytes = KVSpec.of(ns).block_nbytes
+    with TieredStore.open(tmp_path, host_bytes=40 * block_nbytes, queue_nbytes=4 * block_nbytes) as store:
+        gate = threading.Event()
+        writer = store.tier("disk").writer
+        handle = writer._handle
+        writer._batches._handle = lambda items: (gate.wait(30), handle(items))  # the disk stalls
+        try:
+            _burst(store, ns, prompts=4, blocks=30)  # 120 blocks: the host tier holds 40
+        finally:
+            gate.set()
+        lost = store.flush()
+        stats = store.stats()["disk"]
+        assert stats["writeback_lost_blocks"] > 0
+        assert (
+            lost == stats["writeback_lost_blocks"] + stats["dropped_saves"] == 120 - stats["blocks_written"]
+        )

@@ -18,6 +18,7 @@ COUNTER_NAMES = (
     "expirations",
     "corrupt_blocks",
     "dropped_saves",
+    "writeback_lost_blocks",  # dirty in the host tier (waiting for the disk), evicted before it was written
     "write_errors",
     "read_errors",  # records the medium could not return (EIO): purged
     "transient_read_errors",  # reads that failed not for the record's sake (EMFILE, ENOMEM): a miss only

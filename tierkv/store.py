@@ -28,6 +28,7 @@ from tierkv.planner import RestorePlanner
 from tierkv.spread import promoter, runs_of, spread
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk.writer import FLUSH_TIMEOUT_S
 from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
@@ -90,6 +91,7 @@ class TieredStore:
         )
         self._stagers = Stagers()  # chunk buffers of restores into a GPU
         self.planner = RestorePlanner()  # restore or recompute, from measured read and prefill speeds
+        self._lost_at_flush = 0  # blocks the record tiers had lost at the last flush
 
     @classmethod
     def open(cls, path: str | Any | None, **options: Any) -> TieredStore:
@@ -385,11 +387,23 @@ class TieredStore:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def flush(self) -> None:
-        """Wait until every saved block is durable on disk."""
+    def flush(self) -> int:
+        """Wait until every saved block is durable on disk (the host tier's dirty blocks included).
+        Returns how many blocks the record tiers lost since the last flush: dropped (their queue full
+        and no host tier to wait in, a full disk) or evicted from the host tier before they were written."""
         self.writes.flush()  # first out of the staging ring, into the tiers' queues
+        self.writes.drain(FLUSH_TIMEOUT_S)  # then what waited dirty in the host tier for room
         for tier in self.tiers:
             tier.flush()
+        snap = self.counters.snapshot()
+        lost = sum(
+            snap.get(t.name, {}).get("dropped_saves", 0)
+            + snap.get(t.name, {}).get("writeback_lost_blocks", 0)
+            for t in self.tiers
+            if not getattr(t, "memory", False)
+        )
+        lost, self._lost_at_flush = lost - self._lost_at_flush, lost
+        return lost
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Counters per tier name (``tier_names``), ``store`` and ``staging``; every tier with a size also

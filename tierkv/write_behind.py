@@ -206,6 +206,10 @@ class WriteBehind:
         # Held from a block's liveness check to its copy into the memory tiers, and by a purge clearing
         # them: a block found live is in the tiers before the clear, or is found dead after it.
         self.gate = threading.Lock()
+        # Write-back: per record tier, blocks its queue had no room for, waiting dirty in a host pool (key ->
+        # the save and the pool), oldest first; ``refill`` queues them as room comes back.
+        self._backlog: dict[Tier, collections.OrderedDict[BlockKey, tuple[_Pending, BlockPool]]] = {}
+        self._backlog_lock = threading.Lock()
 
     def save(
         self,
@@ -327,15 +331,24 @@ class WriteBehind:
         key = p.chain.keys[p.i]
         live = functools.partial(self.gens.live, p.chain.ns.digest, key, p.gen)
         records = [t for t in p.dests if not isinstance(t, BlockPool)]
+        nbytes = codec.HEADER_NBYTES + p.chain.block_token_nbytes + block.numel() * block.element_size()
+        with self._backlog_lock:  # write-back: wait dirty in a pool, behind those already waiting
+            full = [t for t in records if t.writes_back and (self._backlog.get(t) or not t.has_room(nbytes))]
+        records = [t for t in records if t not in full]
         held: tuple[BlockPool, torch.Tensor] | None = None
+        kept: BlockPool | None = None  # a CPU pool that took the block
         with self.gate:
             if not live():  # purged or invalidated since it was saved
                 return
             for pool in (t for t in p.dests if isinstance(t, BlockPool)):
                 hold = bool(records) and held is None and pool.can_hold()
                 slot = pool.put(key, block, hold=hold, created_s=p.created_s)
+                if slot is not None and pool.device.type == "cpu":
+                    kept = kept or pool
                 if hold and slot is not None:
                     held = (pool, slot)
+            if full:
+                self._defer(full, key, p, kept)
         if not records:
             return
         # Without a held slot the writers share one private copy: the caller may reuse ``block`` at once.
@@ -362,8 +375,83 @@ class WriteBehind:
                 release,
                 live,
             )
-            if not tier.write(write):
+            ok = tier.try_write(write) if tier.writes_back else tier.write(write)
+            if not ok:
                 write.done()
+            if ok is None:  # the queue filled since: wait in the pool after all
+                with self.gate:
+                    self._defer([tier], key, p, kept)
+
+    def _defer(self, tiers: list[Tier], key: BlockKey, p: _Pending, pool: BlockPool | None) -> None:
+        """Record tiers whose queue is full: the block waits dirty in ``pool`` (caller holds the gate);
+        without a pool that took it, it is dropped for them (counted)."""
+        for tier in tiers:
+            if pool is None or not pool.mark_dirty(key):
+                self.counters.add(tier.name, "dropped_saves")
+                continue
+            with self._backlog_lock:
+                if tier not in self._backlog:
+                    self._backlog[tier] = collections.OrderedDict()
+                    tier.on_room(functools.partial(self.refill, tier))
+                self._backlog[tier][key] = (p, pool)
+
+    def refill(self, tier: Tier) -> int:
+        """Queue ``tier``'s waiting blocks while it has room (its writer thread calls this after each
+        batch); a block that left its pool before it could be written is lost for the tier, and counted.
+        Returns how many are still waiting."""
+        while True:
+            with self._backlog_lock:
+                waiting = self._backlog.get(tier)
+                if not waiting:
+                    return 0
+                key, (p, pool) = next(iter(waiting.items()))
+                if not tier.has_room(codec.HEADER_NBYTES + p.chain.block_token_nbytes + pool.slot_nbytes):
+                    return len(waiting)
+                del waiting[key]
+            live = functools.partial(self.gens.live, p.chain.ns.digest, p.chain.keys[p.i], p.gen)
+            with self.gate:  # as in _keep: found live, it is held before a purge clears the pool
+                if not live():
+                    continue
+                slot = pool.hold(key)
+            if slot is None:  # evicted (or expired) before its turn
+                self.counters.add(tier.name, "writeback_lost_blocks")
+                continue
+            write = BlockWrite(
+                p.chain.ns,
+                key,
+                p.chain.parent(p.i),
+                p.chain.tokens(p.i),
+                p.created_s,
+                slot,
+                self.codec,
+                functools.partial(pool.release, slot),
+                live,
+            )
+            ok = tier.try_write(write)
+            if not ok:
+                write.done()
+            if ok is None:  # full again (a saver came first): back to the head of the line
+                with self._backlog_lock:
+                    waiting = self._backlog[tier]
+                    waiting[key] = (p, pool)
+                    waiting.move_to_end(key, last=False)
+                pool.mark_dirty(key)
+                return len(waiting)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every block waiting for a write-back tier is queued there (``flush`` then waits for
+        the queues). False if some still wait after ``timeout_s`` (a writer that makes no progress)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._backlog_lock:
+                tiers = [t for t, w in self._backlog.items() if w]
+            if not tiers:
+                return True
+            for tier in tiers:
+                if self.refill(tier):
+                    tier.flush()  # room comes back as its queue is written
+            if time.monotonic() > deadline:
+                return False
 
     def flush(self) -> None:
         """Out of the staging ring: into the memory tiers and the record tiers' queues."""

@@ -105,6 +105,21 @@ class Tier:
         what ``block.release`` frees."""
         raise NotImplementedError
 
+    # Write-back (record tiers with a bounded queue): a block the queue has no room for now waits dirty in
+    # the host tier, and ``on_room``'s callback brings it over later (write_behind.py).
+    writes_back = False
+
+    def has_room(self, nbytes: int) -> bool:
+        return True
+
+    def on_room(self, refill: Callable[[], object]) -> None:
+        """Have ``refill`` called whenever the queue has room again (write-back tiers)."""
+
+    def try_write(self, block: BlockWrite) -> bool | None:
+        """``write``, except that a write-back tier with a full queue returns None: nothing counted,
+        nothing released (the caller keeps the block, and the release, for later)."""
+        return self.write(block)
+
     def requested(self, chain: BlockChain) -> None:
         """A request for ``chain`` arrived (admission counting); called before the probe of a restore."""
 

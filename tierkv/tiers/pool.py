@@ -75,6 +75,9 @@ class BlockPool(Tier):
         self._held = 0  # slots with a reference: never evicted
         self._dead: set[int] = set()  # held slots whose block was removed: freed on their last release
         self._free: list[int] = []
+        # Blocks waiting for a slower tier (write-back, see write_behind.py): evicted only when no clean
+        # block can make room (then the slower tier loses them, and the write-behind counts it).
+        self._dirty: set[BlockKey] = set()
         self._lock = threading.Lock()
 
     def _allocate(self, slot_nbytes: int) -> None:
@@ -134,6 +137,7 @@ class BlockPool(Tier):
     def _forget(self, key: BlockKey) -> None:
         self._atime.pop(key, None)
         self._ctime.pop(key, None)
+        self._dirty.discard(key)
 
     def created_s(self, key: BlockKey) -> float:
         """When the block was first saved (as its record says), for a rewrite that keeps its age."""
@@ -277,13 +281,39 @@ class BlockPool(Tier):
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        for key, slot in self._lru.items():  # least recently used first
+        victim = None
+        for key, slot in self._lru.items():  # least recently used first, clean before dirty
             if self._refs[slot] == 0:
-                del self._lru[key]
-                self._forget(key)
-                self.counters.add(self.name, "evictions")
-                return slot
-        return None
+                if key not in self._dirty:
+                    victim = key
+                    break
+                if victim is None:
+                    victim = key
+        if victim is None:
+            return None
+        slot = self._lru.pop(victim)
+        self._forget(victim)
+        self.counters.add(self.name, "evictions")
+        return slot
+
+    def mark_dirty(self, key: BlockKey) -> bool:
+        """``key``'s block waits for a slower tier: evict clean blocks first. False if it is not here."""
+        with self._lock:
+            if key not in self._lru:
+                return False
+            self._dirty.add(key)
+            return True
+
+    def hold(self, key: BlockKey) -> torch.Tensor | None:
+        """The slot of ``key`` (uint8 view), referenced until ``release``, and no longer dirty (its
+        writer has it); None if the block is not here (or past its TTL)."""
+        with self._lock:
+            slot = self._slot(key, self.clock()) if self._pool is not None else None
+            if slot is None or self._pool is None:
+                return None
+            self._dirty.discard(key)
+            self._ref(slot)
+            return self._pool[slot]
 
     def retain(self, view: torch.Tensor) -> None:
         """One more reference to a slot already held (a second writer reads it)."""

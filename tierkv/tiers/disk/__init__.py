@@ -235,27 +235,48 @@ class DiskTier(Tier):
     def _accepting(self) -> bool:
         return not self.read_only and not self._closed and self.writer is not None and self.writer.accepting
 
+    writes_back = True  # a block its queue has no room for may wait in the host tier (write_behind.py)
+
     def needs(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
         if self.read_only:
             return [False] * len(idx)
         wanted = [not h for h in self.holds([chain.keys[i] for i in idx])]
-        if any(wanted) and not self._accepting():
-            # Degraded (a full disk) or the queue full: counted as dropped now, not copied to be dropped.
+        if any(wanted) and not (self._accepting() or self.writer is not None and self.writer.healthy):
+            # Degraded (a full disk) or the writer gone: counted as dropped now, not copied to be dropped.
+            # A full queue is not a drop: the write-behind keeps the block dirty in the host tier.
             self.counters.add("disk", "dropped_saves", sum(wanted))
             return [False] * len(idx)
         return wanted
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether the writer's queue takes a record of ``nbytes`` now."""
+        return (
+            not self.read_only and not self._closed and self.writer is not None and self.writer.room(nbytes)
+        )
+
+    def on_room(self, refill: Callable[[], object]) -> None:
+        """``refill`` runs on the writer thread after each batch while its queue has room."""
+        if self.writer is not None:
+            self.writer.on_room = refill
+
     def write(self, block: BlockWrite) -> bool:
-        return self.put(
+        return bool(self.try_write(block, full_ok=False))
+
+    def try_write(self, block: BlockWrite, full_ok: bool = True) -> bool | None:
+        """``write``; with ``full_ok``, None (nothing counted, nothing released) when the queue is full."""
+        if self.writer is None or self._closed:
+            raise RuntimeError("this DiskTier was opened without a writer")
+        item = Put(
             block.ns.digest,
-            block.key,
+            bytes(block.key),
             block.unsealed,
             block.nbytes,
             block.created_s,
-            release=block.release,
-            ns_spec=block.ns.spec_bytes,
-            live=block.live,
+            block.release,
+            block.ns.spec_bytes,
+            block.live,
         )
+        return self.writer.put(item, full_ok=full_ok)
 
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
         """A hit in memory refreshes the disk copy's TTL; a block whose disk copy is gone (expired,
@@ -349,7 +370,9 @@ class DiskTier(Tier):
         if self.writer is None or self._closed:
             raise RuntimeError("this DiskTier was opened without a writer")
         make: Callable[[], Record] = record if callable(record) else functools.partial(list, (record,))
-        return self.writer.put(Put(ns_digest, bytes(key), make, nbytes, created_s, release, ns_spec, live))
+        return bool(
+            self.writer.put(Put(ns_digest, bytes(key), make, nbytes, created_s, release, ns_spec, live))
+        )
 
     def purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
         """Remove a record that failed verification, if the index still points at what was read."""

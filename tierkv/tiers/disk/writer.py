@@ -143,11 +143,16 @@ class Writer:
             on_start=background_priority,
         )
         self.thread = self._batches.thread
+        # Called on the writer thread after each batch while the queue has room: the write-behind refills
+        # it from the host tier's dirty blocks (write-back).
+        self.on_room: Callable[[], object] | None = None
 
     # ---------------------------------------------------------------- callers' side
 
-    def put(self, item: Put) -> bool:
-        """Queue a record; False (a dropped save, counted) when full, degraded or the writer is gone."""
+    def put(self, item: Put, full_ok: bool = False) -> bool | None:
+        """Queue a record; False (a dropped save, counted) when full, degraded or the writer is gone.
+        With ``full_ok`` a full queue returns None instead, counting nothing (the caller keeps the block
+        to write back later)."""
         with self._lock:
             if not self.thread.is_alive():
                 self._note_gone()
@@ -158,16 +163,30 @@ class Writer:
                 if item.release is not None:
                     item.release()
                 return True
-            if (
-                time.monotonic() < self._degraded_until
-                or self._queued_nbytes + item.nbytes > self.queue_nbytes
-            ):
+            degraded = time.monotonic() < self._degraded_until
+            if not degraded and self._queued_nbytes + item.nbytes > self.queue_nbytes and full_ok:
+                return None
+            if degraded or self._queued_nbytes + item.nbytes > self.queue_nbytes:
                 self.counters.add("disk", "dropped_saves")
                 return False
             self._queued_nbytes += item.nbytes
             self._queued_keys[item.key] = item
         self._batches.put(item)
         return True
+
+    def room(self, nbytes: int) -> bool:
+        """Whether a put of ``nbytes`` would be queued now."""
+        with self._lock:
+            return (
+                self.thread.is_alive()
+                and time.monotonic() >= self._degraded_until
+                and self._queued_nbytes + nbytes <= self.queue_nbytes
+            )
+
+    @property
+    def healthy(self) -> bool:
+        """Alive and not degraded: a put may be queued now or once the queue has room."""
+        return self.thread.is_alive() and time.monotonic() >= self._degraded_until
 
     @property
     def accepting(self) -> bool:
@@ -245,6 +264,8 @@ class Writer:
             self._guarded(lambda: self.segments.release(self.index.remove_at(purges)))
         self._guarded(self._write_batch, [i for i in items if isinstance(i, Put)])
         self._guarded(self.times.flush)
+        if self.on_room is not None and self.accepting:
+            self._guarded(self.on_room)
 
     def _guarded(self, fn: Callable[..., object], *args: Any) -> None:
         """Run a step; nothing it raises may kill the writer thread (a lost batch is only future misses)."""
