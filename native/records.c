@@ -5,8 +5,8 @@
  *            reading threads, and says per record whether it may be served. Records already in the
  *            page cache are read buffered straight into place (mincore tells which are);
  *            the rest with O_DIRECT at a queue depth of several threads, through aligned bounce buffers.
- * write_run  appends a run of encoded records to a segment file with O_DIRECT (page-aligned, padded),
- *            computing each payload's checksum on the way, then fdatasync.
+ * write_run  appends a run of records to a segment file (buffered, each padded to a page), computing
+ *            both of each record's checksums first, then fdatasync.
  *
  * xxh3-64 comes from the system's libxxhash (dlopen, no header needed: the functions used are its stable
  * ABI); without it the module reports itself unavailable and tierkv keeps its Python path, which is also
@@ -22,15 +22,18 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#define ABI 2 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #ifndef GROUP_NBYTES
@@ -217,9 +220,26 @@ static int iov_fill(struct iovec *iov, int k, int at, const uint8_t *src, size_t
 /* How many bytes from `off` (page-aligned) the page cache holds without a gap, up to `len`. mincore on a
  * mapping of the range: unlike a RWF_NOWAIT read, it starts no readahead (which would read the same
  * bytes twice, once buffered and once with O_DIRECT). */
+#ifndef __NR_cachestat
+#define __NR_cachestat 451 /* the same number on every architecture (Linux 6.5) */
+#endif
+static atomic_int no_cachestat;
+
 static int64_t resident_prefix(int fd, int64_t off, int64_t len) {
     static long page;
     if (!page) page = sysconf(_SC_PAGESIZE);
+    if (!atomic_load(&no_cachestat)) {
+        /* cachestat(2) counts cached pages without touching the process's memory map (mincore needs a
+         * mapping, and mmap/munmap take the map's lock for writing, against the model's page faults).
+         * All or nothing: a range not wholly cached is read from the disk. */
+        struct { uint64_t off, len; } range = {(uint64_t)off, (uint64_t)len};
+        struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } cs;
+        if (syscall(__NR_cachestat, fd, &range, &cs, 0) == 0) {
+            uint64_t pages = (uint64_t)((off + len + page - 1) / page - off / page);
+            return cs.nr_cache >= pages ? len : 0;
+        }
+        if (errno == ENOSYS || errno == EPERM) atomic_store(&no_cachestat, 1);
+    }
     int64_t done = 0;
     unsigned char vec[512];
     while (done < len) {
@@ -429,10 +449,16 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         goto done;
     int64_t n = reqs.len / (Py_ssize_t)sizeof(req_t);
     int64_t nrows = rows.len / 8, prefix_nbytes = HEADER_NBYTES + token_nbytes;
-    /* Everything the threads will touch, checked here, with the GIL. */
+    int64_t keys_len, tokens_len, prefix_len, payload_nbytes, record_nbytes;
+    /* Everything the threads will touch, checked here, with the GIL (the row addresses and row_nbytes are
+     * the caller's word: tierkv passes a live tensor's). */
     if (reqs.len % (Py_ssize_t)sizeof(req_t) || rows.len % 8 || nrows < 1 || chunk <= 0 || row_nbytes <= 0 ||
-        token_nbytes < 0 || token_nbytes % 4 || ns.len != 32 || keys.len != 32 * n || tokens.len != token_nbytes * n ||
-        prefix.len < prefix_nbytes * n || (int64_t)(nrows + 2) > IOV_CAP) {
+        token_nbytes < 0 || token_nbytes % 4 || token_nbytes > (1 << 24) || ns.len != 32 ||
+        __builtin_mul_overflow(n, 32, &keys_len) || keys.len != keys_len ||
+        __builtin_mul_overflow(n, token_nbytes, &tokens_len) || tokens.len != tokens_len ||
+        __builtin_mul_overflow(n, prefix_nbytes, &prefix_len) || prefix.len < prefix_len ||
+        __builtin_mul_overflow(nrows, chunk, &payload_nbytes) ||
+        __builtin_add_overflow(payload_nbytes, prefix_nbytes, &record_nbytes) || (int64_t)(nrows + 2) > IOV_CAP) {
         PyErr_SetString(PyExc_ValueError, "read_run: inconsistent sizes");
         goto done;
     }
@@ -453,8 +479,10 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     }
     const req_t *rq = reqs.buf;
     for (int64_t j = 0; j < n; j++) {
+        int64_t end_nbytes, file_end;
         if (rq[j].fd < 0 || rq[j].offset < 0 || rq[j].offset % ALIGN || rq[j].pos < 0 ||
-            (rq[j].pos + 1) * chunk > row_nbytes || rq[j].nbytes != prefix_nbytes + nrows * chunk) {
+            __builtin_mul_overflow(rq[j].pos + 1, chunk, &end_nbytes) || end_nbytes > row_nbytes ||
+            rq[j].nbytes != record_nbytes || __builtin_add_overflow(rq[j].offset, aligned(rq[j].nbytes), &file_end)) {
             PyErr_Format(PyExc_ValueError, "read_run: record %lld out of bounds", (long long)j);
             goto done;
         }
@@ -475,12 +503,13 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     r.direct_ok = direct;
     r.gfirst = PyMem_Calloc((size_t)n + 1, sizeof(int64_t));
     r.gcount = PyMem_Calloc((size_t)n + 1, sizeof(int64_t));
-    r.status = PyMem_Calloc((size_t)n + 1, 1);
+    r.status = PyMem_Malloc((size_t)n + 1);
     r.errnos = PyMem_Calloc((size_t)n + 1, sizeof(int));
     if (!r.gfirst || !r.gcount || !r.status || !r.errnos) {
         PyErr_NoMemory();
         goto done;
     }
+    memset(r.status, ST_BAD, (size_t)n + 1); /* a record no thread settled is never served */
     /* Adjacent records of one file make one request, up to GROUP_NBYTES and the iovec limit. */
     int64_t per_rec_iov = nrows + 2;
     for (int64_t j = 0; j < n; j++) {
@@ -544,13 +573,14 @@ done:
  * happen here, so it logs them when asked (trace_writes), in order, for the harness to replay. */
 typedef struct { int sync; int fd; int64_t offset, nbytes; } wtrace_t;
 static wtrace_t wtrace[8192];
-static int wtrace_n, wtrace_on;
+static int wtrace_n, wtrace_on, wtrace_lost;
 static pthread_mutex_t wtrace_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void wtrace_add(int sync, int fd, int64_t offset, int64_t nbytes) {
     if (!wtrace_on) return;
     pthread_mutex_lock(&wtrace_lock);
     if (wtrace_n < (int)(sizeof wtrace / sizeof *wtrace)) wtrace[wtrace_n++] = (wtrace_t){sync, fd, offset, nbytes};
+    else wtrace_lost = 1;
     pthread_mutex_unlock(&wtrace_lock);
 }
 
@@ -558,13 +588,18 @@ static PyObject *trace_writes(PyObject *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
     pthread_mutex_lock(&wtrace_lock);
-    PyObject *out = PyList_New(wtrace_n);
-    for (int i = 0; out && i < wtrace_n; i++)
-        PyList_SET_ITEM(out, i, Py_BuildValue("(siLL)", wtrace[i].sync ? "sync" : "write", wtrace[i].fd,
-                                              (long long)wtrace[i].offset, (long long)wtrace[i].nbytes));
-    wtrace_n = 0;
+    int lost = wtrace_lost;
+    PyObject *out = lost ? NULL : PyList_New(wtrace_n);
+    for (int i = 0; out && i < wtrace_n; i++) {
+        PyObject *ev = Py_BuildValue("(siLL)", wtrace[i].sync ? "sync" : "write", wtrace[i].fd,
+                                     (long long)wtrace[i].offset, (long long)wtrace[i].nbytes);
+        if (!ev) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, ev);
+    }
+    wtrace_n = wtrace_lost = 0;
     wtrace_on = on;
     pthread_mutex_unlock(&wtrace_lock);
+    if (lost) PyErr_SetString(PyExc_OverflowError, "trace_writes: more operations than the trace holds");
     return out;
 }
 
@@ -573,9 +608,11 @@ static PyObject *trace_writes(PyObject *self, PyObject *arg) {
  * priority while holding the GIL would stall every Python thread for as long as the cores stay busy. */
 typedef struct { int policy; int ok; } prio_t;
 
+static atomic_int idle_broken; /* a return from SCHED_IDLE failed once: never go idle again */
+
 static prio_t go_idle(int idle) {
     prio_t p = {SCHED_OTHER, 0};
-    if (!idle) return p;
+    if (!idle || atomic_load(&idle_broken)) return p;
     p.policy = sched_getscheduler(0);
     struct sched_param sp = {0};
     p.ok = p.policy == SCHED_OTHER && sched_setscheduler(0, SCHED_IDLE, &sp) == 0;
@@ -584,17 +621,20 @@ static prio_t go_idle(int idle) {
 
 static void come_back(prio_t p) {
     struct sched_param sp = {0};
-    if (p.ok) sched_setscheduler(0, p.policy, &sp);
+    if (p.ok && sched_setscheduler(0, p.policy, &sp) != 0) {
+        atomic_store(&idle_broken, 1);
+        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19); /* the least harm left: nice 19 */
+    }
 }
 
 typedef struct { Py_buffer head, tokens, payload; } wrec_t;
 
 PyDoc_STRVAR(write_run_doc,
-    "write_run(fd, offset, records, sync, idle) -> None\n\n"
+    "write_run(fd, offset, records, sync, idle) -> bytes written, padding included\n\n"
     "records: [(head, token_bytes, payload)], head being a record's 176 header bytes whose two checksums\n"
     "(payload, then header) are filled in here. Writes them back to back at offset, each padded to 4 KiB,\n"
-    "then fdatasync if sync. With idle, the work runs at SCHED_IDLE (the caller has made sure the thread\n"
-    "may come back to normal priority). OSError on a failed or short write.");
+    "then fdatasync if sync. With idle, the checksums are computed at SCHED_IDLE (the caller has made sure\n"
+    "the thread may come back). OSError on a failed or short write.");
 
 static PyObject *write_run(PyObject *self, PyObject *args) {
     int fd, sync, idle;
@@ -638,11 +678,13 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         }
     }
     int err = 0;
+    int64_t total = 0;
     Py_BEGIN_ALLOW_THREADS
+    /* Idle priority for the checksums only: a write holds the file's inode lock, which a starved writer
+     * would keep from this process's own restores of the segment. */
     prio_t prio = go_idle(idle);
     void *state = xxh3_create();
     int k = 0;
-    int64_t total = 0;
     if (!state) err = ENOMEM;
     for (Py_ssize_t j = 0; j < n && !err; j++) {
         uint8_t *h = heads + j * HEADER_NBYTES;
@@ -661,6 +703,8 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){zeros, (size_t)(aligned(nbytes) - nbytes)};
         total += aligned(nbytes);
     }
+    if (state) xxh3_free(state);
+    come_back(prio);
     int at = 0;
     int64_t done_nbytes = 0;
     while (!err && at < k) {
@@ -684,16 +728,13 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         if (fdatasync(fd) != 0) err = errno;
         else wtrace_add(1, fd, 0, 0);
     }
-    if (state) xxh3_free(state);
-    come_back(prio);
     Py_END_ALLOW_THREADS
     if (err) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    result = Py_None;
-    Py_INCREF(result);
+    result = PyLong_FromLongLong((long long)total);
 done:
     for (Py_ssize_t j = 0; recs && j < n; j++) { /* PyBuffer_Release clears .obj: each released once */
         if (recs[j].head.obj) PyBuffer_Release(&recs[j].head);
@@ -767,6 +808,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     load_xxhash();
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    PyModule_AddIntConstant(m, "ABI", ABI);
     PyModule_AddIntConstant(m, "ALIGN", ALIGN);
     PyModule_AddIntConstant(m, "HEADER_NBYTES", HEADER_NBYTES);
     PyModule_AddIntConstant(m, "GROUP_NBYTES", GROUP_NBYTES);

@@ -40,10 +40,11 @@ def data_path(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 @pytest.fixture
-def read_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadFaults]:
-    faults = ReadFaults(monkeypatch)
-    yield faults
-    faults.clear()
+def read_faults() -> Iterator[ReadFaults]:
+    with pytest.MonkeyPatch.context() as own:  # its own: clear() undoes only the faults' patches
+        faults = ReadFaults(own)
+        yield faults
+        faults.clear()
 
 
 @pytest.fixture

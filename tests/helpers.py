@@ -211,8 +211,23 @@ class ReadFaults:
             self._add(disk.segments.file(seg_id), offset, offset + nbytes, err)
 
     def fail_all(self, store: Any, err: int) -> None:
+        """Every read of every segment fails, and so does opening one (a process out of descriptors)."""
+        import tierkv.tiers.disk.segments as segments_mod
+
         for path in sorted(store.tier("disk").segments.path.glob("*.seg")):
             self._add(path, 0, 1 << 62, err)
+
+        class FailingOpens:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(os, name)
+
+            @staticmethod
+            def open(path: Any, *args: Any, **kw: Any) -> int:
+                if str(path).endswith(".seg"):
+                    raise OSError(err, os.strerror(err))
+                return os.open(path, *args, **kw)
+
+        self._monkeypatch.setattr(segments_mod, "os", FailingOpens())
 
     def _add(self, path: Path, start: int, end: int, err: int) -> None:
         from tierkv import native
@@ -241,4 +256,4 @@ class ReadFaults:
         self._ranges.clear()
         if native.reason() is None:
             native.module().clear_faults()
-        self._monkeypatch.setattr(os, "preadv", getattr(self, "_real", os.preadv))
+        self._monkeypatch.undo()

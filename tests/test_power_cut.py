@@ -104,7 +104,7 @@ class RecordingNative:
         nat = native.module()
         nat.trace_writes(True)
         try:
-            nat.write_run(fd, offset, records, sync, idle)
+            return nat.write_run(fd, offset, records, sync, idle)
         finally:
             events = nat.trace_writes(False)
             path = RecordingOS._path(fd)
@@ -245,7 +245,7 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
         store.tier("disk").compact()
         for p in range(8, 11):
             store.save(ns, [p * 1000 + t for t in range(48)], make_kv(ns, 48, seed=p))
-        store.flush()
+        assert store.flush() == 0  # nothing was lost: every flushed prompt must survive
         log += [Op("flushed", prompt=q) for q in range(8, 11)]
     monkeypatch.undo()
     return log, base_index

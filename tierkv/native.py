@@ -18,6 +18,8 @@ __all__ = ["READ_THREADS", "describe", "enabled", "module", "reason", "use"]
 # Reads in flight per restore: an NVMe device needs a deep queue, a virtual disk at least several.
 READ_THREADS = 8
 
+ABI = 2  # native/records.c's: a build of another version (stale, in place) is not used
+
 _module: ModuleType | None = None
 _why: str | None
 try:
@@ -27,6 +29,23 @@ try:
     _why = _module.why_unavailable()
 except ImportError as exc:  # not built: no compiler at install time
     _why = f"not built ({exc})"
+
+
+def _check(mod: ModuleType) -> str | None:
+    """The build is this version's, and the system's xxh3 is the one records are written with (XXH3's
+    output was frozen only in xxHash 0.8.0; an older libxxhash would make every record look damaged)."""
+    import xxhash
+
+    if getattr(mod, "ABI", None) != ABI:
+        return f"stale build (ABI {getattr(mod, 'ABI', None)}, want {ABI}): rerun scripts/setup.sh"
+    for data in (b"", b"tierkv", bytes(range(256)) * 5):
+        if mod.xxh3_64(data) != xxhash.xxh3_64_intdigest(data):
+            return "the system's libxxhash computes another XXH3 (older than xxHash 0.8.0)"
+    return None
+
+
+if _why is None and _module is not None:
+    _why = _check(_module)
 if _why is None and os.environ.get("TIERKV_NATIVE", "1") == "0":
     _why = "off (TIERKV_NATIVE=0)"
 _forced: bool | None = None

@@ -15,36 +15,40 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
-import resource
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 __all__ = ["BACKGROUND_NICE", "background_priority", "can_raise_priority", "native_idle", "normal_priority"]
 
 BACKGROUND_NICE = 19
-CAP_SYS_NICE = 23  # linux/capability.h
 
 _priority = threading.local()  # .background: this thread runs at BACKGROUND_NICE outside its sections
 
 
 @functools.cache
 def can_raise_priority() -> bool:
-    """Whether a thread may lower its nice value again, or leave SCHED_IDLE: it needs CAP_SYS_NICE or an
-    RLIMIT_NICE of 20 (unprivileged containers have neither). Without it a background thread holds its
-    locks at nice 19, and native calls do not go idle (they could not come back)."""
-    try:
-        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
-        if soft == resource.RLIM_INFINITY or soft >= 20:
-            return True
-    except (AttributeError, OSError, ValueError):
-        pass
-    try:
-        m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)", Path("/proc/self/status").read_text(), re.M)
-        return m is not None and bool(int(m.group(1), 16) >> CAP_SYS_NICE & 1)
-    except OSError:
-        return False
+    """Whether a thread may lower its nice value again and leave SCHED_IDLE. Tried, once, on a throwaway
+    thread: what capabilities and RLIMIT_NICE say is not enough (CAP_SYS_NICE inside a user namespace is
+    checked against the initial one). Without it a background thread holds its locks at nice 19, and
+    native calls never go idle (they could not come back)."""
+    result: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+            if hasattr(os, "SCHED_IDLE"):
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            result.append(True)
+        except (OSError, AttributeError):
+            result.append(False)
+
+    thread = threading.Thread(target=probe, name="tierkv-priority-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return bool(result and result[0])
 
 
 def native_idle() -> bool:

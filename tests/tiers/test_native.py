@@ -36,7 +36,20 @@ def test_native_xxh3_is_xxhash_s(data: bytes) -> None:
     assert native.module().xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
 
 
+def _uncache(path) -> None:
+    """Drop the segments' pages from the page cache (synced first: dirty pages are not dropped)."""
+    for seg in sorted(path.glob("**/*.seg")):
+        fd = os.open(seg, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _restore(path, ns: Namespace, prompts, *, use_native: bool, direct: bool = False, host_bytes: int = 0):
+    if direct:
+        _uncache(path)  # else every record is in the page cache and read buffered
     out = []
     with native.use(use_native), TieredStore.open(path, host_bytes=host_bytes, direct_reads=direct) as store:
         for toks in prompts:
@@ -71,8 +84,8 @@ def test_native_serves_exactly_what_the_python_reader_serves(tmp_path, ns, direc
         assert torch.equal(kv_got, kv_ref) and torch.equal(kv_got, kv[:, :, : n_blocks * B])
     read = stats["read_cached_nbytes"] + stats["read_direct_nbytes"] + stats["read_blocking_nbytes"]
     assert read >= sum(k[:, :, : n_blocks * B].numel() * k.element_size() for k in kvs)
-    if direct:  # the restores before it read buffered: what the page cache held is read from there
-        assert stats["read_cached_nbytes"] > 0
+    if direct:  # read from the disk with O_DIRECT (the page cache was emptied), not from the page cache
+        assert stats["read_direct_nbytes"] >= read - stats["read_cached_nbytes"] > 0
 
 
 def _damage(path, store_ns: Namespace, toks, block: int, at: str) -> None:
@@ -131,8 +144,12 @@ def test_a_damaged_record_ends_the_prefix_and_is_purged_by_both_readers(tmp_path
             store.save(ns, toks, kv)
             store.flush()
         _damage(path, ns, toks, 4, at)
+        if direct:
+            _uncache(path)
         with native.use(use_native), TieredStore.open(path, host_bytes=0, direct_reads=direct) as store:
             hit, got = store.restore(ns, toks)
+            if direct and use_native:
+                assert store.stats()["disk"]["read_direct_nbytes"] > 0
             assert hit.num_tokens == 4 * B and torch.equal(got, kv[:, :, : 4 * B])
             store.flush()
             stats = store.stats()["disk"]
@@ -142,7 +159,8 @@ def test_a_damaged_record_ends_the_prefix_and_is_purged_by_both_readers(tmp_path
     assert results[0] == results[1]
 
 
-def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, data_path) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
+def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, data_path, direct) -> None:
     B = ns.block_tokens
     toks = list(range(5 * B))
     kv = make_kv(ns, 5 * B)
@@ -151,8 +169,10 @@ def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, data_pat
         store.flush()
         seg_id, offset, _ = store.tier("disk").locate(BlockChain.of(ns, toks).keys)[3].location
         seg = store.tier("disk").segments.file(seg_id)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
+    with TieredStore.open(tmp_path, host_bytes=0, direct_reads=direct) as store:
         os.truncate(seg, offset + 100)  # under a running store (an opening store checks segment lengths)
+        if direct:
+            _uncache(tmp_path)  # the file now ends inside a page: O_DIRECT's short read
         hit, got = store.restore(ns, toks)
         assert hit.num_tokens == 3 * B and torch.equal(got, kv[:, :, : 3 * B])
 
@@ -242,29 +262,44 @@ def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> Non
 
 
 def test_the_disk_writer_runs_python_at_nice_19_and_never_at_idle_priority(tmp_path, ns) -> None:
-    """Idle priority only inside the native writer, without the GIL: after it, the thread is back."""
+    """The writer thread's Python (here: encoding a record) runs at nice 19, and its records go through
+    the native writer, which alone may go idle, without the GIL."""
     import threading
 
-    from tierkv.tiers.disk.writer import Put
+    from tierkv.tiers.base import BlockWrite
 
     seen: list[tuple[int, int]] = []
+    B = ns.block_tokens
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         disk = store.tier("disk")
-        B = ns.block_tokens
-        for k in range(3):  # the writer thread, while it runs Python between native writes
-            toks = list(range(k * 1000, k * 1000 + 2 * B))
-            store.save(ns, toks, make_kv(ns, 2 * B, seed=k))
-            assert disk.writer is not None
-
-            def spy() -> list[bytes]:
-                seen.append(
-                    (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        nat = native.module()
+        nat.trace_writes(True)
+        try:
+            for k in range(3):
+                chain = BlockChain.of(ns, list(range(k * 1000, k * 1000 + B)))
+                block = BlockWrite(
+                    ns,
+                    chain.keys[0],
+                    chain.parent(0),
+                    chain.tokens(0),
+                    0.0,
+                    make_kv(ns, B, seed=k).contiguous().view(-1).view(torch.uint8),
                 )
-                return [b"\0" * 64]
 
-            disk.writer.put(Put(ns.digest, bytes([k]) * 32, spy, 64, 0.0, None))
-            store.flush()
+                def spy(block: BlockWrite = block) -> codec.Unsealed:  # on the writer thread
+                    tid = threading.get_native_id()
+                    seen.append((os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))
+                    return block.unsealed()
+
+                assert disk.put(ns.digest, chain.keys[0], spy, block.nbytes, 0.0, ns_spec=ns.spec_bytes)
+                store.flush()
+        finally:
+            ops = nat.trace_writes(False)
+        for k in range(3):
+            hit, _ = store.restore(ns, list(range(k * 1000, k * 1000 + B)))
+            assert hit.num_tokens == B
     assert len(seen) == 3 and all(policy == os.SCHED_OTHER and nice == 19 for policy, nice in seen)
+    assert [kind for kind, *_ in ops].count("sync") >= 3  # each batch written and synced natively
 
 
 def test_write_run_at_idle_priority_comes_back_to_where_it_was(tmp_path) -> None:
@@ -278,6 +313,6 @@ def test_write_run_at_idle_priority_comes_back_to_where_it_was(tmp_path) -> None
         native.module().write_run(fd, 0, [(head, b"\1" * 64, b"\2" * 1000)], 1, 1)
     finally:
         os.close(fd)
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, 0) == 0
     data = (tmp_path / "f").read_bytes()
     assert len(data) == 4096 and data[codec.HEADER_NBYTES : codec.HEADER_NBYTES + 64] == b"\1" * 64

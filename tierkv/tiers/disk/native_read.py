@@ -4,6 +4,7 @@ it where the native path is usable and keeps its own Python path as the fallback
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from collections.abc import Sequence
 
@@ -44,7 +45,13 @@ def read_run(
     token_nbytes = chain.block_token_nbytes
     prefix = bytearray((codec.HEADER_NBYTES + token_nbytes) * len(records))
     status = [ST_BAD] * len(records)
-    with segments.held_fds(sorted({e.location[0] for _, e, _ in records})) as fds:
+    try:
+        held = segments.held_fds(sorted({e.location[0] for _, e, _ in records}))
+        fds = held.__enter__()
+    except OSError as exc:  # no descriptors left, say: nothing to do with the records
+        raise TransientReadError(exc.errno, f"opening segments: {exc.strerror}") from None
+    with contextlib.ExitStack() as stack:
+        stack.push(held)
         present = [j for j, (_, e, _) in enumerate(records) if e.location[0] in fds]  # else unlinked: a miss
         if not present:
             return status, memoryview(prefix)

@@ -64,7 +64,9 @@ class SegmentWriter:
                 offsets.append(pos)
                 pos += aligned(r.nbytes)  # type: ignore[union-attr]
             batch = [(r.head, r.token_bytes, r.payload) for r in records]  # type: ignore[union-attr]
-            native.module().write_run(self.fd, self.end, batch, int(self.sync), int(native_idle()))
+            written = native.module().write_run(self.fd, self.end, batch, int(self.sync), int(native_idle()))
+            if written != pos - self.end:  # the two must agree on every record's footprint
+                raise OSError(errno.EIO, f"native writer wrote {written} bytes, expected {pos - self.end}")
             self.end = pos
             return offsets
         offsets = []

@@ -194,9 +194,13 @@ class SegmentDir:
                         fd = self._open_direct(seg_id)
                     else:
                         fd = os.open(self.file(seg_id), os.O_RDONLY | os.O_CLOEXEC)
-                        os.posix_fadvise(
-                            fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM
-                        )
+                        try:
+                            os.posix_fadvise(
+                                fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM
+                            )
+                        except BaseException:
+                            os.close(fd)
+                            raise
                 except FileNotFoundError:
                     fd = None
                 if fd is not None:
@@ -467,11 +471,10 @@ class SegmentDir:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        with self._fds_lock:
-            for fd in [*self._fds.values(), *self._retired]:
-                os.close(fd)
+        with self._fds_lock:  # one a read still uses (a native read on its caller's thread) closes after it
+            for fd in self._fds.values():
+                self._retire(fd)
             self._fds.clear()
-            self._retired.clear()
         if self._buf is not None:
             self._buf.close()
             self._buf = None
