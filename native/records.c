@@ -33,7 +33,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define ABI 2 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 3 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #ifndef GROUP_NBYTES
@@ -134,7 +134,9 @@ static void bounce_put(void *p) {
 
 /* ------------------------------------------------------------------ a run to read */
 typedef struct {
-    int64_t fd, dfd, offset, nbytes, pos; /* as packed by Python: 5 x int64 per record */
+    /* as packed by Python, 6 x int64 per record: the segment's descriptors (with readahead, without, and
+     * O_DIRECT or -1), the record's offset and length, its block position in the destination */
+    int64_t fd, rfd, dfd, offset, nbytes, pos;
 } req_t;
 
 typedef struct {
@@ -290,15 +292,18 @@ static int64_t preadv_upto(int fd, struct iovec *iov, int k, int *at, int64_t of
 static int read_group(run_t *r, int64_t first, int64_t count, void **bounce, uint8_t *pad) {
     const req_t *q0 = &r->reqs[first], *ql = &r->reqs[first + count - 1];
     int64_t off = q0->offset, total = ql->offset + ql->nbytes - off;
+    /* Readahead only for a run of adjacent records: a lone record's neighbours belong to other
+     * prefixes, and reading them would halve the bandwidth. */
+    int fd = (int)(count > 1 ? q0->fd : q0->rfd);
     struct iovec iov[IOV_CAP];
     int k = build_iov(r, first, count, iov, pad), at = 0;
     int64_t done = 0;
-    int err = injected((int)q0->fd, off, total);
+    int err = injected(fd, off, total);
     if (err) return err;
     /* What the page cache holds: straight into place, one copy. */
-    int64_t cached = r->direct_ok && q0->dfd >= 0 ? resident_prefix((int)q0->fd, off, total) : 0;
+    int64_t cached = r->direct_ok && q0->dfd >= 0 ? resident_prefix(fd, off, total) : 0;
     if (cached > 0) {
-        int64_t got = preadv_upto((int)q0->fd, iov, k, &at, off, cached);
+        int64_t got = preadv_upto(fd, iov, k, &at, off, cached);
         if (got < 0) return (int)-got;
         done = got;
     }
@@ -332,7 +337,7 @@ static int read_group(run_t *r, int64_t first, int64_t count, void **bounce, uin
     }
     /* No O_DIRECT here (tmpfs, an unaligned tail, no memory for a bounce): a plain blocking read. */
     while (done < total) {
-        ssize_t got = preadv((int)q0->fd, iov + at, k - at, off + done);
+        ssize_t got = preadv(fd, iov + at, k - at, off + done);
         if (got < 0) {
             if (errno == EINTR) continue;
             return errno;
@@ -427,7 +432,7 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
 PyDoc_STRVAR(read_run_doc,
     "read_run(reqs, rows, chunk, row_nbytes, prefix, token_nbytes, ns_digest, keys, tokens, dtype, shape,\n"
     "         threads, direct) -> (status: bytes, errnos: list, (cached, direct, blocking) bytes)\n\n"
-    "reqs: int64 [n, 5] (fd, O_DIRECT fd or -1, offset, record nbytes, block position), in file order within\n"
+    "reqs: int64 [n, 6] (fd, fd without readahead, O_DIRECT fd or -1, offset, record nbytes, block position);\n"
     "a segment; rows: int64 addresses of the destination's (layer, k/v) slabs, each row_nbytes long;\n"
     "prefix: writable, n x (176 + token_nbytes) bytes, receives each record's header and token ids.");
 
@@ -480,7 +485,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     const req_t *rq = reqs.buf;
     for (int64_t j = 0; j < n; j++) {
         int64_t end_nbytes, file_end;
-        if (rq[j].fd < 0 || rq[j].offset < 0 || rq[j].offset % ALIGN || rq[j].pos < 0 ||
+        if (rq[j].fd < 0 || rq[j].rfd < 0 || rq[j].offset < 0 || rq[j].offset % ALIGN || rq[j].pos < 0 ||
             __builtin_mul_overflow(rq[j].pos + 1, chunk, &end_nbytes) || end_nbytes > row_nbytes ||
             rq[j].nbytes != record_nbytes || __builtin_add_overflow(rq[j].offset, aligned(rq[j].nbytes), &file_end)) {
             PyErr_Format(PyExc_ValueError, "read_run: record %lld out of bounds", (long long)j);
@@ -516,7 +521,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         if (r.ngroups) {
             int64_t g = r.ngroups - 1, last = r.gfirst[g] + r.gcount[g] - 1;
             int64_t span = rq[j].offset + rq[j].nbytes - rq[r.gfirst[g]].offset;
-            if (rq[last].fd == rq[j].fd && rq[last].offset + aligned(rq[last].nbytes) == rq[j].offset &&
+            if (rq[last].fd == rq[j].fd && rq[last].rfd == rq[j].rfd && rq[last].offset + aligned(rq[last].nbytes) == rq[j].offset &&
                 span <= (int64_t)GROUP_NBYTES && (r.gcount[g] + 1) * per_rec_iov <= IOV_CAP) {
                 r.gcount[g]++;
                 continue;

@@ -37,7 +37,9 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     own = tiers["rows_Bps"][
         "raw buffered cold sequential read of the store's segment files, 8 MiB, 4 threads"
     ]
-    assert own["n"] == tiers["rows_Bps"]["restore one-prefix, cold"]["n"]  # one before each cold restore
+    assert (
+        own["n"] == tiers["rows_Bps"]["restore one-prefix, cold [native]"]["n"]
+    )  # one before each cold restore
     depths.append(own["median"])
     runs = tiers["config"]["runs"]
     assert tiers["rows_Bps"]["raw O_DIRECT sequential read, 1 MiB, QD 1"]["n"] == 2 * runs  # two passes
@@ -45,12 +47,15 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
         v["median"] for k, v in tiers["rows_Bps"].items() if k.startswith("fio O_DIRECT sequential read")
     ]
     assert tiers["disk_read_limit_Bps"] == max(depths) > 0  # the limit is the best of them
-    assert tiers["ratios"]["restore cold one-prefix / disk limit"] == pytest.approx(
-        tiers["rows_Bps"]["restore one-prefix, cold"]["median"] / tiers["disk_read_limit_Bps"]
-    )
-    first = tiers["rows_Bps"]["first restore in a fresh process, cold, host tier on"]
+    for path in ("native", "python", "native O_DIRECT"):  # every data path, side by side in one run
+        assert tiers["ratios"][f"restore cold one-prefix / disk limit [{path}]"] == pytest.approx(
+            tiers["rows_Bps"][f"restore one-prefix, cold [{path}]"]["median"] / tiers["disk_read_limit_Bps"]
+        )
+    first = tiers["rows_Bps"]["first restore in a fresh process, cold, host tier on [native]"]
     assert first["n"] == 2 and first["median"] > 0  # measured in fresh processes, beside the disk limit
-    assert tiers["ratios"]["first restore, host tier on / disk limit"] > 0
+    assert tiers["ratios"]["first restore, host tier on / disk limit [native]"] > 0
+    for path in ("native", "python"):
+        assert tiers["rows_Bps"][f"persistence (save+flush, durable) [{path}]"]["median"] > 0
     for row in ttft["rows"]:  # TTFT apart: the restore and the forward, each beside its own baseline
         assert 0 < row["host_restore_s"]["median"] < row["host_s"]["median"]
         assert row["forward_1_contiguous_s"]["median"] > 0
@@ -69,6 +74,30 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     readme = (folder / "README.md").read_text()
     assert "## TTFT" in readme and "ttft.png" in readme
     assert (folder / "ttft.png").stat().st_size > 1000 and (folder / "bandwidth.png").stat().st_size > 1000
+
+
+def test_bench_quick_peers_and_stalls(tmp_path, monkeypatch) -> None:
+    res, folder = _quick(tmp_path, monkeypatch, "peers,stall")
+    peers = res["peers"]["rows_Bps"]
+    assert {"tierkv (native)", "tierkv (Python path)", "naive LMDB (a value per block)"} <= set(peers)
+    for name, row in peers.items():  # every system stored and loaded the same KV (checked exact in the run)
+        assert set(row) == {
+            "store",
+            "cold contiguous",
+            "cold interleaved",
+            "warm contiguous",
+            "warm interleaved",
+        }
+        assert all(v > 0 for v in row.values()), name
+    modes = res["stall"]["modes"]
+    assert list(modes) == [
+        "alone",
+        "writer, Python at SCHED_IDLE (before)",
+        "writer, nice 19, native writer (now)",
+    ]
+    assert all(m["steps"] > 100 and m["p50_ms"] <= m["p99_ms"] <= m["max_ms"] for m in modes.values())
+    readme = (folder / "README.md").read_text()
+    assert "## Beside what a user could pick instead" in readme and "## The model thread's stalls" in readme
 
 
 @pytest.mark.slow  # servers through HTTP, several minutes of CPU: behind --runslow (test_server and test_router

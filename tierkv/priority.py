@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 __all__ = ["BACKGROUND_NICE", "background_priority", "can_raise_priority", "native_idle", "normal_priority"]
 
-BACKGROUND_NICE = 19
+BACKGROUND_NICE = int(os.environ.get("TIERKV_BACKGROUND_NICE", "19"))
 
 _priority = threading.local()  # .background: this thread runs at BACKGROUND_NICE outside its sections
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench import overhead, plan, restart, scaleout, tiers, ttft, vllm, workloads
+from tierkv.bench import overhead, peers, plan, restart, scaleout, stall, tiers, ttft, vllm, workloads
 from tierkv.bench.table import md_table
 
 QUICK_WARNING = (
@@ -101,6 +101,8 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
             ]
     sections: list[tuple[str, str, Callable[[Any], str]]] = [
         ("tiers", "Tier bandwidth", tiers.markdown),
+        ("peers", "Beside what a user could pick instead", peers.markdown),
+        ("stall", "The model thread's stalls beside the disk writer", stall.markdown),
         ("workloads", "Workloads through the HTTP server", workloads.markdown),
         ("overhead", "The cache's cost when nothing is reused (interleaved)", overhead.markdown),
         ("restart", "A long prompt through HTTP: cold, again, after a restart", restart.markdown),

@@ -13,6 +13,8 @@ Rows (GB/s, medians of ``runs`` with their spread):
   persistence                      TieredStore save + flush, a durable commit per batch
   restore one-prefix cold / warm   TieredStore.load of prefixes written in one go; page cache dropped / hot
   restore interleaved cold         prefixes whose blocks were written interleaved
+  (each of these for the disk tier's data paths side by side, in brackets: native, the default where the
+  extension is built; python, TIERKV_NATIVE=0, the fallback; native O_DIRECT, direct_reads=True)
   restore zstd / zstd+shuffle cold the same with compressed records
   host tier restore                TieredStore.load from RAM
   memcpy                           torch copy_ of the same size
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tierkv import Namespace, TieredStore
+from tierkv import Namespace, TieredStore, native
 from tierkv.bench.disk_limits import (
     READ_THREADS,
     REQUEST_SIZES,
@@ -81,6 +83,23 @@ def _naive_lmdb(dirpath: Path, blocks: list[bytes], runs: int) -> list[float]:
     return results
 
 
+PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and writers, side by side
+
+
+def _path(path: str) -> tuple[bool, bool]:
+    """Whether a data path is native, and whether it reads with O_DIRECT."""
+    return path != "python", path == "native O_DIRECT"
+
+
+def _warm(files: list[Path]) -> None:
+    """Put ``files`` in the page cache (the native reader reads what the cache lacks with O_DIRECT, which
+    does not fill it: a warm restore's page cache is filled here, as by a recent save or a buffered read)."""
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(8 << 20):
+                pass
+
+
 def _restores(
     store_dir: Path,
     prompts: list[list[int]],
@@ -89,21 +108,28 @@ def _restores(
     cold: bool,
     host_bytes: int = 0,
     raw: list[float] | None = None,
+    path: str = "native",
 ) -> tuple[list[float], str]:
     """Restores of every prompt, ``runs`` times; with ``raw``, each cold run is preceded by a raw read of
     the store's own segment files (the same bytes, the same pattern, no tierkv), appended to ``raw``."""
     bws, method = [], ""
     kv_nbytes = out.numel() * out.element_size()
+    use_native, direct = _path(path)
     for r in range(runs):
         own = sorted((store_dir / "segments").glob("*.seg"))
         if raw is not None and r % 2 == 0:  # before the restore on even runs, after it on odd ones
             raw.append(buffered_cold(own, READ_THREADS))
-        with TieredStore.open(store_dir, host_bytes=host_bytes) as store:
+        with (
+            native.use(use_native),
+            TieredStore.open(store_dir, host_bytes=host_bytes, direct_reads=direct) as store,
+        ):
             if host_bytes:  # fill the host tier from disk first
                 for toks in prompts:
                     store.load(NS, toks, out=out)
             if cold:
                 method = drop_page_cache(list((store_dir / "segments").glob("*.seg")))
+            elif not host_bytes:
+                _warm(own)
             t0 = time.perf_counter()
             for toks in prompts:
                 n, _ = store.load(NS, toks, out=out)
@@ -136,7 +162,10 @@ def first_restore(store_dir: str, num_prompts: int, prompt_tokens: int, host_byt
         return num_prompts * out.numel() * out.element_size() / (time.perf_counter() - t0)
 
 
-def _first_restore(store_dir: Path, num_prompts: int, prompt_tokens: int, host_bytes: int) -> float:
+def _first_restore(
+    store_dir: Path, num_prompts: int, prompt_tokens: int, host_bytes: int, path: str = "native"
+) -> float:
+    import os
     import subprocess
     import sys
 
@@ -149,6 +178,11 @@ def _first_restore(store_dir: Path, num_prompts: int, prompt_tokens: int, host_b
         capture_output=True,
         text=True,
         timeout=600,
+        env={
+            **os.environ,
+            "TIERKV_NATIVE": "0" if path == "python" else "1",
+            "TIERKV_DIRECT_READS": "1" if path == "native O_DIRECT" else "0",
+        },
     )
     if r.returncode != 0:
         raise RuntimeError(f"first restore failed: {r.stderr[-2000:]}")
@@ -184,35 +218,53 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     )
 
     store_dir = base / "store"
-    times = []
-    for _ in range(runs):
-        shutil.rmtree(store_dir, ignore_errors=True)
-        with TieredStore.open(store_dir, host_bytes=0) as store:
-            t0 = time.perf_counter()
-            for toks in prompts:
-                store.save(NS, toks, kv)
-            store.flush()
-            times.append(data_nbytes / (time.perf_counter() - t0))
-    rows["persistence (save+flush, durable)"] = summary(times)
+    writers = ("native", "python") if native.enabled() else ("python",)
+    times: dict[str, list[float]] = {w: [] for w in writers}
+    for r in range(runs):
+        for w in writers if r % 2 == 0 else writers[::-1]:  # alternated: drift favours neither
+            shutil.rmtree(store_dir, ignore_errors=True)
+            with native.use(w == "native"), TieredStore.open(store_dir, host_bytes=0) as store:
+                t0 = time.perf_counter()
+                for toks in prompts:
+                    store.save(NS, toks, kv)
+                lost = store.flush()
+                times[w].append(data_nbytes / (time.perf_counter() - t0))
+                assert lost == 0, f"{lost} blocks lost for the disk"
+    for w in writers:
+        rows[f"persistence (save+flush, durable) [{w}]"] = summary(times[w])
 
     out = torch.empty_like(kv)
+    paths = PATHS if native.enabled() else ("python",)
     own: list[float] = []
-    bws, method = _restores(store_dir, prompts, out, runs, cold=True, raw=own)
-    rows["restore one-prefix, cold"] = summary(bws)
-    rows["restore one-prefix, warm page cache"] = summary(
-        _restores(store_dir, prompts, out, runs, cold=False)[0]
-    )
+    bws: list[float] = []
+    method = ""
+    for path in paths:
+        got, method = _restores(
+            store_dir, prompts, out, runs, cold=True, raw=own if path == paths[0] else None, path=path
+        )
+        bws = bws or got
+        rows[f"restore one-prefix, cold [{path}]"] = summary(got)
+    for path in paths[:2]:
+        rows[f"restore one-prefix, warm page cache [{path}]"] = summary(
+            _restores(store_dir, prompts, out, runs, cold=False, path=path)[0]
+        )
     rows["restore from host tier"] = summary(
         _restores(store_dir, prompts, out, runs, cold=False, host_bytes=data_nbytes + (64 << 20))[0]
     )
     # A fresh process's first cold restores, with a host tier (allocated, and promoted into, on the way)
     # and without, alternated so that drift favours neither.
-    first: dict[int, list[float]] = {0: [], 2 * data_nbytes: []}
+    firsts = [(p, h) for p in paths[:2] for h in (2 * data_nbytes, 0)]
+    if data_nbytes < 96 << 20:  # a quick run: each is a fresh process, the native path's alone will do
+        firsts = [(paths[0], 2 * data_nbytes)]
+    first: dict[tuple[str, int], list[float]] = {k: [] for k in firsts}
     for r in range(runs):
-        for host_bytes in list(first) if r % 2 == 0 else list(first)[::-1]:
-            first[host_bytes].append(_first_restore(store_dir, num_prompts, prompt_tokens, host_bytes))
-    rows["first restore in a fresh process, cold, host tier on"] = summary(first[2 * data_nbytes])
-    rows["first restore in a fresh process, cold, no host tier"] = summary(first[0])
+        for path, host_bytes in firsts if r % 2 == 0 else firsts[::-1]:
+            first[path, host_bytes].append(
+                _first_restore(store_dir, num_prompts, prompt_tokens, host_bytes, path)
+            )
+    for path, host_bytes in firsts:
+        on = "host tier on" if host_bytes else "no host tier"
+        rows[f"first restore in a fresh process, cold, {on} [{path}]"] = summary(first[path, host_bytes])
 
     shutil.rmtree(store_dir)
     with TieredStore.open(store_dir, host_bytes=0) as store:  # every prompt's block b before any block b+1
@@ -220,9 +272,10 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             for toks in prompts:
                 store.save(NS, toks[: (b + 1) * 64], kv[:, :, : (b + 1) * 64], start_block=b)
         store.flush()
-    rows["restore interleaved prefixes, cold"] = summary(
-        _restores(store_dir, prompts, out, runs, cold=True)[0]
-    )
+    for path in paths[:2]:
+        rows[f"restore interleaved prefixes, cold [{path}]"] = summary(
+            _restores(store_dir, prompts, out, runs, cold=True, path=path)[0]
+        )
 
     for codec_ in ("zstd", "zstd_shuffle"):
         shutil.rmtree(store_dir)
@@ -238,12 +291,12 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     src = torch.empty(kv_nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
+    copies: list[float] = []
     for _ in range(runs * 3):
         t0 = time.perf_counter()
         dst.copy_(src)
-        times.append(kv_nbytes / (time.perf_counter() - t0))
-    rows["memcpy (torch copy_)"] = summary(times)
+        copies.append(kv_nbytes / (time.perf_counter() - t0))
+    rows["memcpy (torch copy_)"] = summary(copies)
 
     long_prompt = list(range(32768))
     shutil.rmtree(store_dir)
@@ -282,26 +335,47 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         "disk_read_limit_Bps": read_limit,
         "disk_write_limit_Bps": write_limit,
         "lookup_32k_s": summary(lat),
-        "ratios": {
-            "restore cold one-prefix / disk limit": rows["restore one-prefix, cold"]["median"] / od,
-            "restore cold one-prefix / raw read of its own files (median of each run's ratio)": statistics.median(
-                b / a for b, a in zip(bws, own)
-            ),
-            "first restore, host tier on / disk limit": rows[
-                "first restore in a fresh process, cold, host tier on"
-            ]["median"]
-            / od,
-            "restore cold interleaved / disk limit": rows["restore interleaved prefixes, cold"]["median"]
-            / od,
-            "naive LMDB cold / disk limit": rows["naive LMDB get, cold, random order"]["median"] / od,
-            "persistence / disk write limit": rows["persistence (save+flush, durable)"]["median"]
-            / write_limit,
-            "restore warm / memcpy": rows["restore one-prefix, warm page cache"]["median"]
-            / rows["memcpy (torch copy_)"]["median"],
-            "host tier / memcpy": rows["restore from host tier"]["median"]
-            / rows["memcpy (torch copy_)"]["median"],
-        },
+        "ratios": _ratios(rows, paths, od, write_limit, bws, own),
     }
+
+
+def _ratios(
+    rows: dict[str, dict[str, float]],
+    paths: tuple[str, ...],
+    od: float,
+    write_limit: float,
+    bws: list[float],
+    own: list[float],
+) -> dict[str, float]:
+    """The issue's ratios, per data path (the first, native where built, is what a user gets)."""
+    memcpy = rows["memcpy (torch copy_)"]["median"]
+    out = {
+        f"restore cold one-prefix / raw read of its own files (median of each run's ratio) [{paths[0]}]": statistics.median(
+            b / a for b, a in zip(bws, own)
+        ),
+    }
+    for path in paths:
+        out[f"restore cold one-prefix / disk limit [{path}]"] = (
+            rows[f"restore one-prefix, cold [{path}]"]["median"] / od
+        )
+    for path in paths[:2]:
+        if f"first restore in a fresh process, cold, host tier on [{path}]" in rows:
+            out[f"first restore, host tier on / disk limit [{path}]"] = (
+                rows[f"first restore in a fresh process, cold, host tier on [{path}]"]["median"] / od
+            )
+        out[f"restore cold interleaved / disk limit [{path}]"] = (
+            rows[f"restore interleaved prefixes, cold [{path}]"]["median"] / od
+        )
+        out[f"restore warm / memcpy [{path}]"] = (
+            rows[f"restore one-prefix, warm page cache [{path}]"]["median"] / memcpy
+        )
+    for w in paths[:2]:
+        out[f"persistence / disk write limit [{w}]"] = (
+            rows[f"persistence (save+flush, durable) [{w}]"]["median"] / write_limit
+        )
+    out["host tier / memcpy"] = rows["restore from host tier"]["median"] / memcpy
+    out["naive LMDB cold / disk limit"] = rows["naive LMDB get, cold, random order"]["median"] / od
+    return out
 
 
 def markdown(res: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from tierkv.cli.common import fail
 
 __all__ = ["bench"]
 
-ONLY_DEFAULT = "ttft,tiers,workloads,plan,scaleout"
+ONLY_DEFAULT = "ttft,tiers,peers,stall,workloads,plan,scaleout"
 
 
 def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths: str | None) -> None:
@@ -54,7 +54,17 @@ def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths
     click.echo("wrote " + ", ".join(str(f) for f in files))
 
 
-PARTS = ("plan", "ttft", "tiers", "workloads", "restart", "overhead", "scaleout")  # the order they run in
+PARTS = (
+    "plan",
+    "ttft",
+    "tiers",
+    "peers",
+    "stall",
+    "workloads",
+    "restart",
+    "overhead",
+    "scaleout",
+)  # run order
 
 EXIT_STATUS = (
     "Every part writes its results (results.json, README.md, plots) as it finishes; a part that fails is "
@@ -70,7 +80,7 @@ EXIT_STATUS = (
     "--only",
     default=ONLY_DEFAULT,
     show_default=True,
-    help="Comma-separated parts: ttft, tiers, workloads, plan, scaleout, restart, overhead.",
+    help="Comma-separated parts: ttft, tiers, peers, stall, workloads, plan, scaleout, restart, overhead.",
 )
 @click.option("--plan", "plan_only", is_flag=True, help="Only the break-even plan (fast).")
 @click.option(
@@ -267,6 +277,27 @@ def _part_runners(
         click.echo(tiers.markdown(res) + "\n")
         return res
 
+    def peers_part(base: Path) -> dict[str, Any]:
+        from tierkv.bench import peers
+
+        res = peers.run(
+            base, prompts=2 if quick else 4, prompt_tokens=512 if quick else 4096, runs=1 if quick else 3
+        )
+        click.echo(peers.markdown(res) + "\n")
+        return res
+
+    def stall_part(base: Path) -> dict[str, Any]:
+        from tierkv.bench import stall
+
+        quick_modes = (
+            "alone",
+            "writer, Python at SCHED_IDLE (before)",
+            "writer, nice 19, native writer (now)",
+        )
+        res = stall.run(base, seconds=1.5, modes=quick_modes) if quick else stall.run(base, seconds=20.0)
+        click.echo(stall.markdown(res) + "\n")
+        return res
+
     def workloads_part(base: Path) -> dict[str, Any]:
         res = workloads.run(base, quick=quick, model=model, max_tokens=1 if quick else 8)
         click.echo(workloads.markdown(res) + "\n")
@@ -291,6 +322,8 @@ def _part_runners(
         "plan": plan_part,
         "ttft": ttft_part,
         "tiers": tiers_part,
+        "peers": peers_part,
+        "stall": stall_part,
         "workloads": workloads_part,
         "restart": restart_part,
         "overhead": overhead_part,

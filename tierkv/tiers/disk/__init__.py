@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -99,6 +100,7 @@ class DiskTier(Tier):
         self._sweeper: Sweeper | None = None
         self._closed = False
         self._transient_logged = False  # a read that failed not for the record's sake: logged once
+        self._probed = threading.local()  # .found: this thread's last probe's entries (see probe)
         if writer:
             self.index.clear_stale_readers()
             self.sweeps.seal_dead_writers()
@@ -179,11 +181,32 @@ class DiskTier(Tier):
     def probe(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
         now = self.clock()
         out = []
+        found: dict[BlockKey, Entry] = {}
         with self.index.read() as txn:
             for i in idx:
                 raw = txn.get(chain.keys[i], db=self.index.db["index"])
-                out.append(raw is not None and not self._expired(chain.keys[i], Entry.unpack(raw), now))
+                e = Entry.unpack(raw) if raw is not None else None
+                out.append(e is not None and not self._expired(chain.keys[i], e, now))
+                if out[-1] and e is not None:
+                    found[chain.keys[i]] = e
+        # A restore probes, then reads what it found on the same thread: the read reuses these entries
+        # instead of reading the index again (a record changed since is caught by its verification).
+        self._probed.found = (chain.keys, found)
         return out
+
+    def _located(self, chain: BlockChain, first: int, count: int) -> list[Entry]:
+        keys, found = getattr(self._probed, "found", (None, {}))
+        self._probed.found = (None, {})
+        if keys is chain.keys:
+            entries = []
+            for key in chain.keys[first : first + count]:
+                e = found.get(key)
+                if e is None:
+                    break
+                entries.append(e)
+            if len(entries) == count:
+                return entries
+        return self.locate(chain.keys[first : first + count])
 
     def _expired(self, key: BlockKey, e: Entry, now: float) -> bool:
         e.last_access_s = max(e.last_access_s, self.times.last(key))
@@ -195,7 +218,7 @@ class DiskTier(Tier):
         it is a plain miss."""
         from tierkv.tiers.disk.reader import read_records  # torch: not for the shell tools
 
-        entries = self.locate(chain.keys[first : first + count])
+        entries = self._located(chain, first, count)
         target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries))
         failed: set[tuple[int, int, int]] = set()  # locations an I/O error hit
         scatter = functools.partial(self.read_scatter, failed=failed)

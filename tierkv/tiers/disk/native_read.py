@@ -14,7 +14,7 @@ import torch
 from tierkv import codec, native
 from tierkv.keys import BlockChain
 from tierkv.layout import KVSpec
-from tierkv.tiers.disk.files import TransientReadError, aligned
+from tierkv.tiers.disk.files import TransientReadError
 from tierkv.tiers.disk.schema import Entry
 from tierkv.tiers.disk.segments import SegmentDir
 
@@ -55,20 +55,18 @@ def read_run(
         present = [j for j, (_, e, _) in enumerate(records) if e.location[0] in fds]  # else unlinked: a miss
         if not present:
             return status, memoryview(prefix)
-        reqs = np.empty((len(present), 5), dtype=np.int64)
-        for k, j in enumerate(present):
-            seg_id, offset, nbytes = records[j][1].location
-            seq, rnd, dfd = fds[seg_id]
-            # Readahead only for a record with an adjacent one in the run: a lone record's neighbours
-            # belong to other prefixes, and reading them would halve the bandwidth.
-            lone = not any(
-                0 <= m < len(records)
-                and records[m][1].location[0] == seg_id
-                and abs(records[m][1].location[1] - offset)
-                == aligned(nbytes if m > j else records[m][1].nbytes)
-                for m in (j - 1, j + 1)
-            )
-            reqs[k] = (rnd if lone else seq, dfd, offset, nbytes, records[j][2])
+        reqs = np.array(
+            [
+                (
+                    *fds[records[j][1].location[0]],
+                    records[j][1].location[1],
+                    records[j][1].nbytes,
+                    records[j][2],
+                )
+                for j in present
+            ],
+            dtype=np.int64,
+        )
         got, errnos, (cached, direct, blocking) = nat.read_run(
             reqs,
             np.array([r.data_ptr() for r in rows], dtype=np.int64),

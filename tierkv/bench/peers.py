@@ -1,0 +1,290 @@
+"""tierkv beside what a user could pick instead to keep KV on disk, on the same KV in one run.
+
+Every system stores the same prompts (blocks of 64 tokens, the canonical layout) and loads each whole
+prompt into one preallocated tensor; GB/s of KV. Stores are durable where the system can be (fsync'ed
+files, a synced LMDB; diskcache's SQLite commits). Columns:
+
+  store                 save every prompt, then make it durable
+  cold / warm           loads through a dropped page cache / with the files in it
+  contiguous            each prompt's blocks written together
+  interleaved           block b of every prompt written before block b+1 of any (a server saving many
+                        sessions at once); for torch.save, one file per prompt, the layout cannot differ
+
+Systems: tierkv (native reader and writer, no host tier), tierkv's Python path (TIERKV_NATIVE=0 in the
+same process), naive LMDB (one value per block, the design tierkv left), torch.save (one file per prompt),
+safetensors (one file per block), diskcache (one value per block; when installed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierkv import Namespace, TieredStore, native
+from tierkv.bench.machine import drop_page_cache
+from tierkv.tiers.target import as_tensor
+
+__all__ = ["markdown", "run"]
+
+NS = Namespace(
+    model_id="peers",
+    revision="0",
+    dtype="float32",
+    num_layers=6,
+    num_kv_heads=4,
+    head_dim=64,
+    block_tokens=64,
+)
+B = NS.block_tokens
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _order(prompts: int, blocks: int, interleaved: bool) -> list[tuple[int, int]]:
+    if interleaved:
+        return [(p, b) for b in range(blocks) for p in range(prompts)]
+    return [(p, b) for p in range(prompts) for b in range(blocks)]
+
+
+class _System:
+    name = ""
+
+    def store(
+        self, root: Path, kvs: list[torch.Tensor], toks: list[list[int]], order: list[tuple[int, int]]
+    ) -> None:
+        raise NotImplementedError
+
+    def load(self, root: Path, p: int, toks: list[int], out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class _Tierkv(_System):
+    def __init__(self, use_native: bool) -> None:
+        self.use_native = use_native
+        self.name = "tierkv (native)" if use_native else "tierkv (Python path)"
+        self._store: TieredStore | None = None
+
+    def store(self, root, kvs, toks, order):
+        with native.use(self.use_native), TieredStore.open(root, host_bytes=0) as store:
+            for p, b in order:
+                store.save(NS, toks[p][: (b + 1) * B], kvs[p][:, :, : (b + 1) * B], start_block=b)
+            store.flush()
+
+    def open(self, root: Path) -> None:
+        self._store = TieredStore.open(root, host_bytes=0)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def load(self, root, p, toks, out):
+        assert self._store is not None
+        with native.use(self.use_native):
+            n, _ = self._store.load(NS, toks, out=out)
+        assert n == len(toks), (n, len(toks))
+
+
+class _Lmdb(_System):
+    name = "naive LMDB (a value per block)"
+
+    def store(self, root, kvs, toks, order):
+        import lmdb
+
+        total = sum(k.numel() * 4 for k in kvs)
+        env = lmdb.open(str(root), map_size=2 * total + (64 << 20))
+        with env.begin(write=True) as txn:
+            for p, b in order:
+                txn.put(f"{p}/{b}".encode(), kvs[p][:, :, b * B : (b + 1) * B].contiguous().numpy().tobytes())
+        env.sync(True)
+        env.close()
+
+    def open(self, root: Path) -> None:
+        import lmdb
+
+        self._env = lmdb.open(str(root), readonly=True, lock=False)
+
+    def close(self) -> None:
+        self._env.close()
+
+    def load(self, root, p, toks, out):
+        shape = (NS.num_layers, 2, B, NS.num_kv_heads, NS.head_dim)
+        with self._env.begin(buffers=True) as txn:
+            for b in range(len(toks) // B):
+                out[:, :, b * B : (b + 1) * B].copy_(
+                    as_tensor(txn.get(f"{p}/{b}".encode()), torch.float32, shape)
+                )
+
+
+class _TorchSave(_System):
+    name = "torch.save (a file per prompt)"
+
+    def store(self, root, kvs, toks, order):
+        root.mkdir(parents=True, exist_ok=True)
+        for p, kv in enumerate(kvs):
+            torch.save(kv, root / f"{p}.pt")
+        _fsync_tree(root)
+
+    def load(self, root, p, toks, out):
+        out.copy_(torch.load(root / f"{p}.pt"))
+
+
+class _Safetensors(_System):
+    name = "safetensors (a file per block)"
+
+    def store(self, root, kvs, toks, order):
+        from safetensors.torch import save_file
+
+        root.mkdir(parents=True, exist_ok=True)
+        for p, b in order:
+            save_file(
+                {"kv": kvs[p][:, :, b * B : (b + 1) * B].contiguous()}, str(root / f"{p}-{b}.safetensors")
+            )
+        _fsync_tree(root)
+
+    def load(self, root, p, toks, out):
+        from safetensors.torch import load_file
+
+        for b in range(len(toks) // B):
+            out[:, :, b * B : (b + 1) * B].copy_(load_file(str(root / f"{p}-{b}.safetensors"))["kv"])
+
+
+class _Diskcache(_System):
+    name = "diskcache (a value per block)"
+
+    def store(self, root, kvs, toks, order):
+        import diskcache
+
+        with diskcache.Cache(str(root), size_limit=1 << 40) as cache:
+            for p, b in order:
+                cache.set(f"{p}/{b}", kvs[p][:, :, b * B : (b + 1) * B].contiguous().numpy().tobytes())
+        _fsync_tree(root)
+
+    def open(self, root: Path) -> None:
+        import diskcache
+
+        self._cache = diskcache.Cache(str(root))
+
+    def close(self) -> None:
+        self._cache.close()
+
+    def load(self, root, p, toks, out):
+        shape = (NS.num_layers, 2, B, NS.num_kv_heads, NS.head_dim)
+        for b in range(len(toks) // B):
+            data = self._cache.get(f"{p}/{b}")
+            out[:, :, b * B : (b + 1) * B].copy_(
+                torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
+            )
+
+
+def _systems() -> list[_System]:
+    out: list[_System] = [_Tierkv(True), _Tierkv(False), _Lmdb(), _TorchSave(), _Safetensors()]
+    try:
+        import diskcache  # noqa: F401
+
+        out.append(_Diskcache())
+    except ImportError:
+        pass
+    return out
+
+
+def run(base: Path, *, prompts: int = 4, prompt_tokens: int = 4096, runs: int = 3) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    toks = [[p * 10**6 + t for t in range(prompt_tokens)] for p in range(prompts)]
+    kvs = [
+        torch.randn(NS.num_layers, 2, prompt_tokens, NS.num_kv_heads, NS.head_dim, generator=gen)
+        for _ in toks
+    ]
+    nbytes = sum(k.numel() * 4 for k in kvs)
+    out = torch.empty_like(kvs[0])
+    blocks = prompt_tokens // B
+    rows: dict[str, dict[str, float]] = {}
+    systems = _systems()
+    if not native.enabled():  # no native build here: the row would be the Python path twice
+        systems = [s for s in systems if not (isinstance(s, _Tierkv) and s.use_native)]
+    for system in systems:
+        row: dict[str, float] = {}
+        for layout in ("contiguous", "interleaved"):
+            root = base / "peer"
+            order = _order(prompts, blocks, layout == "interleaved")
+            stores: list[float] = []
+            for _ in range(runs if layout == "contiguous" else 1):
+                shutil.rmtree(root, ignore_errors=True)
+                t0 = time.perf_counter()
+                system.store(root, kvs, toks, order)
+                stores.append(nbytes / (time.perf_counter() - t0))
+            if layout == "contiguous":
+                row["store"] = statistics.median(stores)
+            for temp in ("cold", "warm"):
+                speeds: list[float] = []
+                for _ in range(runs):
+                    if temp == "cold":
+                        drop_page_cache([p for p in root.rglob("*") if p.is_file()])
+                    if hasattr(system, "open"):
+                        system.open(root)
+                    try:
+                        t0 = time.perf_counter()
+                        for p in range(prompts):
+                            system.load(root, p, toks[p], out)
+                        speeds.append(nbytes / (time.perf_counter() - t0))
+                    finally:
+                        if hasattr(system, "close"):
+                            system.close()
+                    assert torch.equal(out, kvs[-1]), f"{system.name}: wrong KV"
+                row[f"{temp} {layout}"] = statistics.median(speeds)
+            shutil.rmtree(root, ignore_errors=True)
+        rows[system.name] = row
+    return {
+        "config": {"kv_nbytes": nbytes, "prompts": prompts, "prompt_tokens": prompt_tokens, "runs": runs},
+        "rows_Bps": rows,
+    }
+
+
+COLUMNS = ("store", "cold contiguous", "cold interleaved", "warm contiguous", "warm interleaved")
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c = res["config"]
+    rows = res["rows_Bps"]
+    lines = [
+        f"The same {c['kv_nbytes'] / 2**20:.0f} MiB of KV ({c['prompts']} prompts of {c['prompt_tokens']} tokens, "
+        f"blocks of {B} tokens) stored and loaded whole by each system; medians of {c['runs']} runs, GB/s. Bold: "
+        "the best of the column.",
+        "",
+        "| system | " + " | ".join(COLUMNS) + " |",
+        "|---|" + "---:|" * len(COLUMNS),
+    ]
+    best = {col: max(r.get(col, 0.0) for r in rows.values()) for col in COLUMNS}
+    for name, r in rows.items():
+        cells = []
+        for col in COLUMNS:
+            v = r.get(col, 0.0) / 1e9
+            cells.append(f"**{v:.2f}**" if r.get(col, 0.0) == best[col] else f"{v:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lead = rows.get("tierkv (native)")
+    if lead:
+        ahead = [col for col in COLUMNS if all(lead[col] >= r.get(col, 0.0) for r in rows.values())]
+        lines += [
+            "",
+            f"tierkv (native) leads {len(ahead)} of {len(COLUMNS)} columns: {', '.join(ahead) or 'none'}.",
+        ]
+    return "\n".join(lines)
