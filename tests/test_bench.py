@@ -92,10 +92,9 @@ def test_bench_quick_peers_and_stalls(tmp_path, monkeypatch) -> None:
     modes = res["stall"]["modes"]
     assert list(modes) == [
         "alone",
-        "writer, Python at SCHED_IDLE (before)",
         "writer, nice 19, native writer (now)",
     ]
-    assert all(m["steps"] > 100 and m["p50_ms"] <= m["p99_ms"] <= m["max_ms"] for m in modes.values())
+    assert all(m["steps"] > 50 and m["p50_ms"] <= m["p99_ms"] <= m["max_ms"] for m in modes.values())
     readme = (folder / "README.md").read_text()
     assert "## Beside what a user could pick instead" in readme and "## The model thread's stalls" in readme
 

@@ -36,6 +36,21 @@ def test_stats_text_uses_env_cache_dir(store_dir, monkeypatch) -> None:
     monkeypatch.setenv("TIERKV_CACHE_DIR", str(store_dir))
     r = CliRunner().invoke(main, ["stats"])
     assert r.exit_code == 0 and "blocks     8" in r.output and "test-model@r1" in r.output
+    from tierkv import native
+
+    # Which data path runs here, in words: the native one where it is built, else why not.
+    path = (
+        "data path  native (reads buffered" if native.enabled() else f"data path  python ({native.reason()})"
+    )
+    assert path in r.output
+
+
+def test_stats_says_the_python_path_runs_when_the_native_one_is_off(store_dir) -> None:
+    from tierkv import native
+
+    with native.use(False):
+        r = CliRunner().invoke(main, ["stats", "--cache-dir", str(store_dir)])
+    assert r.exit_code == 0 and "data path  python (" in r.output
 
 
 def test_gc_dry_run_changes_nothing(store_dir) -> None:

@@ -52,6 +52,7 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
     usage = disk.usage()
     return {
         "cache_dir": str(disk.path),
+        "data_path": disk.read_path(),  # which reader and writer this machine uses: native or Python
         "policy": {
             "budget_nbytes": policy.budget_nbytes,
             "ttl_s": policy.ttl_s,

@@ -281,7 +281,7 @@ def _part_runners(
         from tierkv.bench import peers
 
         res = peers.run(
-            base, prompts=2 if quick else 4, prompt_tokens=512 if quick else 4096, runs=1 if quick else 3
+            base, prompts=2 if quick else 4, prompt_tokens=256 if quick else 4096, runs=1 if quick else 3
         )
         click.echo(peers.markdown(res) + "\n")
         return res
@@ -289,12 +289,8 @@ def _part_runners(
     def stall_part(base: Path) -> dict[str, Any]:
         from tierkv.bench import stall
 
-        quick_modes = (
-            "alone",
-            "writer, Python at SCHED_IDLE (before)",
-            "writer, nice 19, native writer (now)",
-        )
-        res = stall.run(base, seconds=1.5, modes=quick_modes) if quick else stall.run(base, seconds=20.0)
+        quick_modes = ("alone", "writer, nice 19, native writer (now)")
+        res = stall.run(base, seconds=1.0, modes=quick_modes) if quick else stall.run(base, seconds=20.0)
         click.echo(stall.markdown(res) + "\n")
         return res
 

@@ -52,6 +52,7 @@ def stats(cache_dir: str, as_json: bool) -> None:
         return
     p = report["policy"]
     click.echo(f"store      {report['cache_dir']}")
+    click.echo(f"data path  {report['data_path']}")
     click.echo(
         f"blocks     {report['blocks']}   live {format_size(report['live_nbytes'])}   "
         f"on disk {format_size(report['segment_allocated_nbytes'] + report['index_file_nbytes'])} "

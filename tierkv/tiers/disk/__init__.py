@@ -361,7 +361,7 @@ class DiskTier(Tier):
         if not native.enabled():
             return native.describe()
         how = "O_DIRECT where uncached" if self.segments.direct_reads else "buffered with readahead"
-        return f"native ({how}, {native.READ_THREADS} reads in flight)"
+        return f"native (reads {how}, {native.READ_THREADS} in flight; writes sealed and synced natively)"
 
     # ---------------------------------------------------------------- writes
 
