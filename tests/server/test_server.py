@@ -192,11 +192,17 @@ def test_metrics_move(server) -> None:
     assert value(after, "tierkv_ttft_seconds_count") == value(before, "tierkv_ttft_seconds_count") + 2
     assert value(after, 'tierkv_requests_total{endpoint="/v1/chat/completions",status="200"}') >= 2
     assert value(after, 'tierkv_tier_used_bytes{tier="host"}') > 0
+    # the second request's hit was read from the host tier: its bytes are counted there, where they moved
+    assert value(after, 'tierkv_tier_read_bytes_total{tier="host"}') > value(
+        before, 'tierkv_tier_read_bytes_total{tier="host"}'
+    )
+    assert 0 < value(after, 'tierkv_hit_ratio{tier="host"}') <= 1  # a dashboard's hit rate, as exported
     # the sampled self-check's series (counted by tests/test_self_check.py) and read errors are exported
     for series in (
         'tierkv_selfcheck_blocks_total{outcome="checked"}',
         'tierkv_selfcheck_blocks_total{outcome="differed"}',
         'tierkv_tier_read_errors_total{tier="disk"}',
+        'tierkv_tier_writeback_lost_blocks_total{tier="disk"}',
     ):
         assert any(line.startswith(series + " ") for line in after.splitlines()), series
 

@@ -22,7 +22,14 @@ _STORE_COUNTERS = {  # store counter -> (metric, help)
         "tierkv_tier_corrupt_blocks",
         "Blocks that failed verification (purged, never served)",
     ),
-    "dropped_saves": ("tierkv_tier_dropped_saves", "Saves dropped (queue full or tier degraded)"),
+    "dropped_saves": (
+        "tierkv_tier_dropped_saves",
+        "Saves dropped (no tier could hold them, or tier degraded)",
+    ),
+    "writeback_lost_blocks": (
+        "tierkv_tier_writeback_lost_blocks",
+        "Blocks that waited for the tier in the host tier (write-back) and left it before they were written",
+    ),
     "write_errors": ("tierkv_tier_write_errors", "Write batches that failed (e.g. a full disk)"),
     "read_errors": ("tierkv_tier_read_errors", "Records whose read failed (EIO): purged, recomputed"),
 }
@@ -67,6 +74,18 @@ class StoreCollector:
         checked.add_metric(["checked"], stats.get("store", {}).get("checked_blocks", 0))
         checked.add_metric(["differed"], stats.get("store", {}).get("check_mismatch_blocks", 0))
         yield checked
+        # Blocks served by each tier, as a share of every full block the store was asked for since start
+        # (a dashboard's hit rate without a recording rule; rate() of the counters gives it per window).
+        served = {t: stats.get(t, {}).get("hit_blocks", 0) for t in tiers}
+        asked = sum(served.values()) + stats.get("store", {}).get("miss_blocks", 0)
+        ratio = GaugeMetricFamily(
+            "tierkv_hit_ratio",
+            "Share of the prompts' full blocks served by the tier since start",
+            labels=["tier"],
+        )
+        for tier in tiers:
+            ratio.add_metric([tier], served[tier] / asked if asked else 0.0)
+        yield ratio
         used = GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes held by the tier", labels=["tier"])
         cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "The tier's budget (0: none)", labels=["tier"])
         for tier in tiers:  # the tiers with a size (not the remote tier)

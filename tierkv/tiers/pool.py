@@ -394,6 +394,7 @@ class BlockPool(Tier):
         with self._lock:
             now = self.clock()
             target.created_s.update((first + j, self._ctime.get(keys[j], now)) for j in range(n))
+        self.counters.add(self.name, "bytes_read", n * self.slot_nbytes)  # counted where it happens
         return n
 
     def write(self, block: BlockWrite) -> bool:
