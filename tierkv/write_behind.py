@@ -364,23 +364,33 @@ class WriteBehind:
             )
         for tier in records:
             release = functools.partial(held[0].release, held[1]) if held is not None else None
-            write = BlockWrite(
-                p.chain.ns,
-                key,
-                p.chain.parent(p.i),
-                p.chain.tokens(p.i),
-                p.created_s,
-                payload,
-                self.codec,
-                release,
-                live,
-            )
+            write = self._block_write(p, payload, release, live)
             ok = tier.try_write(write) if tier.writes_back else tier.write(write)
             if not ok:
                 write.done()
             if ok is None:  # the queue filled since: wait in the pool after all
                 with self.gate:
                     self._defer([tier], key, p, kept)
+
+    def _block_write(
+        self,
+        p: _Pending,
+        payload: torch.Tensor,
+        release: Callable[[], None] | None,
+        live: Callable[[], bool],
+    ) -> BlockWrite:
+        chain = p.chain
+        return BlockWrite(
+            chain.ns,
+            chain.keys[p.i],
+            chain.parent(p.i),
+            chain.tokens(p.i),
+            p.created_s,
+            payload,
+            self.codec,
+            release,
+            live,
+        )
 
     def _defer(self, tiers: list[Tier], key: BlockKey, p: _Pending, pool: BlockPool | None) -> None:
         """Record tiers whose queue is full: the block waits dirty in ``pool`` (caller holds the gate);
@@ -416,17 +426,7 @@ class WriteBehind:
             if slot is None:  # evicted (or expired) before its turn
                 self.counters.add(tier.name, "writeback_lost_blocks")
                 continue
-            write = BlockWrite(
-                p.chain.ns,
-                key,
-                p.chain.parent(p.i),
-                p.chain.tokens(p.i),
-                p.created_s,
-                slot,
-                self.codec,
-                functools.partial(pool.release, slot),
-                live,
-            )
+            write = self._block_write(p, slot, functools.partial(pool.release, slot), live)
             ok = tier.try_write(write)
             if not ok:
                 write.done()

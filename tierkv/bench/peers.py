@@ -26,22 +26,14 @@ from typing import Any
 
 import torch
 
-from tierkv import Namespace, TieredStore, native
+from tierkv import TieredStore, native
 from tierkv.bench.machine import drop_page_cache
+from tierkv.bench.tiers import NS
 from tierkv.tiers.target import as_tensor
 
 __all__ = ["markdown", "run"]
 
-NS = Namespace(
-    model_id="peers",
-    revision="0",
-    dtype="float32",
-    num_layers=6,
-    num_kv_heads=4,
-    head_dim=64,
-    block_tokens=64,
-)
-B = NS.block_tokens
+B = NS.block_tokens  # the tiers part's namespace: the embedded default model's KV layout
 
 
 def _fsync_tree(path: Path) -> None:

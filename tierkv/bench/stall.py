@@ -59,17 +59,9 @@ def child(store_dir: str, seconds: float, with_store: bool) -> dict[str, Any]:
         import tierkv.tiers.disk.writer as writer_mod
 
         writer_mod.background_priority = idle
-    from tierkv import Namespace, TieredStore
+    from tierkv import TieredStore
+    from tierkv.bench.tiers import NS as ns  # the embedded default model's KV layout
 
-    ns = Namespace(
-        model_id="stall",
-        revision="0",
-        dtype="float32",
-        num_layers=6,
-        num_kv_heads=4,
-        head_dim=64,
-        block_tokens=64,
-    )
     kv = torch.randn(6, 2, 16 * 64, 4, 64)  # 12 MiB per prompt
     w = torch.randn(160, 160)
     x = torch.randn(160, 160)
