@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a lent GPU machine (the `device` tool runs it; at most 8 minutes on one H200):
-# builds the CUDA extension, runs the GPU tests, runs the GPU benchmark and prints a short table; the
-# vLLM connector tests too where vLLM is installed.
+# builds the CUDA extension and the native data path, runs the native path's tests and the GPU tests, runs
+# the GPU benchmark and prints a short table; the vLLM connector tests too where vLLM is installed.
 # The device image has python3 with CUDA torch, transformers, xxhash, pytest and hypothesis, but not
 # lmdb or zstandard: prepare them here first with scripts/gpu_wheels.sh (into .whl/, git-ignored) and
 # pass carry=[".whl"]. Results land in $OUT (or bench/results/gpu without it).
@@ -24,7 +24,11 @@ else
   echo "BUILD FAILED after $(( $(date +%s) - t0 )) s (the torch fallback runs; see build.log):" | tee -a "$out/gpu.txt"
   grep -m 20 -i "error" "$out/build.log" | tee -a "$out/gpu.txt" || true
 fi
-echo "== GPU tests"
+echo "== native data path (built above by the same setup.py: tierkv._native)"
+python3 -c "from tierkv import native; print('data path:', native.describe())" 2>&1 | tee -a "$out/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider tests/tiers/test_native.py > "$out/native.log" 2>&1 || true
+tail -3 "$out/native.log" | tee -a "$out/gpu.txt"
+echo "== GPU tests (restores into the GPU read records natively into the pinned chunk buffers)"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_staging.py tests/test_gpu_path.py \
   > "$out/tests.log" 2>&1 || true
 tail -15 "$out/tests.log" | tee -a "$out/gpu.txt"
