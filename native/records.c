@@ -64,12 +64,17 @@ static xxh3_free_fn xxh3_free;
 static char unavailable[256];
 
 static int load_xxhash(void) {
-    const char *names[] = {"libxxhash.so.0", "libxxhash.so"};
-    void *lib = NULL;
-    for (size_t i = 0; i < sizeof names / sizeof *names && !lib; i++) lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    void *lib = dlopen("libxxhash.so.0", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
-        snprintf(unavailable, sizeof unavailable, "libxxhash not found (%s)", dlerror());
-        return 0;
+        char first[160];
+        snprintf(first, sizeof first, "%s", dlerror()); /* the runtime library's error, not the -dev link's */
+        lib = dlopen("libxxhash.so", RTLD_NOW | RTLD_LOCAL);
+        if (!lib) {
+            snprintf(unavailable, sizeof unavailable,
+                     "no libxxhash.so.0 on this system (install libxxhash0 on Debian/Ubuntu, xxhash-libs on "
+                     "Fedora): %s", first);
+            return 0;
+        }
     }
     xxh3 = (xxh3_fn)dlsym(lib, "XXH3_64bits");
     xxh3_create = (xxh3_create_fn)dlsym(lib, "XXH3_createState");

@@ -48,7 +48,11 @@ fi
 stamp="$venv/.tierkv-installed-${extras:-base}"
 # native/records.c: the package's build compiles it into tierkv._native (optional: without a compiler the
 # install goes on and tierkv reads through its Python path); a changed source is rebuilt.
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ native/records.c -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+# TIERKV_REQUIRE_NATIVE=1 (the test command sets it): a missing native module is an install failure.
+native_missing() {
+  [ "${TIERKV_REQUIRE_NATIVE:-}" = 1 ] && ! "$venv/bin/python" -c "import tierkv._native" 2>/dev/null
+}
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ native/records.c -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || native_missing; then
   "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
   touch "$stamp"
 fi

@@ -27,8 +27,8 @@ try:
 
     _module = tierkv._native
     _why = _module.why_unavailable()
-except ImportError as exc:  # not built: no compiler at install time
-    _why = f"not built ({exc})"
+except ImportError:  # not built: no C compiler at install time
+    _why = "not built: no C compiler at install time (install gcc, then rerun scripts/setup.sh)"
 
 
 def _check(mod: ModuleType) -> str | None:
@@ -46,8 +46,8 @@ def _check(mod: ModuleType) -> str | None:
 
 if _why is None and _module is not None:
     _why = _check(_module)
-if _why is None and os.environ.get("TIERKV_NATIVE", "1") == "0":
-    _why = "off (TIERKV_NATIVE=0)"
+if _why is None and os.environ.get("TIERKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    _why = f"off by TIERKV_NATIVE={os.environ['TIERKV_NATIVE']}"
 _forced: bool | None = None
 
 

@@ -14,13 +14,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import threading
 from collections.abc import Iterator
 
 __all__ = ["BACKGROUND_NICE", "background_priority", "can_raise_priority", "native_idle", "normal_priority"]
 
-BACKGROUND_NICE = int(os.environ.get("TIERKV_BACKGROUND_NICE", "19"))
+
+def _background_nice() -> int:
+    """TIERKV_BACKGROUND_NICE (0 to 19, default 19); anything else is ignored with a warning."""
+    raw = os.environ.get("TIERKV_BACKGROUND_NICE", "19")
+    try:
+        value = int(raw)
+        if 0 <= value <= 19:
+            return value
+    except ValueError:
+        pass
+    logging.getLogger("tierkv").warning("TIERKV_BACKGROUND_NICE=%r is not a nice value 0..19: using 19", raw)
+    return 19
+
+
+BACKGROUND_NICE = _background_nice()
 
 _priority = threading.local()  # .background: this thread runs at BACKGROUND_NICE outside its sections
 

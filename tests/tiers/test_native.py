@@ -316,3 +316,16 @@ def test_write_run_at_idle_priority_comes_back_to_where_it_was(tmp_path) -> None
     assert os.sched_getscheduler(0) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, 0) == 0
     data = (tmp_path / "f").read_bytes()
     assert len(data) == 4096 and data[codec.HEADER_NBYTES : codec.HEADER_NBYTES + 64] == b"\1" * 64
+
+
+@pytest.mark.parametrize("value", ["0", "false", "Off"])
+def test_tierkv_native_off_in_words_turns_the_native_path_off_and_says_so(value: str) -> None:
+    import subprocess
+    import sys
+
+    code = "from tierkv import native, priority; print(native.enabled(), native.describe(), priority.BACKGROUND_NICE)"
+    env = {**os.environ, "TIERKV_NATIVE": value, "TIERKV_BACKGROUND_NICE": "lots"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr  # a bad nice value is a warning, not a crash at import
+    assert r.stdout.strip() == f"False python (off by TIERKV_NATIVE={value}) 19"
+    assert "TIERKV_BACKGROUND_NICE='lots' is not a nice value" in r.stderr

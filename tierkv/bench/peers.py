@@ -277,6 +277,7 @@ def markdown(res: dict[str, Any]) -> str:
         ahead = [col for col in COLUMNS if all(lead[col] >= r.get(col, 0.0) for r in rows.values())]
         lines += [
             "",
-            f"tierkv (native) leads {len(ahead)} of {len(COLUMNS)} columns: {', '.join(ahead) or 'none'}.",
+            f"tierkv (native) leads {len(ahead)} of {len(COLUMNS)} columns"
+            + (f": {', '.join(ahead)}." if ahead else "."),
         ]
     return "\n".join(lines)

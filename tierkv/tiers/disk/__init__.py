@@ -87,7 +87,12 @@ class DiskTier(Tier):
             self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy, counters=self.counters
         )
         if direct_reads is None:
-            direct_reads = os.environ.get("TIERKV_DIRECT_READS") == "1"
+            direct_reads = os.environ.get("TIERKV_DIRECT_READS", "").strip().lower() in (
+                "1",
+                "true",
+                "yes",
+                "on",
+            )
         self.segments = SegmentDir(
             self.path / "segments",
             read_threads=read_threads,
@@ -354,7 +359,7 @@ class DiskTier(Tier):
             if self._sweeper is not None
             else "no background sweep"
         )
-        return f"disk {budget} at {self.path} ({ttl}, {sweep}; reads: {self.read_path()})"
+        return f"disk {budget} at {self.path} ({ttl}, {sweep}); data path {self.read_path()}"
 
     def read_path(self) -> str:
         """Which reader serves this tier: native (O_DIRECT or buffered) or Python, and why."""
