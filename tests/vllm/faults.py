@@ -1,8 +1,10 @@
 """Faults injected into a vLLM engine process with the connector (``vllm_run.py``, spec key ``faults``).
 
     partial_load   probability that a restore stops at a random block (evicted or expired meanwhile)
-    read_eio       probability that a read of a record (``os.preadv``) fails with EIO
-    write_enospc   probability that an append to a segment (``os.pwritev``) fails with ENOSPC
+    read_eio       probability that a read of a record (``os.preadv``, or one record of a native run) fails
+                   with EIO
+    write_enospc   probability that an append to a segment (``os.pwritev``, or a native write) fails with
+                   ENOSPC
     purge_at_batches  at the start of these batches another process purges the whole cache directory
                    (``tierkv gc --all``), while the batch runs
     seed           the faults' random generator (the first chance of each fault always hits)
@@ -35,6 +37,13 @@ def finish() -> None:
 
     for entry in list(options._stores.values()):
         entry.store.flush()
+
+
+def _native() -> Any:
+    """The native data path's module where it runs (its reads and writes bypass ``os``)."""
+    from tierkv import native
+
+    return native.module() if native.enabled() else None
 
 
 def install(faults: dict[str, Any], cache_dir: str) -> Callable[[int], None]:
@@ -82,6 +91,22 @@ def install(faults: dict[str, Any], cache_dir: str) -> Callable[[int], None]:
             return preadv(fd, buffers, offset, *args)
 
         os.preadv = failing_preadv
+        nat = _native()
+        if nat is not None:  # the native reader's reads: a bad sector under one record of the run
+            read_run = nat.read_run
+
+            def failing_read_run(reqs: Any, *args: Any) -> Any:
+                if not len(reqs) or not draw("read_eio"):
+                    return read_run(reqs, *args)
+                fd, _, _, offset, nbytes, _ = (int(v) for v in reqs[rng.randrange(len(reqs))])
+                st = os.fstat(fd)
+                nat.inject_fault(st.st_dev, st.st_ino, offset, offset + nbytes, errno.EIO)
+                try:
+                    return read_run(reqs, *args)
+                finally:
+                    nat.clear_faults()
+
+            nat.read_run = failing_read_run
 
     if faults.get("write_enospc"):
         pwritev = os.pwritev
@@ -92,6 +117,16 @@ def install(faults: dict[str, Any], cache_dir: str) -> Callable[[int], None]:
             return pwritev(fd, buffers, offset, *args)
 
         os.pwritev = full_pwritev
+        nat = _native()
+        if nat is not None:  # the native writer's appends
+            write_run = nat.write_run
+
+            def full_write_run(*args: Any) -> Any:
+                if draw("write_enospc"):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return write_run(*args)
+
+            nat.write_run = full_write_run
 
     purges = set(faults.get("purge_at_batches", ()))
     cli = [os.environ.get("TIERKV_CLI_PYTHON", sys.executable), "-m", "tierkv.cli"]
