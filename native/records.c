@@ -827,5 +827,13 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
+    PyObject *all = Py_BuildValue("[sssssss]", "read_run", "write_run", "xxh3_64", "inject_fault", "clear_faults",
+                                  "trace_writes",
+                                  "why_unavailable");
+    if (!all || PyModule_AddObject(m, "__all__", all) != 0) {
+        Py_XDECREF(all);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }
