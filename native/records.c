@@ -33,7 +33,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define ABI 3 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 4 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #ifndef GROUP_NBYTES
@@ -637,6 +637,25 @@ static void come_back(prio_t p) {
     }
 }
 
+/* Whether a thread of this process may go to SCHED_IDLE and come back: tried on a throwaway pthread, so
+ * no Python runs at idle priority meanwhile (what capabilities say is not enough: CAP_SYS_NICE inside a
+ * user namespace is checked against the initial one). */
+static void *idle_probe(void *arg) {
+    struct sched_param sp = {0};
+    int *ok = arg;
+    if (sched_setscheduler(0, SCHED_IDLE, &sp) == 0) *ok = sched_setscheduler(0, SCHED_OTHER, &sp) == 0;
+    return NULL;
+}
+
+static PyObject *can_leave_idle(PyObject *self, PyObject *unused) {
+    int ok = 0;
+    pthread_t t;
+    Py_BEGIN_ALLOW_THREADS
+    if (pthread_create(&t, NULL, idle_probe, &ok) == 0) pthread_join(t, NULL);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
 typedef struct { Py_buffer head, tokens, payload; } wrec_t;
 
 PyDoc_STRVAR(write_run_doc,
@@ -807,6 +826,7 @@ static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3, METH_O, "xxh3-64 of a buffer, as libxxhash computes it (tests compare it with xxhash's)."},
     {"inject_fault", inject_fault, METH_VARARGS, "inject_fault(dev, ino, start, end, errno): reads of that range fail."},
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
+    {"can_leave_idle", can_leave_idle, METH_NOARGS, "Whether a thread may go to SCHED_IDLE and come back (probed)."},
     {"trace_writes", trace_writes, METH_O, "trace_writes(on) -> the writes and syncs logged since the last call."},
     {"why_unavailable", why_unavailable, METH_NOARGS, "None if usable, else why not."},
     {NULL, NULL, 0, NULL},
@@ -827,8 +847,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
-    PyObject *all = Py_BuildValue("[sssssss]", "read_run", "write_run", "xxh3_64", "inject_fault", "clear_faults",
-                                  "trace_writes",
+    PyObject *all = Py_BuildValue("[ssssssss]", "read_run", "write_run", "xxh3_64", "inject_fault", "clear_faults",
+                                  "trace_writes", "can_leave_idle",
                                   "why_unavailable");
     if (!all || PyModule_AddObject(m, "__all__", all) != 0) {
         Py_XDECREF(all);

@@ -42,10 +42,10 @@ _priority = threading.local()  # .background: this thread runs at BACKGROUND_NIC
 
 @functools.cache
 def can_raise_priority() -> bool:
-    """Whether a thread may lower its nice value again and leave SCHED_IDLE. Tried, once, on a throwaway
-    thread: what capabilities and RLIMIT_NICE say is not enough (CAP_SYS_NICE inside a user namespace is
-    checked against the initial one). Without it a background thread holds its locks at nice 19, and
-    native calls never go idle (they could not come back)."""
+    """Whether a thread may lower its nice value again. Tried, once, on a throwaway thread (at nice 19 for
+    a moment, never idle): what capabilities and RLIMIT_NICE say is not enough (CAP_SYS_NICE inside a
+    user namespace is checked against the initial one). Without it a background thread holds its locks
+    at nice 19."""
     result: list[bool] = []
 
     def probe() -> None:
@@ -53,9 +53,6 @@ def can_raise_priority() -> bool:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
             os.setpriority(os.PRIO_PROCESS, tid, 0)
-            if hasattr(os, "SCHED_IDLE"):
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
             result.append(True)
         except (OSError, AttributeError):
             result.append(False)
@@ -66,9 +63,13 @@ def can_raise_priority() -> bool:
     return bool(result and result[0])
 
 
+@functools.cache
 def native_idle() -> bool:
-    """Whether a native call may run its byte work at SCHED_IDLE (and come back before taking the GIL)."""
-    return hasattr(os, "SCHED_IDLE") and can_raise_priority()
+    """Whether a native call may run its byte work at SCHED_IDLE and come back before taking the GIL:
+    probed by the native module on a pthread of its own, without the GIL (no Python runs idle)."""
+    from tierkv import native
+
+    return native.enabled() and bool(native.module().can_leave_idle())
 
 
 def background_priority() -> None:

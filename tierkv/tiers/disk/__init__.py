@@ -27,7 +27,7 @@ from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Hole, Policy, SweepReport
-from tierkv.tiers.disk.segments import SegmentDir, TransientReadError
+from tierkv.tiers.disk.segments import SegmentDir
 from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
 from tierkv.tiers.disk.writer import (
     DEFAULT_BATCH_NBYTES,
@@ -42,8 +42,6 @@ from tierkv.tiers.disk.writer import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from tierkv.tiers.target import Target
 
 log = logging.getLogger("tierkv.disk")
@@ -221,44 +219,9 @@ class DiskTier(Tier):
         """Records verified on the reading threads; a bad one (or one an I/O error hit) ends the run and
         is purged, if still indexed: a sweep in another process may have released it meanwhile, and then
         it is a plain miss."""
-        from tierkv.tiers.disk.reader import read_records  # torch: not for the shell tools
+        from tierkv.tiers.disk.reader import read_into  # torch: not for the shell tools
 
-        entries = self._located(chain, first, count)
-        target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries))
-        failed: set[tuple[int, int, int]] = set()  # locations an I/O error hit
-        scatter = functools.partial(self.read_scatter, failed=failed)
-        whole = functools.partial(self.read, failed=failed)
-
-        read_native = None
-        if native.enabled():
-            from tierkv.tiers.disk.native_read import read_run
-
-            read_native = functools.partial(read_run, self.segments, chain, failed=failed)
-
-        def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
-            part = entries[i0 - first : i0 - first + n]
-            verified = target.verified if target.on_verified is not None else None  # no view per block
-            return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native)
-
-        try:
-            got = target.fill(first, len(entries), fill)
-        except TransientReadError as exc:  # not the records' fault (no descriptors, no memory): a miss
-            self.counters.add("disk", "transient_read_errors")
-            if not self._transient_logged:
-                self._transient_logged = True
-                log.warning(
-                    "disk tier read failed (%s): a miss, nothing purged; further ones are counted", exc
-                )
-            return 0
-        bad = {e.location: chain.keys[first + j] for j, e in enumerate(entries) if e.location in failed}
-        if got < len(entries):  # the one that ended the run, and any other an I/O error hit
-            bad[entries[got].location] = chain.keys[first + got]
-        for location, key in bad.items():
-            if self.still_indexed(key, location):  # else another process released it: a plain miss
-                self.counters.add("disk", "read_errors" if location in failed else "corrupt_blocks")
-                self._purge(key, location)
-        self.touch(chain.keys[first : first + got], sum(e.nbytes for e in entries[:got]))
-        return got
+        return read_into(self, chain, first, count, target)
 
     def _accepting(self) -> bool:
         return not self.read_only and not self._closed and self.writer is not None and self.writer.accepting

@@ -4,19 +4,28 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from tierkv import codec
+from tierkv import codec, native
 from tierkv.errors import RecordError
 from tierkv.keys import BlockChain
 from tierkv.layout import KVSpec
+from tierkv.tiers.disk.files import TransientReadError
 from tierkv.tiers.disk.native_read import ST_OK, ST_PYTHON
 from tierkv.tiers.disk.schema import Entry
-from tierkv.tiers.target import as_tensor, expected
+from tierkv.tiers.target import Target, as_tensor, expected
 
-__all__ = ["read_records"]
+if TYPE_CHECKING:
+    from tierkv.tiers.disk import DiskTier
+
+log = logging.getLogger("tierkv.disk")
+
+__all__ = ["read_into", "read_records"]
 
 ReadInto = Callable[[Sequence[tuple[Entry, list[memoryview]]], Callable[[int], bool]], list[bool]]
 ReadWhole = Callable[[Sequence[Entry]], contextlib.AbstractContextManager[list[memoryview]]]
@@ -121,3 +130,43 @@ def read_records(
                 if verified is not None:
                     verified(i, block(i))
     return end - first
+
+
+def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target: Target) -> int:
+    """``DiskTier.read_into``: records verified on the reading threads; a bad one (or one an I/O error hit)
+    ends the run and is purged, if still indexed: a sweep in another process may have released it
+    meanwhile, and then it is a plain miss."""
+    entries = disk._located(chain, first, count)
+    target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries))
+    failed: set[tuple[int, int, int]] = set()  # locations an I/O error hit
+    scatter = functools.partial(disk.read_scatter, failed=failed)
+    whole = functools.partial(disk.read, failed=failed)
+
+    read_native = None
+    if native.enabled():
+        from tierkv.tiers.disk.native_read import read_run
+
+        read_native = functools.partial(read_run, disk.segments, chain, failed=failed)
+
+    def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
+        part = entries[i0 - first : i0 - first + n]
+        verified = target.verified if target.on_verified is not None else None  # no view per block
+        return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native)
+
+    try:
+        got = target.fill(first, len(entries), fill)
+    except TransientReadError as exc:  # not the records' fault (no descriptors, no memory): a miss
+        disk.counters.add("disk", "transient_read_errors")
+        if not disk._transient_logged:
+            disk._transient_logged = True
+            log.warning("disk tier read failed (%s): a miss, nothing purged; further ones are counted", exc)
+        return 0
+    bad = {e.location: chain.keys[first + j] for j, e in enumerate(entries) if e.location in failed}
+    if got < len(entries):  # the one that ended the run, and any other an I/O error hit
+        bad[entries[got].location] = chain.keys[first + got]
+    for location, key in bad.items():
+        if disk.still_indexed(key, location):  # else another process released it: a plain miss
+            disk.counters.add("disk", "read_errors" if location in failed else "corrupt_blocks")
+            disk._purge(key, location)
+    disk.touch(chain.keys[first : first + got], sum(e.nbytes for e in entries[:got]))
+    return got
