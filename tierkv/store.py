@@ -413,6 +413,10 @@ class TieredStore:
             snap.setdefault(name, dict.fromkeys(COUNTER_NAMES, 0))
         for tier in self.tiers:
             snap[tier.name].update(tier.stats())
+        backlog = self.writes.backlog_blocks()
+        for tier in self.tiers:
+            if "write_queue_nbytes" in snap[tier.name]:  # a tier with a write queue: its write-back too
+                snap[tier.name]["writeback_blocks"] = backlog.get(tier.name, 0)
         return snap
 
     def close(self) -> None:

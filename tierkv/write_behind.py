@@ -327,6 +327,11 @@ class WriteBehind:
             if time.monotonic() > deadline:
                 return False
 
+    def backlog_blocks(self) -> dict[str, int]:
+        """Per record tier's name, the blocks waiting dirty in a host pool for room in its queue."""
+        with self._backlog_lock:
+            return {tier.name: len(waiting) for tier, waiting in self._backlog.items()}
+
     def flush(self) -> None:
         """Out of the staging ring: into the memory tiers and the record tiers' queues."""
         if self._ring is not None:

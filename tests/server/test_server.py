@@ -1,10 +1,12 @@
 """tierkv serve through real HTTP: the official openai client against a server in a subprocess."""
 
 import json
+import re
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -205,6 +207,28 @@ def test_metrics_move(server) -> None:
         'tierkv_tier_writeback_lost_blocks_total{tier="disk"}',
     ):
         assert any(line.startswith(series + " ") for line in after.splitlines()), series
+
+
+def test_the_grafana_dashboard_reads_only_series_the_server_exports(server) -> None:
+    """dashboards/tierkv.json: every series a panel queries is on a running server's /metrics (after the
+    requests above), so no panel stays empty from a renamed metric; and the file is a dashboard Grafana loads."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "dashboards" / "tierkv.json").read_text())
+    assert dashboard["uid"] and dashboard["panels"]
+    _, text = _get(server.url + "/metrics")
+    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    queried = set()
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"\btierkv_\w+", target["expr"]))
+    assert {"tierkv_hit_ratio", "tierkv_tier_read_bytes_total", "tierkv_tier_write_queue_bytes"} <= queried
+    assert not queried - exported, (
+        f"the dashboard queries series /metrics lacks: {sorted(queried - exported)}"
+    )
 
 
 def test_admin_api_needs_the_token(server) -> None:

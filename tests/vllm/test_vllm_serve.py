@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,51 @@ def _complete(port: int) -> tuple[str, int]:
     return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+# what only tierkv serve's own engine exports (vLLM has its own request, queue and TTFT series)
+SERVER_ONLY = {
+    "tierkv_ttft_seconds_bucket",
+    "tierkv_restore_seconds_bucket",
+    "tierkv_requests_total",
+    "tierkv_queue_depth",
+}
+
+
+def _check_metrics(port: int) -> None:
+    """The connector's series on vLLM's /metrics after a cold request and a restore of 640 tokens: the
+    prompt tokens by source, the tiers' bytes and the loads; and every store series the dashboard reads."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+
+    def total(name: str, **labels: str) -> float:
+        return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+    restored = total("tierkv_prompt_tokens_total", source="host") + total(
+        "tierkv_prompt_tokens_total", source="disk"
+    )
+    assert restored == 640, text
+    assert total("tierkv_prompt_tokens_total") == 2 * 700
+    assert total("tierkv_tier_hit_tokens_total") == 640
+    assert total("tierkv_connector_loaded_blocks_total") == 5
+    assert total("tierkv_connector_saved_blocks_total") >= 5
+    assert total("tierkv_tier_written_bytes_total", tier="disk") > 0
+    assert total("tierkv_tier_used_bytes", tier="host") > 0
+    assert 0 < total("tierkv_hit_ratio") <= 1
+    dashboard = json.loads((ROOT / "dashboards" / "tierkv.json").read_text())
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for t in panel["targets"]
+        for name in re.findall(r"\btierkv_\w+", t["expr"])
+    }
+    assert not queried - SERVER_ONLY - set(samples), sorted(queried - SERVER_ONLY - set(samples))
+
+
 def _wait(what: str, check, timeout: float) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not check():
@@ -159,6 +205,7 @@ def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Pat
         assert _post(port, "/reset_prefix_cache")["success"]  # vLLM forgets; tierkv does not
         text, cached = _complete(port)
         assert (text, cached) == (cold, 640)
+        _check_metrics(port)
         assert _post(port, "/reset_prefix_cache?reset_external=true")["success"]  # both forget
         text, cached = _complete(port)
         assert (text, cached) == (cold, 0)

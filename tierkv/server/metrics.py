@@ -94,6 +94,22 @@ class StoreCollector:
                 cap.add_metric([tier], stats[tier]["capacity_nbytes"])
         yield used
         yield cap
+        # how far the record tiers' writers are behind: bytes in the disk writer's queue, and blocks that
+        # found it full and wait dirty in the host tier (write-back)
+        queued = GaugeMetricFamily(
+            "tierkv_tier_write_queue_bytes", "Bytes queued for the tier's writer", labels=["tier"]
+        )
+        waiting = GaugeMetricFamily(
+            "tierkv_tier_writeback_blocks",
+            "Blocks waiting dirty in the host tier for room in the tier's write queue",
+            labels=["tier"],
+        )
+        for tier in tiers:
+            if "write_queue_nbytes" in stats.get(tier, {}):
+                queued.add_metric([tier], stats[tier]["write_queue_nbytes"])
+                waiting.add_metric([tier], stats[tier]["writeback_blocks"])
+        yield queued
+        yield waiting
         yield from gpu_metrics()
 
 

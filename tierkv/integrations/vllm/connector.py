@@ -29,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.integrations.vllm.meta import TierKVMetadata
+from tierkv.integrations.vllm.metrics import TierKVPromMetrics, TierKVStats
 from tierkv.integrations.vllm.options import ConnectorOptions
 from tierkv.integrations.vllm.scheduler import SchedulerSide
 from tierkv.integrations.vllm.worker import WorkerSide
@@ -110,6 +112,27 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.report() if self._worker is not None else None
+
+    # ------------------------------------------------------------------ metrics (both sides)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.metrics_payload()
+        return self._scheduler.metrics_payload() if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TierKVStats(data=data) if data is not None else TierKVStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.integrations.vllm.metrics import TierKVStats
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
 from tierkv.keys import BlockChain, Namespace
@@ -31,6 +32,7 @@ __all__ = ["SchedulerSide"]
 
 # tierkv tier name -> vLLM's CacheHitSource value (its metrics split external hits by tier)
 HIT_SOURCES = {"gpu": "device", "host": "host", "disk": "disk", "remote": "external_unspecified"}
+SOURCE_TIERS = {v: k for k, v in HIT_SOURCES.items()}
 
 
 @dataclasses.dataclass
@@ -44,6 +46,7 @@ class _Request:
     load: tuple[int, int] | None = None  # blocks [first, end) to load at the next step
     block_ids: list[int] = dataclasses.field(default_factory=list)
     check: tuple[int, int] | None = None  # a self-checked load's blocks, not yet recomputed by vLLM
+    counted: bool = False  # its prompt tokens are in the metrics (once, however often it is rescheduled)
 
 
 # What a request must have for the connector to key it with certainty; a vLLM whose requests lack any of
@@ -81,6 +84,7 @@ class SchedulerSide:
         self._lookup_backoff_s = 0.0
         self._lookup_paused_until = 0.0
         self._reqs: dict[str, _Request] = {}
+        self._metrics = TierKVStats()
         self._forget: list[str] = []
         self.check_rate = options.self_check_rate if self_check else 0.0
         self._sample = random.Random()
@@ -133,16 +137,17 @@ class SchedulerSide:
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self.store is None or not self.load_enabled:
-            if self.store is not None:
-                self._request(request)  # still tracked: its blocks are saved
+            if self.store is not None and (r := self._request(request)) is not None:
+                r.local_tokens = num_computed_tokens  # still tracked: its blocks are saved
             return 0, False
         r = self._request(request)
         if r is None:
             return 0, False
+        r.local_tokens, r.by_tier = num_computed_tokens, {}
         hit = self._lookup(r)
         if hit is None:
             return 0, False
-        r.local_tokens, r.stored_blocks, r.by_tier = num_computed_tokens, hit.num_blocks, hit.by_tier
+        r.stored_blocks, r.by_tier = hit.num_blocks, hit.by_tier
         B = self.block_tokens
         usable = min(hit.num_blocks, (request.num_tokens - 1) // B)  # at least one token left to compute
         new = usable * B - num_computed_tokens
@@ -188,12 +193,34 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
         r = self._reqs.get(request.request_id)
+        if r is not None and not r.counted:
+            self._count_prompt(request, r, max(num_external_tokens, 0))
         if r is None or num_external_tokens <= 0:
             return
         B = self.block_tokens
         first = r.local_tokens // B
         end = min(first + -(-num_external_tokens // B), r.stored_blocks)
         r.load = (first, end) if end > first else None
+
+    def _count_prompt(self, request: Any, r: _Request, external: int) -> None:
+        """The metrics' prompt tokens by source, when vLLM first schedules the request: vLLM's own prefix
+        cache, each tierkv tier (the lookup's split of what will be loaded), and the rest computed."""
+        r.counted = True
+        by_source = {"vllm": r.local_tokens}
+        by_tier = {SOURCE_TIERS.get(s, "remote"): n for s, n in self.hit_sources(request, external).items()}
+        for tier, n in by_tier.items():
+            by_source[tier] = by_source.get(tier, 0) + n
+        by_source["computed"] = max(0, len(r.prompt) - r.local_tokens - external)
+        for source, n in by_source.items():
+            if n:
+                self._metrics.count("tierkv_prompt_tokens", (source,), n)
+
+    def metrics_payload(self) -> TierKVStats | None:
+        """What the scheduler counted since the last call (vLLM asks after every step), or None."""
+        if self._metrics.is_empty():
+            return None
+        out, self._metrics = self._metrics, TierKVStats()
+        return out
 
     # ------------------------------------------------------------------ each step
 

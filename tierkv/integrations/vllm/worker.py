@@ -29,6 +29,7 @@ import torch
 from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, RanksDisagree, tp_group
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.integrations.vllm.metrics import StoreDeltas, TierKVStats
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
 from tierkv.keys import BlockChain, Namespace
@@ -70,6 +71,7 @@ class WorkerSide:
         self._reported = False
         self._save_buffer: torch.Tensor | None = None
         self._load_buffer: torch.Tensor | None = None
+        self._moved = False  # blocks loaded or saved since the last metrics payload
         self.stats = {
             "load_blocks": 0,
             "load_failed_blocks": 0,
@@ -96,6 +98,7 @@ class WorkerSide:
         self.ns = self.base_ns
         self.spec = KVSpec.of(self.ns)
         self.store = shared_store(options)
+        self.deltas = StoreDeltas(self.ranks.rank)
 
     # ------------------------------------------------------------------ set-up
 
@@ -229,6 +232,7 @@ class WorkerSide:
             self._fail(span, got)
         self.stats["load_blocks"] += got
         self.stats["load_s"] += time.perf_counter() - t0
+        self._moved = True
 
     def _fail(self, span: BlockSpan, loaded: int) -> None:
         failed = span.block_ids[loaded:]
@@ -354,6 +358,19 @@ class WorkerSide:
             return
         self.stats["save_blocks"] += n
         self.stats["save_s"] += time.perf_counter() - t0
+        self._moved = True
+
+    def metrics_payload(self) -> TierKVStats | None:
+        """This rank's metrics since the last payload (vLLM asks after every step), or None: built when the
+        step moved blocks, else at most once a second."""
+        if self.store is None:
+            return None
+        moved, self._moved = self._moved, False
+        try:
+            return self.deltas.take(self.store, self.stats, moved)
+        except Exception:  # metrics must never fail a step (a store being torn down, an LMDB error)
+            log.exception("tierkv: collecting the connector's metrics failed")
+            return None
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -282,7 +282,13 @@ class DiskTier(Tier):
 
     def stats(self) -> dict[str, int]:
         usage = self.usage()
-        return {**usage, "used_nbytes": usage["live_nbytes"], "capacity_nbytes": usage["budget_nbytes"]}
+        queued = self.writer.queued_nbytes if self.writer is not None else 0
+        return {
+            **usage,
+            "used_nbytes": usage["live_nbytes"],
+            "capacity_nbytes": usage["budget_nbytes"],
+            "write_queue_nbytes": queued,
+        }
 
     def still_indexed(self, key: BlockKey, location: tuple[int, int, int]) -> bool:
         return self.index.still_indexed(key, location)

@@ -174,6 +174,11 @@ class Writer:
         self._batches.put(item)
         return True
 
+    @property
+    def queued_nbytes(self) -> int:
+        """Bytes of records waiting for the writer thread (what the queue's budget counts)."""
+        return self._queued_nbytes
+
     def room(self, nbytes: int) -> bool:
         """Whether a put of ``nbytes`` would be queued now."""
         with self._lock:
