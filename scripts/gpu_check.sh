@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check, for a lent GPU machine (the `device` tool runs it; at most 8 minutes on one H200):
-# builds the CUDA extension and the native data path, runs the native path's tests and the GPU tests, runs
-# the GPU benchmark and prints a short table; the vLLM connector tests too where vLLM is installed.
-# The device image has python3 with CUDA torch, transformers, xxhash, pytest and hypothesis, but not
-# lmdb or zstandard: prepare them here first with scripts/gpu_wheels.sh (into .whl/, git-ignored) and
-# pass carry=[".whl"]. Results land in $OUT (or bench/results/gpu without it).
+# The GPU check: on a machine with CUDA torch, run `bash scripts/gpu_check.sh` from a checkout. It builds the
+# CUDA extension and the native data path in place, runs the native path's tests and the GPU tests (marked
+# `gpu`), runs the GPU benchmark and prints a short table; the vLLM connector tests too where vLLM is
+# installed. It needs python3 with CUDA torch, transformers, lmdb, xxhash, zstandard, pytest and hypothesis.
+# Results land in $OUT (or bench/results/gpu without it).
+# (For the project's lent GPU machines, whose image lacks lmdb and zstandard: scripts/gpu_wheels.sh builds
+# their wheels into .whl/, which this script installs when present.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/results/gpu}"

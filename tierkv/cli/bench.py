@@ -213,8 +213,15 @@ def _run_part(name: str, run: Callable[[Path], Any], base: Path, target: Path) -
                 error += _failed_children(logs)
             res = report.failure(error, seconds, sorted(str(p) for p in logs.iterdir()))
             click.echo(f"## {name}\n\n{report.failure_markdown(res)}\n", err=True)
-            return res, {"status": "failed", "seconds": res["seconds"], "error": error}
-    return res, {"status": "ok", "seconds": round(time.monotonic() - t0, 1)}
+            return res, {"status": "failed", "seconds": res["seconds"], "error": error, "when": _now()}
+    # each part's own time: a later run of other parts (--only) keeps it, and the docs' tables say it
+    return res, {"status": "ok", "seconds": round(time.monotonic() - t0, 1), "when": _now()}
+
+
+def _now() -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
 def _failed_children(logs: Path, most: int = 2) -> str:

@@ -1,0 +1,196 @@
+"""Tables in the README and ``docs/`` generated from the committed benchmark results.
+
+A document marks a generated block ``<!-- bench: NAME -->`` ... ``<!-- /bench -->``; ``NAME`` is one of
+``BLOCKS``, each rendered from ``bench/results/<machine>/results.json`` by the same functions that write
+the results' own report. ``python -m tierkv.bench.docs`` rewrites every block, and a test fails when a
+committed block differs from what the results give: a table and its results cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tierkv.bench import overhead, peers, restart, scaleout, stall, tiers, ttft, vllm, workloads
+from tierkv.bench.table import md_table
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+DOCUMENTS = ("README.md", "docs/measured.md", "docs/vllm.md")
+BLOCK = re.compile(r"(<!-- bench: ([\w./-]+) -->\n)(.*?)(<!-- /bench -->)", re.S)
+
+
+def _load(folder: str) -> dict[str, Any]:
+    return json.loads((RESULTS / folder / "results.json").read_text())
+
+
+def _when(results: dict[str, Any], part: str) -> str:
+    """When a part ran: its own stamp, else the file's (when the part is among the last run's), else unknown
+    (a part kept from an earlier run that did not record its time)."""
+    entry = results.get("parts", {}).get(part, {})
+    if entry.get("when"):
+        return entry["when"]
+    if part in results.get("parts", {}) or "parts" not in results:
+        return results["when"]
+    return "an earlier run (time not recorded)"
+
+
+def _source(folder: str, part: str, results: dict[str, Any], extra: str = "") -> str:
+    return (
+        f"_Generated from [`bench/results/{folder}/`](../bench/results/{folder}/README.md) "
+        f"(`{part}`, {_when(results, part)}{extra}); `python -m tierkv.bench.docs` rewrites it._"
+    )
+
+
+def _part(folder: str, part: str, render: Callable[[Any], str]) -> Callable[[], str]:
+    def block() -> str:
+        results = _load(folder)
+        return render(results[part]) + "\n\n" + _source(folder, part, results)
+
+    return block
+
+
+def _ttft(folder: str) -> Callable[[], str]:
+    def block() -> str:
+        results = _load(folder)
+        out = []
+        for res in results["ttft"]:
+            out += [f"**`{res['config']['model']}`**", "", ttft.markdown(res), ""]
+        return "\n".join(out) + _source(folder, "ttft", results)
+
+    return block
+
+
+def vllm_rows() -> tuple[dict[str, Any], list[str]]:
+    """The vLLM TTFT results with each prompt length at its latest measurement: the last full run's rows,
+    replaced by any later rerun of a length (``rerun-*.json`` beside it); and one line saying which row
+    comes from which run."""
+    folder = RESULTS / "cpu-2c-vllm"
+    base = json.loads((folder / "results.json").read_text())
+    res = dict(base["vllm"])
+    rows = {r["tokens"]: (r, base["when"]) for r in res["rows"]}
+    for path in sorted(folder.glob("rerun-*.json")):
+        rerun = json.loads(path.read_text())
+        for r in rerun["vllm"]["rows"]:
+            if r["tokens"] not in rows or rerun["when"] > rows[r["tokens"]][1]:
+                rows[r["tokens"]] = (r, f"{rerun['when']}, `{path.name}`")
+    res["rows"] = [rows[t][0] for t in sorted(rows)]
+    runs: dict[str, list[int]] = {}
+    for t in sorted(rows):
+        runs.setdefault(rows[t][1], []).append(t)
+    lines = [f"tokens {', '.join(map(str, ts))}: {when}" for when, ts in runs.items()]
+    return res, lines
+
+
+def _vllm() -> str:
+    res, runs = vllm_rows()
+    return (
+        vllm.markdown(res)
+        + "\n\nEach length at its latest measurement; "
+        + "; ".join(runs)
+        + ".\n\n_Generated from [`bench/results/cpu-2c-vllm/`](../bench/results/cpu-2c-vllm/README.md); "
+        "`python -m tierkv.bench.docs` rewrites it._"
+    )
+
+
+def _ratio(rows: dict[str, float], name: str) -> str:
+    return f"{rows[name]:.2f}" if name in rows else "-"
+
+
+def _headline() -> str:
+    """The README's few numbers, each from the latest committed run that measured it."""
+    real = _load("cpu-2c-smollm2")
+    store = _load("cpu-2c")
+    rs = real["restart"]
+    med = rs["ttft_median_s"]
+    ratios = store["tiers"]["ratios"]
+    res, _ = vllm_rows()
+    rows = [
+        [
+            "SmolLM2, a 2,873-token chat through HTTP: cold, then after a restart with the page cache dropped",
+            f"{med['cold'] * 1e3:,.0f} ms → {med['after a restart, page cache dropped'] * 1e3:,.0f} ms "
+            f"(**{rs['speedup_after_restart']:.1f}x**)",
+            _when(real, "restart"),
+        ],
+        [
+            "restore from a warm page cache / memcpy; from the host tier / memcpy",
+            f"{_ratio(ratios, 'restore warm / memcpy [native]')}; {_ratio(ratios, 'host tier / memcpy')}",
+            _when(store, "tiers"),
+        ],
+        [
+            "restore one prefix from a cold disk / the disk's read limit (buffered; O_DIRECT)",
+            f"{_ratio(ratios, 'restore cold one-prefix / disk limit [native]')}; "
+            f"{_ratio(ratios, 'restore cold one-prefix / disk limit [native O_DIRECT]')}",
+            _when(store, "tiers"),
+        ],
+        [
+            "durable save (save, then flush) / the disk's write limit",
+            _ratio(ratios, "persistence / disk write limit [native]"),
+            _when(store, "tiers"),
+        ],
+    ]
+    four_k = next((r for r in res["rows"] if r["tokens"] == 4096), None)
+    if four_k and "tierkv_disk_cold" in four_k:
+        cold = min(four_k[c]["ttft_s"] for c in vllm.COLD_COLUMNS if c in four_k)
+        rows.append(
+            [
+                "inside vLLM (CPU), 4,096 tokens: cold prefill; tierkv from a cold disk; ExampleConnector",
+                f"{cold * 1e3:,.0f}; {four_k['tierkv_disk_cold']['ttft_s'] * 1e3:,.0f}; "
+                f"{four_k['example_disk_cold']['ttft_s'] * 1e3:,.0f} ms",
+                "see [docs/vllm.md](docs/vllm.md)",
+            ]
+        )
+    return "\n".join(md_table(["measure (2 cores, no GPU)", "result", "measured"], "lrl", rows))
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "headline": _headline,
+    "restart": _part("cpu-2c-smollm2", "restart", restart.markdown),
+    "ttft-smollm2": _ttft("cpu-2c-smollm2"),
+    "ttft-tiny": _ttft("cpu-2c"),
+    "tiers": _part("cpu-2c", "tiers", tiers.markdown),
+    "peers": _part("cpu-2c", "peers", peers.markdown),
+    "stall": _part("cpu-2c", "stall", stall.markdown),
+    "workloads": _part("cpu-2c", "workloads", workloads.markdown),
+    "scaleout": _part("cpu-2c", "scaleout", scaleout.markdown),
+    "overhead": _part("cpu-2c", "overhead", overhead.markdown),
+    "vllm": _vllm,
+}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block rewritten; an unknown block name is an error."""
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group(2)
+        if name not in BLOCKS:
+            raise KeyError(f"unknown generated block {name!r} (known: {', '.join(BLOCKS)})")
+        return f"{m.group(1)}{BLOCKS[name]().rstrip()}\n{m.group(4)}"
+
+    return BLOCK.sub(one, text)
+
+
+def main(argv: list[str]) -> int:
+    """Rewrite the documents' generated blocks; with ``--check``, only say which are out of date (exit 1)."""
+    stale = []
+    for rel in DOCUMENTS:
+        path = ROOT / rel
+        text = path.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(rel)
+            if "--check" not in argv:
+                path.write_text(new)
+    verb = "out of date" if "--check" in argv else "rewritten"
+    print(f"{verb}: {', '.join(stale)}" if stale else "every generated table is up to date")
+    return 1 if stale and "--check" in argv else 0
+
+
+__all__ = ["BLOCKS", "DOCUMENTS", "main", "render", "vllm_rows"]
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
