@@ -52,6 +52,7 @@ def _bench_vllm(quick: bool, model: str, out_dir: str, runs: int | None, lengths
     files = report.write(target, desc, {"vllm": res})  # the JSON first: the table is made from it
     click.echo(vllm_bench.markdown(res) + "\n")
     click.echo("wrote " + ", ".join(str(f) for f in files))
+    _update_docs(target)
 
 
 PARTS = (
@@ -181,12 +182,26 @@ def bench(
             files = report.write(target, desc, results)
     click.echo(report.parts_markdown(results["parts"]) + "\n")
     click.echo("wrote " + ", ".join(str(f) for f in files))
+    _update_docs(target)
     if failed := [name for name, p in results["parts"].items() if p["status"] != "ok"]:
         fail(
             f"{len(failed)} part(s) failed: {', '.join(failed)} (see the table above; the others' "
             "results are written)",
             1,
         )
+
+
+def _update_docs(target: Path) -> None:
+    """Results written into this checkout's bench/results/: its README's and docs' tables follow them."""
+    from tierkv.bench import docs
+
+    if target.resolve().is_relative_to(docs.RESULTS) and (docs.ROOT / "docs").is_dir():
+        try:
+            docs.main([])
+        except (OSError, KeyError, ValueError) as exc:  # the results are written; the tables can wait
+            click.echo(
+                f"the docs' tables were not rewritten ({exc}); run python -m tierkv.bench.docs", err=True
+            )
 
 
 def _run_part(name: str, run: Callable[[Path], Any], base: Path, target: Path) -> tuple[Any, dict[str, Any]]:
