@@ -33,7 +33,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define ABI 4 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 5 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run: hashed, written and sent to the disk in chunks this size */
@@ -788,6 +788,79 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ copy_blocks */
+/* A memory tier's restore: whole blocks from their slots into the destination's (layer, k/v) slabs, on
+ * a few threads with the GIL released (one torch copy per block spent as long dispatching as copying). */
+typedef struct {
+    const int64_t *rows, *srcs, *pos;
+    int64_t nrows, chunk, n;
+    atomic_long next;
+} copy_t;
+
+static void *copy_worker(void *arg) {
+    copy_t *c = arg;
+    for (;;) {
+        int64_t j = atomic_fetch_add(&c->next, 1);
+        if (j >= c->n) return NULL;
+        const uint8_t *src = (const uint8_t *)(intptr_t)c->srcs[j];
+        for (int64_t r = 0; r < c->nrows; r++)
+            memcpy((uint8_t *)(intptr_t)c->rows[r] + c->pos[j] * c->chunk, src + r * c->chunk, (size_t)c->chunk);
+    }
+}
+
+PyDoc_STRVAR(copy_blocks_doc,
+    "copy_blocks(rows, row_nbytes, chunk, srcs, positions, threads) -> None\n\n"
+    "rows: int64 addresses of the destination's (layer, k/v) slabs, each row_nbytes long; srcs: int64\n"
+    "addresses of n blocks, each len(rows) x chunk contiguous bytes (slab r of a block at r x chunk);\n"
+    "positions: int64, where each block goes in the slabs (chunk bytes a position).");
+
+static PyObject *copy_blocks(PyObject *self, PyObject *args) {
+    PyObject *o_rows, *o_srcs, *o_pos;
+    long long row_nbytes, chunk;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OLLOOi", &o_rows, &row_nbytes, &chunk, &o_srcs, &o_pos, &threads)) return NULL;
+    Py_buffer rows = {0}, srcs = {0}, pos = {0};
+    PyObject *result = NULL;
+    if (get_buffer(o_rows, &rows, 0, "rows") || get_buffer(o_srcs, &srcs, 0, "srcs") ||
+        get_buffer(o_pos, &pos, 0, "positions"))
+        goto done;
+    int64_t nrows = rows.len / 8, n = srcs.len / 8;
+    /* The addresses are the caller's word (tierkv passes live tensors'); the positions are checked here. */
+    if (rows.len % 8 || srcs.len % 8 || pos.len != srcs.len || nrows < 1 || chunk <= 0 || row_nbytes < chunk) {
+        PyErr_SetString(PyExc_ValueError, "copy_blocks: bad shapes");
+        goto done;
+    }
+    const int64_t *p = pos.buf;
+    for (int64_t j = 0; j < n; j++) {
+        int64_t end;
+        if (p[j] < 0 || __builtin_mul_overflow(p[j] + 1, chunk, &end) || end > row_nbytes) {
+            PyErr_Format(PyExc_ValueError, "copy_blocks: position %lld outside the slabs", (long long)p[j]);
+            goto done;
+        }
+    }
+    copy_t c = {rows.buf, srcs.buf, pos.buf, nrows, chunk, n, 0};
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n) threads = (int)n;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_t tids[MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[started], NULL, copy_worker, &c) != 0) break;
+        started++;
+    }
+    copy_worker(&c); /* the calling thread copies too */
+    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (rows.obj) PyBuffer_Release(&rows);
+    if (srcs.obj) PyBuffer_Release(&srcs);
+    if (pos.obj) PyBuffer_Release(&pos);
+    return result;
+}
+
 /* ------------------------------------------------------------------ Python: xxh3 (for the tests) */
 static PyObject *py_xxh3(PyObject *self, PyObject *arg) {
     if (!xxh3) return PyErr_Format(PyExc_RuntimeError, "tierkv._native unavailable: %s", unavailable);
@@ -833,6 +906,7 @@ static PyObject *why_unavailable(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"read_run", read_run, METH_VARARGS, read_run_doc},
     {"write_run", write_run, METH_VARARGS, write_run_doc},
+    {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {"xxh3_64", py_xxh3, METH_O, "xxh3-64 of a buffer, as libxxhash computes it (tests compare it with xxhash's)."},
     {"inject_fault", inject_fault, METH_VARARGS, "inject_fault(dev, ino, start, end, errno): reads of that range fail."},
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
@@ -857,8 +931,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
-    PyObject *all = Py_BuildValue("[ssssssss]", "read_run", "write_run", "xxh3_64", "inject_fault", "clear_faults",
-                                  "trace_writes", "can_leave_idle",
+    PyObject *all = Py_BuildValue("[sssssssss]", "read_run", "write_run", "copy_blocks", "xxh3_64", "inject_fault",
+                                  "clear_faults", "trace_writes", "can_leave_idle",
                                   "why_unavailable");
     if (!all || PyModule_AddObject(m, "__all__", all) != 0) {
         Py_XDECREF(all);

@@ -244,6 +244,63 @@ def test_read_run_refuses_out_of_bounds_requests(tmp_path) -> None:
         os.close(fd)
 
 
+def test_a_host_tier_restore_copies_natively_what_torch_copies(tmp_path, ns) -> None:
+    """The host tier's native copy and its torch reference put the same bytes in place, into a whole
+    destination and into a token-slice of a larger one (slabs contiguous, rows strided), from a first
+    block past 0; and the native copy is what runs where it is built."""
+    from tierkv.tiers import pool as pool_mod
+
+    B = ns.block_tokens
+    toks = list(range(6 * B))
+    kv = make_kv(ns, 6 * B)
+    calls: list[int] = []
+    real = pool_mod._copy_run
+
+    def counting(dest, slots, first, spec):  # type: ignore[no-untyped-def]
+        calls.append(len(slots))
+        real(dest, slots, first, spec)
+
+    got = {}
+    for path in ("native", "python"):
+        with native.use(path == "native"), TieredStore.open(tmp_path / path, host_bytes=64 << 20) as store:
+            store.save(ns, toks, kv)
+            pool_mod._copy_run = counting
+            try:
+                whole = torch.full_like(kv, -1)
+                hit, _ = store.restore(ns, toks, out=whole, start_block=2)
+                wide = torch.full(
+                    (ns.num_layers, 2, 10 * B, ns.num_kv_heads, ns.head_dim), -1, dtype=kv.dtype
+                )
+                sliced = wide[:, :, 2 * B : 8 * B]
+                hit2, _ = store.restore(ns, toks, out=sliced)
+            finally:
+                pool_mod._copy_run = real
+            assert hit.by_tier["host"] == 4 * B and hit2.by_tier["host"] == 6 * B
+            got[path] = (whole, wide)
+        assert calls == ([4, 6] if path == "native" else []), (path, calls)
+        calls.clear()
+    assert torch.equal(got["native"][0], got["python"][0])
+    assert torch.equal(got["native"][0][:, :, 2 * B :], kv[:, :, 2 * B :])
+    assert torch.equal(got["native"][1], got["python"][1])
+    assert torch.equal(got["native"][1][:, :, 2 * B : 8 * B], kv)
+    assert (got["native"][1][:, :, : 2 * B] == -1).all() and (got["native"][1][:, :, 8 * B :] == -1).all()
+
+
+def test_copy_blocks_refuses_positions_outside_the_slabs() -> None:
+    nat = native.module()
+    out = np.zeros(4096, dtype=np.uint8)
+    src = np.ones(1024, dtype=np.uint8)
+    rows = np.array([out.ctypes.data], dtype=np.int64)
+    srcs = np.array([src.ctypes.data], dtype=np.int64)
+    for pos in (4, -1, 2**62):
+        with pytest.raises(ValueError):
+            nat.copy_blocks(rows, 4096, 1024, srcs, np.array([pos], dtype=np.int64), 2)
+    with pytest.raises(ValueError):  # a position for each block
+        nat.copy_blocks(rows, 4096, 1024, srcs, np.array([0, 1], dtype=np.int64), 2)
+    nat.copy_blocks(rows, 4096, 1024, srcs, np.array([3], dtype=np.int64), 2)
+    assert out[3072:].all() and not out[:3072].any()
+
+
 def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> None:
     B = ns.block_tokens
     toks = list(range(10 * B))

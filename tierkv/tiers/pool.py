@@ -11,24 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
+from tierkv import native
 from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.prefault import populate_in_background
-from tierkv.tiers.target import Target
+from tierkv.tiers.target import Target, rows_scatterable
 
 __all__ = ["BlockPool", "MAX_HELD_FRACTION"]
 
 log = logging.getLogger("tierkv.pool")
 
+# Threads of a native copy out of a memory tier (memory-bound: a few saturate a socket's bandwidth).
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 # Writers (disk, remote) may hold at most this share of the slots: past it they get their own copy, so a
 # writer that falls behind under sustained load never leaves the tier without slots for new blocks.
 MAX_HELD_FRACTION = 0.5
@@ -386,7 +391,9 @@ class BlockPool(Tier):
         dest, spec = target.dest, target.spec
         if n and dest.device.type == "cuda" and self.device.type == "cpu":
             _upload_run(dest, views[:n], first, spec)
-        else:
+        elif n and self.device.type == "cpu" and rows_scatterable(dest) and native.enabled():
+            _copy_run(dest, views[:n], first, spec)
+        else:  # the reference, and any other device or layout
             for j in range(n):
                 target.block(first + j).copy_(
                     views[j].view(spec.dtype).view(spec.block_shape), non_blocking=True
@@ -428,6 +435,21 @@ def _upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, s
     for j, slot in enumerate(slots):
         run[j].copy_(slot.view(spec.dtype).view(spec.block_shape), non_blocking=True)
     dest[:, :, first * B : (first + n) * B].copy_(run.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(n * B)))
+
+
+def _copy_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
+    """Blocks ``first..`` of ``dest`` (CPU, every slab contiguous) from host slots, in one native call on
+    a few threads without the GIL: each slot's (layer, k/v) slabs memcpy'd into place."""
+    rows = [dest[layer, kv] for layer in range(spec.num_layers) for kv in (0, 1)]
+    chunk = spec.block_nbytes // len(rows)
+    native.module().copy_blocks(
+        np.array([r.data_ptr() for r in rows], dtype=np.int64),
+        rows[0].numel() * rows[0].element_size(),
+        chunk,
+        np.array([s.data_ptr() for s in slots], dtype=np.int64),
+        np.arange(first, first + len(slots), dtype=np.int64),
+        COPY_THREADS,
+    )
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

@@ -24,7 +24,15 @@ from tierkv.layout import KVSpec
 
 log = logging.getLogger("tierkv.store")
 
-__all__ = ["RESTORE_CHUNK_NBYTES", "Stagers", "Target", "as_tensor", "expected", "wait_for_copies"]
+__all__ = [
+    "RESTORE_CHUNK_NBYTES",
+    "Stagers",
+    "Target",
+    "as_tensor",
+    "expected",
+    "rows_scatterable",
+    "wait_for_copies",
+]
 
 # Record-tier blocks restored into a GPU are read and uploaded in chunks of this many bytes: the upload of
 # one chunk overlaps the read of the next.
