@@ -10,7 +10,7 @@ spread     what is left once the reads are done: blocks not promoted into the me
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -21,7 +21,7 @@ from tierkv.write_behind import WriteBehind
 
 log = logging.getLogger("tierkv.store")
 
-__all__ = ["blocks_on", "promoter", "runs_of", "spread"]
+__all__ = ["Promoter", "blocks_on", "promoter", "runs_of", "spread"]
 
 
 def runs_of(src: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -49,6 +49,65 @@ def blocks_on(
         yield from ((i, part[:, :, (i - first) * B : (i - first + 1) * B]) for i in idx[a:b])
 
 
+class Promoter:
+    """Puts each block a record tier read and verified into the CPU memory tiers above it, on the
+    reading thread while its bytes are in cache: no second pass over the restored KV afterwards. Called
+    per block (``promote(i, block)``), or per run (``run(buf, idx, base)``: one batched copy a pool)."""
+
+    def __init__(
+        self,
+        pools: list[tuple[int, BlockPool]],
+        chain: BlockChain,
+        src: Sequence[int],
+        start: int,
+        created_s: dict[int, float],
+        promoted: set[int],
+    ) -> None:
+        self.pools, self.chain, self.src, self.start = pools, chain, src, start
+        self.created_s, self.promoted = created_s, promoted
+
+    def __call__(self, i: int, block: torch.Tensor) -> None:
+        above = self._above(i)
+        try:  # never waits for the pool (a large save may hold it): then spread puts it later
+            if above and all(
+                t.put(self.chain.keys[i], block, created_s=self.created_s.get(i), wait=False) is not None
+                for t in above
+            ):
+                self.promoted.add(i)
+        except Exception:  # a promotion is an optimisation: it must not fail the read
+            log.exception("promoting a block into a memory tier failed")
+
+    def run(self, buf: torch.Tensor, idx: Sequence[int], base: int) -> None:
+        """Blocks ``idx`` of a restore, at block positions ``i - base`` of ``buf``."""
+        groups: dict[int, list[int]] = {}
+        for i in idx:  # by source tier (one, for a run read from one tier)
+            groups.setdefault(self.src[i - self.start], []).append(i)
+        B = self.chain.ns.block_tokens
+        for k, ids in groups.items():
+            above = [t for j, t in self.pools if j < k]
+            if not above:
+                continue
+            try:
+                held = [True] * len(ids)
+                for t in above:
+                    got = t.put_run(
+                        [self.chain.keys[i] for i in ids],
+                        buf,
+                        [i - base for i in ids],
+                        B,
+                        [self.created_s.get(i) for i in ids],
+                        wait=False,
+                    )
+                    held = [h and g for h, g in zip(held, got)]
+                self.promoted.update(i for i, h in zip(ids, held) if h)
+            except Exception:  # a promotion is an optimisation: it must not fail the read
+                log.exception("promoting blocks into a memory tier failed")
+
+    def _above(self, i: int) -> list[BlockPool]:
+        k = self.src[i - self.start]
+        return [t for j, t in self.pools if j < k]
+
+
 def promoter(
     tiers: Sequence[Tier],
     chain: BlockChain,
@@ -56,25 +115,10 @@ def promoter(
     start: int,
     created_s: dict[int, float],
     promoted: set[int],
-) -> Callable[[int, torch.Tensor], None] | None:
-    """Puts each block a record tier read and verified into the CPU memory tiers above it, on the
-    reading thread while its bytes are in cache: no second pass over the restored KV afterwards."""
+) -> Promoter | None:
+    """The restore's promoter into the CPU memory tiers, or None when there are none."""
     pools = [(j, t) for j, t in enumerate(tiers) if isinstance(t, BlockPool) and t.device.type == "cpu"]
-    if not pools:
-        return None
-
-    def promote(i: int, block: torch.Tensor) -> None:
-        k = src[i - start]
-        above = [t for j, t in pools if j < k]
-        try:  # never waits for the pool (a large save may hold it): then spread puts it later
-            if above and all(
-                t.put(chain.keys[i], block, created_s=created_s.get(i), wait=False) is not None for t in above
-            ):
-                promoted.add(i)
-        except Exception:  # a promotion is an optimisation: it must not fail the read
-            log.exception("promoting a block into a memory tier failed")
-
-    return promote
+    return Promoter(pools, chain, src, start, created_s, promoted) if pools else None
 
 
 def spread(

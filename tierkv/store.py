@@ -291,7 +291,9 @@ class TieredStore:
         # promoted into them from the slower tiers cannot evict what this restore still has to read.
         order = sorted(runs, key=lambda run: not self.tiers[run[0]].memory)
         with self._stagers.target(dest, spec) as target:
-            target.on_verified = promoter(self.tiers, chain, src, start_block, target.created_s, promoted)
+            promote = promoter(self.tiers, chain, src, start_block, target.created_s, promoted)
+            if promote is not None:
+                target.on_verified, target.on_verified_run = promote, promote.run
             for k, first, end in order:
                 if first >= n:
                     continue  # past a block that did not restore: the prefix ends there

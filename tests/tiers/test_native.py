@@ -294,11 +294,14 @@ def test_copy_blocks_refuses_positions_outside_the_slabs() -> None:
     srcs = np.array([src.ctypes.data], dtype=np.int64)
     for pos in (4, -1, 2**62):
         with pytest.raises(ValueError):
-            nat.copy_blocks(rows, 4096, 1024, srcs, np.array([pos], dtype=np.int64), 2)
+            nat.copy_blocks(rows, 4096, 1024, srcs, np.array([pos], dtype=np.int64), 2, False)
     with pytest.raises(ValueError):  # a position for each block
-        nat.copy_blocks(rows, 4096, 1024, srcs, np.array([0, 1], dtype=np.int64), 2)
-    nat.copy_blocks(rows, 4096, 1024, srcs, np.array([3], dtype=np.int64), 2)
+        nat.copy_blocks(rows, 4096, 1024, srcs, np.array([0, 1], dtype=np.int64), 2, False)
+    nat.copy_blocks(rows, 4096, 1024, srcs, np.array([3], dtype=np.int64), 2, False)
     assert out[3072:].all() and not out[:3072].any()
+    out[1024:2048] = 7  # and back: position 1 gathered into the block
+    nat.copy_blocks(rows, 4096, 1024, srcs, np.array([1], dtype=np.int64), 2, True)
+    assert (src == 7).all()
 
 
 def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> None:

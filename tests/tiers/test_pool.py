@@ -369,3 +369,30 @@ def test_a_put_that_must_not_wait_gives_up_while_another_thread_holds_the_pool()
     with pool._lock:  # a large save copying under the lock, say
         assert pool.put(_key(1), block, wait=False) is None
     assert pool.put(_key(1), block, wait=False) is not None and pool.contains([_key(1)]) == [True]
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_put_run_gathers_what_put_copies_and_keeps_what_is_held(ns, path) -> None:
+    """A run of blocks of a KV tensor into a pool at once (the native gather, or put per block) holds
+    each block's exact bytes, as put of the same block would (one of them held before the run); a run past the tensor's end leaves no key naming an unwritten slot."""
+    from tierkv import native
+
+    B = ns.block_tokens
+    kv = make_kv(ns, 6 * B)
+    chain = BlockChain.of(ns, list(range(6 * B)))
+    spec = KVSpec.of(ns)
+    with native.use(path == "native"):
+        pool = BlockPool(64 << 20, name="host")
+        ref = BlockPool(64 << 20, name="ref")
+        assert pool.put(chain.keys[1], kv[:, :, B : 2 * B]) is not None
+        held = pool.put_run(chain.keys[1:5], kv, [1, 2, 3, 4], B, [None] * 4, wait=False)
+        assert held == [True] * 4
+        for i in range(1, 5):
+            ref.put(chain.keys[i], kv[:, :, i * B : (i + 1) * B])
+            with pool.read([chain.keys[i]]) as (got,), ref.read([chain.keys[i]]) as (want,):
+                assert torch.equal(got, want)
+                assert torch.equal(got.view(spec.dtype).view(spec.block_shape), kv[:, :, i * B : (i + 1) * B])
+        if path == "native":  # bounds: position 6 is past the tensor's 6 blocks
+            with pytest.raises(ValueError):
+                pool.put_run([chain.keys[0], chain.keys[5]], kv, [0, 6], B, [None, None], wait=False)
+            assert pool.contains([chain.keys[0], chain.keys[5]]) == [False, False]

@@ -254,6 +254,91 @@ class BlockPool(Tier):
             self.counters.add(self.name, "bytes_written", len(slots) * nbytes)
             return len(slots)
 
+    def put_run(
+        self,
+        keys: Sequence[BlockKey],
+        buf: torch.Tensor,
+        positions: Sequence[int],
+        block_tokens: int,
+        created_s: Sequence[float | None],
+        *,
+        wait: bool = True,
+    ) -> list[bool]:
+        """``put`` of blocks ``positions`` of ``buf`` (a KV tensor ``[layers, 2, tokens, ...]``): for each key,
+        whether the tier holds it now. From a CPU tensor whose slabs are contiguous, the new blocks are
+        gathered into their slots in one native call (under the lock, the GIL released: a reader never sees
+        a half-written slot); else, and as the reference, one ``put`` each."""
+        B = block_tokens
+        if not (self.device.type == "cpu" and rows_scatterable(buf) and native.enabled() and keys):
+            return [
+                self.put(k, buf[:, :, p * B : (p + 1) * B], created_s=c, wait=wait) is not None
+                for k, p, c in zip(keys, positions, created_s)
+            ]
+        L, _, _, H, D = buf.shape
+        nbytes = L * 2 * B * H * D * buf.element_size()
+        if not self._lock.acquire(blocking=wait):
+            return [False] * len(keys)
+        try:
+            if self._pool is None:
+                if self.capacity_nbytes < nbytes:
+                    return [False] * len(keys)
+                self._allocate(nbytes)
+            assert self._pool is not None
+            if nbytes != self.slot_nbytes:
+                return [False] * len(keys)
+            now = self.clock()
+            held: list[bool] = []
+            slots: list[int] = []
+            picked: list[int] = []
+            for key, pos, created in zip(keys, positions, created_s):
+                self._slot(key, now)
+                slot = self._lru.get(key)
+                self._atime[key] = now
+                if slot is None or key not in self._ctime:
+                    self._ctime[key] = now if created is None else created
+                if slot is not None:
+                    self._lru.move_to_end(key)
+                    held.append(True)
+                    continue
+                slot = self._take_slot()
+                if slot is None:
+                    self._forget(key)
+                    held.append(False)
+                    continue
+                self._ref(slot)  # until copied: a later block of this run must not evict this one
+                self._lru[key] = slot
+                slots.append(slot)
+                picked.append(pos)
+                held.append(True)
+            if slots:
+                rows = [buf[layer, kv] for layer in range(L) for kv in (0, 1)]
+                try:
+                    native.module().copy_blocks(
+                        np.array([r.data_ptr() for r in rows], dtype=np.int64),
+                        rows[0].numel() * rows[0].element_size(),
+                        nbytes // len(rows),
+                        np.array([self._pool[slot].data_ptr() for slot in slots], dtype=np.int64),
+                        np.array(picked, dtype=np.int64),
+                        COPY_THREADS,
+                        True,
+                    )
+                except BaseException:  # nothing was copied: the new keys must not name unwritten slots
+                    new = {slot for slot in slots}
+                    for key in [k for k, slot in self._lru.items() if slot in new]:
+                        del self._lru[key]
+                        self._forget(key)
+                    for slot in slots:
+                        self._unref(slot)
+                        self._free.append(slot)
+                    raise
+                for slot in slots:
+                    self._unref(slot)
+                self.counters.add(self.name, "blocks_written", len(slots))
+                self.counters.add(self.name, "bytes_written", len(slots) * nbytes)
+            return held
+        finally:
+            self._lock.release()
+
     def _ref(self, slot: int) -> None:
         self._held += self._refs[slot] == 0
         self._refs[slot] += 1
@@ -449,6 +534,7 @@ def _copy_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spe
         np.array([s.data_ptr() for s in slots], dtype=np.int64),
         np.arange(first, first + len(slots), dtype=np.int64),
         COPY_THREADS,
+        False,
     )
 
 

@@ -172,10 +172,22 @@ class Target:
         # Called with (block index, its KV on CPU) for each block a source read and verified, on the
         # reading thread while the bytes are still in cache (the store promotes it there).
         self.on_verified: Callable[[int, torch.Tensor], None] | None = None
+        # The same for a run of blocks verified at once: (buffer, block indices, the buffer's first block).
+        self.on_verified_run: Callable[[torch.Tensor, list[int], int], None] | None = None
 
     def verified(self, i: int, block: torch.Tensor) -> None:
         if self.on_verified is not None:
             self.on_verified(i, block)
+
+    def verified_run(self, buf: torch.Tensor, idx: list[int], base: int) -> None:
+        """Blocks ``idx`` verified at once, at block positions ``i - base`` of ``buf`` (a reader that checks
+        a whole run before it returns): one batched promotion instead of one a block."""
+        if self.on_verified_run is not None:
+            self.on_verified_run(buf, idx, base)
+        elif self.on_verified is not None:
+            B = self.spec.block_tokens
+            for i in idx:
+                self.on_verified(i, buf[:, :, (i - base) * B : (i - base + 1) * B])
 
     def block(self, i: int) -> torch.Tensor:
         B = self.spec.block_tokens

@@ -44,6 +44,7 @@ def read_records(
     read_whole: ReadWhole,
     verified: Callable[[int, torch.Tensor], None] | None = None,
     read_native: ReadNative | None = None,
+    verified_run: Callable[[torch.Tensor, list[int], int], None] | None = None,
 ) -> int:
     """Blocks ``first, first+1, ...`` (their ``entries``) into ``target`` at block positions ``i - base``;
     returns how many leading blocks verified.
@@ -54,7 +55,8 @@ def read_records(
     ``verified(i, block)`` gets each good block right after its check, on that thread.
 
     With ``read_native``, the raw records are read and verified by the native reader in one call without
-    the GIL; ``verified`` then runs once it returns.
+    the GIL; once it returns, ``verified_run(target, good blocks, base)`` gets them at once (else
+    ``verified`` each).
     """
     spec = KVSpec.of(chain.ns)
     B = spec.block_tokens
@@ -103,14 +105,20 @@ def read_records(
 
     ok: list[bool] = []
     if scatter and read_native is not None:
+        passed: list[int] = []
         status, prefixes = read_native([(i, e, i - base) for i, e in scatter], target)
         for j, st in enumerate(status):
             if st == ST_PYTHON:  # compressed yet of the raw length: Python decodes it, the header already in
                 ok.append(verify(j, views(j)))
             else:
                 ok.append(st == ST_OK)
-                if ok[-1] and verified is not None:
-                    verified(scatter[j][0], block(scatter[j][0]))
+                if ok[-1]:
+                    passed.append(scatter[j][0])
+        if passed and verified_run is not None:
+            verified_run(target, passed, base)
+        elif verified is not None:
+            for i in passed:
+                verified(i, block(i))
     elif scatter:
         pieces = [views(j) for j in range(len(scatter))]
         ok = read_into([(e, pieces[j]) for j, (_, e) in enumerate(scatter)], lambda j: verify(j, pieces[j]))
@@ -151,7 +159,8 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
     def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
         part = entries[i0 - first : i0 - first + n]
         verified = target.verified if target.on_verified is not None else None  # no view per block
-        return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native)
+        run = target.verified_run if target.on_verified_run is not None else None
+        return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native, run)
 
     try:
         got = target.fill(first, len(entries), fill)
