@@ -659,6 +659,61 @@ static PyObject *can_leave_idle(PyObject *self, PyObject *unused) {
 
 typedef struct { Py_buffer head, tokens, payload; } wrec_t;
 
+/* write_run's sealing: the two checksums of each record, chunk by chunk, on a few threads. */
+#define MAX_SEALERS 4
+typedef struct {
+    wrec_t *recs;
+    uint8_t *heads;
+    Py_ssize_t *first; /* chunk c: records [first[c], first[c + 1]) */
+    int nchunks, idle;
+    int *state;        /* per chunk, under lock: 0 not sealed, 1 sealed, -1 failed (no memory) */
+    atomic_int next;   /* the next chunk to claim */
+    atomic_int stop;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+} seal_t;
+
+static int chunk_state(seal_t *s, int c) {
+    pthread_mutex_lock(&s->lock);
+    int st = s->state[c];
+    pthread_mutex_unlock(&s->lock);
+    return st;
+}
+
+/* Claims and seals the next unclaimed chunk at idle priority (when asked); 0 when none is left. */
+static int seal_next(seal_t *s) {
+    if (atomic_load(&s->stop)) return 0;
+    int c = atomic_fetch_add(&s->next, 1);
+    if (c >= s->nchunks) return 0;
+    prio_t prio = go_idle(s->idle);
+    void *state = xxh3_create();
+    for (Py_ssize_t j = s->first[c]; state && j < s->first[c + 1]; j++) {
+        wrec_t *r = &s->recs[j];
+        uint8_t *h = s->heads + j * HEADER_NBYTES;
+        memcpy(h, r->head.buf, HEADER_NBYTES);
+        uint64_t check = xxh3(r->payload.buf, (size_t)r->payload.len);
+        memcpy(h + 160, &check, 8);
+        xxh3_reset(state);
+        xxh3_update(state, h, FIELDS_NBYTES);
+        xxh3_update(state, r->tokens.buf, (size_t)r->tokens.len);
+        check = xxh3_digest(state);
+        memcpy(h + FIELDS_NBYTES, &check, 8);
+    }
+    come_back(prio);
+    pthread_mutex_lock(&s->lock);
+    s->state[c] = state ? 1 : -1;
+    pthread_cond_broadcast(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+    if (state) xxh3_free(state);
+    return 1;
+}
+
+static void *sealer(void *arg) {
+    while (seal_next(arg)) {
+    }
+    return NULL;
+}
+
 PyDoc_STRVAR(write_run_doc,
     "write_run(fd, offset, records, sync, idle) -> bytes written, padding included\n\n"
     "records: [(head, token_bytes, payload)], head being a record's 176 header bytes whose two checksums\n"
@@ -710,36 +765,58 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     int err = 0;
     int64_t total = 0; /* bytes written so far, padding included */
     Py_BEGIN_ALLOW_THREADS
-    void *state = xxh3_create();
-    if (!state) err = ENOMEM;
-    /* In chunks of about WRITE_CHUNK_NBYTES: checksums, write, then start the chunk's writeback
-     * (sync_file_range) while the next chunk is hashed and copied, so that the disk works while the CPU
-     * does; the final fdatasync waits for what is left. Idle priority for the checksums only: a write holds
-     * the file's inode lock, which a starved writer would keep from this process's own restores. */
-    for (Py_ssize_t first = 0; first < n && !err;) {
-        prio_t prio = go_idle(idle);
+    /* Chunks of about WRITE_CHUNK_NBYTES, in order: sealers (a few threads, and this one when they lag)
+     * compute the checksums of the chunks ahead at idle priority while this thread writes the sealed
+     * ones at its own priority and starts each one's writeback (sync_file_range), so that hashing, the
+     * copy into the page cache and the disk all work at once; one fdatasync at the end. */
+    seal_t sl;
+    memset(&sl, 0, sizeof sl);
+    sl.recs = recs;
+    sl.heads = heads;
+    sl.idle = idle;
+    sl.first = PyMem_RawMalloc(sizeof(Py_ssize_t) * ((size_t)n + 2));
+    sl.state = PyMem_RawCalloc((size_t)n + 1, sizeof(int));
+    if (!sl.first || !sl.state) err = ENOMEM;
+    for (Py_ssize_t j = 0; !err && j < n;) { /* chunk boundaries: records [first[c], first[c + 1]) */
+        int64_t chunk = 0;
+        int k = 0;
+        sl.first[sl.nchunks++] = j;
+        for (; j < n && (k == 0 || (chunk < WRITE_CHUNK_NBYTES && k + 4 <= IOV_CAP)); j++, k += 4)
+            chunk += aligned(HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len);
+    }
+    if (sl.first) sl.first[sl.nchunks] = n;
+    pthread_mutex_init(&sl.lock, NULL);
+    pthread_cond_init(&sl.cond, NULL);
+    pthread_t tids[MAX_SEALERS];
+    int started = 0;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    for (int t = 0; !err && t < MAX_SEALERS && t < cpus && t < sl.nchunks; t++) {
+        if (pthread_create(&tids[started], NULL, sealer, &sl) != 0) break;
+        started++;
+    }
+    for (int c = 0; !err && c < sl.nchunks; c++) {
+        int st;
+        while ((st = chunk_state(&sl, c)) == 0) { /* not sealed yet: seal the next one here, or wait */
+            if (!seal_next(&sl)) {
+                pthread_mutex_lock(&sl.lock);
+                while (sl.state[c] == 0) pthread_cond_wait(&sl.cond, &sl.lock);
+                pthread_mutex_unlock(&sl.lock);
+            }
+        }
+        if (st < 0) {
+            err = ENOMEM;
+            break;
+        }
         int k = 0;
         int64_t chunk = 0;
-        Py_ssize_t j = first;
-        for (; j < n && (j == first || chunk < WRITE_CHUNK_NBYTES) && k + 4 <= IOV_CAP; j++) {
-            uint8_t *h = heads + j * HEADER_NBYTES;
-            memcpy(h, recs[j].head.buf, HEADER_NBYTES);
-            uint64_t check = xxh3(recs[j].payload.buf, (size_t)recs[j].payload.len);
-            memcpy(h + 160, &check, 8);
-            xxh3_reset(state);
-            xxh3_update(state, h, FIELDS_NBYTES);
-            xxh3_update(state, recs[j].tokens.buf, (size_t)recs[j].tokens.len);
-            check = xxh3_digest(state);
-            memcpy(h + FIELDS_NBYTES, &check, 8);
+        for (Py_ssize_t j = sl.first[c]; j < sl.first[c + 1]; j++) {
             int64_t nbytes = HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len;
-            iov[k++] = (struct iovec){h, HEADER_NBYTES};
+            iov[k++] = (struct iovec){heads + j * HEADER_NBYTES, HEADER_NBYTES};
             if (recs[j].tokens.len) iov[k++] = (struct iovec){recs[j].tokens.buf, (size_t)recs[j].tokens.len};
             if (recs[j].payload.len) iov[k++] = (struct iovec){recs[j].payload.buf, (size_t)recs[j].payload.len};
             if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){zeros, (size_t)(aligned(nbytes) - nbytes)};
             chunk += aligned(nbytes);
         }
-        come_back(prio);
-        first = j;
         int at = 0;
         int64_t written = 0;
         while (at < k) {
@@ -759,10 +836,15 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         }
         if (!err && written != chunk) err = EIO;
         /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report */
-        if (!err && sync && first < n) (void)sync_file_range(fd, offset + total, chunk, SYNC_FILE_RANGE_WRITE);
+        if (!err && sync && c + 1 < sl.nchunks) (void)sync_file_range(fd, offset + total, chunk, SYNC_FILE_RANGE_WRITE);
         total += written;
     }
-    if (state) xxh3_free(state);
+    atomic_store(&sl.stop, 1); /* a failed write: the sealers take no more chunks */
+    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    pthread_cond_destroy(&sl.cond);
+    pthread_mutex_destroy(&sl.lock);
+    PyMem_RawFree(sl.first);
+    PyMem_RawFree(sl.state);
     if (!err && sync) {
         if (fdatasync(fd) != 0) err = errno;
         else wtrace_add(1, fd, 0, 0);
@@ -794,6 +876,7 @@ done:
 typedef struct {
     const int64_t *rows, *srcs, *pos;
     int64_t nrows, chunk, n;
+    int gather;
     atomic_long next;
 } copy_t;
 
@@ -802,23 +885,28 @@ static void *copy_worker(void *arg) {
     for (;;) {
         int64_t j = atomic_fetch_add(&c->next, 1);
         if (j >= c->n) return NULL;
-        const uint8_t *src = (const uint8_t *)(intptr_t)c->srcs[j];
-        for (int64_t r = 0; r < c->nrows; r++)
-            memcpy((uint8_t *)(intptr_t)c->rows[r] + c->pos[j] * c->chunk, src + r * c->chunk, (size_t)c->chunk);
+        uint8_t *block = (uint8_t *)(intptr_t)c->srcs[j];
+        for (int64_t r = 0; r < c->nrows; r++) {
+            uint8_t *slab = (uint8_t *)(intptr_t)c->rows[r] + c->pos[j] * c->chunk;
+            if (c->gather) memcpy(block + r * c->chunk, slab, (size_t)c->chunk);
+            else memcpy(slab, block + r * c->chunk, (size_t)c->chunk);
+        }
     }
 }
 
 PyDoc_STRVAR(copy_blocks_doc,
-    "copy_blocks(rows, row_nbytes, chunk, srcs, positions, threads) -> None\n\n"
-    "rows: int64 addresses of the destination's (layer, k/v) slabs, each row_nbytes long; srcs: int64\n"
+    "copy_blocks(rows, row_nbytes, chunk, blocks, positions, threads, gather) -> None\n\n"
+    "rows: int64 addresses of the (layer, k/v) slabs of a KV tensor, each row_nbytes long; blocks: int64\n"
     "addresses of n blocks, each len(rows) x chunk contiguous bytes (slab r of a block at r x chunk);\n"
-    "positions: int64, where each block goes in the slabs (chunk bytes a position).");
+    "positions: int64, each block's place in the slabs (chunk bytes a position). Blocks into the slabs, or\n"
+    "with gather, the slabs' blocks into the blocks.");
 
 static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     PyObject *o_rows, *o_srcs, *o_pos;
     long long row_nbytes, chunk;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OLLOOi", &o_rows, &row_nbytes, &chunk, &o_srcs, &o_pos, &threads)) return NULL;
+    int threads, gather;
+    if (!PyArg_ParseTuple(args, "OLLOOip", &o_rows, &row_nbytes, &chunk, &o_srcs, &o_pos, &threads, &gather))
+        return NULL;
     Py_buffer rows = {0}, srcs = {0}, pos = {0};
     PyObject *result = NULL;
     if (get_buffer(o_rows, &rows, 0, "rows") || get_buffer(o_srcs, &srcs, 0, "srcs") ||
@@ -838,7 +926,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    copy_t c = {rows.buf, srcs.buf, pos.buf, nrows, chunk, n, 0};
+    copy_t c = {rows.buf, srcs.buf, pos.buf, nrows, chunk, n, gather, 0};
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > n) threads = (int)n;

@@ -321,6 +321,39 @@ def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> Non
     assert len(files[0]) >= 10 * 4096 and files[0] == files[1]
 
 
+@pytest.mark.parametrize("sync", [0, 1])
+def test_write_run_in_many_chunks_writes_what_seal_writes(tmp_path, sync: int) -> None:
+    """A run large enough for several chunks (by bytes, and by the iovec limit: 300 small records), sealed
+    on several threads, is byte for byte the Python reference: each record sealed (codec.seal), padded to
+    a page, back to back."""
+    import random
+
+    rng = random.Random(7)
+    sizes = [rng.choice([4096, 40_000, 1 << 20, 3 << 20]) for _ in range(24)] + [100] * 300
+    recs = [
+        codec.Unsealed(
+            bytes(rng.randrange(256) for _ in range(codec.HEADER_NBYTES - 16)) + bytes(16),
+            os.urandom(64),
+            os.urandom(n),
+        )
+        for n in sizes
+    ]
+    want = bytearray()
+    for rec in recs:
+        body = b"".join(bytes(b) for b in codec.seal(rec))
+        want += body + bytes(-len(body) % 4096)
+    path = tmp_path / "run.seg"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert native.module().write_run(
+            fd, 4096, [(r.head, r.token_bytes, r.payload) for r in recs], sync, 0
+        ) == len(want)
+    finally:
+        os.close(fd)
+    assert len(want) > 2 * (8 << 20)  # several chunks
+    assert path.read_bytes()[4096:] == bytes(want)
+
+
 def test_the_disk_writer_runs_python_at_nice_19_and_never_at_idle_priority(tmp_path, ns) -> None:
     """The writer thread's Python (here: encoding a record) runs at nice 19, and its records go through
     the native writer, which alone may go idle, without the GIL."""
