@@ -321,12 +321,12 @@ def _spy_populate(monkeypatch, nbytes: int) -> tuple[list[tuple[int, int]], list
             advised.append((addr.value, n.value, advice))
         return real(addr, n, advice)
 
-    def spying_sleep(s: float) -> None:
+    def spying_pause(stop: object, s: float) -> None:
         assert s > 0
         at_pauses.append(where())
 
     monkeypatch.setattr(prefault, "_madvise", lambda: spying)
-    monkeypatch.setattr(prefault.time, "sleep", spying_sleep)
+    monkeypatch.setattr(prefault, "_pause", spying_pause)
     t = torch.empty(nbytes, dtype=torch.uint8)
     page = 4096
     start = -(-t.data_ptr() // page) * page
@@ -396,3 +396,15 @@ def test_put_run_gathers_what_put_copies_and_keeps_what_is_held(ns, path) -> Non
             with pytest.raises(ValueError):
                 pool.put_run([chain.keys[0], chain.keys[5]], kv, [0, 6], B, [None, None], wait=False)
             assert pool.contains([chain.keys[0], chain.keys[5]]) == [False, False]
+
+
+def test_closing_a_pool_stops_populating_its_pages() -> None:
+    """A daemon thread still populating when the interpreter exits is killed wherever it is: close stops
+    it between two calls and waits for it."""
+    pool = BlockPool(256 << 20, name="host")
+    assert pool.put(_key(1), torch.ones(4, 1024)) is not None
+    populator = pool._prefault
+    if populator is None:
+        pytest.skip("no populating thread here")
+    pool.close()
+    assert not populator.thread.is_alive()

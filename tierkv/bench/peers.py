@@ -272,6 +272,11 @@ def markdown(res: dict[str, Any]) -> str:
             v = r.get(col, 0.0) / 1e9
             cells.append(f"**{v:.2f}**" if r.get(col, 0.0) == best[col] else f"{v:.2f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not any(name.startswith("diskcache") for name in rows):
+        lines += [
+            "",
+            "diskcache was not installed for this run: its row is missing (pip install 'tierkv[bench]').",
+        ]
     lead = rows.get("tierkv (native)")
     if lead:
         ahead = [col for col in COLUMNS if all(lead[col] >= r.get(col, 0.0) for r in rows.values())]

@@ -8,6 +8,7 @@ processes) in place of its results, listed in the report's table of parts and qu
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -121,13 +122,19 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
     return files
 
 
+_NO_PLOTS_SAID: list[bool] = []
+
+
 def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:  # plots are optional: pip install 'tierkv[bench]'
+    except ImportError:  # plots are optional: said once, in the output
+        if not _NO_PLOTS_SAID:
+            _NO_PLOTS_SAID.append(True)
+            print("no plots: matplotlib is not installed (pip install 'tierkv[bench]')", file=sys.stderr)
         return []
     files: list[Path] = []
     if results.get("ttft") and not is_failure(results["ttft"]):

@@ -252,6 +252,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"({100 * (nohit / cold - 1):+.1f}%) | {cell('host_s', 'floor_host_s')} | "
             f"{cell('disk_warm_s', 'floor_disk_warm_s')} | {cell('disk_cold_s', 'floor_disk_cold_s')} |"
         )
+    if not any("restore_floor_s" in r for r in res["rows"]):
+        return "\n".join(lines)  # a run from before the restore and the forward were timed apart
     lines += [
         "",
         "Restore and forward apart (ms, medians): each restore beside its floor (the KV bytes over that "

@@ -219,6 +219,7 @@ def route(workers: list[str], host: str, port: int, prefix_chars: int, max_infli
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check would bury the traffic
     router = Router(workers, prefix_chars=prefix_chars, max_inflight=max_inflight)
     log.info(
         "tierkv route: %d workers, prefix %d chars, spill past %d in flight, http://%s:%d",

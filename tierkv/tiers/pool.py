@@ -25,7 +25,7 @@ from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
-from tierkv.tiers.prefault import populate_in_background
+from tierkv.tiers.prefault import Populator, populate_in_background
 from tierkv.tiers.target import Target, rows_scatterable
 
 __all__ = ["BlockPool", "MAX_HELD_FRACTION"]
@@ -74,7 +74,7 @@ class BlockPool(Tier):
         self.slot_nbytes = 0
         self.num_slots = 0
         self._pool: torch.Tensor | None = None
-        self._prefault: threading.Thread | None = None
+        self._prefault: Populator | None = None
         self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # key -> slot, least recently used first
         self._refs: list[int] = []
         self._held = 0  # slots with a reference: never evicted
@@ -107,6 +107,11 @@ class BlockPool(Tier):
         )
         self._refs = [0] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
+
+    def close(self) -> None:
+        """Stop populating the pool's pages (a daemon thread left running at exit is killed mid-call)."""
+        if self._prefault is not None:
+            self._prefault.stop()
 
     def reserve(self, slot_nbytes: int) -> None:
         """Allocate the pool for blocks of ``slot_nbytes`` now (a server does this at start-up)."""

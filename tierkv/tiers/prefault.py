@@ -31,7 +31,7 @@ from tierkv.priority import background_priority, normal_priority
 
 log = logging.getLogger(__name__)
 
-__all__ = ["populate_in_background"]
+__all__ = ["Populator", "populate_in_background"]
 
 MADV_HUGEPAGE = 14  # linux/mman.h
 MADV_POPULATE_WRITE = 23
@@ -53,7 +53,33 @@ def _madvise() -> object | None:
     return fn
 
 
-def _populate(start: int, end: int, name: str, pool: torch.Tensor) -> None:
+def _pause(stop: threading.Event, seconds: float) -> None:
+    stop.wait(seconds)
+
+
+class Populator:
+    """The populating thread of one pool; ``stop`` ends it between two calls (a pool being closed: a
+    daemon thread still running when the interpreter exits is killed wherever it is)."""
+
+    def __init__(self, start: int, end: int, name: str, pool: torch.Tensor) -> None:
+        self._stop = threading.Event()
+        self.thread = threading.Thread(
+            target=_populate,
+            args=(start, end, name, pool, self._stop),
+            name=f"tierkv-{name}-prefault",
+            daemon=True,
+        )
+        self.thread.start()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self.thread.join(timeout_s)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self.thread.join(timeout_s)
+
+
+def _populate(start: int, end: int, name: str, pool: torch.Tensor, stop: threading.Event) -> None:
     """``pool`` is only held: its memory stays mapped while the thread works on its addresses."""
     fn = _madvise()
     if fn is None:
@@ -61,7 +87,7 @@ def _populate(start: int, end: int, name: str, pool: torch.Tensor) -> None:
     background_priority()
     t0 = time.perf_counter()
     addr = start
-    while addr < end:
+    while addr < end and not stop.is_set():
         n = min(CHUNK_NBYTES, end - addr)
         with normal_priority():
             call_s = time.perf_counter()
@@ -73,14 +99,14 @@ def _populate(start: int, end: int, name: str, pool: torch.Tensor) -> None:
                 "%s tier: no MADV_POPULATE_WRITE (%s); pages fault on first use", name, os.strerror(err)
             )
             return
-        time.sleep(call_s)  # paced: at most half a core
+        _pause(stop, call_s)  # paced: at most half a core
         addr += n
     log.debug("%s tier: %.1f MiB populated in %.2f s", name, (end - start) / 2**20, time.perf_counter() - t0)
 
 
-def populate_in_background(pool: torch.Tensor, name: str) -> threading.Thread | None:
+def populate_in_background(pool: torch.Tensor, name: str) -> Populator | None:
     """Start populating ``pool``'s pages (a CPU tensor, not pinned: pinned memory is populated by its
-    allocator); returns the thread, or None when there is nothing to do."""
+    allocator); returns its populator, or None when there is nothing to do."""
     if pool.device.type != "cpu" or pool.is_pinned():
         return None
     page = mmap.PAGESIZE
@@ -94,8 +120,4 @@ def populate_in_background(pool: torch.Tensor, name: str) -> threading.Thread | 
     # copied in before it got there; and fewer TLB misses on every copy. Advice only: ignored where off.
     if fn is not None:
         fn(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)  # type: ignore[operator]
-    thread = threading.Thread(
-        target=_populate, args=(start, end, name, pool), name=f"tierkv-{name}-prefault", daemon=True
-    )
-    thread.start()
-    return thread
+    return Populator(start, end, name, pool)
