@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from tierkv import Namespace, native
+from tierkv.cpu_exactness import pin_exact_isa
 
 from helpers import ReadFaults
+
+# As `tierkv serve` does for a CPU model in half precision before its first forward: oneDNN below AMX,
+# whose bfloat16 matmuls round by the batch's shape. One pytest process runs many models, and oneDNN picks
+# its kernels once, at the first matmul of any: so here, before all of them (tests/test_real_model.py
+# checks the pin itself in a fresh process).
+pin_exact_isa()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

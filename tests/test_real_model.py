@@ -134,6 +134,24 @@ def test_bfloat16_restores_are_bit_identical(smol_dir: Path, tmp_path: Path) -> 
     assert torch.equal(got["disk"], got["cold"])
 
 
+def test_a_fresh_process_with_a_bfloat16_cpu_model_gets_shape_invariant_matmuls(smol_dir: Path) -> None:
+    """What a server started with --dtype bfloat16 gets: loading the model keeps oneDNN below AMX before
+    its first forward (where the CPU has AMX), so a row's numbers do not depend on the batch's shape."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from tierkv import models; from tierkv.worker import CachedModel; "
+        "from tierkv.cpu_exactness import shape_invariant; "
+        "CachedModel.from_pretrained(models.SMOLLM2, None, dtype=torch.bfloat16); "
+        "print(shape_invariant(torch.bfloat16))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "True", r.stderr[-2000:]
+
+
 def test_block_size_by_kv_bytes() -> None:
     """SmolLM2 float32 (45 KiB a token): blocks of 16 tokens, so at most 16 tokens are computed after a
     restore; bfloat16 32; the tiny model keeps 64 (12 KiB a token in float32)."""

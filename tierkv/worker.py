@@ -24,6 +24,7 @@ import torch
 
 from tierkv import kernels
 from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache, use_gqa_sdpa
+from tierkv.cpu_exactness import pin_exact_isa, shape_invariant
 from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
 from tierkv.keys import BlockChain, Namespace
@@ -97,6 +98,13 @@ class CachedModel:
         self.device = next(model.parameters()).device
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"unsupported model dtype {self.dtype}")
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+            pin_exact_isa()  # before this model's first forward: oneDNN picks its kernels once
+            if self_check_rate and not shape_invariant(self.dtype):
+                # the check compares a restore with a cold prefill: here they differ by rounding alone,
+                # and every comparison would purge sound blocks (shape_invariant said why, once)
+                log.warning("self-check off: this CPU's %s forwards are not shape-invariant", self.dtype)
+                self.self_check_rate = 0.0
         if block_tokens is None:
             from tierkv.models import default_block_tokens
 
@@ -172,12 +180,10 @@ class CachedModel:
         if not (path / "config.json").exists():
             raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        if (
-            attn_implementation is None
-            and torch.device(device).type == "cpu"
-            and dtype in (torch.bfloat16, torch.float16)
-        ):
-            attn_implementation = "eager"
+        if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            pin_exact_isa()  # before any matmul of the model (see cpu_exactness)
+            if attn_implementation is None:
+                attn_implementation = "eager"
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype or "auto", attn_implementation=attn_implementation
         )
