@@ -5,8 +5,10 @@
  *            reading threads, and says per record whether it may be served. Records already in the
  *            page cache are read buffered straight into place (mincore tells which are);
  *            the rest with O_DIRECT at a queue depth of several threads, through aligned bounce buffers.
- * write_run  appends a run of records to a segment file (buffered, each padded to a page), computing
- *            both of each record's checksums first, then fdatasync.
+ * write_run  appends a run of records to a segment file (buffered, each padded to a page) in chunks:
+ *            sealer threads compute the chunks' checksums ahead while the caller writes the sealed ones
+ *            and starts their writeback; one fdatasync at the end.
+ * copy_blocks copies whole blocks between a memory tier's slots and a KV tensor's slabs, on a few threads.
  *
  * xxh3-64 comes from the system's libxxhash (dlopen, no header needed: the functions used are its stable
  * ABI); without it the module reports itself unavailable and tierkv keeps its Python path, which is also
@@ -680,13 +682,15 @@ static int chunk_state(seal_t *s, int c) {
     return st;
 }
 
-/* Claims and seals the next unclaimed chunk at idle priority (when asked); 0 when none is left. */
-static int seal_next(seal_t *s) {
+/* Claims and seals the next unclaimed chunk with ``state`` (a hash state: created before any idle
+ * section, as a malloc may take locks others wait for); at idle priority with ``idle``. 0 when none is
+ * left. The writer calls it at its own priority (it returns to Python: never at idle), the sealer
+ * threads at idle priority (theirs end here). */
+static int seal_next(seal_t *s, void *state, int idle) {
     if (atomic_load(&s->stop)) return 0;
     int c = atomic_fetch_add(&s->next, 1);
     if (c >= s->nchunks) return 0;
-    prio_t prio = go_idle(s->idle);
-    void *state = xxh3_create();
+    prio_t prio = go_idle(idle);
     for (Py_ssize_t j = s->first[c]; state && j < s->first[c + 1]; j++) {
         wrec_t *r = &s->recs[j];
         uint8_t *h = s->heads + j * HEADER_NBYTES;
@@ -704,14 +708,24 @@ static int seal_next(seal_t *s) {
     s->state[c] = state ? 1 : -1;
     pthread_cond_broadcast(&s->cond);
     pthread_mutex_unlock(&s->lock);
-    if (state) xxh3_free(state);
     return 1;
 }
 
 static void *sealer(void *arg) {
-    while (seal_next(arg)) {
+    seal_t *s = arg;
+    void *state = xxh3_create();
+    while (seal_next(s, state, s->idle)) {
     }
+    if (state) xxh3_free(state);
     return NULL;
+}
+
+/* CPUs this thread may run on (its affinity: a container's or a taskset's limit, not the machine's). */
+static int usable_cpus(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set) > 0 ? CPU_COUNT(&set) : 1;
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
 }
 
 PyDoc_STRVAR(write_run_doc,
@@ -789,15 +803,18 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     pthread_cond_init(&sl.cond, NULL);
     pthread_t tids[MAX_SEALERS];
     int started = 0;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    for (int t = 0; !err && t < MAX_SEALERS && t < cpus && t < sl.nchunks; t++) {
+    int cpus = usable_cpus();
+    void *own = err ? NULL : xxh3_create(); /* the writer's, for the chunks it seals itself */
+    if (!err && !own) err = ENOMEM;
+    /* one chunk fewer than there are: the writer seals the first itself while the sealers start */
+    for (int t = 0; !err && t < MAX_SEALERS && t < cpus && t + 1 < sl.nchunks; t++) {
         if (pthread_create(&tids[started], NULL, sealer, &sl) != 0) break;
         started++;
     }
     for (int c = 0; !err && c < sl.nchunks; c++) {
         int st;
         while ((st = chunk_state(&sl, c)) == 0) { /* not sealed yet: seal the next one here, or wait */
-            if (!seal_next(&sl)) {
+            if (!seal_next(&sl, own, 0)) {
                 pthread_mutex_lock(&sl.lock);
                 while (sl.state[c] == 0) pthread_cond_wait(&sl.cond, &sl.lock);
                 pthread_mutex_unlock(&sl.lock);
@@ -835,12 +852,18 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
             at = iov_advance(iov, k, at, (size_t)w);
         }
         if (!err && written != chunk) err = EIO;
-        /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report */
-        if (!err && sync && c + 1 < sl.nchunks) (void)sync_file_range(fd, offset + total, chunk, SYNC_FILE_RANGE_WRITE);
+        /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report. Whole
+         * pages only: a page the next chunk still writes must not be under writeback (stable pages). */
+        if (!err && sync && c + 1 < sl.nchunks) {
+            int64_t page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : ALIGN;
+            int64_t from = (offset + total + page - 1) / page * page, to = (offset + total + chunk) / page * page;
+            if (to > from) (void)sync_file_range(fd, from, to - from, SYNC_FILE_RANGE_WRITE);
+        }
         total += written;
     }
     atomic_store(&sl.stop, 1); /* a failed write: the sealers take no more chunks */
     for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    if (own) xxh3_free(own);
     pthread_cond_destroy(&sl.cond);
     pthread_mutex_destroy(&sl.lock);
     PyMem_RawFree(sl.first);
@@ -920,8 +943,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     }
     const int64_t *p = pos.buf;
     for (int64_t j = 0; j < n; j++) {
-        int64_t end;
-        if (p[j] < 0 || __builtin_mul_overflow(p[j] + 1, chunk, &end) || end > row_nbytes) {
+        if (p[j] < 0 || p[j] >= row_nbytes / chunk) {
             PyErr_Format(PyExc_ValueError, "copy_blocks: position %lld outside the slabs", (long long)p[j]);
             goto done;
         }

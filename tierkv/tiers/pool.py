@@ -33,7 +33,10 @@ __all__ = ["BlockPool", "MAX_HELD_FRACTION"]
 log = logging.getLogger("tierkv.pool")
 
 # Threads of a native copy out of a memory tier (memory-bound: a few saturate a socket's bandwidth).
-COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+# A promotion of a run copies at most this much per hold of the pool's lock (a few ms): blocking reads,
+# lookups and saves never wait behind a whole restore.
+PUT_RUN_NBYTES = 32 << 20
 # Writers (disk, remote) may hold at most this share of the slots: past it they get their own copy, so a
 # writer that falls behind under sustained load never leaves the tier without slots for new blocks.
 MAX_HELD_FRACTION = 0.5
@@ -75,6 +78,7 @@ class BlockPool(Tier):
         self.num_slots = 0
         self._pool: torch.Tensor | None = None
         self._prefault: Populator | None = None
+        self._closed = False
         self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # key -> slot, least recently used first
         self._refs: list[int] = []
         self._held = 0  # slots with a reference: never evicted
@@ -94,7 +98,7 @@ class BlockPool(Tier):
         )
         # Its pages are faulted in by a background thread (never zeroed on the request path: a slot is
         # only read after a block was copied into it).
-        self._prefault = populate_in_background(self._pool, self.name)
+        self._prefault = None if self._closed else populate_in_background(self._pool, self.name)
         log.info(
             "%s tier: %d slots of %d bytes (%.1f MiB on %s%s) in %.2f s",
             self.name,
@@ -110,8 +114,11 @@ class BlockPool(Tier):
 
     def close(self) -> None:
         """Stop populating the pool's pages (a daemon thread left running at exit is killed mid-call)."""
-        if self._prefault is not None:
-            self._prefault.stop()
+        with self._lock:
+            self._closed = True  # a later first put allocates without starting one
+            populator = self._prefault
+        if populator is not None:
+            populator.stop()
 
     def reserve(self, slot_nbytes: int) -> None:
         """Allocate the pool for blocks of ``slot_nbytes`` now (a server does this at start-up)."""
@@ -271,16 +278,50 @@ class BlockPool(Tier):
     ) -> list[bool]:
         """``put`` of blocks ``positions`` of ``buf`` (a KV tensor ``[layers, 2, tokens, ...]``): for each key,
         whether the tier holds it now. From a CPU tensor whose slabs are contiguous, the new blocks are
-        gathered into their slots in one native call (under the lock, the GIL released: a reader never sees
-        a half-written slot); else, and as the reference, one ``put`` each."""
+        gathered into their slots natively, a sub-run of at most ``PUT_RUN_NBYTES`` per hold of the lock
+        (the GIL released), and a key is published only once its slot is written; else, and as the
+        reference, one ``put`` each. A position outside ``buf`` is not held."""
         B = block_tokens
         if not (self.device.type == "cpu" and rows_scatterable(buf) and native.enabled() and keys):
             return [
                 self.put(k, buf[:, :, p * B : (p + 1) * B], created_s=c, wait=wait) is not None
+                if 0 <= p < buf.shape[2] // B
+                else False
                 for k, p, c in zip(keys, positions, created_s)
             ]
-        L, _, _, H, D = buf.shape
+        L, _, T, H, D = buf.shape
         nbytes = L * 2 * B * H * D * buf.element_size()
+        rows = [buf[layer, kv] for layer in range(L) for kv in (0, 1)]
+        where = (
+            np.array([r.data_ptr() for r in rows], dtype=np.int64),
+            rows[0].numel() * rows[0].element_size(),
+        )
+        held = [False] * len(keys)
+        todo = [j for j, p in enumerate(positions) if 0 <= p < T // B]
+        step = max(1, PUT_RUN_NBYTES // nbytes)
+        for at in range(0, len(todo), step):
+            part = todo[at : at + step]
+            got = self._put_sub(
+                [keys[j] for j in part],
+                where,
+                [positions[j] for j in part],
+                [created_s[j] for j in part],
+                nbytes,
+                wait,
+            )
+            for j, g in zip(part, got):
+                held[j] = g
+        return held
+
+    def _put_sub(
+        self,
+        keys: Sequence[BlockKey],
+        where: tuple[np.ndarray, int],
+        positions: Sequence[int],
+        created_s: Sequence[float | None],
+        nbytes: int,
+        wait: bool,
+    ) -> list[bool]:
         if not self._lock.acquire(blocking=wait):
             return [False] * len(keys)
         try:
@@ -293,53 +334,44 @@ class BlockPool(Tier):
                 return [False] * len(keys)
             now = self.clock()
             held: list[bool] = []
-            slots: list[int] = []
-            picked: list[int] = []
-            for key, pos, created in zip(keys, positions, created_s):
-                self._slot(key, now)
-                slot = self._lru.get(key)
-                self._atime[key] = now
-                if slot is None or key not in self._ctime:
-                    self._ctime[key] = now if created is None else created
-                if slot is not None:
-                    self._lru.move_to_end(key)
-                    held.append(True)
-                    continue
-                slot = self._take_slot()
-                if slot is None:
-                    self._forget(key)
-                    held.append(False)
-                    continue
-                self._ref(slot)  # until copied: a later block of this run must not evict this one
-                self._lru[key] = slot
-                slots.append(slot)
-                picked.append(pos)
-                held.append(True)
-            if slots:
-                rows = [buf[layer, kv] for layer in range(L) for kv in (0, 1)]
-                try:
+            new: dict[BlockKey, tuple[int, int, float | None]] = {}  # key -> (slot, position, created)
+            try:
+                for key, pos, created in zip(keys, positions, created_s):
+                    self._slot(key, now)
+                    slot = self._lru.get(key)
+                    if slot is not None:  # held already: recent again, not rewritten
+                        self._atime[key] = now
+                        self._ctime.setdefault(key, now if created is None else created)
+                        self._lru.move_to_end(key)
+                    elif key not in new:  # a slot in neither the LRU nor the free list: not taken again
+                        slot = self._take_slot()
+                        if slot is not None:
+                            new[key] = (slot, pos, created)
+                    held.append(slot is not None or key in new)
+                if new:
+                    rows, row_nbytes = where
                     native.module().copy_blocks(
-                        np.array([r.data_ptr() for r in rows], dtype=np.int64),
-                        rows[0].numel() * rows[0].element_size(),
+                        rows,
+                        row_nbytes,
                         nbytes // len(rows),
-                        np.array([self._pool[slot].data_ptr() for slot in slots], dtype=np.int64),
-                        np.array(picked, dtype=np.int64),
+                        np.array(
+                            [self._pool[slot].data_ptr() for slot, _, _ in new.values()], dtype=np.int64
+                        ),
+                        np.array([pos for _, pos, _ in new.values()], dtype=np.int64),
                         COPY_THREADS,
                         True,
                     )
-                except BaseException:  # nothing was copied: the new keys must not name unwritten slots
-                    new = {slot for slot in slots}
-                    for key in [k for k, slot in self._lru.items() if slot in new]:
-                        del self._lru[key]
-                        self._forget(key)
-                    for slot in slots:
-                        self._unref(slot)
-                        self._free.append(slot)
-                    raise
-                for slot in slots:
-                    self._unref(slot)
-                self.counters.add(self.name, "blocks_written", len(slots))
-                self.counters.add(self.name, "bytes_written", len(slots) * nbytes)
+            except BaseException:  # nothing published: the taken slots go back, the keys stay unknown
+                for key, (slot, _, _) in new.items():
+                    self._forget(key)
+                    self._free.append(slot)
+                raise
+            for key, (slot, _, created) in new.items():  # written: now a reader may find them
+                self._lru[key] = slot
+                self._atime[key] = now
+                self._ctime[key] = now if created is None else created
+            self.counters.add(self.name, "blocks_written", len(new))
+            self.counters.add(self.name, "bytes_written", len(new) * nbytes)
             return held
         finally:
             self._lock.release()
@@ -481,7 +513,13 @@ class BlockPool(Tier):
         dest, spec = target.dest, target.spec
         if n and dest.device.type == "cuda" and self.device.type == "cpu":
             _upload_run(dest, views[:n], first, spec)
-        elif n and self.device.type == "cpu" and rows_scatterable(dest) and native.enabled():
+        elif (
+            n
+            and self.device.type == "cpu"
+            and spec.block_nbytes == self.slot_nbytes  # the native copy reads a whole slot per block
+            and rows_scatterable(dest)
+            and native.enabled()
+        ):
             _copy_run(dest, views[:n], first, spec)
         else:  # the reference, and any other device or layout
             for j in range(n):

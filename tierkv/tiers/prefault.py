@@ -33,8 +33,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Populator", "populate_in_background"]
 
-MADV_HUGEPAGE = 14  # linux/mman.h
-MADV_POPULATE_WRITE = 23
+MADV_POPULATE_WRITE = 23  # linux/mman.h
 # One madvise call: it holds the process's mmap lock (read), so keep it short (about 2 ms of CPU): an
 # allocator waiting to map memory must not wait long for it.
 CHUNK_NBYTES = 4 << 20
@@ -114,10 +113,4 @@ def populate_in_background(pool: torch.Tensor, name: str) -> Populator | None:
     end = (pool.data_ptr() + pool.numel() * pool.element_size()) // page * page
     if end <= start:
         return None
-    fn = _madvise()
-    # Huge pages where the system gives them on request (transparent_hugepage "madvise", a common
-    # default): a 2 MiB fault instead of 512 small ones, both for the populating thread and for a block
-    # copied in before it got there; and fewer TLB misses on every copy. Advice only: ignored where off.
-    if fn is not None:
-        fn(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)  # type: ignore[operator]
     return Populator(start, end, name, pool)
