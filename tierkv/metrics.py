@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-__all__ = ["COUNTER_NAMES", "Counters"]
+__all__ = ["COUNTER_NAMES", "Counters", "EXPORTED_COUNTERS", "EXPORTED_GAUGES"]
 
 COUNTER_NAMES = (
     "hit_blocks",
@@ -34,6 +34,40 @@ COUNTER_NAMES = (
     "checked_blocks",  # the sampled self-check: restored blocks also computed cold and compared
     "check_mismatch_blocks",  # ... that differed (invalidated in every tier)
 )
+
+
+# What both engines call the store's counters and gauges on /metrics (``tierkv serve`` and the vLLM
+# connector: one dashboard reads both). counter or gauge -> (Prometheus name, help); a counter's series
+# gets Prometheus' ``_total``. Each is labelled by tier.
+EXPORTED_COUNTERS = {
+    "bytes_read": ("tierkv_tier_read_bytes", "Bytes read from the tier"),
+    "bytes_written": ("tierkv_tier_written_bytes", "Bytes written to the tier"),
+    "evictions": ("tierkv_tier_evictions", "Blocks evicted to hold the tier's budget"),
+    "expirations": ("tierkv_tier_expirations", "Blocks found or swept expired"),
+    "corrupt_blocks": (
+        "tierkv_tier_corrupt_blocks",
+        "Blocks that failed verification (purged, never served)",
+    ),
+    "dropped_saves": (
+        "tierkv_tier_dropped_saves",
+        "Saves dropped (no tier could hold them, or tier degraded)",
+    ),
+    "writeback_lost_blocks": (
+        "tierkv_tier_writeback_lost_blocks",
+        "Blocks that waited for the tier in the host tier (write-back) and left it before they were written",
+    ),
+    "write_errors": ("tierkv_tier_write_errors", "Write batches that failed (e.g. a full disk)"),
+    "read_errors": ("tierkv_tier_read_errors", "Records whose read failed (EIO): purged, recomputed"),
+}
+EXPORTED_GAUGES = {
+    "used_nbytes": ("tierkv_tier_used_bytes", "Bytes held by the tier"),
+    "capacity_nbytes": ("tierkv_tier_capacity_bytes", "The tier's budget (0: none)"),
+    "write_queue_nbytes": ("tierkv_tier_write_queue_bytes", "Bytes queued for the tier's writer"),
+    "writeback_blocks": (
+        "tierkv_tier_writeback_blocks",
+        "Blocks waiting dirty in the host tier for room in the tier's write queue",
+    ),
+}
 
 
 class Counters:

@@ -8,30 +8,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tierkv.metrics import EXPORTED_COUNTERS, EXPORTED_GAUGES
 from tierkv.telemetry import gpu_telemetry
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 _STORE_COUNTERS = {  # store counter -> (metric, help)
     "hit_tokens": ("tierkv_tier_hit_tokens", "Prompt tokens served from the tier"),
-    "bytes_read": ("tierkv_tier_read_bytes", "Bytes read from the tier"),
-    "bytes_written": ("tierkv_tier_written_bytes", "Bytes written to the tier"),
-    "evictions": ("tierkv_tier_evictions", "Blocks evicted to hold the tier's budget"),
-    "expirations": ("tierkv_tier_expirations", "Blocks found or swept expired"),
-    "corrupt_blocks": (
-        "tierkv_tier_corrupt_blocks",
-        "Blocks that failed verification (purged, never served)",
-    ),
-    "dropped_saves": (
-        "tierkv_tier_dropped_saves",
-        "Saves dropped (no tier could hold them, or tier degraded)",
-    ),
-    "writeback_lost_blocks": (
-        "tierkv_tier_writeback_lost_blocks",
-        "Blocks that waited for the tier in the host tier (write-back) and left it before they were written",
-    ),
-    "write_errors": ("tierkv_tier_write_errors", "Write batches that failed (e.g. a full disk)"),
-    "read_errors": ("tierkv_tier_read_errors", "Records whose read failed (EIO): purged, recomputed"),
+    **EXPORTED_COUNTERS,
 }
 
 
@@ -86,30 +70,12 @@ class StoreCollector:
         for tier in tiers:
             ratio.add_metric([tier], served[tier] / asked if asked else 0.0)
         yield ratio
-        used = GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes held by the tier", labels=["tier"])
-        cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "The tier's budget (0: none)", labels=["tier"])
-        for tier in tiers:  # the tiers with a size (not the remote tier)
-            if "capacity_nbytes" in stats.get(tier, {}):
-                used.add_metric([tier], stats[tier]["used_nbytes"])
-                cap.add_metric([tier], stats[tier]["capacity_nbytes"])
-        yield used
-        yield cap
-        # how far the record tiers' writers are behind: bytes in the disk writer's queue, and blocks that
-        # found it full and wait dirty in the host tier (write-back)
-        queued = GaugeMetricFamily(
-            "tierkv_tier_write_queue_bytes", "Bytes queued for the tier's writer", labels=["tier"]
-        )
-        waiting = GaugeMetricFamily(
-            "tierkv_tier_writeback_blocks",
-            "Blocks waiting dirty in the host tier for room in the tier's write queue",
-            labels=["tier"],
-        )
-        for tier in tiers:
-            if "write_queue_nbytes" in stats.get(tier, {}):
-                queued.add_metric([tier], stats[tier]["write_queue_nbytes"])
-                waiting.add_metric([tier], stats[tier]["writeback_blocks"])
-        yield queued
-        yield waiting
+        for field, (name, help_) in EXPORTED_GAUGES.items():  # the tiers with a size, a queue
+            gauge = GaugeMetricFamily(name, help_, labels=["tier"])
+            for tier in tiers:
+                if field in stats.get(tier, {}):
+                    gauge.add_metric([tier], stats[tier][field])
+            yield gauge
         yield from gpu_metrics()
 
 

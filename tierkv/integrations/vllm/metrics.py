@@ -16,39 +16,17 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from tierkv.metrics import EXPORTED_COUNTERS, EXPORTED_GAUGES
+
 __all__ = ["PROMPT_SOURCES", "StoreDeltas", "TierKVPromMetrics", "TierKVStats"]
 
 # where a prompt token's KV came from, in the scheduler's counts
 PROMPT_SOURCES = ("vllm", "gpu", "host", "disk", "remote", "computed")
 
-# store counter -> (metric, help): counted by the tier where the bytes or records moved, summed over ranks
-STORE_COUNTERS = {
-    "bytes_read": ("tierkv_tier_read_bytes", "Bytes read from the tier (every rank's shard)"),
-    "bytes_written": ("tierkv_tier_written_bytes", "Bytes written to the tier (every rank's shard)"),
-    "evictions": ("tierkv_tier_evictions", "Records evicted to hold the tier's budget"),
-    "expirations": ("tierkv_tier_expirations", "Records found or swept expired"),
-    "corrupt_blocks": ("tierkv_tier_corrupt_blocks", "Records that failed verification (purged, never used)"),
-    "dropped_saves": (
-        "tierkv_tier_dropped_saves",
-        "Saves dropped (no tier could hold them, or tier degraded)",
-    ),
-    "writeback_lost_blocks": (
-        "tierkv_tier_writeback_lost_blocks",
-        "Records that waited for the tier in the host tier (write-back) and left it before they were written",
-    ),
-    "write_errors": ("tierkv_tier_write_errors", "Write batches that failed (e.g. a full disk)"),
-    "read_errors": ("tierkv_tier_read_errors", "Records whose read failed (EIO): purged, recomputed"),
-}
-# store gauge -> (metric, help): each rank's own tiers (a disk tier shared by the ranks reports the same)
-STORE_GAUGES = {
-    "used_nbytes": ("tierkv_tier_used_bytes", "Bytes held by the tier"),
-    "capacity_nbytes": ("tierkv_tier_capacity_bytes", "The tier's budget (0: none)"),
-    "write_queue_nbytes": ("tierkv_tier_write_queue_bytes", "Bytes queued for the tier's writer"),
-    "writeback_blocks": (
-        "tierkv_tier_writeback_blocks",
-        "Blocks waiting dirty in the host tier for room in the tier's write queue",
-    ),
-}
+# the store's counters (summed over ranks: every rank's shard) and gauges (each rank's own tiers; a disk
+# tier the ranks share reports the same), under the names tierkv serve exports
+STORE_COUNTERS = EXPORTED_COUNTERS
+STORE_GAUGES = EXPORTED_GAUGES
 # the worker's own counters (WorkerSide.stats) and the store's own row -> (metric, its one label or None,
 # that label's value, help); one metric may take several fields under different label values
 WORKER_COUNTERS = {
