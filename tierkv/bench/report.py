@@ -94,7 +94,7 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
         md += [f"## TTFT: `{res['config']['model']}`", "", ttft.markdown(res), ""]
         if results.get("model") not in (None, "tiny"):
             md += [
-                "Beside the seeds' headline (a hit from the host tier; from disk after a restart with the page "
+                "Beside the project's founding headline, a figure given when it began, not measured in this run (a hit from the host tier; from disk after a restart with the page "
                 "cache dropped in brackets):",
                 "",
                 ttft.beside_seeds(res),
