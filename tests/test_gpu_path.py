@@ -316,14 +316,14 @@ def test_cuda_worker_restores_exact_kv_from_every_tier(tmp_path) -> None:
 def test_host_runs_uploaded_block_major_land_in_place(ns) -> None:
     """The GPU restore's upload of a run of host blocks (DMA per block, one device copy per run), on CPU."""
     from tierkv.spread import runs_of as _runs
-    from tierkv.tiers.pool import _upload_run
+    from tierkv.tiers.slot_copies import upload_run
 
     assert _runs([0, 0, 1, 1, 1, 0, 2]) == [(0, 0, 2), (1, 2, 5), (0, 5, 6), (2, 6, 7)]
     spec = KVSpec.of(ns)
     kv = make_kv(ns, 80, seed=13)
     slots = [kv[:, :, i * 16 : (i + 1) * 16].contiguous().view(-1).view(torch.uint8) for i in range(1, 4)]
     dest = torch.zeros(spec.shape(80), dtype=spec.dtype)
-    _upload_run(dest, slots, 1, spec)
+    upload_run(dest, slots, 1, spec)
     assert (
         torch.equal(dest[:, :, 16:64], kv[:, :, 16:64])
         and not dest[:, :, :16].any()

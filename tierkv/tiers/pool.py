@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from tierkv import native
@@ -26,14 +24,13 @@ from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.prefault import Populator, populate_in_background
+from tierkv.tiers.slot_copies import Slabs, copy_run, gather_run, index_tensor, slabs, upload_run
 from tierkv.tiers.target import Target, rows_scatterable
 
 __all__ = ["BlockPool", "MAX_HELD_FRACTION"]
 
 log = logging.getLogger("tierkv.pool")
 
-# Threads of a native copy out of a memory tier (memory-bound: a few saturate a socket's bandwidth).
-COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 # A promotion of a run copies at most this much per hold of the pool's lock (a few ms): blocking reads,
 # lookups and saves never wait behind a whole restore.
 PUT_RUN_NBYTES = 32 << 20
@@ -258,8 +255,8 @@ class BlockPool(Tier):
                 return 0
             rows = blocks.reshape(n_blocks, -1).view(torch.uint8)
             if len(picked) < n_blocks:
-                rows = rows.index_select(0, _index(picked, rows.device))
-            self._pool.index_copy_(0, _index(slots, self.device), rows)
+                rows = rows.index_select(0, index_tensor(picked, rows.device))
+            self._pool.index_copy_(0, index_tensor(slots, self.device), rows)
             for slot in slots:
                 self._unref(slot)
             self.counters.add(self.name, "blocks_written", len(slots))
@@ -291,11 +288,7 @@ class BlockPool(Tier):
             ]
         L, _, T, H, D = buf.shape
         nbytes = L * 2 * B * H * D * buf.element_size()
-        rows = [buf[layer, kv] for layer in range(L) for kv in (0, 1)]
-        where = (
-            np.array([r.data_ptr() for r in rows], dtype=np.int64),
-            rows[0].numel() * rows[0].element_size(),
-        )
+        where = slabs(buf)
         held = [False] * len(keys)
         todo = [j for j, p in enumerate(positions) if 0 <= p < T // B]
         step = max(1, PUT_RUN_NBYTES // nbytes)
@@ -316,7 +309,7 @@ class BlockPool(Tier):
     def _put_sub(
         self,
         keys: Sequence[BlockKey],
-        where: tuple[np.ndarray, int],
+        where: Slabs,
         positions: Sequence[int],
         created_s: Sequence[float | None],
         nbytes: int,
@@ -349,17 +342,11 @@ class BlockPool(Tier):
                             new[key] = (slot, pos, created)
                     held.append(slot is not None or key in new)
                 if new:
-                    rows, row_nbytes = where
-                    native.module().copy_blocks(
-                        rows,
-                        row_nbytes,
-                        nbytes // len(rows),
-                        np.array(
-                            [self._pool[slot].data_ptr() for slot, _, _ in new.values()], dtype=np.int64
-                        ),
-                        np.array([pos for _, pos, _ in new.values()], dtype=np.int64),
-                        COPY_THREADS,
-                        True,
+                    gather_run(
+                        where,
+                        nbytes,
+                        [self._pool[slot].data_ptr() for slot, _, _ in new.values()],
+                        [pos for _, pos, _ in new.values()],
                     )
             except BaseException:  # nothing published: the taken slots go back, the keys stay unknown
                 for key, (slot, _, _) in new.items():
@@ -512,7 +499,7 @@ class BlockPool(Tier):
         n = next((j for j, v in enumerate(views) if v is None), len(views))
         dest, spec = target.dest, target.spec
         if n and dest.device.type == "cuda" and self.device.type == "cpu":
-            _upload_run(dest, views[:n], first, spec)
+            upload_run(dest, views[:n], first, spec)
         elif (
             n
             and self.device.type == "cpu"
@@ -520,7 +507,7 @@ class BlockPool(Tier):
             and rows_scatterable(dest)
             and native.enabled()
         ):
-            _copy_run(dest, views[:n], first, spec)
+            copy_run(dest, views[:n], first, spec)
         else:  # the reference, and any other device or layout
             for j in range(n):
                 target.block(first + j).copy_(
@@ -552,39 +539,3 @@ class BlockPool(Tier):
 
     def describe(self) -> str:
         return f"{self.name} {self.capacity_nbytes / 2**30:.1f} GiB"
-
-
-def _upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
-    """Blocks ``first..`` of ``dest`` (a GPU) from host slots: each slot is one contiguous DMA into a
-    block-major buffer on ``dest``'s device, then one device copy puts the run in place (instead of a
-    staged copy and a strided copy per block)."""
-    n, B = len(slots), spec.block_tokens
-    run = torch.empty((n, *spec.block_shape), dtype=spec.dtype, device=dest.device)
-    for j, slot in enumerate(slots):
-        run[j].copy_(slot.view(spec.dtype).view(spec.block_shape), non_blocking=True)
-    dest[:, :, first * B : (first + n) * B].copy_(run.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(n * B)))
-
-
-def _copy_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
-    """Blocks ``first..`` of ``dest`` (CPU, every slab contiguous) from host slots, in one native call on
-    a few threads without the GIL: each slot's (layer, k/v) slabs memcpy'd into place."""
-    rows = [dest[layer, kv] for layer in range(spec.num_layers) for kv in (0, 1)]
-    chunk = spec.block_nbytes // len(rows)
-    native.module().copy_blocks(
-        np.array([r.data_ptr() for r in rows], dtype=np.int64),
-        rows[0].numel() * rows[0].element_size(),
-        chunk,
-        np.array([s.data_ptr() for s in slots], dtype=np.int64),
-        np.arange(first, first + len(slots), dtype=np.int64),
-        COPY_THREADS,
-        False,
-    )
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    """An index tensor on ``device``; for a GPU through pinned memory, so the upload does not wait for the
-    compute stream."""
-    index = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        index = index.pin_memory().to(device, non_blocking=True)
-    return index

@@ -1,0 +1,79 @@
+"""Bulk copies between a memory tier's slots and KV tensors ``[layers, 2, tokens, kv_heads, head_dim]``.
+
+The native ones (``tierkv._native.copy_blocks``) copy a whole run of blocks in one call on a few threads
+without the GIL, between slots and a CPU tensor's (layer, k/v) slabs; a torch copy per block, in
+``BlockPool``, stays the reference and serves every other device and layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tierkv import native
+from tierkv.layout import KVSpec
+
+__all__ = ["COPY_THREADS", "Slabs", "copy_run", "gather_run", "index_tensor", "slabs", "upload_run"]
+
+# Threads of a native copy (memory-bound: a few saturate a socket's bandwidth).
+COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+
+# A KV tensor's (layer, k/v) slabs as the native copy takes them: their addresses, and each one's bytes.
+Slabs = tuple[np.ndarray, int]
+
+
+def slabs(t: torch.Tensor) -> Slabs:
+    """``t`` (CPU, every slab contiguous: ``target.rows_scatterable``) as its slabs."""
+    rows = [t[layer, kv] for layer in range(t.shape[0]) for kv in (0, 1)]
+    return np.array([r.data_ptr() for r in rows], dtype=np.int64), rows[0].numel() * rows[0].element_size()
+
+
+def copy_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
+    """Blocks ``first..`` of ``dest`` (CPU, every slab contiguous) from slots of ``spec.block_nbytes``."""
+    rows, row_nbytes = slabs(dest)
+    native.module().copy_blocks(
+        rows,
+        row_nbytes,
+        spec.block_nbytes // len(rows),
+        np.array([s.data_ptr() for s in slots], dtype=np.int64),
+        np.arange(first, first + len(slots), dtype=np.int64),
+        COPY_THREADS,
+        False,
+    )
+
+
+def gather_run(where: Slabs, block_nbytes: int, slot_addrs: Sequence[int], positions: Sequence[int]) -> None:
+    """Blocks ``positions`` of a tensor's slabs into the slots at ``slot_addrs`` (``block_nbytes`` each)."""
+    rows, row_nbytes = where
+    native.module().copy_blocks(
+        rows,
+        row_nbytes,
+        block_nbytes // len(rows),
+        np.array(slot_addrs, dtype=np.int64),
+        np.array(positions, dtype=np.int64),
+        COPY_THREADS,
+        True,
+    )
+
+
+def upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
+    """Blocks ``first..`` of ``dest`` (a GPU) from host slots: each slot is one contiguous DMA into a
+    block-major buffer on ``dest``'s device, then one device copy puts the run in place (instead of a
+    staged copy and a strided copy per block)."""
+    n, B = len(slots), spec.block_tokens
+    run = torch.empty((n, *spec.block_shape), dtype=spec.dtype, device=dest.device)
+    for j, slot in enumerate(slots):
+        run[j].copy_(slot.view(spec.dtype).view(spec.block_shape), non_blocking=True)
+    dest[:, :, first * B : (first + n) * B].copy_(run.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(n * B)))
+
+
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """An index tensor on ``device``; for a GPU through pinned memory, so the upload does not wait for the
+    compute stream."""
+    index = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    return index
