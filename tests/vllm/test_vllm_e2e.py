@@ -22,7 +22,7 @@ from vllm_engine import Engine, tierkv_cli
 
 B = 128  # vLLM's CPU block size (the default)
 P = random.Random(1).choices(range(3, 500), k=5 * B + 60)  # 5 whole blocks and a partial one
-Q = random.Random(2).choices(range(3, 500), k=5 * B)  # exactly 5 blocks: the last one is recomputed
+Q = random.Random(2).choices(range(3, 500), k=5 * B)  # exactly 5 blocks: all loaded, one token computed
 R = P[: 3 * B] + random.Random(3).choices(range(3, 500), k=100)
 
 
@@ -124,14 +124,16 @@ def test_a_new_process_loads_the_prompt_from_tierkv(runs: dict) -> None:
 def test_blocks_vllm_holds_are_not_read_again(runs: dict) -> None:
     load = runs["load"]
     assert _cached(load, 1) == 3 * B  # R: P's first 3 blocks, from tierkv
-    # R 3 + P 2 + Q 4 + tenant-b's P 5 blocks loaded, and no more read (P's first 3 were vLLM's own:
-    # reading them again would make it 17)
-    assert "loaded 14 blocks (14 read, 0 failed)" in load["log"]
+    # R 3 + P 2 + Q 5 + tenant-b's P 5 blocks loaded, and no more read (P's first 3 were vLLM's own:
+    # reading them again would make it 18)
+    assert "loaded 15 blocks (15 read, 0 failed)" in load["log"]
 
 
-def test_a_fully_cached_prompt_leaves_its_last_block_to_compute(runs: dict) -> None:
+def test_a_fully_cached_prompt_is_loaded_but_its_last_token(runs: dict) -> None:
+    """vLLM computes at least one token: of a prompt cached whole, all its blocks are loaded and only its
+    last token is computed (not its last block), with the cold run's output."""
     load, base = runs["load"], runs["base"]
-    assert _cached(load, 3) == 4 * B
+    assert _cached(load, 3) == 5 * B - 1
     _same_output(load["results"][3], base["results"][1])
 
 

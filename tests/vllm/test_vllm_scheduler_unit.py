@@ -387,11 +387,17 @@ def test_stored_blocks_are_offered_beyond_vllms_own_prefix_hit_leaving_one_token
     assert engine.finish_step(out) == {"C": [TOKEN]}
     assert request.num_computed_tokens == len(prompt)
 
-    # The connector's answer for prompts of whole blocks: it never offers the last token.
+    # A prompt of whole blocks, all stored: every token but the last is offered (vLLM computes at least
+    # one). vLLM's own cache holds its first 4 blocks (C's) and leaves it the last: tierkv loads that one.
     aligned = engine.add("D", prompt[: 5 * B])
-    assert connector.get_num_new_matched_tokens(aligned, 0) == (4 * B, False)
-    assert connector.get_num_new_matched_tokens(aligned, 2 * B) == (2 * B, False)
-    assert connector.get_num_new_matched_tokens(aligned, 4 * B) == (0, False)
+    assert connector.get_num_new_matched_tokens(aligned, 0) == (5 * B - 1, False)
+    assert connector.get_num_new_matched_tokens(aligned, 2 * B) == (3 * B - 1, False)
+    assert connector.get_num_new_matched_tokens(aligned, 4 * B) == (B - 1, False)
+    out = engine.schedule()
+    assert out.num_scheduled_tokens["D"] == 1  # (C decodes its second token beside it)
+    d_ids = engine.block_ids(out, "D")
+    assert _spans(out.kv_connector_metadata.loads) == [("D", 4, d_ids[4:5], prompt[: 5 * B])]
+    engine.finish_step(out)
     # Another tenant's salt is another namespace: nothing of the unsalted blocks.
     salted = engine.add("E", prompt, salt="tenant-b")
     assert connector.get_num_new_matched_tokens(salted, 0) == (0, False)

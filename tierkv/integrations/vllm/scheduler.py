@@ -148,9 +148,14 @@ class SchedulerSide:
         if hit is None:
             return 0, False
         r.stored_blocks, r.by_tier = hit.num_blocks, hit.by_tier
-        B = self.block_tokens
-        usable = min(hit.num_blocks, (request.num_tokens - 1) // B)  # at least one token left to compute
-        new = usable * B - num_computed_tokens
+        B, n = self.block_tokens, request.num_tokens
+        if hit.num_blocks * B >= n:
+            # The whole prompt is cached, in whole blocks: load them all and leave vLLM its last token
+            # (it computes at least one; vLLM takes a hit that ends mid-block). Its KV, loaded too, is
+            # then computed again in place.
+            new = n - 1 - num_computed_tokens
+        else:
+            new = min(hit.num_blocks, (n - 1) // B) * B - num_computed_tokens
         return (new, False) if new > 0 else (0, False)
 
     def _lookup(self, r: _Request) -> Any:
