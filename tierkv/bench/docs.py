@@ -75,9 +75,11 @@ def vllm_rows() -> tuple[dict[str, Any], list[str]]:
     rows = {r["tokens"]: (r, base["when"]) for r in res["rows"]}
     for path in sorted(folder.glob("rerun-*.json")):
         rerun = json.loads(path.read_text())
+        other = rerun.get("machine", {}).get("cpu") != base.get("machine", {}).get("cpu")
         for r in rerun["vllm"]["rows"]:
             if r["tokens"] not in rows or rerun["when"] > rows[r["tokens"]][1]:
-                rows[r["tokens"]] = (r, f"{rerun['when']}, `{path.name}`")
+                where = f", another machine ({rerun['machine']['cpu']})" if other else ""
+                rows[r["tokens"]] = (r, f"{rerun['when']}, `{path.name}`{where}")
     res["rows"] = [rows[t][0] for t in sorted(rows)]
     runs: dict[str, list[int]] = {}
     for t in sorted(rows):
