@@ -182,25 +182,14 @@ class BlockPool(Tier):
         if not self._lock.acquire(blocking=wait):
             return None
         try:
-            if self._pool is None:
-                if self.capacity_nbytes < nbytes:
-                    return None
-                self._allocate(nbytes)
-            assert self._pool is not None
-            if nbytes != self.slot_nbytes:
+            if not self._fits(nbytes):
                 return None
+            assert self._pool is not None
             now = self.clock()
-            self._slot(key, now)  # frees it if expired; an expired slot still in use is kept (same bytes)
-            slot = self._lru.get(key)
-            self._atime[key] = now
-            if slot is None or key not in self._ctime:
-                self._ctime[key] = now if created_s is None else created_s
-            if slot is not None:
-                self._lru.move_to_end(key)
-            else:
+            slot = self._refresh(key, now, created_s)
+            if slot is None:
                 slot = self._take_slot()
                 if slot is None:
-                    self._forget(key)
                     return None
                 # Copied under the lock: a block is ~1 MiB (tens of microseconds), and a reader must never
                 # see a half-written slot. On a GPU the copy is queued on the caller's stream, which is the
@@ -209,7 +198,7 @@ class BlockPool(Tier):
                 self._pool[slot].view(block.dtype).view(block.shape).copy_(
                     block, non_blocking=self.device.type == "cuda"
                 )
-                self._lru[key] = slot
+                self._publish(key, slot, now, created_s)
                 self.counters.add(self.name, "blocks_written")
                 self.counters.add(self.name, "bytes_written", nbytes)
             if hold:
@@ -226,33 +215,23 @@ class BlockPool(Tier):
         with self._lock:
             if not n_blocks:
                 return 0
-            if self._pool is None:
-                if self.capacity_nbytes < nbytes:
-                    return 0
-                self._allocate(nbytes)
-            assert self._pool is not None
-            if nbytes != self.slot_nbytes:
+            if not self._fits(nbytes):
                 return 0
             picked, slots = [], []
             now = self.clock()
             for j, key in enumerate(keys):
-                self._slot(key, now)
-                slot = self._lru.get(key)
-                self._atime[key] = now
-                self._ctime.setdefault(key, now)
-                if slot is not None:
-                    self._lru.move_to_end(key)
+                if self._refresh(key, now, None) is not None:
                     continue
                 slot = self._take_slot()
                 if slot is None:
-                    self._forget(key)
                     break
                 self._ref(slot)  # until copied: a later block of this batch must not evict this one
-                self._lru[key] = slot
+                self._publish(key, slot, now, None)
                 picked.append(j)
                 slots.append(slot)
             if not slots:
                 return 0
+            assert self._pool is not None
             rows = blocks.reshape(n_blocks, -1).view(torch.uint8)
             if len(picked) < n_blocks:
                 rows = rows.index_select(0, index_tensor(picked, rows.device))
@@ -318,25 +297,16 @@ class BlockPool(Tier):
         if not self._lock.acquire(blocking=wait):
             return [False] * len(keys)
         try:
-            if self._pool is None:
-                if self.capacity_nbytes < nbytes:
-                    return [False] * len(keys)
-                self._allocate(nbytes)
-            assert self._pool is not None
-            if nbytes != self.slot_nbytes:
+            if not self._fits(nbytes):
                 return [False] * len(keys)
+            assert self._pool is not None
             now = self.clock()
             held: list[bool] = []
             new: dict[BlockKey, tuple[int, int, float | None]] = {}  # key -> (slot, position, created)
             try:
                 for key, pos, created in zip(keys, positions, created_s):
-                    self._slot(key, now)
-                    slot = self._lru.get(key)
-                    if slot is not None:  # held already: recent again, not rewritten
-                        self._atime[key] = now
-                        self._ctime.setdefault(key, now if created is None else created)
-                        self._lru.move_to_end(key)
-                    elif key not in new:  # a slot in neither the LRU nor the free list: not taken again
+                    slot = self._refresh(key, now, created)  # held already: recent again, not rewritten
+                    if slot is None and key not in new:  # taken slots are in neither LRU nor free list
                         slot = self._take_slot()
                         if slot is not None:
                             new[key] = (slot, pos, created)
@@ -354,14 +324,37 @@ class BlockPool(Tier):
                     self._free.append(slot)
                 raise
             for key, (slot, _, created) in new.items():  # written: now a reader may find them
-                self._lru[key] = slot
-                self._atime[key] = now
-                self._ctime[key] = now if created is None else created
+                self._publish(key, slot, now, created)
             self.counters.add(self.name, "blocks_written", len(new))
             self.counters.add(self.name, "bytes_written", len(new) * nbytes)
             return held
         finally:
             self._lock.release()
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether blocks of ``nbytes`` fit the slots (the first one allocates the pool); under the lock."""
+        if self._pool is None:
+            if self.capacity_nbytes < nbytes:
+                return False
+            self._allocate(nbytes)
+        return nbytes == self.slot_nbytes
+
+    def _refresh(self, key: BlockKey, now: float, created_s: float | None) -> int | None:
+        """The slot of a held ``key``, made recent (its age kept); None when not held (an expired one is
+        freed, unless in use: then kept, same bytes). Under the lock."""
+        self._slot(key, now)
+        slot = self._lru.get(key)
+        if slot is not None:
+            self._atime[key] = now
+            self._ctime.setdefault(key, now if created_s is None else created_s)
+            self._lru.move_to_end(key)
+        return slot
+
+    def _publish(self, key: BlockKey, slot: int, now: float, created_s: float | None) -> None:
+        """A new block in ``slot``: from now on readers find it. Under the lock."""
+        self._lru[key] = slot
+        self._atime[key] = now
+        self._ctime[key] = now if created_s is None else created_s
 
     def _ref(self, slot: int) -> None:
         self._held += self._refs[slot] == 0
