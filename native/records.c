@@ -35,7 +35,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define ABI 5 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 6 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run: hashed, written and sent to the disk in chunks this size */
@@ -661,15 +661,52 @@ static PyObject *can_leave_idle(PyObject *self, PyObject *unused) {
 
 typedef struct { Py_buffer head, tokens, payload; } wrec_t;
 
-/* write_run's sealing: the two checksums of each record, chunk by chunk, on a few threads. */
+/* write_run's chunk images (O_DIRECT): page-aligned buffers of WRITE_CHUNK_NBYTES, a few kept between
+ * calls (a fresh one costs a page fault per 4 KiB); a chunk of one larger record gets its own. */
+#define IMAGE_KEEP 8
+static void *image_free[IMAGE_KEEP];
+static int image_nfree;
+static pthread_mutex_t image_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void *image_get(int64_t nbytes) {
+    void *p = NULL;
+    if (nbytes <= WRITE_CHUNK_NBYTES) {
+        pthread_mutex_lock(&image_lock);
+        if (image_nfree) p = image_free[--image_nfree];
+        pthread_mutex_unlock(&image_lock);
+        nbytes = WRITE_CHUNK_NBYTES;
+    }
+    if (!p && posix_memalign(&p, ALIGN, (size_t)nbytes) != 0) p = NULL;
+    return p;
+}
+
+static void image_put(void *p, int64_t nbytes) {
+    if (!p) return;
+    if (nbytes <= WRITE_CHUNK_NBYTES) {
+        pthread_mutex_lock(&image_lock);
+        if (image_nfree < IMAGE_KEEP) {
+            image_free[image_nfree++] = p;
+            p = NULL;
+        }
+        pthread_mutex_unlock(&image_lock);
+    }
+    free(p);
+}
+
+/* write_run's sealing: the two checksums of each record, chunk by chunk, on a few threads; with images,
+ * each chunk is also laid out (records, checksums, padding) in an aligned buffer for an O_DIRECT write. */
 #define MAX_SEALERS 4
+#define COPY_PIECE_NBYTES (256 << 10) /* an image's payload is copied and hashed piece by piece, in cache */
 typedef struct {
     wrec_t *recs;
-    uint8_t *heads;
+    uint8_t *heads;    /* without images: each record's sealed header */
     Py_ssize_t *first; /* chunk c: records [first[c], first[c + 1]) */
-    int nchunks, idle;
+    int64_t *nbytes;   /* chunk c's bytes, padding included */
+    uint8_t **image;   /* with images: chunk c's, once sealed; NULL without */
+    int nchunks, idle, window;
     int *state;        /* per chunk, under lock: 0 not sealed, 1 sealed, -1 failed (no memory) */
-    atomic_int next;   /* the next chunk to claim */
+    int next;          /* under lock: the next chunk to claim */
+    int written;       /* under lock: chunks written; images are sealed at most ``window`` ahead of it */
     atomic_int stop;
     pthread_mutex_t lock;
     pthread_cond_t cond;
@@ -682,30 +719,76 @@ static int chunk_state(seal_t *s, int c) {
     return st;
 }
 
+/* Record j's header checksums: the payload's (already in ``check``), then the header's over its fields
+ * and the token ids. ``h`` is the header being sealed (in ``heads`` or in the chunk's image). */
+static void seal_header(uint8_t *h, const wrec_t *r, uint64_t check, void *state) {
+    memcpy(h + 160, &check, 8);
+    xxh3_reset(state);
+    xxh3_update(state, h, FIELDS_NBYTES);
+    xxh3_update(state, r->tokens.buf, (size_t)r->tokens.len);
+    check = xxh3_digest(state);
+    memcpy(h + FIELDS_NBYTES, &check, 8);
+}
+
+/* Chunk c laid out in ``img``: each record's header, token ids, payload (copied and hashed piece by
+ * piece, so the hash reads what the copy just wrote to the cache) and zero padding, sealed. */
+static void seal_image(seal_t *s, int c, uint8_t *img, void *state) {
+    int64_t pos = 0;
+    for (Py_ssize_t j = s->first[c]; j < s->first[c + 1]; j++) {
+        wrec_t *r = &s->recs[j];
+        uint8_t *h = img + pos;
+        int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->payload.len;
+        memcpy(h, r->head.buf, HEADER_NBYTES);
+        memcpy(h + HEADER_NBYTES, r->tokens.buf, (size_t)r->tokens.len);
+        uint8_t *dst = h + HEADER_NBYTES + r->tokens.len;
+        const uint8_t *src = r->payload.buf;
+        xxh3_reset(state);
+        for (int64_t at = 0; at < r->payload.len; at += COPY_PIECE_NBYTES) {
+            size_t n = (size_t)(r->payload.len - at < COPY_PIECE_NBYTES ? r->payload.len - at : COPY_PIECE_NBYTES);
+            memcpy(dst + at, src + at, n);
+            xxh3_update(state, dst + at, n);
+        }
+        seal_header(h, r, xxh3_digest(state), state); /* streamed xxh3 equals the one-shot one */
+        memset(h + nbytes, 0, (size_t)(aligned(nbytes) - nbytes));
+        pos += aligned(nbytes);
+    }
+}
+
 /* Claims and seals the next unclaimed chunk with ``state`` (a hash state: created before any idle
  * section, as a malloc may take locks others wait for); at idle priority with ``idle``. 0 when none is
- * left. The writer calls it at its own priority (it returns to Python: never at idle), the sealer
- * threads at idle priority (theirs end here). */
-static int seal_next(seal_t *s, void *state, int idle) {
-    if (atomic_load(&s->stop)) return 0;
-    int c = atomic_fetch_add(&s->next, 1);
+ * left, or, with ``nowait``, when images are ``window`` chunks ahead of the writer (the writer calls it
+ * so while it waits for its chunk: it must never wait for itself). The writer calls it at its own
+ * priority (it returns to Python: never at idle), the sealer threads at idle priority (theirs end here). */
+static int seal_next(seal_t *s, void *state, int idle, int nowait) {
+    pthread_mutex_lock(&s->lock);
+    while (s->image && !atomic_load(&s->stop) && s->next < s->nchunks && s->next >= s->written + s->window) {
+        if (nowait) {
+            pthread_mutex_unlock(&s->lock);
+            return 0;
+        }
+        pthread_cond_wait(&s->cond, &s->lock);
+    }
+    int c = atomic_load(&s->stop) ? s->nchunks : s->next;
+    if (c < s->nchunks) s->next++;
+    pthread_mutex_unlock(&s->lock);
     if (c >= s->nchunks) return 0;
-    prio_t prio = go_idle(idle);
-    for (Py_ssize_t j = s->first[c]; state && j < s->first[c + 1]; j++) {
-        wrec_t *r = &s->recs[j];
-        uint8_t *h = s->heads + j * HEADER_NBYTES;
-        memcpy(h, r->head.buf, HEADER_NBYTES);
-        uint64_t check = xxh3(r->payload.buf, (size_t)r->payload.len);
-        memcpy(h + 160, &check, 8);
-        xxh3_reset(state);
-        xxh3_update(state, h, FIELDS_NBYTES);
-        xxh3_update(state, r->tokens.buf, (size_t)r->tokens.len);
-        check = xxh3_digest(state);
-        memcpy(h + FIELDS_NBYTES, &check, 8);
+    uint8_t *img = s->image ? image_get(s->nbytes[c]) : NULL; /* at this thread's own priority */
+    int ok = state && (!s->image || img);
+    prio_t prio = go_idle(idle && ok);
+    if (ok && img) {
+        seal_image(s, c, img, state);
+    } else {
+        for (Py_ssize_t j = s->first[c]; ok && j < s->first[c + 1]; j++) {
+            wrec_t *r = &s->recs[j];
+            uint8_t *h = s->heads + j * HEADER_NBYTES;
+            memcpy(h, r->head.buf, HEADER_NBYTES);
+            seal_header(h, r, xxh3(r->payload.buf, (size_t)r->payload.len), state);
+        }
     }
     come_back(prio);
     pthread_mutex_lock(&s->lock);
-    s->state[c] = state ? 1 : -1;
+    if (s->image) s->image[c] = img;
+    s->state[c] = ok ? 1 : -1;
     pthread_cond_broadcast(&s->cond);
     pthread_mutex_unlock(&s->lock);
     return 1;
@@ -714,7 +797,7 @@ static int seal_next(seal_t *s, void *state, int idle) {
 static void *sealer(void *arg) {
     seal_t *s = arg;
     void *state = xxh3_create();
-    while (seal_next(s, state, s->idle)) {
+    while (seal_next(s, state, s->idle, 0)) {
     }
     if (state) xxh3_free(state);
     return NULL;
@@ -729,17 +812,59 @@ static int usable_cpus(void) {
 }
 
 PyDoc_STRVAR(write_run_doc,
-    "write_run(fd, offset, records, sync, idle) -> bytes written, padding included\n\n"
+    "write_run(fd, offset, records, sync, idle, direct_fd=-1) -> bytes written, padding included\n\n"
     "records: [(head, token_bytes, payload)], head being a record's 176 header bytes whose two checksums\n"
     "(payload, then header) are filled in here. Writes them back to back at offset, each padded to 4 KiB,\n"
-    "then fdatasync if sync. With idle, the checksums are computed at SCHED_IDLE (the caller has made sure\n"
-    "the thread may come back). OSError on a failed or short write.");
+    "then fdatasync if sync. With direct_fd (the same file opened O_DIRECT), chunks are laid out in aligned\n"
+    "buffers and written through it, past the page cache (buffered through fd if it refuses). With idle,\n"
+    "the checksums (and layouts) are computed at SCHED_IDLE (the caller has made sure the thread may come\n"
+    "back). OSError on a failed or short write.");
+
+/* Writes all of buf at off (a short write resumes where it stopped); 0 or an errno. */
+static int pwrite_all(int fd, const uint8_t *buf, int64_t nbytes, int64_t off) {
+    int64_t done = 0;
+    while (done < nbytes) {
+        ssize_t w = pwrite(fd, buf + done, (size_t)(nbytes - done), off + done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return errno;
+        if (w == 0) return EIO;
+        wtrace_add(0, fd, off + done, w);
+        done += w;
+    }
+    return 0;
+}
+
+/* Writes chunk c's records through their iovecs (header from ``heads``, token ids and payload in place,
+ * zero padding); 0 or an errno. */
+static int write_gathered(seal_t *s, int c, int fd, int64_t off, struct iovec *iov, const void *zeros) {
+    int k = 0;
+    for (Py_ssize_t j = s->first[c]; j < s->first[c + 1]; j++) {
+        wrec_t *r = &s->recs[j];
+        int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->payload.len;
+        iov[k++] = (struct iovec){s->heads + j * HEADER_NBYTES, HEADER_NBYTES};
+        if (r->tokens.len) iov[k++] = (struct iovec){r->tokens.buf, (size_t)r->tokens.len};
+        if (r->payload.len) iov[k++] = (struct iovec){r->payload.buf, (size_t)r->payload.len};
+        if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){(void *)zeros, (size_t)(aligned(nbytes) - nbytes)};
+    }
+    int at = 0;
+    int64_t written = 0;
+    while (at < k) {
+        ssize_t w = pwritev(fd, iov + at, k - at, off + written);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return errno;
+        if (w == 0) return EIO;
+        wtrace_add(0, fd, off + written, w);
+        written += w;
+        at = iov_advance(iov, k, at, (size_t)w);
+    }
+    return written == s->nbytes[c] ? 0 : EIO;
+}
 
 static PyObject *write_run(PyObject *self, PyObject *args) {
-    int fd, sync, idle;
+    int fd, sync, idle, direct_fd = -1;
     long long offset;
     PyObject *o_recs;
-    if (!PyArg_ParseTuple(args, "iLOii", &fd, &offset, &o_recs, &sync, &idle)) return NULL;
+    if (!PyArg_ParseTuple(args, "iLOii|i", &fd, &offset, &o_recs, &sync, &idle, &direct_fd)) return NULL;
     if (!xxh3) return PyErr_Format(PyExc_RuntimeError, "tierkv._native unavailable: %s", unavailable);
     if (offset < 0 || offset % ALIGN) return PyErr_Format(PyExc_ValueError, "write_run: unaligned offset");
     PyObject *seq = PySequence_Fast(o_recs, "write_run: records must be a sequence");
@@ -779,24 +904,32 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     int err = 0;
     int64_t total = 0; /* bytes written so far, padding included */
     Py_BEGIN_ALLOW_THREADS
-    /* Chunks of about WRITE_CHUNK_NBYTES, in order: sealers (a few threads, and this one when they lag)
-     * compute the checksums of the chunks ahead at idle priority while this thread writes the sealed
-     * ones at its own priority and starts each one's writeback (sync_file_range), so that hashing, the
-     * copy into the page cache and the disk all work at once; one fdatasync at the end. */
+    /* Chunks of at most WRITE_CHUNK_NBYTES (or one larger record), in order: sealers (a few threads, and
+     * this one when they lag) seal the chunks ahead at idle priority while this thread writes the sealed
+     * ones at its own priority, so that hashing, copying and the disk all work at once; one fdatasync at
+     * the end. Through direct_fd each chunk is sealed into an aligned image and written past the page
+     * cache (whose upkeep can cost more CPU than the copy: 4 ms a MiB on some VMs); else the records are
+     * written in place, buffered, each chunk's writeback started at once (sync_file_range). */
     seal_t sl;
     memset(&sl, 0, sizeof sl);
     sl.recs = recs;
     sl.heads = heads;
     sl.idle = idle;
     sl.first = PyMem_RawMalloc(sizeof(Py_ssize_t) * ((size_t)n + 2));
+    sl.nbytes = PyMem_RawCalloc((size_t)n + 1, sizeof(int64_t));
     sl.state = PyMem_RawCalloc((size_t)n + 1, sizeof(int));
-    if (!sl.first || !sl.state) err = ENOMEM;
+    sl.image = direct_fd >= 0 ? PyMem_RawCalloc((size_t)n + 1, sizeof(uint8_t *)) : NULL;
+    if (!sl.first || !sl.nbytes || !sl.state || (direct_fd >= 0 && !sl.image)) err = ENOMEM;
     for (Py_ssize_t j = 0; !err && j < n;) { /* chunk boundaries: records [first[c], first[c + 1]) */
         int64_t chunk = 0;
         int k = 0;
-        sl.first[sl.nchunks++] = j;
-        for (; j < n && (k == 0 || (chunk < WRITE_CHUNK_NBYTES && k + 4 <= IOV_CAP)); j++, k += 4)
-            chunk += aligned(HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len);
+        sl.first[sl.nchunks] = j;
+        for (; j < n; j++, k += 4) {
+            int64_t rec = aligned(HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len);
+            if (k > 0 && (chunk + rec > WRITE_CHUNK_NBYTES || k + 4 > IOV_CAP)) break;
+            chunk += rec;
+        }
+        sl.nbytes[sl.nchunks++] = chunk;
     }
     if (sl.first) sl.first[sl.nchunks] = n;
     pthread_mutex_init(&sl.lock, NULL);
@@ -811,10 +944,12 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         if (pthread_create(&tids[started], NULL, sealer, &sl) != 0) break;
         started++;
     }
+    sl.window = started + 2; /* images sealed ahead of the writer: bounds their memory */
+    int direct = direct_fd >= 0;
     for (int c = 0; !err && c < sl.nchunks; c++) {
         int st;
         while ((st = chunk_state(&sl, c)) == 0) { /* not sealed yet: seal the next one here, or wait */
-            if (!seal_next(&sl, own, 0)) {
+            if (!seal_next(&sl, own, 0, 1)) {
                 pthread_mutex_lock(&sl.lock);
                 while (sl.state[c] == 0) pthread_cond_wait(&sl.cond, &sl.lock);
                 pthread_mutex_unlock(&sl.lock);
@@ -824,50 +959,49 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
             err = ENOMEM;
             break;
         }
-        int k = 0;
-        int64_t chunk = 0;
-        for (Py_ssize_t j = sl.first[c]; j < sl.first[c + 1]; j++) {
-            int64_t nbytes = HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len;
-            iov[k++] = (struct iovec){heads + j * HEADER_NBYTES, HEADER_NBYTES};
-            if (recs[j].tokens.len) iov[k++] = (struct iovec){recs[j].tokens.buf, (size_t)recs[j].tokens.len};
-            if (recs[j].payload.len) iov[k++] = (struct iovec){recs[j].payload.buf, (size_t)recs[j].payload.len};
-            if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){zeros, (size_t)(aligned(nbytes) - nbytes)};
-            chunk += aligned(nbytes);
-        }
-        int at = 0;
-        int64_t written = 0;
-        while (at < k) {
-            ssize_t w = pwritev(fd, iov + at, k - at, offset + total + written);
-            if (w < 0) {
-                if (errno == EINTR) continue;
-                err = errno;
-                break;
+        int64_t at = offset + total;
+        if (sl.image) {
+            pthread_mutex_lock(&sl.lock);
+            uint8_t *img = sl.image[c];
+            pthread_mutex_unlock(&sl.lock);
+            err = direct ? pwrite_all(direct_fd, img, sl.nbytes[c], at) : EINVAL;
+            if (err == EINVAL) { /* a file system that opens O_DIRECT but refuses this write: buffered */
+                direct = 0;
+                err = pwrite_all(fd, img, sl.nbytes[c], at);
             }
-            if (w == 0) {
-                err = EIO;
-                break;
+            pthread_mutex_lock(&sl.lock);
+            sl.image[c] = NULL;
+            pthread_mutex_unlock(&sl.lock);
+            image_put(img, sl.nbytes[c]);
+        } else {
+            err = write_gathered(&sl, c, fd, at, iov, zeros);
+            /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report.
+             * Whole pages only: a page the next chunk still writes must not be under writeback. */
+            if (!err && sync && c + 1 < sl.nchunks) {
+                int64_t page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : ALIGN;
+                int64_t from = (at + page - 1) / page * page, to = (at + sl.nbytes[c]) / page * page;
+                if (to > from) (void)sync_file_range(fd, from, to - from, SYNC_FILE_RANGE_WRITE);
             }
-            wtrace_add(0, fd, offset + total + written, w);
-            written += w;
-            at = iov_advance(iov, k, at, (size_t)w);
         }
-        if (!err && written != chunk) err = EIO;
-        /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report. Whole
-         * pages only: a page the next chunk still writes must not be under writeback (stable pages). */
-        if (!err && sync && c + 1 < sl.nchunks) {
-            int64_t page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : ALIGN;
-            int64_t from = (offset + total + page - 1) / page * page, to = (offset + total + chunk) / page * page;
-            if (to > from) (void)sync_file_range(fd, from, to - from, SYNC_FILE_RANGE_WRITE);
-        }
-        total += written;
+        if (!err) total += sl.nbytes[c];
+        pthread_mutex_lock(&sl.lock);
+        sl.written = c + 1;
+        pthread_cond_broadcast(&sl.cond); /* sealers waiting for the window */
+        pthread_mutex_unlock(&sl.lock);
     }
+    pthread_mutex_lock(&sl.lock);
     atomic_store(&sl.stop, 1); /* a failed write: the sealers take no more chunks */
+    pthread_cond_broadcast(&sl.cond);
+    pthread_mutex_unlock(&sl.lock);
     for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    for (int c = 0; sl.image && c < sl.nchunks; c++) image_put(sl.image[c], sl.nbytes[c]); /* sealed, unwritten */
     if (own) xxh3_free(own);
     pthread_cond_destroy(&sl.cond);
     pthread_mutex_destroy(&sl.lock);
     PyMem_RawFree(sl.first);
+    PyMem_RawFree(sl.nbytes);
     PyMem_RawFree(sl.state);
+    PyMem_RawFree(sl.image);
     if (!err && sync) {
         if (fdatasync(fd) != 0) err = errno;
         else wtrace_add(1, fd, 0, 0);

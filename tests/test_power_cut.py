@@ -93,6 +93,7 @@ class RecordingNative:
 
     def __init__(self, log: list[Op]) -> None:
         self._log = log
+        self.direct_runs = 0  # runs written through an O_DIRECT descriptor
 
     def enabled(self) -> bool:
         return native.enabled()
@@ -100,18 +101,19 @@ class RecordingNative:
     def module(self) -> RecordingNative:
         return self
 
-    def write_run(self, fd, offset, records, sync, idle):
+    def write_run(self, fd, offset, records, sync, idle, direct_fd=-1):
         nat = native.module()
+        self.direct_runs += direct_fd >= 0
         nat.trace_writes(True)
         try:
-            return nat.write_run(fd, offset, records, sync, idle)
+            return nat.write_run(fd, offset, records, sync, idle, direct_fd)
         finally:
             events = nat.trace_writes(False)
             path = RecordingOS._path(fd)
             rfd = os.open(path, os.O_RDONLY)  # the writer's own is write-only
             try:
                 for kind, efd, off, n in events:
-                    assert efd == fd
+                    assert efd in (fd, direct_fd)  # the segment's own, or its O_DIRECT one
                     if kind == "write":
                         self._log.append(Op("write", path, off, os.pread(rfd, n, off)))
                     else:
@@ -198,7 +200,8 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
     recording = RecordingOS(log)
     monkeypatch.setattr(segments_mod, "os", recording)
     monkeypatch.setattr(segment_writer_mod, "os", recording)
-    monkeypatch.setattr(segment_writer_mod, "native", RecordingNative(log))
+    recording_native = RecordingNative(log)
+    monkeypatch.setattr(segment_writer_mod, "native", recording_native)
     real_punch = segments_mod.punch_hole
 
     def punch(fd: int, offset: int, nbytes: int) -> bool:
@@ -247,6 +250,8 @@ def record_workload(root: Path, ns, monkeypatch) -> tuple[list[Op], bytes]:
             store.save(ns, [p * 1000 + t for t in range(48)], make_kv(ns, 48, seed=p))
         assert store.flush() == 0  # nothing was lost: every flushed prompt must survive
         log += [Op("flushed", prompt=q) for q in range(8, 11)]
+        if native.enabled() and store.tier("disk").segments.direct_writes:
+            assert recording_native.direct_runs  # the O_DIRECT writer is what the cuts replay
     monkeypatch.undo()
     return log, base_index
 

@@ -321,15 +321,20 @@ def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> Non
     assert len(files[0]) >= 10 * 4096 and files[0] == files[1]
 
 
-@pytest.mark.parametrize("sync", [0, 1])
-def test_write_run_in_many_chunks_writes_what_seal_writes(tmp_path, sync: int) -> None:
-    """A run large enough for several chunks (by bytes, and by the iovec limit: 300 small records), sealed
-    on several threads, is byte for byte the Python reference: each record sealed (codec.seal), padded to
-    a page, back to back."""
+@pytest.mark.parametrize(("sync", "direct", "idle"), [(0, False, 0), (1, False, 0), (1, True, 0), (0, True, 1)])
+def test_write_run_in_many_chunks_writes_what_seal_writes(tmp_path, sync: int, direct: bool, idle: int) -> None:
+    """A run large enough for several chunks (by bytes, by the iovec limit: 300 small records, and one
+    record larger than a chunk), sealed on several threads, is byte for byte the Python reference: each
+    record sealed (codec.seal), padded to a page, back to back. With O_DIRECT, every write goes through
+    the O_DIRECT descriptor, from the chunks' aligned images."""
     import random
 
+    from tierkv.priority import native_idle
+
+    if idle and not native_idle():
+        pytest.skip("this process may not leave SCHED_IDLE")
     rng = random.Random(7)
-    sizes = [rng.choice([4096, 40_000, 1 << 20, 3 << 20]) for _ in range(24)] + [100] * 300
+    sizes = [rng.choice([4096, 40_000, 1 << 20, 3 << 20]) for _ in range(24)] + [100] * 300 + [9 << 20, 5]
     recs = [
         codec.Unsealed(
             bytes(rng.randrange(256) for _ in range(codec.HEADER_NBYTES - 16)) + bytes(16),
@@ -344,14 +349,30 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(tmp_path, sync: int) -
         want += body + bytes(-len(body) % 4096)
     path = tmp_path / "run.seg"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    dfd = -1
+    nat = native.module()
     try:
-        assert native.module().write_run(
-            fd, 4096, [(r.head, r.token_bytes, r.payload) for r in recs], sync, 0
-        ) == len(want)
+        if direct:
+            try:
+                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:
+                pytest.skip("this file system refuses O_DIRECT")
+        nat.trace_writes(True)
+        try:
+            got = nat.write_run(fd, 4096, [(r.head, r.token_bytes, r.payload) for r in recs], sync, idle, dfd)
+        finally:
+            ops = nat.trace_writes(False)
+        assert got == len(want)
     finally:
         os.close(fd)
+        if dfd >= 0:
+            os.close(dfd)
     assert len(want) > 2 * (8 << 20)  # several chunks
     assert path.read_bytes()[4096:] == bytes(want)
+    writes = [op for op in ops if op[0] == "write"]
+    assert {efd for _, efd, *_ in writes} == ({dfd} if direct else {fd})
+    assert sum(n for *_, n in writes) == len(want)
+    assert [op[0] for op in ops].count("sync") == sync
 
 
 def test_the_disk_writer_runs_python_at_nice_19_and_never_at_idle_priority(tmp_path, ns) -> None:

@@ -51,6 +51,16 @@ __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "STORE_FORMAT_VERSION", "DiskTier", "Entr
 DEFAULT_MAP_NBYTES = 1 << 30  # the index only (about 200 B per block); a sparse file, grown when full
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable (1, true, yes, on / 0, false, no, off); ``default`` if unset or other."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return default
+
+
 class DiskTier(Tier):
     """Durable, content-addressed block store. Thread-safe; one instance per process and directory, any
     number of processes per directory."""
@@ -73,10 +83,14 @@ class DiskTier(Tier):
         sweep_interval_s: float = 0.0,
         counters: Counters | None = None,
         direct_reads: bool | None = None,
+        direct_writes: bool | None = None,
     ) -> None:
         """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT instead of
         buffered with readahead (None: ``TIERKV_DIRECT_READS=1`` in the environment). Which is faster is the
-        disk's: ``tierkv bench`` measures both."""
+        disk's: ``tierkv bench`` measures both. ``direct_writes``: the native writer writes records past the
+        page cache, with O_DIRECT, where the file system allows it (None: unless ``TIERKV_DIRECT_WRITES=0``):
+        the host tier already holds what was just saved, and the page cache's upkeep of written pages can
+        cost more CPU than the copy itself."""
         self.path = Path(path)
         self.clock = clock
         self.counters = counters or Counters()
@@ -85,17 +99,15 @@ class DiskTier(Tier):
             self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy, counters=self.counters
         )
         if direct_reads is None:
-            direct_reads = os.environ.get("TIERKV_DIRECT_READS", "").strip().lower() in (
-                "1",
-                "true",
-                "yes",
-                "on",
-            )
+            direct_reads = _env_flag("TIERKV_DIRECT_READS", False)
+        if direct_writes is None:
+            direct_writes = _env_flag("TIERKV_DIRECT_WRITES", True)
         self.segments = SegmentDir(
             self.path / "segments",
             read_threads=read_threads,
             counters=self.counters,
             direct_reads=direct_reads,
+            direct_writes=direct_writes,
         )
         self.sweeps = Sweeps(self.index, self.segments, self.counters)
         self.times = AccessTimes(self.index)
@@ -335,7 +347,8 @@ class DiskTier(Tier):
         if not native.enabled():
             return native.describe()
         how = "O_DIRECT where uncached" if self.segments.direct_reads else "buffered with readahead"
-        return f"native (reads {how}, {native.READ_THREADS} in flight; writes sealed and synced natively)"
+        writes = "O_DIRECT" if self.segments.direct_writes else "buffered"
+        return f"native (reads {how}, {native.READ_THREADS} in flight; writes {writes}, sealed and synced natively)"
 
     # ---------------------------------------------------------------- writes
 

@@ -1,7 +1,8 @@
 """Appending to a segment file: the one this process's disk writer owns, flock-held while it lives.
 
 Records are written back to back, each padded to a page (``ALIGN``), with gathered writes, and made
-durable (fdatasync) before the caller indexes them.
+durable (fdatasync) before the caller indexes them. The native writer writes them with O_DIRECT, through a
+second descriptor of the same file, where the file system allows it (``SegmentDir.direct_writes``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ class SegmentWriter:
                 os.unlink(temp)
             raise
         self.end = 0
+        # The O_DIRECT descriptor (no lock of its own: the flock above is on the file's first open).
+        self.direct_fd: int | None = None
+        if segments.direct_writes and native.enabled():
+            try:
+                self.direct_fd = os.open(final, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError as exc:  # written buffered, as without O_DIRECT
+                if exc.errno == errno.EINVAL:
+                    segments.direct_writes = False  # this file system refuses O_DIRECT (tmpfs)
 
     def append(self, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> list[int]:
         """Write records (each a list of buffers, or a record still to be sealed) back to back, each padded
@@ -64,7 +73,10 @@ class SegmentWriter:
                 offsets.append(pos)
                 pos += aligned(r.nbytes)  # type: ignore[union-attr]
             batch = [(r.head, r.token_bytes, r.payload) for r in records]  # type: ignore[union-attr]
-            written = native.module().write_run(self.fd, self.end, batch, int(self.sync), int(native_idle()))
+            direct_fd = -1 if self.direct_fd is None else self.direct_fd
+            written = native.module().write_run(
+                self.fd, self.end, batch, int(self.sync), int(native_idle()), direct_fd
+            )
             if written != pos - self.end:  # the two must agree on every record's footprint
                 raise OSError(errno.EIO, f"native writer wrote {written} bytes, expected {pos - self.end}")
             self.end = pos
@@ -97,4 +109,7 @@ class SegmentWriter:
         return offsets
 
     def close(self) -> None:
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
         os.close(self.fd)  # releases the flock: the segment is now inactive for every process

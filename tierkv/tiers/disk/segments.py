@@ -80,11 +80,18 @@ class SegmentDir:
     """The folder of segment files: paths, cached read descriptors, coalesced parallel reads."""
 
     def __init__(
-        self, path: Path, read_threads: int = 4, counters: Counters | None = None, direct_reads: bool = False
+        self,
+        path: Path,
+        read_threads: int = 4,
+        counters: Counters | None = None,
+        direct_reads: bool = False,
+        direct_writes: bool = False,
     ) -> None:
         self.path = path
         # The native reader reads records the page cache lacks with O_DIRECT (else buffered, with readahead).
         self.direct_reads = direct_reads
+        # The native writer writes records with O_DIRECT (SegmentWriter), where the file system allows it.
+        self.direct_writes = direct_writes
         self.counters = counters or Counters()
         self._punch_warned = False
         self._read_errors_logged: set[int | None] = set()  # errnos already logged: once each, no storm
