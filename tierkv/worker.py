@@ -224,6 +224,16 @@ class CachedModel:
     def prefill(
         self, token_ids: Sequence[int], *, cache_salt: str = "", use_cache: bool = True
     ) -> PrefillResult:
+        pre, save = self._prefill(token_ids, cache_salt, use_cache)
+        if save is not None:
+            self._save(*save)
+        return pre
+
+    def _prefill(
+        self, token_ids: Sequence[int], cache_salt: str, use_cache: bool
+    ) -> tuple[PrefillResult, tuple[BlockChain, Any, int] | None]:
+        """The prefill, and what its caller is to save (``_save``'s arguments): ``stream`` answers with
+        the first token before it saves."""
         if not token_ids:
             raise ConfigError("empty prompt")
         ns = self.namespace(cache_salt)
@@ -254,9 +264,8 @@ class CachedModel:
         if n and chain is not None and self.self_check_rate and self._sample.random() < self.self_check_rate:
             logits, cache, sound = self._self_check(chain, token_ids, n, logits)  # before the save: see there
             saved = n if sound else 0
-        if chain is not None:
-            self._save(chain, cache, saved)
-        return PrefillResult(logits, cache, hit, len(token_ids) - n, t1 - t0, t2 - t1)
+        save = (chain, cache, saved) if chain is not None else None
+        return PrefillResult(logits, cache, hit, len(token_ids) - n, t1 - t0, t2 - t1), save
 
     def _self_check(
         self, chain: BlockChain, token_ids: Sequence[int], n: int, logits: torch.Tensor
@@ -341,8 +350,13 @@ class CachedModel:
         """
         prompt_ids = list(prompt_ids)
         with torch.inference_mode():
-            pre = self.prefill(prompt_ids, cache_salt=cache_salt, use_cache=use_cache)
-        yield StreamEvent(prefill=pre)
+            pre, save = self._prefill(prompt_ids, cache_salt, use_cache)
+        try:
+            yield StreamEvent(prefill=pre)  # the first token's logits go out before the save's copies
+        finally:  # saved also when the caller stops here (a client gone after its first token)
+            if save is not None:
+                with torch.inference_mode():
+                    self._save(*save)
         logits, cache = pre.logits, pre.cache
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
         out: list[int] = []
