@@ -661,35 +661,35 @@ static PyObject *can_leave_idle(PyObject *self, PyObject *unused) {
 
 typedef struct { Py_buffer head, tokens, payload; } wrec_t;
 
-/* write_run's chunk images (O_DIRECT): page-aligned buffers of WRITE_CHUNK_NBYTES, a few kept between
- * calls (a fresh one costs a page fault per 4 KiB); a chunk of one larger record gets its own. */
+/* write_run's chunk images (O_DIRECT): page-aligned buffers of WRITE_CHUNK_NBYTES, kept between calls
+ * and faulted in when allocated, at the caller's own priority: a page fault taken at idle priority holds
+ * the process's memory map lock for as long as the cores stay busy. A chunk of one larger record, or one
+ * without an image (no memory), is written buffered instead. */
 #define IMAGE_KEEP 8
 static void *image_free[IMAGE_KEEP];
 static int image_nfree;
 static pthread_mutex_t image_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static void *image_get(int64_t nbytes) {
+static void *image_get(void) {
     void *p = NULL;
-    if (nbytes <= WRITE_CHUNK_NBYTES) {
-        pthread_mutex_lock(&image_lock);
-        if (image_nfree) p = image_free[--image_nfree];
-        pthread_mutex_unlock(&image_lock);
-        nbytes = WRITE_CHUNK_NBYTES;
+    pthread_mutex_lock(&image_lock);
+    if (image_nfree) p = image_free[--image_nfree];
+    pthread_mutex_unlock(&image_lock);
+    if (!p) {
+        if (posix_memalign(&p, ALIGN, WRITE_CHUNK_NBYTES) != 0) return NULL;
+        memset(p, 0, WRITE_CHUNK_NBYTES); /* its pages faulted in here, not at idle priority */
     }
-    if (!p && posix_memalign(&p, ALIGN, (size_t)nbytes) != 0) p = NULL;
     return p;
 }
 
-static void image_put(void *p, int64_t nbytes) {
+static void image_put(void *p) {
     if (!p) return;
-    if (nbytes <= WRITE_CHUNK_NBYTES) {
-        pthread_mutex_lock(&image_lock);
-        if (image_nfree < IMAGE_KEEP) {
-            image_free[image_nfree++] = p;
-            p = NULL;
-        }
-        pthread_mutex_unlock(&image_lock);
+    pthread_mutex_lock(&image_lock);
+    if (image_nfree < IMAGE_KEEP) {
+        image_free[image_nfree++] = p;
+        p = NULL;
     }
+    pthread_mutex_unlock(&image_lock);
     free(p);
 }
 
@@ -772,8 +772,9 @@ static int seal_next(seal_t *s, void *state, int idle, int nowait) {
     if (c < s->nchunks) s->next++;
     pthread_mutex_unlock(&s->lock);
     if (c >= s->nchunks) return 0;
-    uint8_t *img = s->image ? image_get(s->nbytes[c]) : NULL; /* at this thread's own priority */
-    int ok = state && (!s->image || img);
+    /* at this thread's own priority; none for a chunk larger than an image: written buffered */
+    uint8_t *img = s->image && s->nbytes[c] <= WRITE_CHUNK_NBYTES ? image_get() : NULL;
+    int ok = state != NULL;
     prio_t prio = go_idle(idle && ok);
     if (ok && img) {
         seal_image(s, c, img, state);
@@ -939,12 +940,13 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     int cpus = usable_cpus();
     void *own = err ? NULL : xxh3_create(); /* the writer's, for the chunks it seals itself */
     if (!err && !own) err = ENOMEM;
+    /* images sealed ahead of the writer, at most: bounds their memory (IMAGE_KEEP covers them) */
+    sl.window = (MAX_SEALERS < cpus ? MAX_SEALERS : cpus) + 2;
     /* one chunk fewer than there are: the writer seals the first itself while the sealers start */
     for (int t = 0; !err && t < MAX_SEALERS && t < cpus && t + 1 < sl.nchunks; t++) {
         if (pthread_create(&tids[started], NULL, sealer, &sl) != 0) break;
         started++;
     }
-    sl.window = started + 2; /* images sealed ahead of the writer: bounds their memory */
     int direct = direct_fd >= 0;
     for (int c = 0; !err && c < sl.nchunks; c++) {
         int st;
@@ -960,19 +962,20 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
             break;
         }
         int64_t at = offset + total;
+        uint8_t *img = NULL;
         if (sl.image) {
             pthread_mutex_lock(&sl.lock);
-            uint8_t *img = sl.image[c];
+            img = sl.image[c];
+            sl.image[c] = NULL;
             pthread_mutex_unlock(&sl.lock);
+        }
+        if (img) {
             err = direct ? pwrite_all(direct_fd, img, sl.nbytes[c], at) : EINVAL;
             if (err == EINVAL) { /* a file system that opens O_DIRECT but refuses this write: buffered */
                 direct = 0;
                 err = pwrite_all(fd, img, sl.nbytes[c], at);
             }
-            pthread_mutex_lock(&sl.lock);
-            sl.image[c] = NULL;
-            pthread_mutex_unlock(&sl.lock);
-            image_put(img, sl.nbytes[c]);
+            image_put(img);
         } else {
             err = write_gathered(&sl, c, fd, at, iov, zeros);
             /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report.
@@ -994,7 +997,7 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     pthread_cond_broadcast(&sl.cond);
     pthread_mutex_unlock(&sl.lock);
     for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
-    for (int c = 0; sl.image && c < sl.nchunks; c++) image_put(sl.image[c], sl.nbytes[c]); /* sealed, unwritten */
+    for (int c = 0; sl.image && c < sl.nchunks; c++) image_put(sl.image[c]); /* sealed, unwritten */
     if (own) xxh3_free(own);
     pthread_cond_destroy(&sl.cond);
     pthread_mutex_destroy(&sl.lock);

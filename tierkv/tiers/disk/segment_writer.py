@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -20,6 +22,8 @@ from tierkv.priority import native_idle
 from tierkv.tiers.disk.segments import _IOV_MAX, _TEMP, ALIGN, SegmentDir, aligned, fsync_dir
 
 __all__ = ["SegmentWriter"]
+
+log = logging.getLogger("tierkv.disk")
 
 _ZEROS = memoryview(bytes(ALIGN))  # page padding between records
 
@@ -52,13 +56,16 @@ class SegmentWriter:
             raise
         self.end = 0
         # The O_DIRECT descriptor (no lock of its own: the flock above is on the file's first open).
+        # Only where a page is ALIGN: records are padded to ALIGN, and a larger page could hold the end of
+        # one record and the start of the next, cached by a reader before the O_DIRECT write of the next.
         self.direct_fd: int | None = None
-        if segments.direct_writes and native.enabled():
+        if segments.direct_writes and native.enabled() and mmap.PAGESIZE == ALIGN:
             try:
                 self.direct_fd = os.open(final, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
             except OSError as exc:  # written buffered, as without O_DIRECT
                 if exc.errno == errno.EINVAL:
                     segments.direct_writes = False  # this file system refuses O_DIRECT (tmpfs)
+                log.warning("segment %d: no O_DIRECT descriptor (%s): written buffered", seg_id, exc)
 
     def append(self, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> list[int]:
         """Write records (each a list of buffers, or a record still to be sealed) back to back, each padded
@@ -109,7 +116,9 @@ class SegmentWriter:
         return offsets
 
     def close(self) -> None:
-        if self.direct_fd is not None:
-            os.close(self.direct_fd)
-            self.direct_fd = None
-        os.close(self.fd)  # releases the flock: the segment is now inactive for every process
+        try:
+            if self.direct_fd is not None:
+                os.close(self.direct_fd)
+                self.direct_fd = None
+        finally:
+            os.close(self.fd)  # releases the flock: the segment is now inactive for every process
