@@ -584,7 +584,7 @@ done:
 /* ------------------------------------------------------------------ the writer's file operations (tests) */
 /* The power-cut harness records every write and sync that reaches a segment file; the native writer's
  * happen here, so it logs them when asked (trace_writes), in order, for the harness to replay. */
-typedef struct { int sync; int fd; int64_t offset, nbytes; } wtrace_t;
+typedef struct { int sync; int fd; int64_t offset, nbytes; } wtrace_t; /* sync: 0 write, 1 sync, 2 allocate */
 static wtrace_t wtrace[8192];
 static int wtrace_n, wtrace_on, wtrace_lost;
 static pthread_mutex_t wtrace_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -604,7 +604,8 @@ static PyObject *trace_writes(PyObject *self, PyObject *arg) {
     int lost = wtrace_lost;
     PyObject *out = lost ? NULL : PyList_New(wtrace_n);
     for (int i = 0; out && i < wtrace_n; i++) {
-        PyObject *ev = Py_BuildValue("(siLL)", wtrace[i].sync ? "sync" : "write", wtrace[i].fd,
+        const char *kind = wtrace[i].sync == 2 ? "allocate" : wtrace[i].sync ? "sync" : "write";
+        PyObject *ev = Py_BuildValue("(siLL)", kind, wtrace[i].fd,
                                      (long long)wtrace[i].offset, (long long)wtrace[i].nbytes);
         if (!ev) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, ev);
@@ -693,20 +694,23 @@ static void image_put(void *p) {
     free(p);
 }
 
-/* write_run's sealing: the two checksums of each record, chunk by chunk, on a few threads; with images,
- * each chunk is also laid out (records, checksums, padding) in an aligned buffer for an O_DIRECT write. */
+/* write_run's sealing: the two checksums of each record, chunk by chunk, on a few threads. Buffered, the
+ * caller writes the sealed chunks in order; with O_DIRECT, each thread lays the chunk it sealed out in an
+ * aligned image and writes it itself, at its offset, so that several writes are in flight at once. */
 #define MAX_SEALERS 4
 #define COPY_PIECE_NBYTES (256 << 10) /* an image's payload is copied and hashed piece by piece, in cache */
 typedef struct {
     wrec_t *recs;
-    uint8_t *heads;    /* without images: each record's sealed header */
+    uint8_t *heads;    /* each record's sealed header, when not sealed into an image */
     Py_ssize_t *first; /* chunk c: records [first[c], first[c + 1]) */
     int64_t *nbytes;   /* chunk c's bytes, padding included */
-    uint8_t **image;   /* with images: chunk c's, once sealed; NULL without */
-    int nchunks, idle, window;
-    int *state;        /* per chunk, under lock: 0 not sealed, 1 sealed, -1 failed (no memory) */
+    int64_t *at;       /* chunk c's offset in the file */
+    int nchunks, idle;
+    int fd, direct_fd; /* direct_fd >= 0: each chunk written by the thread that sealed it */
+    atomic_int direct; /* O_DIRECT writes still accepted (EINVAL turns them off for the rest) */
+    int *state;        /* per chunk, under lock: 0 not done, 1 sealed (and written, with O_DIRECT), -errno */
     int next;          /* under lock: the next chunk to claim */
-    int written;       /* under lock: chunks written; images are sealed at most ``window`` ahead of it */
+    int err;           /* under lock: the first chunk's failure (its errno) */
     atomic_int stop;
     pthread_mutex_t lock;
     pthread_cond_t cond;
@@ -754,32 +758,67 @@ static void seal_image(seal_t *s, int c, uint8_t *img, void *state) {
     }
 }
 
-/* Claims and seals the next unclaimed chunk with ``state`` (a hash state: created before any idle
- * section, as a malloc may take locks others wait for); at idle priority with ``idle``. 0 when none is
- * left, or, with ``nowait``, when images are ``window`` chunks ahead of the writer (the writer calls it
- * so while it waits for its chunk: it must never wait for itself). The writer calls it at its own
- * priority (it returns to Python: never at idle), the sealer threads at idle priority (theirs end here). */
-static int seal_next(seal_t *s, void *state, int idle, int nowait) {
-    pthread_mutex_lock(&s->lock);
-    while (s->image && !atomic_load(&s->stop) && s->next < s->nchunks && s->next >= s->written + s->window) {
-        if (nowait) {
-            pthread_mutex_unlock(&s->lock);
-            return 0;
-        }
-        pthread_cond_wait(&s->cond, &s->lock);
+/* Writes all of buf at off (a short write resumes where it stopped); 0 or an errno. */
+static int pwrite_all(int fd, const uint8_t *buf, int64_t nbytes, int64_t off) {
+    int64_t done = 0;
+    while (done < nbytes) {
+        ssize_t w = pwrite(fd, buf + done, (size_t)(nbytes - done), off + done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return errno;
+        if (w == 0) return EIO;
+        wtrace_add(0, fd, off + done, w);
+        done += w;
     }
+    return 0;
+}
+
+/* Writes chunk c's records in place, buffered (header from ``heads``, token ids and payload where they
+ * are, zero padding); 0 or an errno. */
+static int write_gathered(seal_t *s, int c, const void *zeros) {
+    struct iovec iov[IOV_CAP]; /* a chunk has at most IOV_CAP / 4 records */
+    int k = 0;
+    for (Py_ssize_t j = s->first[c]; j < s->first[c + 1]; j++) {
+        wrec_t *r = &s->recs[j];
+        int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->payload.len;
+        iov[k++] = (struct iovec){s->heads + j * HEADER_NBYTES, HEADER_NBYTES};
+        if (r->tokens.len) iov[k++] = (struct iovec){r->tokens.buf, (size_t)r->tokens.len};
+        if (r->payload.len) iov[k++] = (struct iovec){r->payload.buf, (size_t)r->payload.len};
+        if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){(void *)zeros, (size_t)(aligned(nbytes) - nbytes)};
+    }
+    int at = 0;
+    int64_t written = 0;
+    while (at < k) {
+        ssize_t w = pwritev(s->fd, iov + at, k - at, s->at[c] + written);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return errno;
+        if (w == 0) return EIO;
+        wtrace_add(0, s->fd, s->at[c] + written, w);
+        written += w;
+        at = iov_advance(iov, k, at, (size_t)w);
+    }
+    return written == s->nbytes[c] ? 0 : EIO;
+}
+
+static const uint8_t zero_page[ALIGN];
+
+/* Claims and seals the next unclaimed chunk with ``state`` (a hash state: created before any idle
+ * section, as a malloc may take locks others wait for), at idle priority with ``idle``; with O_DIRECT,
+ * writes it too, back at this thread's own priority. 0 when none is left. The writer calls it at its own
+ * priority (it returns to Python: never at idle), the sealer threads at idle priority (theirs end here). */
+static int seal_next(seal_t *s, void *state, int idle) {
+    pthread_mutex_lock(&s->lock);
     int c = atomic_load(&s->stop) ? s->nchunks : s->next;
     if (c < s->nchunks) s->next++;
     pthread_mutex_unlock(&s->lock);
     if (c >= s->nchunks) return 0;
     /* at this thread's own priority; none for a chunk larger than an image: written buffered */
-    uint8_t *img = s->image && s->nbytes[c] <= WRITE_CHUNK_NBYTES ? image_get() : NULL;
-    int ok = state != NULL;
-    prio_t prio = go_idle(idle && ok);
-    if (ok && img) {
+    uint8_t *img = s->direct_fd >= 0 && s->nbytes[c] <= WRITE_CHUNK_NBYTES ? image_get() : NULL;
+    int err = state ? 0 : ENOMEM;
+    prio_t prio = go_idle(idle && !err);
+    if (!err && img) {
         seal_image(s, c, img, state);
     } else {
-        for (Py_ssize_t j = s->first[c]; ok && j < s->first[c + 1]; j++) {
+        for (Py_ssize_t j = s->first[c]; !err && j < s->first[c + 1]; j++) {
             wrec_t *r = &s->recs[j];
             uint8_t *h = s->heads + j * HEADER_NBYTES;
             memcpy(h, r->head.buf, HEADER_NBYTES);
@@ -787,9 +826,22 @@ static int seal_next(seal_t *s, void *state, int idle, int nowait) {
         }
     }
     come_back(prio);
+    if (!err && s->direct_fd >= 0) {
+        if (img) {
+            err = atomic_load(&s->direct) ? pwrite_all(s->direct_fd, img, s->nbytes[c], s->at[c]) : EINVAL;
+            if (err == EINVAL) { /* a file system that opens O_DIRECT but refuses this write: buffered */
+                atomic_store(&s->direct, 0);
+                err = pwrite_all(s->fd, img, s->nbytes[c], s->at[c]);
+            }
+        } else {
+            err = write_gathered(s, c, zero_page);
+        }
+    }
+    image_put(img);
     pthread_mutex_lock(&s->lock);
-    if (s->image) s->image[c] = img;
-    s->state[c] = ok ? 1 : -1;
+    s->state[c] = err ? -err : 1;
+    if (err && !s->err) s->err = err;
+    if (err) atomic_store(&s->stop, 1); /* the run has failed: no more chunks are taken */
     pthread_cond_broadcast(&s->cond);
     pthread_mutex_unlock(&s->lock);
     return 1;
@@ -798,9 +850,11 @@ static int seal_next(seal_t *s, void *state, int idle, int nowait) {
 static void *sealer(void *arg) {
     seal_t *s = arg;
     void *state = xxh3_create();
-    while (seal_next(s, state, s->idle, 0)) {
+    if (state) {
+        while (seal_next(s, state, s->idle)) {
+        }
+        xxh3_free(state);
     }
-    if (state) xxh3_free(state);
     return NULL;
 }
 
@@ -816,50 +870,11 @@ PyDoc_STRVAR(write_run_doc,
     "write_run(fd, offset, records, sync, idle, direct_fd=-1) -> bytes written, padding included\n\n"
     "records: [(head, token_bytes, payload)], head being a record's 176 header bytes whose two checksums\n"
     "(payload, then header) are filled in here. Writes them back to back at offset, each padded to 4 KiB,\n"
-    "then fdatasync if sync. With direct_fd (the same file opened O_DIRECT), chunks are laid out in aligned\n"
-    "buffers and written through it, past the page cache (buffered through fd if it refuses). With idle,\n"
-    "the checksums (and layouts) are computed at SCHED_IDLE (the caller has made sure the thread may come\n"
-    "back). OSError on a failed or short write.");
-
-/* Writes all of buf at off (a short write resumes where it stopped); 0 or an errno. */
-static int pwrite_all(int fd, const uint8_t *buf, int64_t nbytes, int64_t off) {
-    int64_t done = 0;
-    while (done < nbytes) {
-        ssize_t w = pwrite(fd, buf + done, (size_t)(nbytes - done), off + done);
-        if (w < 0 && errno == EINTR) continue;
-        if (w < 0) return errno;
-        if (w == 0) return EIO;
-        wtrace_add(0, fd, off + done, w);
-        done += w;
-    }
-    return 0;
-}
-
-/* Writes chunk c's records through their iovecs (header from ``heads``, token ids and payload in place,
- * zero padding); 0 or an errno. */
-static int write_gathered(seal_t *s, int c, int fd, int64_t off, struct iovec *iov, const void *zeros) {
-    int k = 0;
-    for (Py_ssize_t j = s->first[c]; j < s->first[c + 1]; j++) {
-        wrec_t *r = &s->recs[j];
-        int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->payload.len;
-        iov[k++] = (struct iovec){s->heads + j * HEADER_NBYTES, HEADER_NBYTES};
-        if (r->tokens.len) iov[k++] = (struct iovec){r->tokens.buf, (size_t)r->tokens.len};
-        if (r->payload.len) iov[k++] = (struct iovec){r->payload.buf, (size_t)r->payload.len};
-        if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){(void *)zeros, (size_t)(aligned(nbytes) - nbytes)};
-    }
-    int at = 0;
-    int64_t written = 0;
-    while (at < k) {
-        ssize_t w = pwritev(fd, iov + at, k - at, off + written);
-        if (w < 0 && errno == EINTR) continue;
-        if (w < 0) return errno;
-        if (w == 0) return EIO;
-        wtrace_add(0, fd, off + written, w);
-        written += w;
-        at = iov_advance(iov, k, at, (size_t)w);
-    }
-    return written == s->nbytes[c] ? 0 : EIO;
-}
+    "then fdatasync if sync. With direct_fd (the same file opened O_DIRECT), the run's space is allocated\n"
+    "first and its chunks are laid out in aligned buffers and written through it, several at once, past\n"
+    "the page cache (buffered through fd if it refuses). With idle, the checksums (and layouts) are\n"
+    "computed at SCHED_IDLE (the caller has made sure the thread may come back). OSError on a failed or\n"
+    "short write.");
 
 static PyObject *write_run(PyObject *self, PyObject *args) {
     int fd, sync, idle, direct_fd = -1;
@@ -873,10 +888,8 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     wrec_t *recs = PyMem_Calloc((size_t)n + 1, sizeof(wrec_t));
     uint8_t *heads = PyMem_Malloc((size_t)n * HEADER_NBYTES + 1);
-    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * ((size_t)n * 4 + 1));
-    void *zeros = PyMem_Calloc(ALIGN, 1);
     PyObject *result = NULL;
-    if (!recs || !heads || !iov || !zeros) {
+    if (!recs || !heads) {
         PyErr_NoMemory();
         goto done;
     }
@@ -903,24 +916,28 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         }
     }
     int err = 0;
-    int64_t total = 0; /* bytes written so far, padding included */
+    int64_t total = 0; /* the run's bytes, padding included */
     Py_BEGIN_ALLOW_THREADS
-    /* Chunks of at most WRITE_CHUNK_NBYTES (or one larger record), in order: sealers (a few threads, and
+    /* Chunks of at most WRITE_CHUNK_NBYTES (or one larger record). Buffered: sealers (a few threads, and
      * this one when they lag) seal the chunks ahead at idle priority while this thread writes the sealed
-     * ones at its own priority, so that hashing, copying and the disk all work at once; one fdatasync at
-     * the end. Through direct_fd each chunk is sealed into an aligned image and written past the page
-     * cache (whose upkeep can cost more CPU than the copy: 4 ms a MiB on some VMs); else the records are
-     * written in place, buffered, each chunk's writeback started at once (sync_file_range). */
+     * ones in order at its own priority and starts each one's writeback (sync_file_range). O_DIRECT: the
+     * run's space is allocated first (fallocate: the writes then land inside the file, which lets ext4
+     * and XFS run them side by side instead of one extending write at a time), and every thread seals
+     * and writes whole chunks, past the page cache, whose upkeep can cost more CPU than the copy (4 ms
+     * a MiB on some VMs). One fdatasync at the end either way. */
     seal_t sl;
     memset(&sl, 0, sizeof sl);
     sl.recs = recs;
     sl.heads = heads;
     sl.idle = idle;
+    sl.fd = fd;
+    sl.direct_fd = direct_fd;
+    atomic_store(&sl.direct, direct_fd >= 0);
     sl.first = PyMem_RawMalloc(sizeof(Py_ssize_t) * ((size_t)n + 2));
     sl.nbytes = PyMem_RawCalloc((size_t)n + 1, sizeof(int64_t));
+    sl.at = PyMem_RawCalloc((size_t)n + 1, sizeof(int64_t));
     sl.state = PyMem_RawCalloc((size_t)n + 1, sizeof(int));
-    sl.image = direct_fd >= 0 ? PyMem_RawCalloc((size_t)n + 1, sizeof(uint8_t *)) : NULL;
-    if (!sl.first || !sl.nbytes || !sl.state || (direct_fd >= 0 && !sl.image)) err = ENOMEM;
+    if (!sl.first || !sl.nbytes || !sl.at || !sl.state) err = ENOMEM;
     for (Py_ssize_t j = 0; !err && j < n;) { /* chunk boundaries: records [first[c], first[c + 1]) */
         int64_t chunk = 0;
         int k = 0;
@@ -930,9 +947,15 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
             if (k > 0 && (chunk + rec > WRITE_CHUNK_NBYTES || k + 4 > IOV_CAP)) break;
             chunk += rec;
         }
+        sl.at[sl.nchunks] = offset + total;
         sl.nbytes[sl.nchunks++] = chunk;
+        total += chunk;
     }
     if (sl.first) sl.first[sl.nchunks] = n;
+    if (!err && direct_fd >= 0 && total > 0) {
+        if (fallocate(direct_fd, 0, offset, total) == 0) wtrace_add(2, fd, offset, total);
+        else if (errno != EOPNOTSUPP && errno != ENOSYS) err = errno; /* ENOSPC: the disk is full */
+    }
     pthread_mutex_init(&sl.lock, NULL);
     pthread_cond_init(&sl.cond, NULL);
     pthread_t tids[MAX_SEALERS];
@@ -940,71 +963,44 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     int cpus = usable_cpus();
     void *own = err ? NULL : xxh3_create(); /* the writer's, for the chunks it seals itself */
     if (!err && !own) err = ENOMEM;
-    /* images sealed ahead of the writer, at most: bounds their memory (IMAGE_KEEP covers them) */
-    sl.window = (MAX_SEALERS < cpus ? MAX_SEALERS : cpus) + 2;
     /* one chunk fewer than there are: the writer seals the first itself while the sealers start */
     for (int t = 0; !err && t < MAX_SEALERS && t < cpus && t + 1 < sl.nchunks; t++) {
         if (pthread_create(&tids[started], NULL, sealer, &sl) != 0) break;
         started++;
     }
-    int direct = direct_fd >= 0;
     for (int c = 0; !err && c < sl.nchunks; c++) {
         int st;
-        while ((st = chunk_state(&sl, c)) == 0) { /* not sealed yet: seal the next one here, or wait */
-            if (!seal_next(&sl, own, 0, 1)) {
-                pthread_mutex_lock(&sl.lock);
-                while (sl.state[c] == 0) pthread_cond_wait(&sl.cond, &sl.lock);
-                pthread_mutex_unlock(&sl.lock);
-            }
-        }
-        if (st < 0) {
-            err = ENOMEM;
+        while ((st = chunk_state(&sl, c)) == 0) { /* not done yet: seal (and write) the next one, or wait */
+            if (seal_next(&sl, own, 0)) continue;
+            pthread_mutex_lock(&sl.lock); /* for its sealer; or, after a failure, until none will take it */
+            while (sl.state[c] == 0 && !(atomic_load(&sl.stop) && c >= sl.next)) pthread_cond_wait(&sl.cond, &sl.lock);
+            st = sl.state[c] != 0 ? sl.state[c] : -(sl.err ? sl.err : EIO);
+            pthread_mutex_unlock(&sl.lock);
             break;
         }
-        int64_t at = offset + total;
-        uint8_t *img = NULL;
-        if (sl.image) {
-            pthread_mutex_lock(&sl.lock);
-            img = sl.image[c];
-            sl.image[c] = NULL;
-            pthread_mutex_unlock(&sl.lock);
+        if (st < 0) {
+            err = -st;
+            break;
         }
-        if (img) {
-            err = direct ? pwrite_all(direct_fd, img, sl.nbytes[c], at) : EINVAL;
-            if (err == EINVAL) { /* a file system that opens O_DIRECT but refuses this write: buffered */
-                direct = 0;
-                err = pwrite_all(fd, img, sl.nbytes[c], at);
-            }
-            image_put(img);
-        } else {
-            err = write_gathered(&sl, c, fd, at, iov, zeros);
-            /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report.
-             * Whole pages only: a page the next chunk still writes must not be under writeback. */
-            if (!err && sync && c + 1 < sl.nchunks) {
-                int64_t page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : ALIGN;
-                int64_t from = (at + page - 1) / page * page, to = (at + sl.nbytes[c]) / page * page;
-                if (to > from) (void)sync_file_range(fd, from, to - from, SYNC_FILE_RANGE_WRITE);
-            }
+        if (direct_fd >= 0) continue; /* written by whoever sealed it */
+        err = write_gathered(&sl, c, zero_page);
+        /* a hint, not a sync: its errors (a file system without it, say) are fdatasync's to report. Whole
+         * pages only: a page the next chunk still writes must not be under writeback (stable pages). */
+        if (!err && sync && c + 1 < sl.nchunks) {
+            int64_t page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : ALIGN;
+            int64_t from = (sl.at[c] + page - 1) / page * page, to = (sl.at[c] + sl.nbytes[c]) / page * page;
+            if (to > from) (void)sync_file_range(fd, from, to - from, SYNC_FILE_RANGE_WRITE);
         }
-        if (!err) total += sl.nbytes[c];
-        pthread_mutex_lock(&sl.lock);
-        sl.written = c + 1;
-        pthread_cond_broadcast(&sl.cond); /* sealers waiting for the window */
-        pthread_mutex_unlock(&sl.lock);
     }
-    pthread_mutex_lock(&sl.lock);
     atomic_store(&sl.stop, 1); /* a failed write: the sealers take no more chunks */
-    pthread_cond_broadcast(&sl.cond);
-    pthread_mutex_unlock(&sl.lock);
     for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
-    for (int c = 0; sl.image && c < sl.nchunks; c++) image_put(sl.image[c]); /* sealed, unwritten */
     if (own) xxh3_free(own);
     pthread_cond_destroy(&sl.cond);
     pthread_mutex_destroy(&sl.lock);
     PyMem_RawFree(sl.first);
     PyMem_RawFree(sl.nbytes);
+    PyMem_RawFree(sl.at);
     PyMem_RawFree(sl.state);
-    PyMem_RawFree(sl.image);
     if (!err && sync) {
         if (fdatasync(fd) != 0) err = errno;
         else wtrace_add(1, fd, 0, 0);
@@ -1024,8 +1020,6 @@ done:
     }
     PyMem_Free(recs);
     PyMem_Free(heads);
-    PyMem_Free(iov);
-    PyMem_Free(zeros);
     Py_DECREF(seq);
     return result;
 }

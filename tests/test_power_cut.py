@@ -116,6 +116,8 @@ class RecordingNative:
                     assert efd in (fd, direct_fd)  # the segment's own, or its O_DIRECT one
                     if kind == "write":
                         self._log.append(Op("write", path, off, os.pread(rfd, n, off)))
+                    elif kind == "allocate":
+                        self._log.append(Op("extend", path, off, nbytes=n))
                     else:
                         self._log.append(Op("sync", path))
             finally:
@@ -136,6 +138,10 @@ def _apply(content: bytearray, op: Op) -> None:
         if len(content) < end:
             content.extend(bytes(end - len(content)))
         content[op.offset : end] = op.data
+    elif op.kind == "extend":  # fallocate: the file is at least this long, zeros where nothing was written
+        end = op.offset + op.nbytes
+        if len(content) < end:
+            content.extend(bytes(end - len(content)))
     elif op.kind == "punch":  # reads as zeros, the size is kept
         end = min(len(content), op.offset + op.nbytes)
         content[op.offset : end] = bytes(max(0, end - op.offset))
@@ -155,7 +161,7 @@ def crash_state(
             index = op.data
         elif op.kind == "create":
             files[op.path] = FileState(None, [], True, False)
-        elif op.kind in ("write", "punch"):
+        elif op.kind in ("write", "punch", "extend"):
             files[op.path].pending.append(op)
         elif op.kind == "sync":
             f = files[op.path]

@@ -375,6 +375,8 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(tmp_path, sync: int, d
     big = -(-(codec.HEADER_NBYTES + 64 + (9 << 20)) // 4096) * 4096
     assert sum(n for _, efd, _, n in writes if efd == fd) == (big if direct else len(want))
     assert [op[0] for op in ops].count("sync") == sync
+    # with O_DIRECT the run's space is allocated first, at once (its writes then run side by side)
+    assert [op[1:] for op in ops if op[0] == "allocate"] == ([(fd, 4096, len(want))] if direct else [])
 
 
 def test_the_disk_writer_runs_python_at_nice_19_and_never_at_idle_priority(tmp_path, ns) -> None:
