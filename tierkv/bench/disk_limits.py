@@ -72,6 +72,8 @@ def _fio(path: Path, nbytes: int, write: bool, request_nbytes: int) -> float | N
 
     if sh.which("fio") is None:
         return None
+    if write:
+        path.unlink(missing_ok=True)  # into a new file, as raw_writes' own
     rw = "write" if write else "read"
     r = subprocess.run(
         ["fio", "--name=limit", f"--filename={path}", f"--rw={rw}", f"--bs={request_nbytes}", "--direct=1",
@@ -116,15 +118,17 @@ def buffered_cold(paths: list[Path], threads: int) -> float:
 
 def raw_writes(path: Path, nbytes: int, runs: int) -> dict[str, list[float]]:
     """O_DIRECT sequential writes of each of ``REQUEST_SIZES`` at each of ``QUEUE_DEPTHS``, fio's when
-    installed. Leaves ``path`` written for ``raw_reads``."""
+    installed, each into a new file: a store appends new data, and overwriting blocks a file already has
+    skips the allocation every append pays (on a virtual disk: 4.9 GB/s against 2.2 for the same writes
+    into a new file). Leaves ``path`` written for ``raw_reads``."""
     srcs = {size: mmap.mmap(-1, size) for size in REQUEST_SIZES}
     for m in srcs.values():
         m.write(os.urandom(len(m)))
     out: dict[str, list[float]] = {}
     for _ in range(runs):
-        path.unlink(missing_ok=True)
         for size in REQUEST_SIZES:
             for d in QUEUE_DEPTHS:
+                path.unlink(missing_ok=True)
                 out.setdefault(f"write_{size >> 20}m_qd{d}", []).append(
                     _odirect_stream(path, nbytes, d, srcs[size], size)
                 )
