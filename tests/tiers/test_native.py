@@ -321,8 +321,12 @@ def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> Non
     assert len(files[0]) >= 10 * 4096 and files[0] == files[1]
 
 
-@pytest.mark.parametrize(("sync", "direct", "idle"), [(0, False, 0), (1, False, 0), (1, True, 0), (0, True, 1)])
-def test_write_run_in_many_chunks_writes_what_seal_writes(tmp_path, sync: int, direct: bool, idle: int) -> None:
+@pytest.mark.parametrize(
+    ("sync", "direct", "idle"), [(0, False, 0), (1, False, 0), (1, True, 0), (0, True, 1)]
+)
+def test_write_run_in_many_chunks_writes_what_seal_writes(
+    tmp_path, sync: int, direct: bool, idle: int
+) -> None:
     """A run large enough for several chunks (by bytes, by the iovec limit: 300 small records, and one
     record larger than a chunk), sealed on several threads, is byte for byte the Python reference: each
     record sealed (codec.seal), padded to a page, back to back. With O_DIRECT, every write but the large
