@@ -226,3 +226,27 @@ def test_overhead_interval_is_exact_without_noise_and_widens_with_it() -> None:
     noisy = [t * 1.05 * rng.uniform(0.8, 1.2) for t in off]
     low, high = _interval({"cache on": noisy, "cache off": off}, per_block=5)
     assert low < 0.05 < high and high - low > 0.05  # what 20% noise over 8 rounds allows one to claim
+
+
+def test_bench_sessions_serves_later_rounds_from_the_tiers_and_a_restart_from_disk(
+    tmp_path, monkeypatch
+) -> None:
+    """The sessions workload through a real ``tierkv serve`` (tiny model): each later round's history is
+    mostly restored (host tier), the round after a restart mostly from disk, nothing lost for the disk;
+    the same prompts for every system (a user's request extends its previous one)."""
+    from tierkv.bench import sessions
+
+    wl = sessions.Workload(3, 2, system_chars=400, doc_chars=600, question_chars=100)
+    first, second = wl.messages(1, 0), wl.messages(1, 1)
+    assert second[: len(first)] == first and second[len(first)]["role"] == "assistant"
+    assert wl.messages(0, 0)[0] == wl.messages(2, 0)[0] and wl.messages(0, 0)[1] != wl.messages(2, 0)[1]
+    res, _ = _quick(tmp_path, monkeypatch, "sessions")
+    s = res["sessions"]["systems"]["tierkv"]
+    one, two = s["rounds"]
+    assert one["sources"].get("computed", 0) > 0.5 * one["prompt_tokens"]  # first round: mostly new
+    assert two["sources"].get("host", 0) > 0.5 * two["prompt_tokens"]  # its history from the host tier
+    after = s["after_restart"]
+    assert after["round"] == 3 and after["sources"].get("disk", 0) > 0.5 * after["prompt_tokens"]
+    assert all(r["lost_blocks"] == 0 and r["requests"] == 3 for r in (one, two, after))
+    assert 0 < one["ttft_p50_s"] <= one["ttft_p90_s"] <= one["ttft_p99_s"]
+    assert "needs vLLM" not in json.dumps(res["sessions"]["errors"])  # tiny: tierkv serve alone, asked

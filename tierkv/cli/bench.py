@@ -65,6 +65,7 @@ PARTS = (
     "restart",
     "overhead",
     "scaleout",
+    "sessions",
 )  # run order
 
 EXIT_STATUS = (
@@ -81,7 +82,9 @@ EXIT_STATUS = (
     "--only",
     default=ONLY_DEFAULT,
     show_default=True,
-    help="Comma-separated parts: ttft, tiers, peers, stall, workloads, plan, scaleout, restart, overhead.",
+    help="Comma-separated parts: ttft, tiers, peers, stall, workloads, plan, scaleout, restart, overhead, "
+    "sessions (many chat sessions at once through vLLM alone, vLLM with tierkv, with ExampleConnector, "
+    "and tierkv serve: about 20 minutes with smollm2).",
 )
 @click.option("--plan", "plan_only", is_flag=True, help="Only the break-even plan (fast).")
 @click.option(
@@ -336,7 +339,26 @@ def _part_runners(
         click.echo(scaleout.markdown(res) + "\n")
         return res
 
+    def sessions_part(base: Path) -> dict[str, Any]:
+        from tierkv.bench import sessions
+        from tierkv.integrations.vllm.serve import vllm_python
+
+        # vLLM's systems where vLLM is installed (.venv-vllm or TIERKV_VLLM_PYTHON); tiny runs tierkv alone
+        python = None if embedded else vllm_python()
+        small = {"users": 3, "rounds": 2, "system_chars": 600, "doc_chars": 900} if quick else {}
+        res = sessions.run(
+            base,
+            python=python,
+            model=model,
+            systems=("tierkv",) if embedded else sessions.SYSTEMS,
+            progress=lambda line: click.echo(line, err=True),
+            **small,  # type: ignore[arg-type]
+        )
+        click.echo(sessions.markdown(res) + "\n")
+        return res
+
     return {
+        "sessions": sessions_part,
         "plan": plan_part,
         "ttft": ttft_part,
         "tiers": tiers_part,

@@ -1,0 +1,460 @@
+"""``tierkv bench --only sessions``: many chat sessions at once, round after round, through each engine.
+
+The workload (seeded, the same text for every system): ``users`` sessions share one system prompt; each
+has a private document and a history that grows every round (a question, then a fixed answer of the
+assistant, so that every system sees the same prompts). In each round every user asks once, at most
+``concurrency`` requests in flight; a round starts when the previous one has ended. After the last round
+the server is restarted (the page cache dropped) and one more round is asked: what a restart costs.
+
+Systems (each one server, in turn, on the same machine):
+
+    vllm          vLLM's OpenAI server, its own prefix cache only, a KV pool of ``pool_tokens``
+    vllm+tierkv   the same with tierkv as its KV connector (host tier ``host_bytes``, then disk)
+    vllm+example  the same with vLLM's ExampleConnector (safetensors files, every prompt saved whole)
+    tierkv        ``tierkv serve`` (its transformers engine, one request at a time), same tiers
+
+Reported per system and round: TTFT p50/p90/p99 at the client (request to first streamed token,
+queueing included), inter-token latency, prompt tokens and requests per second (the round's wall time),
+and where the prompt tokens' KV came from: the counters each server exports on ``/metrics`` (vLLM's
+prefix cache, tierkv's host and disk tiers, recomputed), and the blocks tierkv lost for the disk.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import random
+import re
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tierkv.bench.machine import drop_page_cache
+from tierkv.bench.table import md_table
+from tierkv.bench.workloads import _text
+
+__all__ = ["SYSTEMS", "Workload", "markdown", "run"]
+
+SYSTEMS = ("vllm", "vllm+tierkv", "vllm+example", "tierkv")
+ANSWER = "Noted. The cached prefix is restored from the fastest tier that holds it; the rest is computed."
+
+
+class Workload:
+    """The sessions' text: one system prompt, a document per user, a question per user and round."""
+
+    def __init__(
+        self,
+        users: int,
+        rounds: int,
+        *,
+        system_chars: int,
+        doc_chars: int,
+        question_chars: int,
+        seed: int = 0,
+    ) -> None:
+        rng = random.Random(seed)
+        self.users, self.rounds = users, rounds
+        self.system = "You are the assistant of a team that reads documents. " + _text(rng, system_chars)
+        self.docs = [f"Document {u}: " + _text(rng, doc_chars) for u in range(users)]
+        self.questions = [
+            [f"Question {r + 1}: " + _text(rng, question_chars) for r in range(rounds + 1)]
+            for _ in range(users)
+        ]
+
+    def messages(self, user: int, round_: int) -> list[dict[str, str]]:
+        """User ``user``'s request in round ``round_`` (0-based): its whole history, then a new question."""
+        out = [{"role": "system", "content": self.system}]
+        for r in range(round_ + 1):
+            content = self.questions[user][r]
+            if r == 0:
+                content = self.docs[user] + "\n\n" + content
+            out.append({"role": "user", "content": content})
+            if r < round_:
+                out.append({"role": "assistant", "content": ANSWER})
+        return out
+
+
+def chat(url: str, model: str | None, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed chat completion: TTFT (to the first chunk with text), inter-token gaps, usage."""
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    usage = None
+    with urllib.request.urlopen(req, timeout=900) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                stamps.append(time.perf_counter() - t0)
+    if usage is None or not stamps:
+        raise RuntimeError("the stream had no token or no usage")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {
+        "ttft_s": stamps[0],
+        "itl_s": statistics.mean(gaps) if gaps else None,
+        "e2e_s": stamps[-1],
+        "prompt_tokens": int(usage["prompt_tokens"]),
+        "cached_tokens": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+    }
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf|-Inf)\s*$")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The counters of ``url``/metrics we report, summed over their labels (``tierkv_prompt_tokens`` kept
+    by ``source``): where prompt tokens came from, vLLM's prefix cache hits, and blocks lost for the disk."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        name = name.removesuffix("_total")
+        if name == "tierkv_prompt_tokens":
+            src = re.search(r'source="([^"]+)"', labels)
+            key = f"tokens:{src.group(1) if src else '?'}"
+        elif name in ("vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:prefix_cache_queries"):
+            key = name
+        elif name in ("tierkv_tier_dropped_saves", "tierkv_tier_writeback_lost_blocks"):
+            key = "lost_blocks"  # saves no tier took, blocks evicted from the host tier before the disk had them
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def _round_stats(
+    calls: list[dict[str, Any]], wall_s: float, before: dict[str, float], after: dict[str, float]
+) -> dict[str, Any]:
+    ttfts = [c["ttft_s"] for c in calls]
+    itls = [c["itl_s"] for c in calls if c["itl_s"] is not None]
+    prompt = sum(c["prompt_tokens"] for c in calls)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
+    sources = {k.split(":", 1)[1]: v for k, v in delta.items() if k.startswith("tokens:")}
+    if not sources:  # a server without tierkv's counters: vLLM's own split, and what the usage says
+        local = delta.get("vllm:prefix_cache_hits", 0.0)
+        cached = sum(c["cached_tokens"] for c in calls)
+        sources = {"vllm": local, "connector": max(0.0, cached - local), "computed": prompt - cached}
+    return {
+        "requests": len(calls),
+        "wall_s": wall_s,
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p90_s": _pct(ttfts, 0.9),
+        "ttft_p99_s": _pct(ttfts, 0.99),
+        "itl_s": statistics.median(itls) if itls else None,
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(c["cached_tokens"] for c in calls),
+        "prompt_tokens_per_s": prompt / wall_s,
+        "requests_per_s": len(calls) / wall_s,
+        "sources": sources,
+        "lost_blocks": delta.get("lost_blocks", 0.0),
+        "ttft_s": ttfts,
+    }
+
+
+def run_rounds(
+    url: str,
+    model: str | None,
+    wl: Workload,
+    rounds: range,
+    *,
+    concurrency: int,
+    answer_tokens: int,
+    progress: Callable[[str], None] = lambda _: None,
+    label: str = "",
+) -> list[dict[str, Any]]:
+    """Each round of ``rounds``: every user's request, ``concurrency`` at a time; its statistics."""
+    out = []
+    with ThreadPoolExecutor(concurrency) as pool:
+        for r in rounds:
+            before = scrape(url)
+            t0 = time.perf_counter()
+            calls = list(
+                pool.map(lambda u, r=r: chat(url, model, wl.messages(u, r), answer_tokens), range(wl.users))
+            )
+            wall = time.perf_counter() - t0
+            stats = _round_stats(calls, wall, before, scrape(url))
+            stats["round"] = r + 1
+            out.append(stats)
+            progress(
+                f"{label} round {r + 1}: TTFT p50 {stats['ttft_p50_s']:.2f} s p90 {stats['ttft_p90_s']:.2f} s, "
+                f"{stats['prompt_tokens_per_s']:.0f} prompt tokens/s"
+            )
+    return out
+
+
+def _system_servers(
+    base: Path,
+    *,
+    python: str | None,
+    model: str,
+    pool_tokens: int,
+    host_bytes: int,
+    max_context: int,
+    log_dir: Path,
+) -> dict[str, tuple[Callable[[], Any], Path | None]]:
+    """Per system: how to start its server (an object with ``url``, ``stop()``), and its cache folder."""
+    from tierkv.bench.serving import ServeProcess
+
+    out: dict[str, tuple[Callable[[], Any], Path | None]] = {}
+    tierkv_dir = base / "tierkv-cache"
+    out["tierkv"] = (
+        lambda: ServeProcess(
+            "--model", model, "--cache-dir", str(tierkv_dir), "--host-cache", str(host_bytes), timeout_s=600
+        ),
+        tierkv_dir,
+    )
+    if python is None:
+        return out
+    import torch
+
+    from tierkv.bench.vllm import VllmServer
+    from tierkv.integrations.vllm.serve import vllm_command
+
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    dtype = "auto" if torch.cuda.is_available() else "float32"  # CPUs without AVX-512 BF16 emulate bf16
+    common = {"model": model, "max_context": max_context, "dtype": dtype}
+    # vLLM's pool held to pool_tokens (its CPU blocks are 128 tokens) so that the sessions outgrow it
+    args = [
+        "--num-gpu-blocks-override",
+        str(max(2, pool_tokens // 128)),
+        "--max-num-batched-tokens",
+        str(max_context),
+    ]
+    vdir, edir = base / "vllm-tierkv-cache", base / "vllm-example-store"
+    plain = vllm_command({**common, "no_cache": True}, args, python)
+    with_tierkv = vllm_command(
+        {**common, "cache_dir": str(vdir), "host_cache": host_bytes, "disk_budget": 64 << 30}, args, python
+    )
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(edir)},
+    }
+    with_example = [*plain, "--kv-transfer-config", json.dumps(example)]
+    for name, cmd, folder in (
+        ("vllm", plain, None),
+        ("vllm+tierkv", with_tierkv, vdir),
+        ("vllm+example", with_example, edir),
+    ):
+        out[name] = (
+            functools.partial(VllmServer, cmd, env, log_dir / f"sessions-{name.replace('+', '-')}.log"),
+            folder,
+        )
+    return out
+
+
+def run(
+    base: Path,
+    *,
+    python: str | None,
+    model: str = "smollm2",
+    users: int = 12,
+    rounds: int = 3,
+    concurrency: int = 4,
+    answer_tokens: int = 8,
+    system_chars: int = 3000,
+    doc_chars: int = 5000,
+    question_chars: int = 300,
+    pool_tokens: int = 8192,
+    host_bytes: int = 256 << 20,
+    systems: tuple[str, ...] = SYSTEMS,
+    log_dir: Path | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Every system of ``systems`` (those needing vLLM only with ``python``, vLLM's interpreter): the
+    workload's ``rounds``, then a restart and one more round. Config and per-round statistics."""
+    import shutil
+
+    wl = Workload(
+        users, rounds, system_chars=system_chars, doc_chars=doc_chars, question_chars=question_chars
+    )
+    log_dir = log_dir or base
+    servers = _system_servers(
+        base,
+        python=python,
+        model=model,
+        pool_tokens=pool_tokens,
+        host_bytes=host_bytes,
+        max_context=8192,
+        log_dir=log_dir,
+    )
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name in systems:
+        if name not in servers:
+            errors[name] = "needs vLLM (scripts/setup.sh vllm)"
+            continue
+        start, folder = servers[name]
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        served = None if name == "tierkv" else model
+        try:
+            t0 = time.perf_counter()
+            srv = start()
+            startup_s = time.perf_counter() - t0
+            try:
+                chat(srv.url, served, [{"role": "user", "content": "warm-up"}], 1)  # one-time costs
+                per_round = run_rounds(
+                    srv.url,
+                    served,
+                    wl,
+                    range(rounds),
+                    concurrency=concurrency,
+                    answer_tokens=answer_tokens,
+                    progress=progress,
+                    label=name,
+                )
+            finally:
+                srv.stop()
+            if folder is not None and folder.exists():
+                drop_page_cache([p for p in folder.rglob("*") if p.is_file()])
+            srv = start()
+            try:
+                after = run_rounds(
+                    srv.url,
+                    served,
+                    wl,
+                    range(rounds, rounds + 1),
+                    concurrency=concurrency,
+                    answer_tokens=answer_tokens,
+                    progress=progress,
+                    label=f"{name} after a restart",
+                )
+            finally:
+                srv.stop()
+            results[name] = {"startup_s": startup_s, "rounds": per_round, "after_restart": after[0]}
+        except Exception as exc:  # one engine's failure is reported, not fatal
+            errors[name] = f"{type(exc).__name__}: {exc}"[:500]
+            progress(f"{name} failed: {errors[name]}")
+    tokens = [[len(json.dumps(wl.messages(u, r))) for u in range(users)] for r in range(rounds + 1)]
+    return {
+        "config": {
+            "model": model,
+            "users": users,
+            "rounds": rounds,
+            "concurrency": concurrency,
+            "answer_tokens": answer_tokens,
+            "system_chars": system_chars,
+            "doc_chars": doc_chars,
+            "question_chars": question_chars,
+            "vllm_pool_tokens": pool_tokens,
+            "host_bytes": host_bytes,
+            "request_chars_by_round": [statistics.mean(t) for t in tokens],
+        },
+        "systems": results,
+        "errors": errors,
+    }
+
+
+def _later(res: dict[str, Any], name: str, key: str) -> float | None:
+    """A statistic over the rounds after the first: TTFT percentiles over all their requests, rates
+    over their summed time."""
+    rounds = res["systems"].get(name, {}).get("rounds", [])[1:]
+    if not rounds:
+        return None
+    if key.startswith("ttft_p"):
+        q = {"ttft_p50_s": 0.5, "ttft_p90_s": 0.9, "ttft_p99_s": 0.99}[key]
+        return _pct([t for r in rounds for t in r["ttft_s"]], q)
+    if key == "prompt_tokens_per_s":
+        return sum(r["prompt_tokens"] for r in rounds) / sum(r["wall_s"] for r in rounds)
+    raise KeyError(key)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c = res["config"]
+    lines = [
+        f"{c['users']} users x {c['rounds']} rounds, {c['concurrency']} requests at a time, {c['answer_tokens']} "
+        f"tokens per answer, model {c['model']}; vLLM's KV pool {c['vllm_pool_tokens']:,} tokens; tierkv's host "
+        f"tier {c['host_bytes'] / 2**20:.0f} MiB, then disk. Prompts grow from ~{c['request_chars_by_round'][0]:,.0f} "
+        f"to ~{c['request_chars_by_round'][-1]:,.0f} characters. TTFT at the client, queueing included.",
+        "",
+    ]
+    rows = []
+    for name, s in res["systems"].items():
+        for r in [
+            *s["rounds"],
+            {**s["after_restart"], "round": f"{s['after_restart']['round']} (restarted)"},
+        ]:
+            total = sum(r["sources"].values()) or 1.0
+            where = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(r["sources"].items()) if v)
+            rows.append(
+                [
+                    name,
+                    str(r["round"]),
+                    f"{r['ttft_p50_s'] * 1e3:,.0f}",
+                    f"{r['ttft_p90_s'] * 1e3:,.0f}",
+                    f"{r['ttft_p99_s'] * 1e3:,.0f}",
+                    "" if r["itl_s"] is None else f"{r['itl_s'] * 1e3:.0f}",
+                    f"{r['prompt_tokens_per_s']:,.0f}",
+                    f"{r['requests_per_s']:.2f}",
+                    where,
+                    f"{r['lost_blocks']:.0f}",
+                ]
+            )
+    head = [
+        "system",
+        "round",
+        "TTFT p50 ms",
+        "p90",
+        "p99",
+        "ITL ms",
+        "prompt tok/s",
+        "req/s",
+        "prompt tokens from",
+        "lost blocks",
+    ]
+    lines += md_table(head, "llrrrrrrlr", rows)
+    if "vllm" in res["systems"]:
+        lines += ["", "Against vLLM alone, over the rounds after the first:", ""]
+        ratio_rows = []
+        for name in res["systems"]:
+            if name == "vllm":
+                continue
+            cells = [name]
+            for key in ("ttft_p50_s", "ttft_p90_s", "prompt_tokens_per_s"):
+                a, b = _later(res, name, key), _later(res, "vllm", key)
+                cells.append("" if a is None or not b else f"{a / b:.2f}")
+            a = res["systems"][name]["after_restart"]["ttft_p90_s"]
+            b = res["systems"]["vllm"]["after_restart"]["ttft_p90_s"]
+            cells.append(f"{a / b:.2f}")
+            ratio_rows.append(cells)
+        lines += md_table(
+            ["system", "TTFT p50", "TTFT p90", "prompt tokens/s", "TTFT p90 after a restart"],
+            "lrrrr",
+            ratio_rows,
+        )
+    for name, err in res["errors"].items():
+        lines.append(f"\n{name}: not measured ({err})")
+    return "\n".join(lines)
