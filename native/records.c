@@ -93,21 +93,23 @@ static int load_xxhash(void) {
 }
 
 /* ------------------------------------------------------------------ injected faults (tests only) */
-/* A read that overlaps a listed byte range of a listed file fails with the listed errno, as a bad sector
- * would: the fault tests use the same faults against this path and the Python one. */
-typedef struct { dev_t dev; ino_t ino; int64_t start, end; int err; } fault_t;
+/* A read (or, for a fault listed for writes, a write) that overlaps a listed byte range of a listed file
+ * fails with the listed errno, as a bad sector would: the fault tests use the same faults against this
+ * path and the Python one. */
+typedef struct { dev_t dev; ino_t ino; int64_t start, end; int err, writes; } fault_t;
 static fault_t faults[64];
 static atomic_int nfaults;
 static pthread_mutex_t faults_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int injected(int fd, int64_t off, int64_t len) {
+static int injected(int fd, int64_t off, int64_t len, int writes) {
     if (atomic_load(&nfaults) == 0) return 0;
     struct stat st;
     if (fstat(fd, &st) != 0) return 0;
     int err = 0;
     pthread_mutex_lock(&faults_lock);
     for (int i = 0; i < atomic_load(&nfaults) && !err; i++)
-        if (faults[i].dev == st.st_dev && faults[i].ino == st.st_ino && off < faults[i].end && faults[i].start < off + len)
+        if (faults[i].writes == writes && faults[i].dev == st.st_dev && faults[i].ino == st.st_ino &&
+            off < faults[i].end && faults[i].start < off + len)
             err = faults[i].err;
     pthread_mutex_unlock(&faults_lock);
     return err;
@@ -306,7 +308,7 @@ static int read_group(run_t *r, int64_t first, int64_t count, void **bounce, uin
     struct iovec iov[IOV_CAP];
     int k = build_iov(r, first, count, iov, pad), at = 0;
     int64_t done = 0;
-    int err = injected(fd, off, total);
+    int err = injected(fd, off, total, 0);
     if (err) return err;
     /* What the page cache holds: straight into place, one copy. */
     int64_t cached = r->direct_ok && q0->dfd >= 0 ? resident_prefix(fd, off, total) : 0;
@@ -584,7 +586,7 @@ done:
 /* ------------------------------------------------------------------ the writer's file operations (tests) */
 /* The power-cut harness records every write and sync that reaches a segment file; the native writer's
  * happen here, so it logs them when asked (trace_writes), in order, for the harness to replay. */
-typedef struct { int sync; int fd; int64_t offset, nbytes; } wtrace_t; /* sync: 0 write, 1 sync, 2 allocate */
+typedef struct { int sync; int fd; int64_t offset, nbytes; } wtrace_t; /* sync: 0 write, 1 sync, 2 allocate, 3 punch */
 static wtrace_t wtrace[8192];
 static int wtrace_n, wtrace_on, wtrace_lost;
 static pthread_mutex_t wtrace_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -604,7 +606,8 @@ static PyObject *trace_writes(PyObject *self, PyObject *arg) {
     int lost = wtrace_lost;
     PyObject *out = lost ? NULL : PyList_New(wtrace_n);
     for (int i = 0; out && i < wtrace_n; i++) {
-        const char *kind = wtrace[i].sync == 2 ? "allocate" : wtrace[i].sync ? "sync" : "write";
+        static const char *kinds[] = {"write", "sync", "allocate", "punch"};
+        const char *kind = kinds[wtrace[i].sync];
         PyObject *ev = Py_BuildValue("(siLL)", kind, wtrace[i].fd,
                                      (long long)wtrace[i].offset, (long long)wtrace[i].nbytes);
         if (!ev) Py_CLEAR(out);
@@ -761,6 +764,8 @@ static void seal_image(seal_t *s, int c, uint8_t *img, void *state) {
 /* Writes all of buf at off (a short write resumes where it stopped); 0 or an errno. */
 static int pwrite_all(int fd, const uint8_t *buf, int64_t nbytes, int64_t off) {
     int64_t done = 0;
+    int fault = injected(fd, off, nbytes, 1);
+    if (fault) return fault;
     while (done < nbytes) {
         ssize_t w = pwrite(fd, buf + done, (size_t)(nbytes - done), off + done);
         if (w < 0 && errno == EINTR) continue;
@@ -777,6 +782,8 @@ static int pwrite_all(int fd, const uint8_t *buf, int64_t nbytes, int64_t off) {
 static int write_gathered(seal_t *s, int c, const void *zeros) {
     struct iovec iov[IOV_CAP]; /* a chunk has at most IOV_CAP / 4 records */
     int k = 0;
+    int fault = injected(s->fd, s->at[c], s->nbytes[c], 1);
+    if (fault) return fault;
     for (Py_ssize_t j = s->first[c]; j < s->first[c + 1]; j++) {
         wrec_t *r = &s->recs[j];
         int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->payload.len;
@@ -952,8 +959,13 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         total += chunk;
     }
     if (sl.first) sl.first[sl.nchunks] = n;
+    int allocated = 0; /* fallocate was tried: a failed run gives what it took back */
     if (!err && direct_fd >= 0 && total > 0) {
-        if (fallocate(direct_fd, 0, offset, total) == 0) wtrace_add(2, fd, offset, total);
+        int rc;
+        while ((rc = fallocate(direct_fd, 0, offset, total)) != 0 && errno == EINTR) {
+        }
+        allocated = 1;
+        if (rc == 0) wtrace_add(2, fd, offset, total);
         else if (errno != EOPNOTSUPP && errno != ENOSYS) err = errno; /* ENOSPC: the disk is full */
     }
     pthread_mutex_init(&sl.lock, NULL);
@@ -1005,6 +1017,11 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         if (fdatasync(fd) != 0) err = errno;
         else wtrace_add(1, fd, 0, 0);
     }
+    /* A failed run: nothing at or past offset is indexed (the caller retries there, or leaves the
+     * segment), so the space it allocated (or that a failed fallocate took in part) is released now,
+     * best effort, rather than held until the segment goes: on a full disk that space is what is short. */
+    if (err && allocated && fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, total) == 0)
+        wtrace_add(3, fd, offset, total);
     Py_END_ALLOW_THREADS
     if (err) {
         errno = err;
@@ -1119,12 +1136,12 @@ static PyObject *py_xxh3(PyObject *self, PyObject *arg) {
 static PyObject *inject_fault(PyObject *self, PyObject *args) {
     unsigned long long dev, ino;
     long long start, end;
-    int err;
-    if (!PyArg_ParseTuple(args, "KKLLi", &dev, &ino, &start, &end, &err)) return NULL;
+    int err, writes = 0;
+    if (!PyArg_ParseTuple(args, "KKLLi|p", &dev, &ino, &start, &end, &err, &writes)) return NULL;
     pthread_mutex_lock(&faults_lock);
     int i = atomic_load(&nfaults);
     if (i < (int)(sizeof faults / sizeof *faults)) {
-        faults[i] = (fault_t){(dev_t)dev, (ino_t)ino, start, end, err};
+        faults[i] = (fault_t){(dev_t)dev, (ino_t)ino, start, end, err, writes};
         atomic_store(&nfaults, i + 1);
     }
     pthread_mutex_unlock(&faults_lock);
@@ -1149,7 +1166,8 @@ static PyMethodDef methods[] = {
     {"write_run", write_run, METH_VARARGS, write_run_doc},
     {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {"xxh3_64", py_xxh3, METH_O, "xxh3-64 of a buffer, as libxxhash computes it (tests compare it with xxhash's)."},
-    {"inject_fault", inject_fault, METH_VARARGS, "inject_fault(dev, ino, start, end, errno): reads of that range fail."},
+    {"inject_fault", inject_fault, METH_VARARGS,
+     "inject_fault(dev, ino, start, end, errno, writes=False): reads (or writes) of that range fail."},
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
     {"can_leave_idle", can_leave_idle, METH_NOARGS, "Whether a thread may go to SCHED_IDLE and come back (probed)."},
     {"trace_writes", trace_writes, METH_O, "trace_writes(on) -> the writes and syncs logged since the last call."},

@@ -118,6 +118,8 @@ class RecordingNative:
                         self._log.append(Op("write", path, off, os.pread(rfd, n, off)))
                     elif kind == "allocate":
                         self._log.append(Op("extend", path, off, nbytes=n))
+                    elif kind == "punch":  # a failed run's space given back
+                        self._log.append(Op("punch", path, off, nbytes=n))
                     else:
                         self._log.append(Op("sync", path))
             finally:

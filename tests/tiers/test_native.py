@@ -383,6 +383,53 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
     assert [op[1:] for op in ops if op[0] == "allocate"] == ([(fd, 4096, len(want))] if direct else [])
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_failed_run_gives_its_space_back_and_a_retry_writes_it_whole(tmp_path, direct: bool) -> None:
+    """A write that fails in the middle of a run of several chunks (written side by side with O_DIRECT)
+    fails the run with its errno; with O_DIRECT, the space the run allocated is given back (punched);
+    the caller's retry at the same offset then writes every record, byte for byte."""
+    import errno as errno_
+
+    rng = np.random.default_rng(3)
+    recs = [codec.Unsealed(bytes(codec.HEADER_NBYTES), os.urandom(64), rng.bytes(1 << 20)) for _ in range(24)]
+    want = bytearray()
+    for rec in recs:
+        body = b"".join(bytes(b) for b in codec.seal(rec))
+        want += body + bytes(-len(body) % 4096)
+    path = tmp_path / "run.seg"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    dfd = -1
+    nat = native.module()
+    batch = [(r.head, r.token_bytes, r.payload) for r in recs]
+    try:
+        if direct:
+            try:
+                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:
+                pytest.skip("this file system refuses O_DIRECT")
+        st = os.fstat(fd)
+        middle = 4096 + len(want) // 2  # in a chunk in the middle of the run
+        nat.inject_fault(st.st_dev, st.st_ino, middle, middle + 1, errno_.ENOSPC, True)
+        nat.trace_writes(True)
+        try:
+            with pytest.raises(OSError) as failed:
+                nat.write_run(fd, 4096, batch, 1, 0, dfd)
+        finally:
+            ops = nat.trace_writes(False)
+            nat.clear_faults()
+        assert failed.value.errno == errno_.ENOSPC
+        punched = [op[2:] for op in ops if op[0] == "punch"]
+        assert punched == ([(4096, len(want))] if direct else [])
+        if direct:
+            assert os.fstat(fd).st_blocks * 512 < (1 << 20)  # what the failed run took is free again
+        assert nat.write_run(fd, 4096, batch, 1, 0, dfd) == len(want)
+    finally:
+        os.close(fd)
+        if dfd >= 0:
+            os.close(dfd)
+    assert path.read_bytes()[4096:] == bytes(want)
+
+
 def test_the_disk_writer_runs_python_at_nice_19_and_never_at_idle_priority(tmp_path, ns) -> None:
     """The writer thread's Python (here: encoding a record) runs at nice 19, and its records go through
     the native writer, which alone may go idle, without the GIL."""
