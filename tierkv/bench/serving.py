@@ -26,6 +26,7 @@ __all__ = [
     "SERVE_DEFAULTS",
     "ChildFailed",
     "ServeProcess",
+    "current_log_dir",
     "free_port",
     "log_dir",
     "log_tail",
@@ -60,6 +61,11 @@ def log_dir(path: Path) -> Iterator[Path]:
         yield path
     finally:
         _log_dir = previous
+
+
+def current_log_dir() -> Path | None:
+    """The folder ``log_dir`` set for children's logs (None outside such a block)."""
+    return _log_dir
 
 
 def _open_log(kind: str, port: int) -> tuple[Path, IO[str]]:

@@ -288,26 +288,31 @@ def run(
     doc_chars: int = 5000,
     question_chars: int = 300,
     pool_tokens: int = 8192,
+    max_context: int = 4096,
     host_bytes: int = 256 << 20,
     systems: tuple[str, ...] = SYSTEMS,
     log_dir: Path | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Every system of ``systems`` (those needing vLLM only with ``python``, vLLM's interpreter): the
-    workload's ``rounds``, then a restart and one more round. Config and per-round statistics."""
+    workload's ``rounds``, then a restart and one more round. Config and per-round statistics.
+    ``max_context``: vLLM's longest request (its pool must hold one: below ``pool_tokens``)."""
     import shutil
 
     wl = Workload(
         users, rounds, system_chars=system_chars, doc_chars=doc_chars, question_chars=question_chars
     )
-    log_dir = log_dir or base
+    from tierkv.bench.serving import current_log_dir
+
+    log_dir = log_dir or current_log_dir() or base  # tierkv bench: <results>/logs/sessions/
+    log_dir.mkdir(parents=True, exist_ok=True)
     servers = _system_servers(
         base,
         python=python,
         model=model,
         pool_tokens=pool_tokens,
         host_bytes=host_bytes,
-        max_context=8192,
+        max_context=max_context,
         log_dir=log_dir,
     )
     results: dict[str, Any] = {}
@@ -370,6 +375,7 @@ def run(
             "doc_chars": doc_chars,
             "question_chars": question_chars,
             "vllm_pool_tokens": pool_tokens,
+            "max_context": max_context,
             "host_bytes": host_bytes,
             "request_chars_by_round": [statistics.mean(t) for t in tokens],
         },
