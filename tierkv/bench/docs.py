@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench import overhead, peers, restart, scaleout, stall, tiers, ttft, vllm, workloads
+from tierkv.bench import overhead, peers, restart, scaleout, sessions, stall, tiers, ttft, vllm, workloads
 from tierkv.bench.table import md_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,6 +138,19 @@ def _headline() -> str:
             _when(store, "tiers"),
         ],
     ]
+    many = real.get("sessions", {})
+    if "vllm" in many.get("systems", {}) and "vllm+tierkv" in many["systems"]:
+        c = many["config"]
+        p90 = [sessions.later(many, name, "ttft_p90_s") for name in ("vllm+tierkv", "vllm")]
+        tps = [sessions.later(many, name, "prompt_tokens_per_s") for name in ("vllm+tierkv", "vllm")]
+        rows.append(
+            [
+                f"inside vLLM (CPU), {c['users']} chat sessions x {c['rounds']} rounds, {c['concurrency']} at a time "
+                "(SmolLM2), rounds after the first, vLLM + tierkv against vLLM alone: TTFT p90; prompt tokens/s",
+                f"{p90[0]:,.1f} s against {p90[1]:,.1f} s; **{tps[0] / tps[1]:.1f}x**",
+                "see [docs/measured.md](docs/measured.md#many-users-at-once)",
+            ]
+        )
     four_k = next((r for r in res["rows"] if r["tokens"] == 4096), None)
     if four_k and "tierkv_disk_cold" in four_k:
         cold = min(four_k[c]["ttft_s"] for c in vllm.COLD_COLUMNS if c in four_k)
@@ -165,6 +178,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "scaleout": _part("cpu-2c", "scaleout", scaleout.markdown),
     "overhead": _part("cpu-2c", "overhead", overhead.markdown),
     "vllm": _vllm,
+    "sessions": _part("cpu-2c-smollm2", "sessions", sessions.markdown),
 }
 
 

@@ -39,7 +39,7 @@ from tierkv.bench.machine import drop_page_cache
 from tierkv.bench.table import md_table
 from tierkv.bench.workloads import _text
 
-__all__ = ["SYSTEMS", "Workload", "markdown", "run"]
+__all__ = ["SYSTEMS", "Workload", "later", "markdown", "run"]
 
 SYSTEMS = ("vllm", "vllm+tierkv", "vllm+example", "tierkv")
 ANSWER = "Noted. The cached prefix is restored from the fastest tier that holds it; the rest is computed."
@@ -384,7 +384,7 @@ def run(
     }
 
 
-def _later(res: dict[str, Any], name: str, key: str) -> float | None:
+def later(res: dict[str, Any], name: str, key: str) -> float | None:
     """A statistic over the rounds after the first: TTFT percentiles over all their requests, rates
     over their summed time."""
     rounds = res["systems"].get(name, {}).get("rounds", [])[1:]
@@ -450,7 +450,7 @@ def markdown(res: dict[str, Any]) -> str:
                 continue
             cells = [name]
             for key in ("ttft_p50_s", "ttft_p90_s", "prompt_tokens_per_s"):
-                a, b = _later(res, name, key), _later(res, "vllm", key)
+                a, b = later(res, name, key), later(res, "vllm", key)
                 cells.append("" if a is None or not b else f"{a / b:.2f}")
             a = res["systems"][name]["after_restart"]["ttft_p90_s"]
             b = res["systems"]["vllm"]["after_restart"]["ttft_p90_s"]
