@@ -4,6 +4,7 @@ O_DIRECT; the writer writes the same bytes, and runs no Python at idle priority.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -321,6 +322,34 @@ def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> Non
     assert len(files[0]) >= 10 * 4096 and files[0] == files[1]
 
 
+def _sealed_run(recs: list[codec.Unsealed]) -> bytes:
+    """The Python reference of a run: each record sealed (``codec.seal``), padded to a page, back to back."""
+    out = bytearray()
+    for rec in recs:
+        body = b"".join(bytes(b) for b in codec.seal(rec))
+        out += body + bytes(-len(body) % 4096)
+    return bytes(out)
+
+
+@contextlib.contextmanager
+def _segment_fds(path, direct: bool):
+    """(a read-write descriptor of ``path``, created; its O_DIRECT one, or -1): closed after; the test is
+    skipped where O_DIRECT is asked for and the file system refuses it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    dfd = -1
+    try:
+        if direct:
+            try:
+                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:
+                pytest.skip("this file system refuses O_DIRECT")
+        yield fd, dfd
+    finally:
+        os.close(fd)
+        if dfd >= 0:
+            os.close(dfd)
+
+
 @pytest.mark.parametrize(
     ("sync", "direct", "idle"), [(0, False, 0), (1, False, 0), (1, True, 0), (0, True, 1)]
 )
@@ -347,30 +376,16 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
         )
         for n in sizes
     ]
-    want = bytearray()
-    for rec in recs:
-        body = b"".join(bytes(b) for b in codec.seal(rec))
-        want += body + bytes(-len(body) % 4096)
+    want = _sealed_run(recs)
     path = tmp_path / "run.seg"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    dfd = -1
     nat = native.module()
-    try:
-        if direct:
-            try:
-                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-            except OSError:
-                pytest.skip("this file system refuses O_DIRECT")
+    with _segment_fds(path, direct) as (fd, dfd):
         nat.trace_writes(True)
         try:
             got = nat.write_run(fd, 4096, [(r.head, r.token_bytes, r.payload) for r in recs], sync, idle, dfd)
         finally:
             ops = nat.trace_writes(False)
         assert got == len(want)
-    finally:
-        os.close(fd)
-        if dfd >= 0:
-            os.close(dfd)
     assert len(want) > 2 * (8 << 20)  # several chunks
     assert path.read_bytes()[4096:] == bytes(want)
     writes = [op for op in ops if op[0] == "write"]
@@ -392,21 +407,11 @@ def test_a_failed_run_gives_its_space_back_and_a_retry_writes_it_whole(tmp_path,
 
     rng = np.random.default_rng(3)
     recs = [codec.Unsealed(bytes(codec.HEADER_NBYTES), os.urandom(64), rng.bytes(1 << 20)) for _ in range(24)]
-    want = bytearray()
-    for rec in recs:
-        body = b"".join(bytes(b) for b in codec.seal(rec))
-        want += body + bytes(-len(body) % 4096)
+    want = _sealed_run(recs)
     path = tmp_path / "run.seg"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    dfd = -1
     nat = native.module()
     batch = [(r.head, r.token_bytes, r.payload) for r in recs]
-    try:
-        if direct:
-            try:
-                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-            except OSError:
-                pytest.skip("this file system refuses O_DIRECT")
+    with _segment_fds(path, direct) as (fd, dfd):
         st = os.fstat(fd)
         middle = 4096 + len(want) // 2  # in a chunk in the middle of the run
         nat.inject_fault(st.st_dev, st.st_ino, middle, middle + 1, errno_.ENOSPC, True)
@@ -423,10 +428,6 @@ def test_a_failed_run_gives_its_space_back_and_a_retry_writes_it_whole(tmp_path,
         if direct:
             assert os.fstat(fd).st_blocks * 512 < (1 << 20)  # what the failed run took is free again
         assert nat.write_run(fd, 4096, batch, 1, 0, dfd) == len(want)
-    finally:
-        os.close(fd)
-        if dfd >= 0:
-            os.close(dfd)
     assert path.read_bytes()[4096:] == bytes(want)
 
 
