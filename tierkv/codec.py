@@ -24,7 +24,7 @@ import xxhash
 import zstandard
 
 from tierkv.errors import RecordError
-from tierkv.keys import DTYPES, BlockKey, NamespaceDigest
+from tierkv.keys import DTYPES, BlockKey, NamespaceDigest, chain_key
 
 __all__ = [
     "Codec",
@@ -39,6 +39,7 @@ __all__ = [
     "MAX_PAYLOAD_NBYTES",
     "check_expected",
     "check_raw_pieces",
+    "check_stored",
     "decode",
     "decode_record",
     "decode_header",
@@ -267,6 +268,19 @@ def check_raw_pieces(header: Header, pieces: list[memoryview]) -> None:
         h.update(p)
     if h.intdigest() != header.payload_checksum:
         raise RecordError("payload checksum mismatch")
+
+
+def check_stored(buf: bytes | memoryview, key: bytes) -> Header:
+    """Verify a whole record on its own, with no request to compare it with (``gc --check``, export,
+    import): its header, that it names ``key``, that its token ids hash to ``key`` from its parent, and its
+    payload. Raises ``RecordError``; returns the header."""
+    header, token_bytes, stored = decode_header(buf)
+    if header.key != key:
+        raise RecordError("record names another key")
+    if chain_key(header.parent_key, bytes(token_bytes)) != key:
+        raise RecordError("token ids do not hash to the key")
+    decode_payload(header, stored)
+    return header
 
 
 def decode(buf: bytes | memoryview, expected: Expected) -> memoryview | bytes:

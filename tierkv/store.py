@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -360,6 +360,17 @@ class TieredStore:
         from tierkv.removal import purge
 
         return purge(self, namespace, purge_all=purge_all)
+
+    def export_chunks(
+        self, namespaces: Sequence[str] = (), models: Sequence[str] = ()
+    ) -> Iterator[bytes | memoryview]:
+        """The disk tier's verified records of these namespaces (digest prefixes) and models (all without
+        either) as an archive, in chunks (``tierkv.archive``). The selection is taken now (ConfigError on a
+        prefix that names no namespace); blocks still dirty in the host tier are not in it."""
+        from tierkv.archive.export import archive_chunks, select
+
+        disk = self._durable()
+        return archive_chunks(disk, select(disk, namespaces, models))
 
     def invalidate(self, ns: Namespace, token_ids: Tokens, blocks: Iterable[int]) -> int:
         """Remove blocks ``blocks`` (indices into the prompt's full blocks) from every tier, their saves

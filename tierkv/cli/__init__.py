@@ -3,6 +3,7 @@ when one of its commands runs (``tierkv --help`` imports them all, but none of t
 server or a tokenizer at module level):
 
     tierkv.cli.store    stats, gc        the store on disk (safe while a server writes to it)
+    tierkv.cli.archive  export, import   a store's records to an archive and back (the same)
     tierkv.cli.serve    serve, route     the OpenAI-compatible server and the prefix-aware router
     tierkv.cli.prompts  explain, lint    the prompt tools
     tierkv.cli.bench    bench            the benchmarks of ``tierkv.bench``
@@ -22,6 +23,8 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("tierkv.cli.store", "stats"),
     "gc": ("tierkv.cli.store", "gc"),
+    "export": ("tierkv.cli.archive", "export"),
+    "import": ("tierkv.cli.archive", "import_cmd"),
     "serve": ("tierkv.cli.serve", "serve"),
     "route": ("tierkv.cli.serve", "route"),
     "explain": ("tierkv.cli.prompts", "explain"),

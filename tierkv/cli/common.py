@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, TierKVError
 from tierkv.paths import DEFAULT_CACHE_DIR_HELP, default_cache_dir
 
-__all__ = ["cache_dir_option", "fail", "parsed"]
+__all__ = ["cache_dir_option", "fail", "open_disk", "parsed"]
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -40,3 +42,24 @@ cache_dir_option = click.option(
     show_default=DEFAULT_CACHE_DIR_HELP,
     help="The store's directory.",
 )
+
+
+@contextmanager
+def open_disk(cache_dir: str, writer: bool = False) -> Iterator[Any]:
+    """The store's disk tier, safe beside a server writing to it: without a writer thread (``stats``,
+    ``export``, and ``gc``, whose sweeps take their own write transactions) or with one (``import``, which
+    appends records as a save does, and may create the store)."""
+    from tierkv.tiers.disk import DiskTier
+
+    try:
+        if not writer and not (Path(cache_dir) / "index" / "data.mdb").exists():
+            fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", 1)
+        disk = DiskTier(cache_dir, writer=writer)
+    except TierKVError as exc:  # another format version; permissions, read-only media, a lock file
+        fail(str(exc), 2)
+    except OSError as exc:
+        fail(f"cannot open the store at {cache_dir}: {exc}", 2)
+    try:
+        yield disk
+    finally:
+        disk.close()

@@ -8,34 +8,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
 
 import click
 
-from tierkv.cli.common import cache_dir_option, fail, parsed
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.cli.common import cache_dir_option, fail, open_disk, parsed
+from tierkv.errors import ConfigError
 from tierkv.units import format_duration, format_size, parse_duration, parse_size
 
 __all__ = ["gc", "stats"]
-
-
-@contextmanager
-def _open_disk(cache_dir: str) -> Iterator[Any]:
-    from tierkv.tiers.disk import DiskTier
-
-    try:
-        if not (Path(cache_dir) / "index" / "data.mdb").exists():
-            fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", 1)
-        disk = DiskTier(cache_dir, writer=False)
-    except TierKVError as exc:  # another format version; permissions, read-only media, a lock file
-        fail(str(exc), 2)
-    except OSError as exc:
-        fail(f"cannot open the store at {cache_dir}: {exc}", 2)
-    try:
-        yield disk
-    finally:
-        disk.close()
 
 
 @click.command()
@@ -45,7 +25,7 @@ def stats(cache_dir: str, as_json: bool) -> None:
     """Totals per namespace, ages, expired blocks not yet swept, budget and space."""
     from tierkv.inspect import store_stats
 
-    with _open_disk(cache_dir) as disk:
+    with open_disk(cache_dir) as disk:
         report = store_stats(disk)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -134,7 +114,7 @@ def gc(
     """Sweep expired blocks, hold the byte budget, purge, verify, compact."""
     from tierkv.maintenance import run_gc
 
-    with _open_disk(cache_dir) as disk:
+    with open_disk(cache_dir) as disk:
         show = sys.stderr.isatty() and not as_json
         try:
             out = run_gc(

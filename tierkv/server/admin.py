@@ -1,7 +1,9 @@
-"""The admin API (``/admin/*``): the store's report, recent misses, gc and purge, behind a bearer token.
+"""The admin API (``/admin/*``): the store's report, recent misses, gc and purge, and the export stream
+another node imports from, behind a bearer token.
 
 Disabled (404) unless the server was started with an admin token; 409 when the store has no disk tier.
-Everything goes through the store's public maintenance calls (``report``, ``gc``, ``purge``).
+Everything goes through the store's public maintenance calls (``report``, ``gc``, ``purge``,
+``export_chunks``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from tierkv.errors import ConfigError
 from tierkv.server.responses import JSON, error, json_object
@@ -137,6 +140,28 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
         if isinstance(store, JSON):
             return store
         return JSON(server.misses.report())
+
+    @app.get("/admin/export", response_model=None)
+    async def admin_export(request: Request) -> JSON | StreamingResponse:
+        """The store's verified records as an archive (``tierkv import URL`` reads it); query parameters
+        ``namespace`` and ``model`` (repeatable) select, as ``tierkv export``'s options do.
+
+        The body is produced by a generator starlette runs on its thread pool: every read (native, the GIL
+        released) stays off the event loop, which keeps answering requests meanwhile."""
+        store = admitted(request)
+        if isinstance(store, JSON):
+            return store
+        if unknown := set(request.query_params) - {"namespace", "model"}:
+            return error(400, f"unknown export parameter(s): {', '.join(sorted(unknown))}")
+        try:
+            chunks = await asyncio.to_thread(
+                store.export_chunks,
+                request.query_params.getlist("namespace"),
+                request.query_params.getlist("model"),
+            )
+        except ConfigError as exc:
+            return error(400, str(exc), param="namespace")
+        return StreamingResponse(chunks, media_type="application/octet-stream")
 
     @app.post("/admin/gc")
     async def admin_gc(request: Request) -> JSON:

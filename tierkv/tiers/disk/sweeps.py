@@ -12,9 +12,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tierkv.codec import decode_header, decode_payload
+from tierkv.codec import check_stored
 from tierkv.errors import RecordError
-from tierkv.keys import BlockKey, chain_key
+from tierkv.keys import BlockKey
 from tierkv.metrics import Counters
 from tierkv.priority import background_priority
 from tierkv.tiers.disk.index import Index, Txn
@@ -288,15 +288,9 @@ class Sweeps:
 
 def _record_ok(key: bytes, e: Entry, view: memoryview) -> bool:
     try:
-        header, token_bytes, stored = decode_header(view)
-        if header.key != key or header.ns_digest != e.ns_digest:
-            raise RecordError("record names another key or namespace")
-        if chain_key(header.parent_key, bytes(token_bytes)) != key:
-            raise RecordError("token ids do not hash to the key")
-        decode_payload(header, stored)
+        return check_stored(view, key).ns_digest == e.ns_digest
     except RecordError:
         return False
-    return True
 
 
 class Sweeper:

@@ -1,0 +1,194 @@
+"""Export: the verified records of a disk tier as an archive stream (``frames``).
+
+Reads only (safe beside a server writing to the same directory, and what the server's
+``GET /admin/export`` streams). The selection is one snapshot of the index; a record removed since (a
+sweep, an eviction) is left out and counted as vanished, not as corrupt. Records go out most recently used
+first (parents before their children at equal times), so an import into a smaller budget keeps the hottest
+prefixes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import xxhash
+
+from tierkv.archive.frames import Kind, file_head, frame_head, json_frame
+from tierkv.codec import check_stored
+from tierkv.errors import ConfigError, RecordError
+from tierkv.keys import BlockKey, Namespace, NamespaceDigest
+from tierkv.tiers.disk import DiskTier, Entry
+from tierkv.tiers.disk.segments import aligned
+
+__all__ = ["ExportReport", "Selection", "archive_chunks", "select"]
+
+BATCH_NBYTES = 32 << 20  # read and verified together (in parallel), then written out
+BATCH_RECORDS = 256
+
+
+@dataclasses.dataclass
+class Selection:
+    """What an export writes: entries in the order they go out, and their namespaces' specs."""
+
+    entries: list[tuple[BlockKey, Entry]]
+    specs: dict[NamespaceDigest, Namespace | None]  # None: the store has no spec row for it
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for _, e in self.entries)
+
+
+@dataclasses.dataclass
+class ExportReport:
+    blocks: int = 0
+    record_nbytes: int = 0
+    archive_nbytes: int = 0
+    corrupt: int = 0  # failed verification while still indexed: left out (``tierkv gc --check`` purges)
+    vanished: int = 0  # removed from the store after the selection (a sweep, an eviction)
+    planned: int = 0
+    namespaces: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def select(
+    disk: DiskTier, namespaces: Sequence[str] = (), models: Sequence[str] = (), now: float | None = None
+) -> Selection:
+    """The unexpired entries of the namespaces given (digests or unique prefixes of them) and of the models
+    given (a namespace's ``model_id``); everything when neither is given. ConfigError on a prefix that
+    names no namespace, or several."""
+    from tierkv.maintenance import resolve_namespace
+
+    known = disk.namespaces()
+    entries = disk.index.snapshot_entries()
+    present = {NamespaceDigest(e.ns_digest) for _, e in entries}
+    wanted: set[bytes] | None = None
+    if namespaces or models:
+        wanted = {resolve_namespace(disk, p, also=present) for p in namespaces}
+        wanted |= {d for d, ns in known.items() if ns.model_id in models}
+        if models and not any(ns.model_id in models for ns in known.values()):
+            raise ConfigError(f"no namespace in this store is of model {', '.join(models)}")
+    t = disk.clock() if now is None else now
+    chosen = [
+        (k, e)
+        for k, e in entries
+        if (wanted is None or e.ns_digest in wanted) and not disk.policy.expired(e, t)
+    ]
+    chosen.sort(key=lambda ke: (-ke[1].last_access_s, ke[1].created_s))
+    specs = {NamespaceDigest(e.ns_digest): known.get(NamespaceDigest(e.ns_digest)) for _, e in chosen}
+    return Selection(chosen, specs)
+
+
+def _head(sel: Selection) -> dict[str, Any]:
+    per_ns: dict[str, dict[str, Any]] = {}
+    for digest, ns in sel.specs.items():
+        per_ns[digest.hex()] = {"spec": ns.to_json() if ns is not None else None, "blocks": 0, "nbytes": 0}
+    for _, e in sel.entries:
+        row = per_ns[e.ns_digest.hex()]
+        row["blocks"] += 1
+        row["nbytes"] += e.nbytes
+    from tierkv import __version__
+
+    return {
+        "format": "tierkv-archive",
+        "tierkv": __version__,
+        "created_s": time.time(),
+        "blocks": len(sel.entries),
+        "nbytes": sel.nbytes,
+        "namespaces": per_ns,
+    }
+
+
+def _batches(entries: list[tuple[BlockKey, Entry]]) -> Generator[list[tuple[BlockKey, Entry]], None, None]:
+    batch: list[tuple[BlockKey, Entry]] = []
+    nbytes = 0
+    for ke in entries:
+        if batch and (nbytes + aligned(ke[1].nbytes) > BATCH_NBYTES or len(batch) >= BATCH_RECORDS):
+            yield batch
+            batch, nbytes = [], 0
+        batch.append(ke)
+        nbytes += aligned(ke[1].nbytes)
+    if batch:
+        yield batch
+
+
+def _read_verified(
+    disk: DiskTier, batch: list[tuple[BlockKey, Entry]]
+) -> tuple[list[memoryview], list[int | None]]:
+    """Read a batch into one new buffer and verify each record on the reading threads; per record its
+    view and its payload checksum (None: unreadable, or it failed verification)."""
+    buf = bytearray(sum(e.nbytes for _, e in batch))
+    views: list[memoryview] = []
+    pos = 0
+    for _, e in batch:
+        views.append(memoryview(buf)[pos : pos + e.nbytes])
+        pos += e.nbytes
+    checks: list[int | None] = [None] * len(batch)
+    # Read in file order (adjacent records coalesce into one read); written out in the batch's order.
+    order = sorted(range(len(batch)), key=lambda i: batch[i][1].location[:2])
+
+    def verify(j: int) -> bool:
+        key, e = batch[order[j]]
+        try:
+            header = check_stored(views[order[j]], key)
+        except RecordError:
+            return False
+        if header.ns_digest != e.ns_digest:
+            return False
+        checks[order[j]] = header.payload_checksum
+        return True
+
+    disk.read_scatter([(batch[i][1], [views[i]]) for i in order], verify)
+    return views, checks
+
+
+def archive_chunks(
+    disk: DiskTier, sel: Selection, progress: Callable[[int, int], None] | None = None
+) -> Generator[bytes | memoryview, None, ExportReport]:
+    """The archive of ``sel``, as chunks to write or send in order; returns the report when exhausted.
+    ``progress(blocks, nbytes)`` after each batch."""
+    report = ExportReport(planned=len(sel.entries))
+    digest = xxhash.xxh3_64()
+    for chunk in (file_head(), json_frame(Kind.HEAD, _head(sel))):
+        report.archive_nbytes += len(chunk)
+        yield chunk
+    for batch in _batches(sel.entries):
+        views, checks = _read_verified(disk, batch)
+        for i, (key, e) in enumerate(batch):
+            check = checks[i]
+            if check is None:
+                if disk.index.still_indexed(key, e.location):
+                    report.corrupt += 1
+                else:
+                    report.vanished += 1
+                continue
+            digest.update(bytes(key) + check.to_bytes(8, "little"))
+            head = frame_head(Kind.RECORD, bytes(key), e.nbytes)
+            report.blocks += 1
+            report.record_nbytes += e.nbytes
+            report.archive_nbytes += len(head) + e.nbytes
+            row = report.namespaces.setdefault(e.ns_digest.hex(), {"blocks": 0, "nbytes": 0})
+            row["blocks"] += 1
+            row["nbytes"] += e.nbytes
+            yield head
+            yield views[i]
+        if progress is not None:
+            progress(report.blocks, report.record_nbytes)
+    end = json_frame(
+        Kind.END,
+        {
+            "blocks": report.blocks,
+            "nbytes": report.record_nbytes,
+            "namespaces": report.namespaces,
+            "corrupt": report.corrupt,
+            "vanished": report.vanished,
+            "records_xxh3": digest.hexdigest(),
+        },
+    )
+    report.archive_nbytes += len(end)
+    yield end
+    return report

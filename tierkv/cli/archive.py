@@ -1,0 +1,201 @@
+"""``tierkv export`` and ``tierkv import``: a store's verified records to one archive and back, from a file,
+a pipe or a running server's ``GET /admin/export``.
+
+Exit status, for scripts: 0 everything asked for was done; 1 done, but something was left out (a corrupt
+record in the store, a damaged or incomplete archive, a record the disk did not take); 2 nothing was done
+(no store, not an archive, a bad option).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import click
+
+from tierkv.cli.common import cache_dir_option, fail, open_disk
+from tierkv.errors import ConfigError
+from tierkv.units import format_size
+
+__all__ = ["export", "import_cmd"]
+
+
+@click.command()
+@cache_dir_option
+@click.option(
+    "--namespace",
+    "namespaces",
+    multiple=True,
+    help="Only this namespace (a digest, or a unique prefix of it; `tierkv stats` lists them). Repeatable.",
+)
+@click.option("--model", "models", multiple=True, help="Only namespaces of this model id. Repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (on stderr with `-`).")
+@click.argument("archive")
+def export(
+    cache_dir: str, namespaces: tuple[str, ...], models: tuple[str, ...], as_json: bool, archive: str
+) -> None:
+    """Write the store's verified records to ARCHIVE (`-`: standard output), most recently used first.
+
+    Safe while a server uses the store. A file appears under its name only once complete and synced."""
+    from tierkv.archive.export import archive_chunks, select
+
+    to_stdout = archive == "-"
+    if to_stdout and sys.stdout.isatty():
+        fail("the archive is binary: redirect standard output to a file or a pipe", 2)
+    with open_disk(cache_dir) as disk:
+        try:
+            sel = select(disk, namespaces, models)
+        except ConfigError as exc:
+            fail(str(exc), 2)
+        show = sys.stderr.isatty()
+
+        def progress(blocks: int, nbytes: int) -> None:
+            if show:
+                click.echo(
+                    f"\rexport: {blocks} of {len(sel.entries)} blocks ({format_size(nbytes)})",
+                    nl=False,
+                    err=True,
+                )
+
+        chunks = archive_chunks(disk, sel, progress)
+        try:
+            with _archive_out(archive) as out:
+                while True:
+                    try:
+                        out.write(next(chunks))
+                    except StopIteration as stop:
+                        report = stop.value
+                        break
+        except OSError as exc:
+            fail(f"cannot write {archive}: {exc}", 2)
+        if show:
+            click.echo("", err=True)
+    out_json = report.as_dict()
+    if as_json:
+        click.echo(json.dumps(out_json), err=to_stdout)
+    else:
+        click.echo(
+            f"exported {report.blocks} blocks ({format_size(report.record_nbytes)}) of "
+            f"{len(report.namespaces)} namespace(s) into {format_size(report.archive_nbytes)}"
+            + (f"; {report.vanished} removed from the store meanwhile" if report.vanished else ""),
+            err=to_stdout,
+        )
+    if report.corrupt:
+        fail(f"{report.corrupt} corrupt record(s) left out: run `tierkv gc --check` and check the disk", 1)
+
+
+@contextlib.contextmanager
+def _archive_out(archive: str) -> Iterator[BinaryIO]:
+    """Standard output, or a file written under a temporary name, synced, then renamed into place: a
+    file named ARCHIVE is always whole."""
+    if archive == "-":
+        yield sys.stdout.buffer
+        sys.stdout.buffer.flush()
+        return
+    path = Path(archive)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "wb", buffering=1 << 20) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    with contextlib.suppress(OSError):  # the rename durable too (not all file systems can sync a dir)
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@click.command("import")
+@cache_dir_option
+@click.option(
+    "--token",
+    envvar="TIERKV_ADMIN_TOKEN",
+    help="The source server's admin token, when ARCHIVE is its /admin/export URL (or TIERKV_ADMIN_TOKEN).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.argument("archive")
+def import_cmd(cache_dir: str, token: str | None, as_json: bool, archive: str) -> None:
+    """Verify and import the records of ARCHIVE (a file, `-` for standard input, or a server's
+    http://HOST:PORT/admin/export) that the store lacks and has room for.
+
+    Safe while a server uses the store; run it again after an interruption and it resumes (what was
+    imported is skipped). A damaged record is refused by itself and counted; nothing is evicted."""
+    from tierkv.archive.frames import ArchiveError
+    from tierkv.archive.load import ImportReport, import_archive
+
+    show = sys.stderr.isatty() and not as_json
+
+    def progress(r: ImportReport) -> None:
+        if show:
+            of = f" of {r.planned}" if r.planned else ""
+            click.echo(
+                f"\rimport: {r.seen}{of} records, {r.imported} imported ({format_size(r.imported_nbytes)})",
+                nl=False,
+                err=True,
+            )
+
+    with open_disk(cache_dir, writer=True) as disk, _archive_in(archive, token) as src:
+        try:
+            report = import_archive(disk, src, progress)
+        except ArchiveError as exc:
+            fail(f"{archive}: {exc}", 2)
+        except OSError as exc:
+            fail(f"import stopped: {exc}; run it again to resume", 1)
+    if show:
+        click.echo("", err=True)
+    out: dict[str, Any] = report.as_dict()
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo(
+            f"imported {report.imported} blocks ({format_size(report.imported_nbytes)}); already there "
+            f"{report.present}, expired {report.expired}, no room {report.no_room}, refused {report.refused}"
+            + (f", not written {report.not_written}" if report.not_written else "")
+            + (f"; {report.damaged_regions} damaged region(s) skipped" if report.damaged_regions else "")
+        )
+    problems = []
+    if report.refused or report.damaged_regions:
+        problems.append("the archive is damaged: its bad records were refused, the rest imported")
+    if not report.complete:
+        problems.append("the archive is incomplete (it ends before its end frame, or lacks records)")
+    if report.not_written:
+        problems.append("the disk tier did not take every record (full, or failing): see the server's log")
+    if problems:
+        fail("; ".join(problems) + "; run it again with a whole archive to resume", 1)
+
+
+@contextlib.contextmanager
+def _archive_in(archive: str, token: str | None) -> Iterator[BinaryIO]:
+    if archive == "-":
+        yield sys.stdin.buffer
+        return
+    if archive.startswith(("http://", "https://")):
+        req = urllib.request.Request(archive, headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            resp = urllib.request.urlopen(req, timeout=60)  # noqa: S310 (http(s) only, checked above)
+        except urllib.error.HTTPError as exc:
+            fail(f"{archive}: HTTP {exc.code}: {exc.read(500).decode(errors='replace')}", 2)
+        except (urllib.error.URLError, OSError) as exc:
+            fail(f"{archive}: {exc}", 2)
+        with resp:
+            yield resp
+        return
+    try:
+        f = open(archive, "rb")
+    except OSError as exc:
+        fail(f"cannot read {archive}: {exc}", 2)
+    with f:
+        yield f
