@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
@@ -146,6 +147,35 @@ def _read_verified(
     return views, checks
 
 
+def _frames(
+    disk: DiskTier,
+    batch: list[tuple[BlockKey, Entry]],
+    views: list[memoryview],
+    checks: list[int | None],
+    report: ExportReport,
+    digest: Any,
+) -> Generator[bytes | memoryview, None, None]:
+    """A read batch's frames; what did not verify is counted (corrupt if still indexed, else vanished)."""
+    for i, (key, e) in enumerate(batch):
+        check = checks[i]
+        if check is None:
+            if disk.index.still_indexed(key, e.location):
+                report.corrupt += 1
+            else:
+                report.vanished += 1
+            continue
+        digest.update(bytes(key) + check.to_bytes(8, "little"))
+        head = frame_head(Kind.RECORD, bytes(key), e.nbytes)
+        report.blocks += 1
+        report.record_nbytes += e.nbytes
+        report.archive_nbytes += len(head) + e.nbytes
+        row = report.namespaces.setdefault(e.ns_digest.hex(), {"blocks": 0, "nbytes": 0})
+        row["blocks"] += 1
+        row["nbytes"] += e.nbytes
+        yield head
+        yield views[i]
+
+
 def archive_chunks(
     disk: DiskTier, sel: Selection, progress: Callable[[int, int], None] | None = None
 ) -> Generator[bytes | memoryview, None, ExportReport]:
@@ -156,28 +186,17 @@ def archive_chunks(
     for chunk in (file_head(), json_frame(Kind.HEAD, _head(sel))):
         report.archive_nbytes += len(chunk)
         yield chunk
-    for batch in _batches(sel.entries):
-        views, checks = _read_verified(disk, batch)
-        for i, (key, e) in enumerate(batch):
-            check = checks[i]
-            if check is None:
-                if disk.index.still_indexed(key, e.location):
-                    report.corrupt += 1
-                else:
-                    report.vanished += 1
-                continue
-            digest.update(bytes(key) + check.to_bytes(8, "little"))
-            head = frame_head(Kind.RECORD, bytes(key), e.nbytes)
-            report.blocks += 1
-            report.record_nbytes += e.nbytes
-            report.archive_nbytes += len(head) + e.nbytes
-            row = report.namespaces.setdefault(e.ns_digest.hex(), {"blocks": 0, "nbytes": 0})
-            row["blocks"] += 1
-            row["nbytes"] += e.nbytes
-            yield head
-            yield views[i]
-        if progress is not None:
-            progress(report.blocks, report.record_nbytes)
+    # One batch read ahead on a thread (the reads release the GIL) while the previous one is written out.
+    batches = list(_batches(sel.entries))
+    with ThreadPoolExecutor(1, thread_name_prefix="tierkv-export") as pool:
+        ahead = pool.submit(_read_verified, disk, batches[0]) if batches else None
+        for k, batch in enumerate(batches):
+            assert ahead is not None
+            views, checks = ahead.result()
+            ahead = pool.submit(_read_verified, disk, batches[k + 1]) if k + 1 < len(batches) else None
+            yield from _frames(disk, batch, views, checks, report, digest)
+            if progress is not None:
+                progress(report.blocks, report.record_nbytes)
     end = json_frame(
         Kind.END,
         {

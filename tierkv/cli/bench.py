@@ -66,6 +66,7 @@ PARTS = (
     "overhead",
     "scaleout",
     "sessions",
+    "transfer",
 )  # run order
 
 EXIT_STATUS = (
@@ -84,7 +85,8 @@ EXIT_STATUS = (
     show_default=True,
     help="Comma-separated parts: ttft, tiers, peers, stall, workloads, plan, scaleout, restart, overhead, "
     "sessions (many chat sessions at once through vLLM alone, vLLM with tierkv, with ExampleConnector, "
-    "and tierkv serve: about 20 minutes with smollm2).",
+    "and tierkv serve: about 20 minutes with smollm2), transfer (tierkv export and import against the "
+    "store's own read and write speeds).",
 )
 @click.option("--plan", "plan_only", is_flag=True, help="Only the break-even plan (fast).")
 @click.option(
@@ -357,7 +359,17 @@ def _part_runners(
         click.echo(sessions.markdown(res) + "\n")
         return res
 
+    def transfer_part(base: Path) -> dict[str, Any]:
+        from tierkv.bench import transfer
+
+        res = transfer.run(
+            base, total_nbytes=(24 << 20) if quick else (512 << 20), runs=runs or (2 if quick else 3)
+        )
+        click.echo(transfer.markdown(res) + "\n")
+        return res
+
     return {
+        "transfer": transfer_part,
         "sessions": sessions_part,
         "plan": plan_part,
         "ttft": ttft_part,

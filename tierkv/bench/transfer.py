@@ -1,0 +1,155 @@
+"""Moving a cache: ``tierkv export`` and ``tierkv import`` against the store's own read and write speeds,
+measured in one run on the same data.
+
+Rows (GB/s of KV, medians of ``runs`` with their spread; the store's rows alternate with the archive's so
+that the disk's drift favours neither):
+  durable save        TieredStore save + flush into an empty store (the store's own write speed)
+  cold restore        TieredStore.load of every prompt, page cache dropped (the store's own read speed)
+  export              every record read cold, verified and written to an archive file, synced
+  import              the archive read cold, every record verified, written durably into an empty store
+Ratios: export / cold restore, import / durable save, and the archive's size against the store's live bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierkv import TieredStore
+from tierkv.archive.export import archive_chunks, select
+from tierkv.archive.load import import_archive
+from tierkv.bench.machine import drop_page_cache, summary
+from tierkv.bench.table import md_table
+from tierkv.bench.tiers import NS, _prompts
+from tierkv.tiers.disk import DiskTier
+
+__all__ = ["markdown", "run"]
+
+
+def _export(store_dir: Path, archive: Path) -> int:
+    with DiskTier(store_dir, writer=False) as disk:
+        chunks = archive_chunks(disk, select(disk))
+        with open(archive, "wb", buffering=1 << 20) as f:
+            try:
+                while True:
+                    f.write(next(chunks))
+            except StopIteration as stop:
+                report = stop.value
+            f.flush()
+            os.fsync(f.fileno())
+    assert report.corrupt == 0 and report.vanished == 0
+    return int(report.blocks)
+
+
+def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str, Any]:
+    prompt_tokens = 8192 if total_nbytes >= 96 << 20 else 1024
+    token_nbytes = NS.num_layers * 2 * NS.num_kv_heads * NS.head_dim * 4
+    num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
+    prompts = _prompts(num_prompts, prompt_tokens)
+    kv = torch.randn(
+        NS.num_layers,
+        2,
+        prompt_tokens,
+        NS.num_kv_heads,
+        NS.head_dim,
+        generator=torch.Generator().manual_seed(0),
+    )
+    data_nbytes = num_prompts * kv.numel() * 4
+    blocks = num_prompts * prompt_tokens // NS.block_tokens
+    store_dir, archive, dest = base / "store", base / "cache.tkv", base / "imported"
+    out = torch.empty_like(kv)
+    times: dict[str, list[float]] = {k: [] for k in ("save", "restore", "export", "import")}
+    method = ""
+    archive_nbytes = live_nbytes = 0
+    for r in range(runs):
+        shutil.rmtree(store_dir, ignore_errors=True)
+        with TieredStore.open(store_dir, host_bytes=0) as store:
+            t0 = time.perf_counter()
+            for toks in prompts:
+                store.save(NS, toks, kv)
+            assert store.flush() == 0
+            times["save"].append(time.perf_counter() - t0)
+            live_nbytes = store.stats()["disk"]["used_nbytes"]
+
+        def restore() -> None:
+            nonlocal method
+            with TieredStore.open(store_dir, host_bytes=0) as store:
+                method = drop_page_cache(sorted((store_dir / "segments").glob("*.seg")))
+                t0 = time.perf_counter()
+                for toks in prompts:
+                    assert store.load(NS, toks, out=out)[0] == len(toks)
+                times["restore"].append(time.perf_counter() - t0)
+
+        def export() -> None:
+            drop_page_cache(sorted((store_dir / "segments").glob("*.seg")))
+            t0 = time.perf_counter()
+            assert _export(store_dir, archive) == blocks
+            times["export"].append(time.perf_counter() - t0)
+
+        for step in (restore, export) if r % 2 == 0 else (export, restore):
+            step()
+        archive_nbytes = archive.stat().st_size
+        shutil.rmtree(dest, ignore_errors=True)
+        drop_page_cache([archive])
+        t0 = time.perf_counter()
+        with DiskTier(dest) as disk, open(archive, "rb") as src:
+            got = import_archive(disk, src)
+        times["import"].append(time.perf_counter() - t0)
+        assert got.imported == blocks and got.complete and got.digest_ok, got
+    rows = {
+        "durable save (save + flush, empty store)": summary([data_nbytes / t for t in times["save"]]),
+        "cold restore (load every prompt)": summary([data_nbytes / t for t in times["restore"]]),
+        "export (cold read, verify, write the archive, fsync)": summary(
+            [data_nbytes / t for t in times["export"]]
+        ),
+        "import (cold read of the archive, verify, durable write)": summary(
+            [data_nbytes / t for t in times["import"]]
+        ),
+    }
+    med = {k: v["median"] for k, v in zip(("save", "restore", "export", "import"), rows.values())}
+    return {
+        "config": {
+            "kv_nbytes": data_nbytes,
+            "blocks": blocks,
+            "block_nbytes": data_nbytes // blocks,
+            "prompts": num_prompts,
+            "prompt_tokens": prompt_tokens,
+            "runs": runs,
+            "cold_method": method,
+        },
+        "rows_Bps": rows,
+        "archive_nbytes": archive_nbytes,
+        "live_nbytes": live_nbytes,
+        "ratios": {
+            "export / cold restore": med["export"] / med["restore"],
+            "import / durable save": med["import"] / med["save"],
+            "archive size / store live bytes": archive_nbytes / live_nbytes,
+        },
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c = res["config"]
+    head = (
+        f"Moving a cache: {c['kv_nbytes'] / 2**20:.0f} MiB of KV in {c['blocks']} records of "
+        f"{c['block_nbytes'] / 2**10:.0f} KiB, {c['runs']} runs, page cache dropped by {c['cold_method']}."
+    )
+    rows = [
+        [name, f"{v['median'] / 1e9:.2f}", f"{v['min'] / 1e9:.2f} to {v['max'] / 1e9:.2f}"]
+        for name, v in res["rows_Bps"].items()
+    ]
+    ratios = [[name, f"{value:.2f}"] for name, value in res["ratios"].items()]
+    return "\n".join(
+        [
+            head,
+            "",
+            *md_table(["GB/s of KV", "median", "spread"], "lrr", rows),
+            "",
+            *md_table(["ratio (same run)", "value"], "lr", ratios),
+        ]
+    )
