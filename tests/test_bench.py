@@ -99,6 +99,20 @@ def test_bench_quick_peers_and_stalls(tmp_path, monkeypatch) -> None:
     assert "## Beside what a user could pick instead" in readme and "## The model thread's stalls" in readme
 
 
+def test_bench_quick_transfer_measures_export_and_import_beside_the_store(tmp_path, monkeypatch) -> None:
+    res, folder = _quick(tmp_path, monkeypatch, "transfer")
+    t = res["transfer"]
+    assert len(t["rows_Bps"]) == 4 and all(row["median"] > 0 for row in t["rows_Bps"].values())
+    # The archive carries each record once, with a small frame head: about the store's live bytes.
+    assert 0.9 < t["ratios"]["archive size / store live bytes"] < 1.1
+    assert set(t["ratios"]) == {
+        "export / cold restore",
+        "import / durable save",
+        "archive size / store live bytes",
+    }
+    assert "## Moving a cache: export and import" in (folder / "README.md").read_text()
+
+
 @pytest.mark.slow  # servers through HTTP, several minutes of CPU: behind --runslow (test_server and test_router
 def test_bench_quick_workloads_and_scaleout(tmp_path, monkeypatch) -> None:  # cover the same paths in CI)
     res, folder = _quick(tmp_path, monkeypatch, "workloads,scaleout,overhead")

@@ -14,7 +14,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench import overhead, peers, plan, restart, scaleout, stall, tiers, ttft, vllm, workloads
+from tierkv.bench import (
+    overhead,
+    peers,
+    plan,
+    restart,
+    scaleout,
+    stall,
+    tiers,
+    transfer,
+    ttft,
+    vllm,
+    workloads,
+)
 from tierkv.bench.table import md_table
 
 QUICK_WARNING = (
@@ -108,6 +120,7 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
         ("overhead", "The cache's cost when nothing is reused (interleaved)", overhead.markdown),
         ("restart", "A long prompt through HTTP: cold, again, after a restart", restart.markdown),
         ("scaleout", "Two workers: shared remote tier and prefix-aware routing", scaleout.markdown),
+        ("transfer", "Moving a cache: export and import", transfer.markdown),
         ("plan", "Break-even", lambda p: plan.markdown(p.get("measured"), p["computed"])),
         ("vllm", "TTFT through vLLM: cold, tierkv, ExampleConnector", vllm.markdown),
     ]
