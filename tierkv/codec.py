@@ -49,6 +49,7 @@ __all__ = [
     "encode_unsealed",
     "parse_header",
     "seal",
+    "unseal",
     "Unsealed",
 ]
 
@@ -174,6 +175,16 @@ def seal(rec: Unsealed) -> list[bytes | memoryview]:
     check = xxhash.xxh3_64(bytes(fields))
     check.update(rec.token_bytes)
     return [bytes(fields) + _CHECK.pack(check.intdigest()) + rec.token_bytes, rec.payload]
+
+
+def unseal(buf: bytes | memoryview, header: Header) -> Unsealed:
+    """A whole record (already parsed into ``header``) back into what ``seal`` takes: its checksums
+    zeroed, its token ids and payload as views into ``buf``. Sealing it again gives the same bytes, so an
+    imported record can take the native writer's path (which seals as it writes) like a fresh save."""
+    view = memoryview(buf).cast("B")
+    tokens_end = HEADER_NBYTES + 4 * header.token_count
+    head = bytes(view[: _FIELDS.size - 8]) + bytes(8) + _CHECK.pack(0)
+    return Unsealed(head, bytes(view[HEADER_NBYTES:tokens_end]), view[tokens_end:])
 
 
 def encode_parts(**kwargs: Any) -> list[bytes | memoryview]:

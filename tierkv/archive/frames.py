@@ -18,9 +18,12 @@ A frame head that checks but whose body is damaged costs one record (its own che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
+import os
+import stat
 import struct
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -102,6 +105,10 @@ class FrameReader:
         # read1: what the stream has now (up to n), not a wait for all n; a pipe or a socket that pauses
         # mid-archive must not hold back the records already received.
         self._read = getattr(stream, "read1", stream.read)
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # a file: a larger readahead window
+            fd = stream.fileno()
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._buf = bytearray()
         self._pos = 0
         self._eof = False

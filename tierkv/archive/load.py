@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import xxhash
 
 from tierkv.archive.frames import FrameReader, Kind
-from tierkv.codec import Header, check_stored
+from tierkv.codec import Header, check_stored, unseal
 from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace
 from tierkv.tiers.disk import DiskTier
@@ -192,11 +192,13 @@ def _queue(
     writer: it waits for room rather than drop). False if the tier stopped accepting writes."""
     writer = disk.writer
     assert writer is not None
-    record = memoryview(body)
+    # Unsealed: the writer seals it again (the same bytes: it verified) on its native path, O_DIRECT where
+    # the file system allows, instead of a buffered write of the sealed bytes.
+    record = unseal(memoryview(body), header)
     item = Put(
         header.ns_digest,
         key,
-        lambda: [record],
+        lambda: record,
         record.nbytes,
         header.created_s,
         None,
