@@ -189,11 +189,12 @@ def _first_restore(
     return float(r.stdout.strip().splitlines()[-1])
 
 
-def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str, Any]:
+def workload(total_nbytes: int) -> tuple[list[list[int]], torch.Tensor]:
+    """About ``total_nbytes`` of KV in NS's layout: distinct prompts (8K tokens each, 1K in quick runs) and
+    the one KV tensor every prompt saves."""
     prompt_tokens = PROMPT_TOKENS if total_nbytes >= 96 << 20 else 1024
-    token_nbytes = 12 * 1024
+    token_nbytes = NS.num_layers * 2 * NS.num_kv_heads * NS.head_dim * 4
     num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
-    prompts = _prompts(num_prompts, prompt_tokens)
     kv = torch.randn(
         NS.num_layers,
         2,
@@ -202,6 +203,12 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         NS.head_dim,
         generator=torch.Generator().manual_seed(0),
     )
+    return _prompts(num_prompts, prompt_tokens), kv
+
+
+def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str, Any]:
+    prompts, kv = workload(total_nbytes)
+    num_prompts, prompt_tokens = len(prompts), len(prompts[0])
     kv_nbytes = kv.numel() * 4
     data_nbytes = num_prompts * kv_nbytes
     rows: dict[str, dict[str, float]] = {}
@@ -412,4 +419,4 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["NS", "PROMPT_TOKENS", "markdown", "run"]
+__all__ = ["NS", "PROMPT_TOKENS", "markdown", "run", "workload"]

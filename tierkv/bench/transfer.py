@@ -25,7 +25,7 @@ from tierkv.archive.export import archive_chunks, select
 from tierkv.archive.load import import_archive
 from tierkv.bench.machine import drop_page_cache, summary
 from tierkv.bench.table import md_table
-from tierkv.bench.tiers import NS, _prompts
+from tierkv.bench.tiers import NS, workload
 from tierkv.tiers.disk import DiskTier
 
 __all__ = ["markdown", "run"]
@@ -47,18 +47,8 @@ def _export(store_dir: Path, archive: Path) -> int:
 
 
 def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str, Any]:
-    prompt_tokens = 8192 if total_nbytes >= 96 << 20 else 1024
-    token_nbytes = NS.num_layers * 2 * NS.num_kv_heads * NS.head_dim * 4
-    num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
-    prompts = _prompts(num_prompts, prompt_tokens)
-    kv = torch.randn(
-        NS.num_layers,
-        2,
-        prompt_tokens,
-        NS.num_kv_heads,
-        NS.head_dim,
-        generator=torch.Generator().manual_seed(0),
-    )
+    prompts, kv = workload(total_nbytes)
+    num_prompts, prompt_tokens = len(prompts), len(prompts[0])
     data_nbytes = num_prompts * kv.numel() * 4
     blocks = num_prompts * prompt_tokens // NS.block_tokens
     store_dir, archive, dest = base / "store", base / "cache.tkv", base / "imported"
