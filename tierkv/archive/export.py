@@ -17,7 +17,7 @@ from typing import Any
 
 import xxhash
 
-from tierkv.archive.frames import Kind, file_head, frame_head, json_frame
+from tierkv.archive.frames import Kind, file_head, frame_fields, frame_head, frame_mac, json_frame, key_id
 from tierkv.codec import check_stored
 from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest
@@ -84,7 +84,7 @@ def select(
     return Selection(chosen, specs)
 
 
-def _head(sel: Selection) -> dict[str, Any]:
+def _head(sel: Selection, mac: bytes | None) -> dict[str, Any]:
     per_ns: dict[str, dict[str, Any]] = {}
     for digest, ns in sel.specs.items():
         per_ns[digest.hex()] = {"spec": ns.to_json() if ns is not None else None, "blocks": 0, "nbytes": 0}
@@ -101,6 +101,7 @@ def _head(sel: Selection) -> dict[str, Any]:
         "blocks": len(sel.entries),
         "nbytes": sel.nbytes,
         "namespaces": per_ns,
+        "mac": None if mac is None else {"algorithm": "blake2b-256", "key_id": key_id(mac)},
     }
 
 
@@ -118,10 +119,11 @@ def _batches(entries: list[tuple[BlockKey, Entry]]) -> Generator[list[tuple[Bloc
 
 
 def _read_verified(
-    disk: DiskTier, batch: list[tuple[BlockKey, Entry]]
-) -> tuple[list[memoryview], list[int | None]]:
-    """Read a batch into one new buffer and verify each record on the reading threads; per record its
-    view and its payload checksum (None: unreadable, or it failed verification)."""
+    disk: DiskTier, batch: list[tuple[BlockKey, Entry]], mac: bytes | None
+) -> tuple[list[memoryview], list[int | None], list[bytes]]:
+    """Read a batch into one new buffer and verify each record on the reading threads (and MAC it, with a
+    key); per record its view, its payload checksum (None: unreadable, or it failed verification) and its
+    MAC (zeros without a key)."""
     buf = bytearray(sum(e.nbytes for _, e in batch))
     views: list[memoryview] = []
     pos = 0
@@ -129,6 +131,7 @@ def _read_verified(
         views.append(memoryview(buf)[pos : pos + e.nbytes])
         pos += e.nbytes
     checks: list[int | None] = [None] * len(batch)
+    macs = [bytes(32)] * len(batch)
     # Read in file order (adjacent records coalesce into one read); written out in the batch's order.
     order = sorted(range(len(batch)), key=lambda i: batch[i][1].location[:2])
 
@@ -141,10 +144,13 @@ def _read_verified(
         if header.ns_digest != e.ns_digest:
             return False
         checks[order[j]] = header.payload_checksum
+        if mac is not None:
+            fields = frame_fields(Kind.RECORD, bytes(key), e.nbytes, e.last_access_s)
+            macs[order[j]] = frame_mac(mac, fields, views[order[j]])
         return True
 
     disk.read_scatter([(batch[i][1], [views[i]]) for i in order], verify)
-    return views, checks
+    return views, checks, macs
 
 
 def _frames(
@@ -152,6 +158,7 @@ def _frames(
     batch: list[tuple[BlockKey, Entry]],
     views: list[memoryview],
     checks: list[int | None],
+    macs: list[bytes],
     report: ExportReport,
     digest: Any,
 ) -> Generator[bytes | memoryview, None, None]:
@@ -165,7 +172,7 @@ def _frames(
                 report.vanished += 1
             continue
         digest.update(bytes(key) + check.to_bytes(8, "little"))
-        head = frame_head(Kind.RECORD, bytes(key), e.nbytes)
+        head = frame_head(Kind.RECORD, bytes(key), e.nbytes, e.last_access_s, macs[i])
         report.blocks += 1
         report.record_nbytes += e.nbytes
         report.archive_nbytes += len(head) + e.nbytes
@@ -177,24 +184,28 @@ def _frames(
 
 
 def archive_chunks(
-    disk: DiskTier, sel: Selection, progress: Callable[[int, int], None] | None = None
+    disk: DiskTier,
+    sel: Selection,
+    progress: Callable[[int, int], None] | None = None,
+    mac: bytes | None = None,
 ) -> Generator[bytes | memoryview, None, ExportReport]:
     """The archive of ``sel``, as chunks to write or send in order; returns the report when exhausted.
-    ``progress(blocks, nbytes)`` after each batch."""
+    ``progress(blocks, nbytes)`` after each batch; ``mac``: a MAC key (``frames.mac_key``) to sign every
+    record with."""
     report = ExportReport(planned=len(sel.entries))
     digest = xxhash.xxh3_64()
-    for chunk in (file_head(), json_frame(Kind.HEAD, _head(sel))):
+    for chunk in (file_head(), json_frame(Kind.HEAD, _head(sel, mac))):
         report.archive_nbytes += len(chunk)
         yield chunk
     # One batch read ahead on a thread (the reads release the GIL) while the previous one is written out.
     batches = list(_batches(sel.entries))
     with ThreadPoolExecutor(1, thread_name_prefix="tierkv-export") as pool:
-        ahead = pool.submit(_read_verified, disk, batches[0]) if batches else None
+        ahead = pool.submit(_read_verified, disk, batches[0], mac) if batches else None
         for k, batch in enumerate(batches):
             assert ahead is not None
-            views, checks = ahead.result()
-            ahead = pool.submit(_read_verified, disk, batches[k + 1]) if k + 1 < len(batches) else None
-            yield from _frames(disk, batch, views, checks, report, digest)
+            views, checks, macs = ahead.result()
+            ahead = pool.submit(_read_verified, disk, batches[k + 1], mac) if k + 1 < len(batches) else None
+            yield from _frames(disk, batch, views, checks, macs, report, digest)
             if progress is not None:
                 progress(report.blocks, report.record_nbytes)
     end = json_frame(

@@ -3,13 +3,18 @@
 Layout (little-endian)::
 
     file head   "TKVARCH\\0", format version (u16), flags (u16, 0), reserved (u32)
-    frame       "TKVF", kind (u8), 3 zero bytes, body length (u64), key (32 bytes),
-                xxh3-64 of the frame head's fields, then the body
+    frame       "TKVF", kind (u8), 3 zero bytes, body length (u64), key (32 bytes), time (f64: a record's
+                last access), MAC (32 bytes: keyed blake2b-256 of the fields before it and the body, or
+                zeros), xxh3-64 of the frame head's fields, then the body
 
-Kinds: ``H`` (JSON: the plan, with every namespace's spec), then one ``R`` per block (the key, and the
-block's record exactly as the disk tier stores it: self-verifying, see ``codec``), then ``E`` (JSON: what
-was written, with a digest over the records). Nothing in it names a path or a host: it moves between
-machines as is.
+Kinds: ``H`` (JSON: the plan, with every namespace's spec, and whether records carry a MAC), then one ``R``
+per block (the key, and the block's record exactly as the disk tier stores it: self-verifying, see
+``codec``), then ``E`` (JSON: what was written, with a digest over the records). Nothing in it names a path
+or a host: it moves between machines as is.
+
+The records' own checksums catch damage, not a forger: whoever writes an archive can compute records
+whose keys are right and whose KV is not. A MAC keyed by a secret both sides hold (``mac_key``) is what
+lets an importer refuse records nobody with the secret wrote.
 
 Why not tar: a damaged tar header loses the rest of the archive; here a frame whose head fails its
 checksum is skipped by scanning for the next frame magic, so one bad region costs only the records in it.
@@ -21,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import hashlib
+import http.client
 import json
 import os
 import stat
@@ -43,8 +50,12 @@ __all__ = [
     "MAX_JSON_NBYTES",
     "MAX_RECORD_NBYTES",
     "file_head",
+    "frame_fields",
     "frame_head",
+    "frame_mac",
     "json_frame",
+    "key_id",
+    "mac_key",
 ]
 
 FILE_MAGIC = b"TKVARCH\0"
@@ -52,14 +63,17 @@ ARCHIVE_VERSION = 1
 _FILE_HEAD = struct.Struct("<8sHHI")
 FILE_HEAD_NBYTES = _FILE_HEAD.size
 FRAME_MAGIC = b"TKVF"
-_FRAME = struct.Struct("<4sB3xQ32s")
+_FRAME = struct.Struct("<4sB3xQ32sd")
+_MAC_NBYTES = 32
 _CHECK = struct.Struct("<Q")
-FRAME_HEAD_NBYTES = _FRAME.size + _CHECK.size
+FRAME_HEAD_NBYTES = _FRAME.size + _MAC_NBYTES + _CHECK.size
 # Bodies above these are refused unread (skipped): a hostile length must not make us allocate it.
 MAX_JSON_NBYTES = 64 << 20
 MAX_RECORD_NBYTES = 1 << 30
 _READ_NBYTES = 1 << 20
 NO_KEY = bytes(32)
+# What reading a stream can raise besides a clean end: an HTTP response cut short is not an OSError.
+_STREAM_ERRORS = (OSError, http.client.HTTPException)
 
 
 class ArchiveError(TierKVError):
@@ -76,9 +90,32 @@ def file_head() -> bytes:
     return _FILE_HEAD.pack(FILE_MAGIC, ARCHIVE_VERSION, 0, 0)
 
 
-def frame_head(kind: Kind, key: bytes, body_nbytes: int) -> bytes:
-    fields = _FRAME.pack(FRAME_MAGIC, int(kind), body_nbytes, key)
-    return fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))
+def mac_key(secret: bytes) -> bytes:
+    """The MAC key derived from a shared secret (a server's admin token, or a secret file's bytes)."""
+    return hashlib.blake2b(b"tierkv-archive-mac\0" + secret, digest_size=32).digest()
+
+
+def key_id(key: bytes) -> str:
+    """Names a MAC key without revealing it: an importer with another secret is told so up front."""
+    return hashlib.blake2b(b"key-id", key=key, digest_size=8).hexdigest()
+
+
+def frame_mac(key: bytes, fields: bytes, body: bytes | bytearray | memoryview) -> bytes:
+    h = hashlib.blake2b(key=key, digest_size=_MAC_NBYTES)
+    h.update(fields)
+    h.update(body)  # hashlib releases the GIL over large buffers
+    return h.digest()
+
+
+def frame_fields(kind: Kind, key: bytes, body_nbytes: int, time_s: float = 0.0) -> bytes:
+    return _FRAME.pack(FRAME_MAGIC, int(kind), body_nbytes, key, time_s)
+
+
+def frame_head(
+    kind: Kind, key: bytes, body_nbytes: int, time_s: float = 0.0, mac: bytes = bytes(_MAC_NBYTES)
+) -> bytes:
+    head = frame_fields(kind, key, body_nbytes, time_s) + mac
+    return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
 def json_frame(kind: Kind, obj: dict[str, Any]) -> bytes:
@@ -90,15 +127,18 @@ def json_frame(kind: Kind, obj: dict[str, Any]) -> bytes:
 class Frame:
     kind: int  # a Kind, or another byte from a newer writer (skipped)
     key: bytes
-    body: bytes | bytearray | None  # None: too large to read (skipped unread)
+    body: bytes | bytearray | None  # None: too large to read, or of a kind this build ignores (skipped)
     body_nbytes: int
+    time_s: float
+    mac: bytes
+    fields: bytes  # what the MAC covers besides the body
 
 
 class FrameReader:
     """Frames from a stream (a file, a pipe, an HTTP response), one buffered pass, no seeking.
 
-    ``damaged_regions`` counts the stretches skipped to find the next good frame head, and
-    ``truncated`` whether the stream ended inside a frame."""
+    ``damaged_regions`` counts the stretches skipped to find the next good frame head, ``truncated`` says
+    whether the stream ended inside a frame, and ``error`` why, when reading it failed."""
 
     def __init__(self, stream: BinaryIO) -> None:
         self._stream = stream
@@ -114,6 +154,7 @@ class FrameReader:
         self._eof = False
         self.damaged_regions = 0
         self.truncated = False
+        self.error: str | None = None  # why the stream ended early, if it failed rather than ended
         self.nbytes_read = 0
 
     def _fill(self, n: int) -> int:
@@ -122,7 +163,11 @@ class FrameReader:
             if self._pos > _READ_NBYTES:
                 del self._buf[: self._pos]
                 self._pos = 0
-            chunk = self._read(max(_READ_NBYTES, n - (len(self._buf) - self._pos)))
+            try:
+                chunk = self._read(max(_READ_NBYTES, n - (len(self._buf) - self._pos)))
+            except _STREAM_ERRORS as exc:  # a reset connection, a server gone mid-stream: truncated here
+                self.error = f"{type(exc).__name__}: {exc}"
+                chunk = b""
             if not chunk:
                 self._eof = True
                 break
@@ -145,7 +190,11 @@ class FrameReader:
         view = memoryview(body)
         got = have
         while got < n:
-            k = self._stream.readinto(view[got:])  # type: ignore[attr-defined]
+            try:
+                k = self._stream.readinto(view[got:])  # type: ignore[attr-defined]
+            except _STREAM_ERRORS as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+                k = 0
             if not k:
                 self._eof = True
                 self.nbytes_read += got
@@ -177,15 +226,17 @@ class FrameReader:
         self.nbytes_read += FILE_HEAD_NBYTES
         return int(version)
 
-    def _head_at_pos(self) -> tuple[int, int, bytes] | None:
+    def _head_at_pos(self) -> Frame | None:
+        """The frame head at the position, if one is there and checks (its body not read yet)."""
         if self._fill(FRAME_HEAD_NBYTES) < FRAME_HEAD_NBYTES:
             return None
-        fields = bytes(self._buf[self._pos : self._pos + _FRAME.size])
-        magic, kind, body_nbytes, key = _FRAME.unpack(fields)
-        (check,) = _CHECK.unpack_from(self._buf, self._pos + _FRAME.size)
-        if magic != FRAME_MAGIC or check != xxhash.xxh3_64_intdigest(fields):
+        head = bytes(self._buf[self._pos : self._pos + FRAME_HEAD_NBYTES - _CHECK.size])
+        (check,) = _CHECK.unpack_from(self._buf, self._pos + len(head))
+        if head[:4] != FRAME_MAGIC or check != xxhash.xxh3_64_intdigest(head):
             return None
-        return kind, body_nbytes, key
+        fields = head[: _FRAME.size]
+        _, kind, body_nbytes, key, time_s = _FRAME.unpack(fields)
+        return Frame(kind, key, None, body_nbytes, time_s, head[_FRAME.size :], fields)
 
     def _resync(self) -> bool:
         """Move to the next frame head that checks; False at the end of the stream."""
@@ -229,18 +280,23 @@ class FrameReader:
                     self.truncated = True
                     return
                 continue
-            kind, body_nbytes, key = head
             self._pos += FRAME_HEAD_NBYTES
             self.nbytes_read += FRAME_HEAD_NBYTES
-            limit = MAX_JSON_NBYTES if kind in (Kind.HEAD, Kind.END) else MAX_RECORD_NBYTES
-            if body_nbytes > limit:
-                if not self._skip(body_nbytes):
+            if head.kind in (Kind.HEAD, Kind.END):
+                limit = MAX_JSON_NBYTES
+            elif head.kind == Kind.RECORD:
+                limit = MAX_RECORD_NBYTES
+            else:
+                limit = -1  # a kind from a newer writer: skipped unread
+            if head.body_nbytes > limit:
+                if not self._skip(head.body_nbytes):
                     self.truncated = True
                     return
-                yield Frame(kind, key, None, body_nbytes)
+                yield head
                 continue
-            body = self._take(body_nbytes)
+            body = self._take(head.body_nbytes)
             if body is None:
                 self.truncated = True
                 return
-            yield Frame(kind, key, body, body_nbytes)
+            head.body = body
+            yield head

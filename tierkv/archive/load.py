@@ -4,24 +4,36 @@ The records go through the disk tier's own writer (append, ``fdatasync``, then t
 import is as durable and as safe beside a running server as a save, and an interrupted one resumes by
 running it again: what was committed is skipped as already there.
 
-Nothing is evicted to make room: an archive larger than what is left of the store's budget fills it, most
-recently used records first (the export's order), and the rest is counted as ``no_room``.
+Nothing is evicted to make room: the writer indexes an imported record only if it fits the store's budget
+in the transaction that would index it (another process's writes meanwhile count), and an archive larger
+than the room left fills it, most recently used records first (the export's order); the rest is counted
+as ``no_room``. Records keep their last access time from the source (never later than now), so the store's
+LRU order and sliding TTL go on as they were.
+
+What is refused, record by record: a frame whose body is damaged (its checksums), a record whose token
+ids do not hash to its key, a record of a namespace the archive's head does not declare with a spec that
+hashes to its digest, a record whose dtype, shape or token count is not its namespace's (checked before a
+compressed payload is inflated: its size is bounded by the spec), a creation or access time that is not a
+finite time up to now, and, with a MAC key, a record whose MAC does not verify.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import xxhash
 
-from tierkv.archive.frames import FrameReader, Kind
-from tierkv.codec import Header, check_stored, unseal
+from tierkv.archive.frames import ArchiveError, Frame, FrameReader, Kind, frame_mac, key_id
+from tierkv.codec import Header, check_stored, decode_header, unseal
 from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace
+from tierkv.layout import KVSpec
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.segments import aligned
 from tierkv.tiers.disk.writer import Put
@@ -29,21 +41,24 @@ from tierkv.tiers.disk.writer import Put
 __all__ = ["ImportReport", "import_archive"]
 
 _ROOM_WAIT_S = 0.002
+CLOCK_SKEW_S = 300.0  # a record "created" this far past our clock is refused (another node's clock)
 
 
 @dataclasses.dataclass
 class ImportReport:
-    imported: int = 0  # queued and then written (``not_written`` already subtracted)
+    imported: int = 0  # indexed in the store
     imported_nbytes: int = 0
     present: int = 0  # the store already held it
-    expired: int = 0  # older than the store's max age
+    expired: int = 0  # past the store's TTL or max age
     no_room: int = 0  # past the store's byte budget
-    refused: int = 0  # damaged, or not what its frame or namespace says: never stored
+    refused: int = 0  # damaged, forged, or not what its frame or namespace says: never stored
     not_written: int = 0  # verified and queued, but the disk tier dropped it (a full disk, a write error)
     damaged_regions: int = 0  # stretches of the archive skipped to find the next good frame
     planned: int = 0  # records the archive's head announced
     complete: bool = False  # the end frame was read, and every record it counts was seen
     digest_ok: bool | None = None  # the end frame's records digest matched (None: not comparable)
+    signed: bool = False  # every record's MAC was verified with the importer's key
+    stream_error: str | None = None  # why the stream ended early, when reading it failed
     archive_nbytes: int = 0
 
     @property
@@ -54,37 +69,54 @@ class ImportReport:
         return {**dataclasses.asdict(self), "seen": self.seen}
 
 
-def _specs(body: bytes | bytearray) -> dict[bytes, bytes | None]:
-    """Namespace digest -> spec JSON from the head frame, each spec checked against its digest; a spec
-    that does not hash to its digest maps to ``b""`` (its records are refused)."""
-    out: dict[bytes, bytes | None] = {}
+def _json(body: bytes | bytearray | None) -> dict[str, Any] | None:
     try:
-        head = json.loads(body)
-        rows = head["namespaces"]
-        assert isinstance(rows, dict)
-    except (ValueError, KeyError, TypeError, AssertionError):
+        out = json.loads(body) if body is not None else None
+    except (ValueError, RecursionError):  # damaged, or nested to exhaust the parser
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _specs(head: dict[str, Any]) -> dict[bytes, Namespace]:
+    """Namespace digest -> its spec, for the specs in the head that parse and hash to their digest. A
+    record of any other namespace is refused: without its spec, its shape cannot be bounded."""
+    out: dict[bytes, Namespace] = {}
+    rows = head.get("namespaces")
+    if not isinstance(rows, dict):
         return out
     for hex_digest, row in rows.items():
         try:
-            digest = bytes.fromhex(hex_digest)
-            spec = row.get("spec") if isinstance(row, dict) else None
-            if spec is None:
-                out[digest] = None
-                continue
-            ns = Namespace.from_json(spec)
-            out[digest] = ns.spec_bytes if ns.digest == digest else b""
-        except (ValueError, TypeError, ConfigError):
+            ns = Namespace.from_json(row["spec"])
+            if ns.digest == bytes.fromhex(hex_digest):
+                out[ns.digest] = ns
+        except (ValueError, TypeError, KeyError, ConfigError, RecursionError):
             continue
     return out
 
 
-def _fits_namespace(header: Header, spec: bytes | None) -> bool:
-    if spec is None:  # no spec to compare with: the record's own checks stand alone
-        return True
-    if not spec:
-        return False
-    ns = Namespace.from_json(spec.decode())
-    return header.dtype == ns.dtype and header.token_count == ns.block_tokens
+def _refusal(frame: Frame, specs: dict[bytes, Namespace], mac: bytes | None, now: float) -> Header | None:
+    """The record's header if it may be stored, else None. The MAC first (cheap to refuse a forgery),
+    then the header against its namespace before the payload is decoded (a compressed payload's size is
+    bounded by its shape), then the whole record."""
+    body = frame.body
+    if body is None:
+        return None
+    if mac is not None and not hmac.compare_digest(frame.mac, frame_mac(mac, frame.fields, body)):
+        return None
+    try:
+        header, _, _ = decode_header(memoryview(body))
+        ns = specs.get(header.ns_digest)
+        if ns is None or header.dtype != ns.dtype or header.token_count != ns.block_tokens:
+            return None
+        if header.shape != KVSpec.of(ns).block_shape:
+            return None
+        if not (math.isfinite(header.created_s) and 0 <= header.created_s <= now + CLOCK_SKEW_S):
+            return None
+        if not (math.isfinite(frame.time_s) and 0 <= frame.time_s <= now + CLOCK_SKEW_S):
+            return None
+        return check_stored(memoryview(body), frame.key)
+    except RecordError:
+        return None
 
 
 def import_archive(
@@ -92,88 +124,109 @@ def import_archive(
     src: BinaryIO,
     progress: Callable[[ImportReport], None] | None = None,
     timeout_s: float = 600.0,
+    mac: bytes | None = None,
 ) -> ImportReport:
     """Import every verified record of the archive on ``src`` that the store lacks and has room for.
-    ArchiveError if ``src`` is not an archive this build reads; anything damaged inside it is counted, not
-    raised. ``progress(report)`` every few records."""
+
+    ``mac``: a MAC key (``frames.mac_key``); then every record must carry a MAC made with it, and an
+    archive signed with another key, or not signed, is an ArchiveError before anything is stored. Without
+    one, a signed archive is an ArchiveError too (its signer meant it to be checked). ArchiveError also if
+    ``src`` is not an archive this build reads; anything damaged inside it is counted, not raised.
+    ``progress(report)`` every few records."""
     if disk.writer is None:
         raise ConfigError("import needs a disk tier opened with a writer")
     reader = FrameReader(src)
     reader.read_file_head()
     report = ImportReport()
-    specs: dict[bytes, bytes | None] = {}
+    specs: dict[bytes, Namespace] = {}
     seen_head = False
     end: dict[str, Any] | None = None
     digest = xxhash.xxh3_64()
     policy = disk.policy
-    with disk.index.read() as txn:
-        used_nbytes = disk.index.total_nbytes(txn)
     dropped_before = _dropped(disk)
+    queued: list[tuple[bytes, int]] = []  # key, record nbytes
+    refused_puts = 0  # the writer took none of these (it counted each as a dropped save, or timed out)
     for frame in reader.frames():
-        if frame.kind == Kind.HEAD and not seen_head and frame.body is not None:
+        if frame.kind == Kind.HEAD and not seen_head:
             seen_head = True
-            specs = _specs(frame.body)
-            try:
-                report.planned = int(json.loads(frame.body).get("blocks", 0))
-            except (ValueError, AttributeError, TypeError):
-                pass
+            head = _json(frame.body) or {}
+            _check_signing(head, mac)
+            specs = _specs(head)
+            planned = head.get("blocks")
+            report.planned = planned if isinstance(planned, int) else 0
             continue
-        if frame.kind == Kind.END and frame.body is not None:
-            try:
-                end = json.loads(frame.body)
-            except ValueError:
-                end = None
+        if frame.kind == Kind.END:
+            end = _json(frame.body)
             continue
         if frame.kind != Kind.RECORD:
             continue  # a kind from a newer writer, or a second head: nothing to store
-        if frame.body is None:
-            report.refused += 1
-            continue
-        try:
-            header = check_stored(memoryview(frame.body), frame.key)
-        except RecordError:
-            report.refused += 1
-            continue
-        spec = specs.get(header.ns_digest)
-        if not _fits_namespace(header, spec):
+        now = disk.clock()
+        header = _refusal(frame, specs, mac, now)
+        if header is None:
             report.refused += 1
             continue
         digest.update(frame.key + header.payload_checksum.to_bytes(8, "little"))
+        access_s = min(frame.time_s, now)
         if disk.holds([BlockKey(frame.key)])[0]:
             report.present += 1
-            continue
-        if policy.max_age_s is not None and disk.clock() - header.created_s > policy.max_age_s:
+        elif policy.expired_at(header.created_s, access_s, now):
             report.expired += 1
-            continue
-        footprint = aligned(frame.body_nbytes)
-        if policy.budget_nbytes is not None and used_nbytes + footprint > policy.budget_nbytes:
+        elif policy.budget_nbytes is not None and aligned(frame.body_nbytes) > policy.budget_nbytes:
             report.no_room += 1
-            continue
-        if not _queue(disk, frame.key, frame.body, header, spec, timeout_s):
-            report.not_written += 1
-            continue
-        used_nbytes += footprint
-        report.imported += 1
-        report.imported_nbytes += frame.body_nbytes
-        if progress is not None and report.seen % 64 == 0:
+        elif _queue(disk, frame.key, frame.body, header, specs[header.ns_digest], access_s, timeout_s):
+            queued.append((frame.key, frame.body_nbytes))
+        else:
+            refused_puts += 1
+        if progress is not None and (report.seen + len(queued) + refused_puts) % 64 == 0:
             progress(report)
     if not disk.flush(timeout_s):
         raise OSError("the disk tier did not finish writing the imported records in time")
-    dropped = _dropped(disk) - dropped_before
-    report.not_written += dropped
-    report.imported -= dropped
+    dropped_queued = max(0, _dropped(disk) - dropped_before - refused_puts)
+    report.not_written += refused_puts
+    _settle(disk, queued, dropped_queued, report)
     report.damaged_regions = reader.damaged_regions
     report.archive_nbytes = reader.nbytes_read
+    report.stream_error = reader.error
+    report.signed = mac is not None
     if end is not None:
-        try:
-            report.complete = not reader.truncated and int(end["blocks"]) == report.seen
-            if report.refused == 0 and report.complete:
-                report.digest_ok = end.get("records_xxh3") == digest.hexdigest()
-        except (KeyError, TypeError, ValueError):
-            report.complete = False
+        blocks = end.get("blocks")
+        report.complete = not reader.truncated and reader.error is None and blocks == report.seen
+        if report.refused == 0 and report.complete:
+            report.digest_ok = end.get("records_xxh3") == digest.hexdigest()
     if progress is not None:
         progress(report)
     return report
+
+
+def _check_signing(head: dict[str, Any], mac: bytes | None) -> None:
+    signed = head.get("mac")
+    if mac is None and signed:
+        raise ArchiveError(
+            "this archive is signed: give its secret (--secret-file, or --token for a server's export)"
+        )
+    if mac is not None:
+        if not isinstance(signed, dict):
+            raise ArchiveError(
+                "this archive is not signed, and a secret was given: nothing in it can be trusted"
+            )
+        if signed.get("key_id") != key_id(mac):
+            raise ArchiveError("this archive was signed with another secret")
+
+
+def _settle(disk: DiskTier, queued: list[tuple[bytes, int]], dropped: int, report: ImportReport) -> None:
+    """Count what the writer did with the queued records, from the index: indexed is imported; of the
+    rest, what it dropped (``dropped``: degraded, gone) was not written, and what it skipped had no room
+    left in the budget."""
+    if not queued:
+        return
+    held = disk.holds([BlockKey(k) for k, _ in queued])
+    for (_, nbytes), ok in zip(queued, held):
+        if ok:
+            report.imported += 1
+            report.imported_nbytes += nbytes
+    missing = len(queued) - report.imported
+    report.not_written += min(dropped, missing)
+    report.no_room += missing - min(dropped, missing)
 
 
 def _dropped(disk: DiskTier) -> int:
@@ -183,15 +236,17 @@ def _dropped(disk: DiskTier) -> int:
 def _queue(
     disk: DiskTier,
     key: bytes,
-    body: bytes | bytearray,
+    body: bytes | bytearray | None,
     header: Header,
-    spec: bytes | None,
+    ns: Namespace,
+    access_s: float,
     timeout_s: float,
 ) -> bool:
     """Hand a record to the disk tier's writer, waiting while its queue is full (an import is a bulk
-    writer: it waits for room rather than drop). False if the tier stopped accepting writes."""
+    writer: it waits for room rather than drop). False if the tier stopped accepting writes (the writer
+    counted the drop)."""
     writer = disk.writer
-    assert writer is not None
+    assert writer is not None and body is not None
     # Unsealed: the writer seals it again (the same bytes: it verified) on its native path, O_DIRECT where
     # the file system allows, instead of a buffered write of the sealed bytes.
     record = unseal(memoryview(body), header)
@@ -202,7 +257,9 @@ def _queue(
         record.nbytes,
         header.created_s,
         None,
-        spec or None,
+        ns.spec_bytes,
+        access_s=access_s,
+        evict=False,
     )
     deadline = time.monotonic() + timeout_s
     while True:

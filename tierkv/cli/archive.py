@@ -26,6 +26,32 @@ from tierkv.units import format_size
 
 __all__ = ["export", "import_cmd"]
 
+IMPORT_QUEUE_NBYTES = 256 << 20  # records verified and waiting for the writer: bounds the importer's memory
+
+secret_file_option = click.option(
+    "--secret-file",
+    type=click.Path(dir_okay=False),
+    envvar="TIERKV_ARCHIVE_SECRET_FILE",
+    help="A file whose bytes (one line, its line end stripped) sign every record (export) or must have "
+    "signed every record (import); or TIERKV_ARCHIVE_SECRET_FILE. A server's export is signed with its "
+    "admin token: --token verifies it.",
+)
+
+
+def _mac(secret_file: str | None, token: str | None = None) -> bytes | None:
+    """The MAC key: from the secret file, else from the admin token (an import from a server's URL)."""
+    from tierkv.archive.frames import mac_key
+
+    if secret_file is not None:
+        try:
+            secret = Path(secret_file).read_bytes().rstrip(b"\r\n")
+        except OSError as exc:
+            fail(f"--secret-file: {exc}", 2)
+        if not secret:
+            fail(f"--secret-file: {secret_file} is empty", 2)
+        return mac_key(secret)
+    return mac_key(token.encode()) if token else None
+
 
 @click.command()
 @cache_dir_option
@@ -36,10 +62,16 @@ __all__ = ["export", "import_cmd"]
     help="Only this namespace (a digest, or a unique prefix of it; `tierkv stats` lists them). Repeatable.",
 )
 @click.option("--model", "models", multiple=True, help="Only namespaces of this model id. Repeatable.")
+@secret_file_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (on stderr with `-`).")
 @click.argument("archive")
 def export(
-    cache_dir: str, namespaces: tuple[str, ...], models: tuple[str, ...], as_json: bool, archive: str
+    cache_dir: str,
+    namespaces: tuple[str, ...],
+    models: tuple[str, ...],
+    secret_file: str | None,
+    as_json: bool,
+    archive: str,
 ) -> None:
     """Write the store's verified records to ARCHIVE (`-`: standard output), most recently used first.
 
@@ -64,7 +96,7 @@ def export(
                     err=True,
                 )
 
-        chunks = archive_chunks(disk, sel, progress)
+        chunks = archive_chunks(disk, sel, progress, _mac(secret_file))
         try:
             with _archive_out(archive) as out:
                 while True:
@@ -73,6 +105,10 @@ def export(
                     except StopIteration as stop:
                         report = stop.value
                         break
+        except BrokenPipeError:
+            # The reader went away: the archive it got is incomplete, and its importer will say so.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            fail(f"{archive}: the reader closed the pipe before the archive was whole", 1)
         except OSError as exc:
             fail(f"cannot write {archive}: {exc}", 2)
         if show:
@@ -93,13 +129,17 @@ def export(
 
 @contextlib.contextmanager
 def _archive_out(archive: str) -> Iterator[BinaryIO]:
-    """Standard output, or a file written under a temporary name, synced, then renamed into place: a
-    file named ARCHIVE is always whole."""
+    """Standard output; a pipe, a device or a FIFO, written as is; else a file written under a temporary
+    name, synced, then renamed into place: a file named ARCHIVE is always whole."""
     if archive == "-":
         yield sys.stdout.buffer
         sys.stdout.buffer.flush()
         return
     path = Path(archive)
+    if path.exists() and not path.is_file():  # /dev/stdout, a named pipe: not replaced by a file
+        with open(path, "wb", buffering=1 << 20) as f:
+            yield f
+        return
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         with open(tmp, "wb", buffering=1 << 20) as f:
@@ -125,9 +165,12 @@ def _archive_out(archive: str) -> Iterator[BinaryIO]:
     envvar="TIERKV_ADMIN_TOKEN",
     help="The source server's admin token, when ARCHIVE is its /admin/export URL (or TIERKV_ADMIN_TOKEN).",
 )
+@secret_file_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.argument("archive")
-def import_cmd(cache_dir: str, token: str | None, as_json: bool, archive: str) -> None:
+def import_cmd(
+    cache_dir: str, token: str | None, secret_file: str | None, as_json: bool, archive: str
+) -> None:
     """Verify and import the records of ARCHIVE (a file, `-` for standard input, or a server's
     http://HOST:PORT/admin/export) that the store lacks and has room for.
 
@@ -147,9 +190,14 @@ def import_cmd(cache_dir: str, token: str | None, as_json: bool, archive: str) -
                 err=True,
             )
 
-    with open_disk(cache_dir, writer=True) as disk, _archive_in(archive, token) as src:
+    is_url = archive.startswith(("http://", "https://"))
+    mac = _mac(secret_file, token if is_url else None)
+    with (
+        open_disk(cache_dir, writer=True, queue_nbytes=IMPORT_QUEUE_NBYTES) as disk,
+        _archive_in(archive, token) as src,
+    ):
         try:
-            report = import_archive(disk, src, progress)
+            report = import_archive(disk, src, progress, mac=mac)
         except ArchiveError as exc:
             fail(f"{archive}: {exc}", 2)
         except OSError as exc:
@@ -169,8 +217,12 @@ def import_cmd(cache_dir: str, token: str | None, as_json: bool, archive: str) -
     problems = []
     if report.refused or report.damaged_regions:
         problems.append("the archive is damaged: its bad records were refused, the rest imported")
+    if report.stream_error:
+        problems.append(f"reading the archive failed: {report.stream_error}")
     if not report.complete:
         problems.append("the archive is incomplete (it ends before its end frame, or lacks records)")
+    if report.digest_ok is False:
+        problems.append("the archive's records differ from what its end frame lists")
     if report.not_written:
         problems.append("the disk tier did not take every record (full, or failing): see the server's log")
     if problems:
@@ -184,8 +236,10 @@ def _archive_in(archive: str, token: str | None) -> Iterator[BinaryIO]:
         return
     if archive.startswith(("http://", "https://")):
         req = urllib.request.Request(archive, headers={"Authorization": f"Bearer {token}"} if token else {})
+        # No redirects: urllib would send the token on to wherever one points.
+        opener = urllib.request.build_opener(_NoRedirect)
         try:
-            resp = urllib.request.urlopen(req, timeout=60)  # noqa: S310 (http(s) only, checked above)
+            resp = opener.open(req, timeout=60)
         except urllib.error.HTTPError as exc:
             fail(f"{archive}: HTTP {exc.code}: {exc.read(500).decode(errors='replace')}", 2)
         except (urllib.error.URLError, OSError) as exc:
@@ -199,3 +253,8 @@ def _archive_in(archive: str, token: str | None) -> Iterator[BinaryIO]:
         fail(f"cannot read {archive}: {exc}", 2)
     with f:
         yield f
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        raise urllib.error.HTTPError(newurl, code, f"redirected to {newurl} (not followed)", headers, fp)

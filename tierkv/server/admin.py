@@ -12,11 +12,14 @@ import asyncio
 import hmac
 import json
 import math
+import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from tierkv.archive.frames import mac_key
 from tierkv.errors import ConfigError
 from tierkv.server.responses import JSON, error, json_object
 from tierkv.server.state import Server
@@ -102,6 +105,24 @@ def _namespace(opts: dict[str, Any]) -> str | None:
     return value
 
 
+async def _off_loop(
+    chunks: Iterator[bytes | memoryview], running: list[int]
+) -> AsyncIterator[bytes | memoryview]:
+    """The export's chunks, each produced on a worker thread (its reads, native, release the GIL): the
+    event loop keeps answering meanwhile. When the client goes away mid-stream the generator is closed
+    at once, on a thread (its read-ahead may be finishing a batch). ``running`` counts the exports
+    streaming (a response never started holds nothing: its generator has not run)."""
+    running[0] += 1
+    try:
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield chunk  # a view into its batch's own buffer, never reused
+    finally:
+        running[0] -= 1
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            threading.Thread(target=close, name="tierkv-export-close", daemon=True).start()
+
+
 def add_admin_routes(app: FastAPI, server: Server) -> None:
     def admitted(request: Request) -> TieredStore | JSON:
         """The store, if the request may administer it; else the error to answer."""
@@ -141,27 +162,30 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
             return store
         return JSON(server.misses.report())
 
+    exporting = [0]  # exports streaming: one at a time, each reads the whole store beside the model
+
     @app.get("/admin/export", response_model=None)
     async def admin_export(request: Request) -> JSON | StreamingResponse:
-        """The store's verified records as an archive (``tierkv import URL`` reads it); query parameters
-        ``namespace`` and ``model`` (repeatable) select, as ``tierkv export``'s options do.
-
-        The body is produced by a generator starlette runs on its thread pool: every read (native, the GIL
-        released) stays off the event loop, which keeps answering requests meanwhile."""
+        """The store's verified records as an archive (``tierkv import URL --token`` reads it), every
+        record signed with a key derived from the admin token; query parameters ``namespace`` and
+        ``model`` (repeatable) select, as ``tierkv export``'s options do. 409 while another runs."""
         store = admitted(request)
         if isinstance(store, JSON):
             return store
         if unknown := set(request.query_params) - {"namespace", "model"}:
             return error(400, f"unknown export parameter(s): {', '.join(sorted(unknown))}")
+        if exporting[0]:
+            return error(409, "an export is already running on this server; try again when it is done")
         try:
             chunks = await asyncio.to_thread(
                 store.export_chunks,
                 request.query_params.getlist("namespace"),
                 request.query_params.getlist("model"),
+                mac_key(str(server.config.admin_token).encode()),
             )
         except ConfigError as exc:
             return error(400, str(exc), param="namespace")
-        return StreamingResponse(chunks, media_type="application/octet-stream")
+        return StreamingResponse(_off_loop(chunks, exporting), media_type="application/octet-stream")
 
     @app.post("/admin/gc")
     async def admin_gc(request: Request) -> JSON:

@@ -81,9 +81,12 @@ class Policy:
     max_age_s: float | None = None  # absolute, from creation
 
     def expired(self, e: Entry, now: float) -> bool:
-        if self.ttl_s is not None and now - e.last_access_s > self.ttl_s:
+        return self.expired_at(e.created_s, e.last_access_s, now)
+
+    def expired_at(self, created_s: float, last_access_s: float, now: float) -> bool:
+        if self.ttl_s is not None and now - last_access_s > self.ttl_s:
             return True
-        return self.max_age_s is not None and now - e.created_s > self.max_age_s
+        return self.max_age_s is not None and now - created_s > self.max_age_s
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,8 @@ class Put:
     ns_spec: bytes | None = None  # the namespace's JSON, stored with its first block
     live: Callable[[], bool] | None = None  # False once purged or invalidated: then dropped, not indexed
     record: Record = dataclasses.field(default_factory=list)
+    access_s: float | None = None  # its last access, if not now (an import keeps the source's LRU order)
+    evict: bool = True  # False: skipped, not indexed, if it would push the store past its budget (import)
 
     @property
     def record_nbytes(self) -> int:
@@ -363,6 +365,9 @@ class Writer:
             now = self.clock()
             holes: list[Hole] = []
             unused: list[Hole] = []  # appended, but another writer stored the key first
+            # Room for records that must not evict, taken in this transaction: another process's writes
+            # since any earlier look count.
+            room = None if budget is None else budget - self.index.total_nbytes(txn)
             for p, off in zip(fresh, offsets):
                 if not p.is_live():
                     # Purged or invalidated since the first look. Checked in the transaction: one that
@@ -377,10 +382,18 @@ class Writer:
                         unused.append((seg.seg_id, off, p.record_nbytes, False))
                         continue
                     holes.append((*old.location, self.index.remove(txn, p.key, old)))  # replaced, atomically
+                    if room is not None:
+                        room += old.footprint
+                if room is not None:
+                    if not p.evict and aligned(p.record_nbytes) > room:
+                        unused.append((seg.seg_id, off, p.record_nbytes, False))
+                        continue
+                    room -= aligned(p.record_nbytes)
                 if p.ns_spec is not None:
                     self.index.put_namespace(txn, p.ns_digest, p.ns_spec)
+                access_s = now if p.access_s is None else min(p.access_s, now)
                 self.index.insert(
-                    txn, p.key, Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, now)
+                    txn, p.key, Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, access_s)
                 )
             evicted = self.index.evict_over(txn, budget) if budget is not None else []
             return holes + evicted, unused, len(evicted)
