@@ -47,6 +47,7 @@ __all__ = [
     "encode",
     "encode_parts",
     "encode_unsealed",
+    "parent_key_of",
     "parse_header",
     "seal",
     "unseal",
@@ -59,6 +60,7 @@ MAX_NDIM = 6
 _FIELDS = struct.Struct(f"<4sHBBB3x{MAX_NDIM}II32s32s32sdQQQ")
 _CHECK = struct.Struct("<Q")
 HEADER_NBYTES = _FIELDS.size + _CHECK.size
+_PARENT_AT = struct.calcsize(f"<4sHBBB3x{MAX_NDIM}II32s")  # where the parent key sits in the header
 # Stored and raw payloads above this are refused before any allocation (a corrupted length field
 # must not make us allocate terabytes).
 MAX_PAYLOAD_NBYTES = 1 << 34
@@ -247,6 +249,15 @@ def parse_header(prefix: bytes | memoryview, record_nbytes: int) -> tuple[Header
         payload_check,
     )
     return header, view[HEADER_NBYTES:tokens_end]
+
+
+def parent_key_of(prefix: bytes | memoryview) -> BlockKey | None:
+    """A record's parent key, from its first bytes, unverified (for ordering only: whatever is served or
+    stored is verified whole); None if the bytes are not a record's."""
+    view = memoryview(prefix).cast("B")
+    if view.nbytes < _PARENT_AT + 32 or bytes(view[:4]) != MAGIC:
+        return None
+    return BlockKey(bytes(view[_PARENT_AT : _PARENT_AT + 32]))
 
 
 def decode_header(buf: bytes | memoryview) -> tuple[Header, memoryview, memoryview]:

@@ -20,7 +20,7 @@ import xxhash
 from tierkv.archive.frames import Kind, file_head, frame_fields, frame_head, frame_mac, json_frame, key_id
 from tierkv.codec import check_stored
 from tierkv.errors import ConfigError, RecordError
-from tierkv.keys import BlockKey, Namespace, NamespaceDigest
+from tierkv.keys import BlockKey, Namespace, NamespaceDigest, root_key
 from tierkv.tiers.disk import DiskTier, Entry
 from tierkv.tiers.disk.segments import aligned
 
@@ -79,9 +79,67 @@ def select(
         for k, e in entries
         if (wanted is None or e.ns_digest in wanted) and not disk.policy.expired(e, t)
     ]
-    chosen.sort(key=lambda ke: (-ke[1].last_access_s, ke[1].created_s))
+    chosen = _prefixes_first(disk, chosen)
     specs = {NamespaceDigest(e.ns_digest): known.get(NamespaceDigest(e.ns_digest)) for _, e in chosen}
     return Selection(chosen, specs)
+
+
+_ORPHAN = -(1 << 62)
+
+
+def _depths(parents: list[BlockKey | None], parent_at: list[int | None], roots: set[bytes]) -> list[int]:
+    """Each block's position in its prompt (0: its parent is its namespace's root), following parent
+    links; _ORPHAN where the chain breaks (a parent not here, unreadable, or a cycle in damaged data)."""
+    depth: list[int | None] = [None] * len(parents)
+    for i in range(len(parents)):
+        path: list[int] = []
+        on_path: set[int] = set()
+        j = i
+        while True:
+            known = depth[j]
+            if known is not None:
+                top = known
+                break
+            if j in on_path:
+                top = _ORPHAN
+                break
+            path.append(j)
+            on_path.add(j)
+            p = parents[j]
+            if p is not None and bytes(p) in roots:
+                top = -1  # the root: path's last block is at 0
+                break
+            nxt = parent_at[j]
+            if nxt is None:
+                top = _ORPHAN
+                break
+            j = nxt
+        for n, k in enumerate(reversed(path), start=1):
+            depth[k] = _ORPHAN if top == _ORPHAN else top + n
+    return [d if d is not None else _ORPHAN for d in depth]
+
+
+def _prefixes_first(disk: DiskTier, entries: list[tuple[BlockKey, Entry]]) -> list[tuple[BlockKey, Entry]]:
+    """Most recently used first, and every block after the blocks before it in its prompt: a block counts
+    as recent as the most recent block after it (a hit touches its whole prefix, but a continuation saved
+    later is newer than the prefix it extends), and among equals the shorter prefix goes first. So an
+    import that runs out of room keeps whole prefixes, never a continuation without its start. Blocks whose
+    prefix is not in the selection (it was evicted) can never be hit from position 0: they go last."""
+    parents = disk.parents([e for _, e in entries])
+    at = {bytes(k): i for i, (k, _) in enumerate(entries)}
+    parent_at = [at.get(bytes(p)) if p is not None else None for p in parents]
+    roots = {bytes(root_key(NamespaceDigest(e.ns_digest))) for _, e in entries}
+    depth = _depths(parents, parent_at, roots)
+    recent = [e.last_access_s for _, e in entries]
+    for i in sorted(range(len(entries)), key=lambda i: -depth[i]):  # deepest first: up the chains
+        j = parent_at[i]
+        if j is not None and depth[i] != _ORPHAN:
+            recent[j] = max(recent[j], recent[i])
+    reachable = [i for i in range(len(entries)) if depth[i] != _ORPHAN]
+    orphans = [i for i in range(len(entries)) if depth[i] == _ORPHAN]
+    reachable.sort(key=lambda i: (-recent[i], depth[i], entries[i][1].created_s))
+    orphans.sort(key=lambda i: -recent[i])
+    return [entries[i] for i in reachable + orphans]
 
 
 def _head(sel: Selection, mac: bytes | None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import xxhash
 from tierkv.archive.frames import ArchiveError, Frame, FrameReader, Kind, frame_mac, key_id
 from tierkv.codec import Header, check_stored, decode_header, unseal
 from tierkv.errors import ConfigError, RecordError
-from tierkv.keys import BlockKey, Namespace
+from tierkv.keys import BlockKey, Namespace, root_key
 from tierkv.layout import KVSpec
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.segments import aligned
@@ -52,6 +52,7 @@ class ImportReport:
     expired: int = 0  # past the store's TTL or max age
     no_room: int = 0  # past the store's byte budget
     refused: int = 0  # damaged, forged, or not what its frame or namespace says: never stored
+    unreachable: int = 0  # its prompt's earlier blocks are neither in the store nor imported: never a hit
     not_written: int = 0  # verified and queued, but the disk tier dropped it (a full disk, a write error)
     damaged_regions: int = 0  # stretches of the archive skipped to find the next good frame
     planned: int = 0  # records the archive's head announced
@@ -63,7 +64,15 @@ class ImportReport:
 
     @property
     def seen(self) -> int:
-        return self.imported + self.present + self.expired + self.no_room + self.refused + self.not_written
+        return (
+            self.imported
+            + self.present
+            + self.expired
+            + self.no_room
+            + self.refused
+            + self.unreachable
+            + self.not_written
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "seen": self.seen}
@@ -146,6 +155,7 @@ def import_archive(
     dropped_before = _dropped(disk)
     queued: list[tuple[bytes, int]] = []  # key, record nbytes
     refused_puts = 0  # the writer took none of these (it counted each as a dropped save, or timed out)
+    landed: set[bytes] = set()  # keys present or queued: the blocks after them may follow
     for frame in reader.frames():
         if frame.kind == Kind.HEAD and not seen_head:
             seen_head = True
@@ -169,12 +179,16 @@ def import_archive(
         access_s = min(frame.time_s, now)
         if disk.holds([BlockKey(frame.key)])[0]:
             report.present += 1
+            landed.add(frame.key)
+        elif not _reachable(disk, header, landed):
+            report.unreachable += 1
         elif policy.expired_at(header.created_s, access_s, now):
             report.expired += 1
         elif policy.budget_nbytes is not None and aligned(frame.body_nbytes) > policy.budget_nbytes:
             report.no_room += 1
         elif _queue(disk, frame.key, frame.body, header, specs[header.ns_digest], access_s, timeout_s):
             queued.append((frame.key, frame.body_nbytes))
+            landed.add(frame.key)
         else:
             refused_puts += 1
         if progress is not None and (report.seen + len(queued) + refused_puts) % 64 == 0:
@@ -196,6 +210,15 @@ def import_archive(
     if progress is not None:
         progress(report)
     return report
+
+
+def _reachable(disk: DiskTier, header: Header, landed: set[bytes]) -> bool:
+    """Whether a prompt could reach this block from position 0 here: its parent is its namespace's root,
+    or a block the store holds or this import queued (the export sends prefixes first)."""
+    parent = bytes(header.parent_key)
+    if parent == root_key(header.ns_digest) or parent in landed:
+        return True
+    return disk.holds([BlockKey(parent)])[0]
 
 
 def _check_signing(head: dict[str, Any], mac: bytes | None) -> None:
