@@ -50,7 +50,7 @@ def _export(cache_dir: Path, archive: Path, *args: str) -> dict:
 def _import(cache_dir: Path, archive: Path | str, code: int = 0) -> dict:
     r = CliRunner().invoke(main, ["import", "--cache-dir", str(cache_dir), "--json", str(archive)])
     assert r.exit_code == code, r.output
-    return json.loads(r.output.splitlines()[0])
+    return json.loads(r.stdout)
 
 
 def _records(archive: Path) -> list[tuple[int, int]]:
@@ -175,6 +175,54 @@ def test_an_import_killed_midway_resumes_and_leaves_nothing_bad(source, tmp_path
     assert r.exit_code == 0 and json.loads(r.output)["checked"] == 18
 
 
+def test_ctrl_c_writes_what_was_read_says_so_and_exits_130(source, tmp_path) -> None:
+    archive = tmp_path / "a.tkv"
+    _export(source, archive)
+    records = _records(archive)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierkv.cli", "import", "--cache-dir", str(tmp_path / "copy"), "--json", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(archive.read_bytes()[: records[7][0]])  # seven records, then the stream stalls
+    proc.stdin.flush()
+    time.sleep(3)  # read and queued by now (a slow machine: the count below says what was)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    got = json.loads(out)
+    assert got["interrupted"] and got["imported"] == 7 and b"run it again to resume" in err
+    with DiskTier(tmp_path / "copy", writer=False) as d:
+        assert len(d.snapshot_entries()) == 7
+
+
+def test_model_names_as_the_server_and_stats_give_them() -> None:
+    from tierkv.archive.export import _is_model
+
+    ns = Namespace("SmolLM2-135M-Instruct", "w:abc", "float32", 30, 3, 64, block_tokens=16)
+    for name in (
+        "smollm2",
+        "SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct@w:abc",
+        "/m/SmolLM2-135M-Instruct/",
+    ):
+        assert _is_model(ns, name), name
+    assert not _is_model(ns, "SmolLM2") and not _is_model(
+        Namespace("org/m", "r", "float32", 1, 1, 8), "smollm2"
+    )
+    assert _is_model(Namespace("org/m", "r", "float32", 1, 1, 8), "org/m")
+
+
+def test_nothing_is_created_or_read_where_nothing_is(tmp_path) -> None:
+    r = CliRunner().invoke(main, ["export", "--cache-dir", str(tmp_path / "none"), str(tmp_path / "a.tkv")])
+    assert r.exit_code == 2 and "no tierkv store" in r.output
+    (tmp_path / "x").write_bytes(b"not an archive")
+    r = CliRunner().invoke(main, ["import", "--cache-dir", str(tmp_path / "new"), str(tmp_path / "x")])
+    assert r.exit_code == 2 and not (tmp_path / "new").exists()
+
+
 def test_import_stays_within_the_budget_and_evicts_nothing(source, tmp_path, ns) -> None:
     from tierkv.tiers.disk.segments import aligned
 
@@ -188,7 +236,7 @@ def test_import_stays_within_the_budget_and_evicts_nothing(source, tmp_path, ns)
         used = d.index.total_nbytes(txn)
     archive = tmp_path / "a.tkv"
     _export(source, archive)
-    got = _import(dest, archive)
+    got = _import(dest, archive, code=1)  # exit 1: something was left out
     fits = (budget - used) // footprint
     assert 0 < fits < 18 and (got["imported"], got["no_room"]) == (fits, 18 - fits)
     with DiskTier(dest, writer=False) as d:
@@ -271,7 +319,7 @@ def test_signed_archives(source, tmp_path) -> None:
             str(tmp_path / "forged.tkv"),
         ],
     )
-    got = json.loads(r.output.splitlines()[0])
+    got = json.loads(r.stdout)
     assert r.exit_code == 1 and (got["imported"], got["refused"], got["signed"]) == (17, 1, True)
 
 
@@ -297,7 +345,7 @@ def test_export_selects_by_namespace_and_model_and_leaves_corrupt_records_out(so
         f.write(bytes([b[0] ^ 0xFF]))
     r = CliRunner().invoke(main, ["export", "--cache-dir", str(path), "--json", str(tmp_path / "all.tkv")])
     assert r.exit_code == 1, r.output
-    report = json.loads(r.output.splitlines()[0])
+    report = json.loads(r.stdout)
     assert report["corrupt"] == 1 and report["blocks"] == 4
     got = _import(tmp_path / "copy", tmp_path / "all.tkv")
     assert got["imported"] + got["unreachable"] == 4 and got["imported"] >= 1
@@ -367,7 +415,7 @@ def test_a_server_export_warms_another_server(tmp_path) -> None:
                 ],
             )
             assert r.exit_code == 0, r.output
-            if json.loads(r.output)["imported"] > 0 or time.monotonic() > deadline:
+            if json.loads(r.stdout)["imported"] > 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         hit = b.client().chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)

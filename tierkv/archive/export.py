@@ -60,7 +60,7 @@ def select(
     disk: DiskTier, namespaces: Sequence[str] = (), models: Sequence[str] = (), now: float | None = None
 ) -> Selection:
     """The unexpired entries of the namespaces given (digests or unique prefixes of them) and of the models
-    given (a namespace's ``model_id``); everything when neither is given. ConfigError on a prefix that
+    given (as ``tierkv serve --model`` or ``tierkv stats`` name them); everything when neither is given. ConfigError on a prefix that
     names no namespace, or several."""
     from tierkv.maintenance import resolve_namespace
 
@@ -70,9 +70,13 @@ def select(
     wanted: set[bytes] | None = None
     if namespaces or models:
         wanted = {resolve_namespace(disk, p, also=present) for p in namespaces}
-        wanted |= {d for d, ns in known.items() if ns.model_id in models}
-        if models and not any(ns.model_id in models for ns in known.values()):
-            raise ConfigError(f"no namespace in this store is of model {', '.join(models)}")
+        wanted |= {d for d, ns in known.items() if any(_is_model(ns, m) for m in models)}
+        if missing := [m for m in models if not any(_is_model(ns, m) for ns in known.values())]:
+            have = sorted({ns.model_id for ns in known.values()})
+            raise ConfigError(
+                f"no namespace in this store is of model {', '.join(missing)} (its models: "
+                f"{', '.join(have) or 'none'})"
+            )
     t = disk.clock() if now is None else now
     chosen = [
         (k, e)
@@ -117,6 +121,17 @@ def _depths(parents: list[BlockKey | None], parent_at: list[int | None], roots: 
         for n, k in enumerate(reversed(path), start=1):
             depth[k] = _ORPHAN if top == _ORPHAN else top + n
     return [d if d is not None else _ORPHAN for d in depth]
+
+
+def _is_model(ns: Namespace, name: str) -> bool:
+    """Whether ``name`` names the namespace's model: its model id, or as ``tierkv serve --model`` (smollm2,
+    a directory) or ``tierkv stats`` (id@revision) name it."""
+    from tierkv.models import BUILTIN
+
+    if name in BUILTIN:
+        return ns.model_id == BUILTIN[name].dirname
+    base = name.split("@", 1)[0]
+    return ns.model_id in (base, base.rstrip("/").rsplit("/", 1)[-1])
 
 
 def _prefixes_first(disk: DiskTier, entries: list[tuple[BlockKey, Entry]]) -> list[tuple[BlockKey, Entry]]:

@@ -33,7 +33,6 @@ from tierkv.archive.frames import ArchiveError, Frame, FrameReader, Kind, frame_
 from tierkv.codec import Header, check_stored, decode_header, unseal
 from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace, root_key
-from tierkv.layout import KVSpec
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.segments import aligned
 from tierkv.tiers.disk.writer import Put
@@ -60,6 +59,7 @@ class ImportReport:
     digest_ok: bool | None = None  # the end frame's records digest matched (None: not comparable)
     signed: bool = False  # every record's MAC was verified with the importer's key
     stream_error: str | None = None  # why the stream ended early, when reading it failed
+    interrupted: bool = False  # stopped by Ctrl-C: what was queued before it is written
     archive_nbytes: int = 0
 
     @property
@@ -117,7 +117,7 @@ def _refusal(frame: Frame, specs: dict[bytes, Namespace], mac: bytes | None, now
         ns = specs.get(header.ns_digest)
         if ns is None or header.dtype != ns.dtype or header.token_count != ns.block_tokens:
             return None
-        if header.shape != KVSpec.of(ns).block_shape:
+        if header.shape != (ns.num_layers, 2, ns.block_tokens, ns.num_kv_heads, ns.head_dim):  # KVSpec's
             return None
         if not (math.isfinite(header.created_s) and 0 <= header.created_s <= now + CLOCK_SKEW_S):
             return None
@@ -130,7 +130,7 @@ def _refusal(frame: Frame, specs: dict[bytes, Namespace], mac: bytes | None, now
 
 def import_archive(
     disk: DiskTier,
-    src: BinaryIO,
+    src: BinaryIO | FrameReader,
     progress: Callable[[ImportReport], None] | None = None,
     timeout_s: float = 600.0,
     mac: bytes | None = None,
@@ -144,8 +144,11 @@ def import_archive(
     ``progress(report)`` every few records."""
     if disk.writer is None:
         raise ConfigError("import needs a disk tier opened with a writer")
-    reader = FrameReader(src)
-    reader.read_file_head()
+    if isinstance(src, FrameReader):
+        reader = src  # its file head already read
+    else:
+        reader = FrameReader(src)
+        reader.read_file_head()
     report = ImportReport()
     specs: dict[bytes, Namespace] = {}
     seen_head = False
@@ -156,43 +159,46 @@ def import_archive(
     queued: list[tuple[bytes, int]] = []  # key, record nbytes
     refused_puts = 0  # the writer took none of these (it counted each as a dropped save, or timed out)
     landed: set[bytes] = set()  # keys present or queued: the blocks after them may follow
-    for frame in reader.frames():
-        if frame.kind == Kind.HEAD and not seen_head:
-            seen_head = True
-            head = _json(frame.body) or {}
-            _check_signing(head, mac)
-            specs = _specs(head)
-            planned = head.get("blocks")
-            report.planned = planned if isinstance(planned, int) else 0
-            continue
-        if frame.kind == Kind.END:
-            end = _json(frame.body)
-            continue
-        if frame.kind != Kind.RECORD:
-            continue  # a kind from a newer writer, or a second head: nothing to store
-        now = disk.clock()
-        header = _refusal(frame, specs, mac, now)
-        if header is None:
-            report.refused += 1
-            continue
-        digest.update(frame.key + header.payload_checksum.to_bytes(8, "little"))
-        access_s = min(frame.time_s, now)
-        if disk.holds([BlockKey(frame.key)])[0]:
-            report.present += 1
-            landed.add(frame.key)
-        elif not _reachable(disk, header, landed):
-            report.unreachable += 1
-        elif policy.expired_at(header.created_s, access_s, now):
-            report.expired += 1
-        elif policy.budget_nbytes is not None and aligned(frame.body_nbytes) > policy.budget_nbytes:
-            report.no_room += 1
-        elif _queue(disk, frame.key, frame.body, header, specs[header.ns_digest], access_s, timeout_s):
-            queued.append((frame.key, frame.body_nbytes))
-            landed.add(frame.key)
-        else:
-            refused_puts += 1
-        if progress is not None and (report.seen + len(queued) + refused_puts) % 64 == 0:
-            progress(report)
+    try:
+        for frame in reader.frames():
+            if frame.kind == Kind.HEAD and not seen_head:
+                seen_head = True
+                head = _json(frame.body) or {}
+                _check_signing(head, mac)
+                specs = _specs(head)
+                planned = head.get("blocks")
+                report.planned = planned if isinstance(planned, int) else 0
+                continue
+            if frame.kind == Kind.END:
+                end = _json(frame.body)
+                continue
+            if frame.kind != Kind.RECORD:
+                continue  # a kind from a newer writer, or a second head: nothing to store
+            now = disk.clock()
+            header = _refusal(frame, specs, mac, now)
+            if header is None:
+                report.refused += 1
+                continue
+            digest.update(frame.key + header.payload_checksum.to_bytes(8, "little"))
+            access_s = min(frame.time_s, now)
+            if disk.holds([BlockKey(frame.key)])[0]:
+                report.present += 1
+                landed.add(frame.key)
+            elif not _reachable(disk, header, landed):
+                report.unreachable += 1
+            elif policy.expired_at(header.created_s, access_s, now):
+                report.expired += 1
+            elif policy.budget_nbytes is not None and aligned(frame.body_nbytes) > policy.budget_nbytes:
+                report.no_room += 1
+            elif _queue(disk, frame.key, frame.body, header, specs[header.ns_digest], access_s, timeout_s):
+                queued.append((frame.key, frame.body_nbytes))
+                landed.add(frame.key)
+            else:
+                refused_puts += 1
+            if progress is not None and (report.seen + len(queued) + refused_puts) % 64 == 0:
+                progress(report)
+    except KeyboardInterrupt:  # stop reading; what was queued is still written, and counted
+        report.interrupted = True
     if not disk.flush(timeout_s):
         raise OSError("the disk tier did not finish writing the imported records in time")
     dropped_queued = max(0, _dropped(disk) - dropped_before - refused_puts)

@@ -81,7 +81,7 @@ def export(
     to_stdout = archive == "-"
     if to_stdout and sys.stdout.isatty():
         fail("the archive is binary: redirect standard output to a file or a pipe", 2)
-    with open_disk(cache_dir) as disk:
+    with open_disk(cache_dir, missing_code=2) as disk:
         try:
             sel = select(disk, namespaces, models)
         except ConfigError as exc:
@@ -162,8 +162,9 @@ def _archive_out(archive: str) -> Iterator[BinaryIO]:
 @cache_dir_option
 @click.option(
     "--token",
-    envvar="TIERKV_ADMIN_TOKEN",
-    help="The source server's admin token, when ARCHIVE is its /admin/export URL (or TIERKV_ADMIN_TOKEN).",
+    envvar="TIERKV_EXPORT_TOKEN",
+    help="The source server's admin token, when ARCHIVE is its /admin/export URL (or TIERKV_EXPORT_TOKEN: "
+    "not TIERKV_ADMIN_TOKEN, which is your own server's). It also verifies the records' signatures.",
 )
 @secret_file_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -176,7 +177,7 @@ def import_cmd(
 
     Safe while a server uses the store; run it again after an interruption and it resumes (what was
     imported is skipped). A damaged record is refused by itself and counted; nothing is evicted."""
-    from tierkv.archive.frames import ArchiveError
+    from tierkv.archive.frames import ArchiveError, FrameReader
     from tierkv.archive.load import ImportReport, import_archive
 
     show = sys.stderr.isatty() and not as_json
@@ -192,16 +193,26 @@ def import_cmd(
 
     is_url = archive.startswith(("http://", "https://"))
     mac = _mac(secret_file, token if is_url else None)
-    with (
-        open_disk(cache_dir, writer=True, queue_nbytes=IMPORT_QUEUE_NBYTES) as disk,
-        _archive_in(archive, token) as src,
-    ):
+    created = not (Path(cache_dir) / "index" / "data.mdb").exists()
+    with _archive_in(archive, token) as src:
+        reader = FrameReader(src)
         try:
-            report = import_archive(disk, src, progress, mac=mac)
+            reader.read_file_head()  # before the store is opened: not an archive creates nothing
         except ArchiveError as exc:
             fail(f"{archive}: {exc}", 2)
-        except OSError as exc:
-            fail(f"import stopped: {exc}; run it again to resume", 1)
+        with open_disk(cache_dir, writer=True, queue_nbytes=IMPORT_QUEUE_NBYTES) as disk:
+            if created:
+                click.echo(
+                    f"tierkv: a new store at {cache_dir}: no budget and no TTL until a server opens it with "
+                    "--disk-budget / --ttl",
+                    err=True,
+                )
+            try:
+                report = import_archive(disk, reader, progress, mac=mac)
+            except ArchiveError as exc:
+                fail(f"{archive}: {exc}", 2)
+            except OSError as exc:
+                fail(f"import stopped: {exc}; run it again to resume", 1)
     if show:
         click.echo("", err=True)
     out: dict[str, Any] = report.as_dict()
@@ -211,10 +222,18 @@ def import_cmd(
         click.echo(
             f"imported {report.imported} blocks ({format_size(report.imported_nbytes)}); already there "
             f"{report.present}, expired {report.expired}, no room {report.no_room}, refused {report.refused}"
+            + (f", unreachable {report.unreachable}" if report.unreachable else "")
             + (f", not written {report.not_written}" if report.not_written else "")
             + (f"; {report.damaged_regions} damaged region(s) skipped" if report.damaged_regions else "")
         )
+    if report.interrupted:
+        fail("interrupted: what was read before is imported; run it again to resume", 130)
     problems = []
+    if report.no_room:
+        problems.append(
+            f"{report.no_room} record(s) did not fit the store's budget (the most recently used came first; "
+            "nothing was evicted for them)"
+        )
     if report.refused or report.damaged_regions:
         problems.append("the archive is damaged: its bad records were refused, the rest imported")
     if report.stream_error:
@@ -226,7 +245,8 @@ def import_cmd(
     if report.not_written:
         problems.append("the disk tier did not take every record (full, or failing): see the server's log")
     if problems:
-        fail("; ".join(problems) + "; run it again with a whole archive to resume", 1)
+        resume = not report.complete or report.refused or report.damaged_regions or report.not_written
+        fail("; ".join(problems) + ("; run it again with a whole archive to resume" if resume else ""), 1)
 
 
 @contextlib.contextmanager
@@ -241,7 +261,12 @@ def _archive_in(archive: str, token: str | None) -> Iterator[BinaryIO]:
         try:
             resp = opener.open(req, timeout=60)
         except urllib.error.HTTPError as exc:
-            fail(f"{archive}: HTTP {exc.code}: {exc.read(500).decode(errors='replace')}", 2)
+            hint = (
+                " (give the source server's admin token: --token or TIERKV_EXPORT_TOKEN)"
+                if exc.code == 401
+                else ""
+            )
+            fail(f"{archive}: HTTP {exc.code}: {_error_message(exc)}{hint}", 2)
         except (urllib.error.URLError, OSError) as exc:
             fail(f"{archive}: {exc}", 2)
         with resp:
@@ -258,3 +283,12 @@ def _archive_in(archive: str, token: str | None) -> Iterator[BinaryIO]:
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
         raise urllib.error.HTTPError(newurl, code, f"redirected to {newurl} (not followed)", headers, fp)
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    """The message of a tierkv server's JSON error body, else the body's start."""
+    raw = exc.read(2000) if exc.fp is not None else b""
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:500].decode(errors="replace") or str(exc.reason)

@@ -45,7 +45,7 @@ cache_dir_option = click.option(
 
 
 @contextmanager
-def open_disk(cache_dir: str, writer: bool = False, **options: Any) -> Iterator[Any]:
+def open_disk(cache_dir: str, writer: bool = False, missing_code: int = 1, **options: Any) -> Iterator[Any]:
     """The store's disk tier, safe beside a server writing to it: without a writer thread (``stats``,
     ``export``, and ``gc``, whose sweeps take their own write transactions) or with one (``import``, which
     appends records as a save does, and may create the store)."""
@@ -53,7 +53,7 @@ def open_disk(cache_dir: str, writer: bool = False, **options: Any) -> Iterator[
 
     try:
         if not writer and not (Path(cache_dir) / "index" / "data.mdb").exists():
-            fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", 1)
+            fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", missing_code)
         disk = DiskTier(cache_dir, writer=writer, **options)
     except TierKVError as exc:  # another format version; permissions, read-only media, a lock file
         fail(str(exc), 2)
