@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench import overhead, peers, restart, scaleout, sessions, stall, tiers, ttft, vllm, workloads
+from tierkv.bench import overhead, peers, restart, scaleout, sessions, stall, tiers, transfer, ttft, vllm, workloads
 from tierkv.bench.table import md_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,6 +184,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "overhead": _part("cpu-2c", "overhead", overhead.markdown),
     "vllm": _vllm,
     "sessions": _part("cpu-2c-smollm2", "sessions", sessions.markdown),
+    "transfer": _part("cpu-2c", "transfer", transfer.markdown),
 }
 
 
