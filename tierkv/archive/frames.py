@@ -37,6 +37,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from tierkv.archive.streams import PrefetchReader
 from tierkv.errors import TierKVError
 
 __all__ = [
@@ -140,15 +141,17 @@ class FrameReader:
     ``damaged_regions`` counts the stretches skipped to find the next good frame head, ``truncated`` says
     whether the stream ended inside a frame, and ``error`` why, when reading it failed."""
 
-    def __init__(self, stream: BinaryIO) -> None:
-        self._stream = stream
-        # read1: what the stream has now (up to n), not a wait for all n; a pipe or a socket that pauses
-        # mid-archive must not hold back the records already received.
-        self._read = getattr(stream, "read1", stream.read)
+    def __init__(self, stream: BinaryIO, prefetch: bool = True) -> None:
         with contextlib.suppress(AttributeError, OSError, ValueError):  # a file: a larger readahead window
             fd = stream.fileno()
             if stat.S_ISREG(os.fstat(fd).st_mode):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        # Read ahead on a thread while this one verifies; read1: what has arrived (up to n), not a wait for
+        # all n: a pipe or a socket that pauses mid-archive must not hold back the records received.
+        self._prefetch = PrefetchReader(stream) if prefetch else None
+        source: Any = self._prefetch if self._prefetch is not None else stream
+        self._stream = source
+        self._read = getattr(source, "read1", source.read)
         self._buf = bytearray()
         self._pos = 0
         self._eof = False
@@ -156,6 +159,10 @@ class FrameReader:
         self.truncated = False
         self.error: str | None = None  # why the stream ended early, if it failed rather than ended
         self.nbytes_read = 0
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
 
     def _fill(self, n: int) -> int:
         """Make ``n`` bytes available past the position if the stream has them; how many are."""
@@ -191,7 +198,7 @@ class FrameReader:
         got = have
         while got < n:
             try:
-                k = self._stream.readinto(view[got:])  # type: ignore[attr-defined]
+                k = self._stream.readinto(view[got:])
             except _STREAM_ERRORS as exc:
                 self.error = f"{type(exc).__name__}: {exc}"
                 k = 0

@@ -199,6 +199,8 @@ def import_archive(
                 progress(report)
     except KeyboardInterrupt:  # stop reading; what was queued is still written, and counted
         report.interrupted = True
+    finally:
+        reader.close()
     if not disk.flush(timeout_s):
         raise OSError("the disk tier did not finish writing the imported records in time")
     dropped_queued = max(0, _dropped(disk) - dropped_before - refused_puts)

@@ -15,7 +15,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench import overhead, peers, restart, scaleout, sessions, stall, tiers, transfer, ttft, vllm, workloads
+from tierkv.bench import (
+    overhead,
+    peers,
+    restart,
+    scaleout,
+    sessions,
+    stall,
+    tiers,
+    transfer,
+    ttft,
+    vllm,
+    workloads,
+)
 from tierkv.bench.table import md_table
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,6 @@ Ratios: export / cold restore, import / durable save, and the archive's size aga
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from tierkv import TieredStore
 from tierkv.archive.export import archive_chunks, select
 from tierkv.archive.load import import_archive
+from tierkv.archive.streams import archive_file
 from tierkv.bench.machine import drop_page_cache, summary
 from tierkv.bench.table import md_table
 from tierkv.bench.tiers import NS, workload
@@ -32,16 +32,14 @@ __all__ = ["markdown", "run"]
 
 
 def _export(store_dir: Path, archive: Path) -> int:
-    with DiskTier(store_dir, writer=False) as disk:
+    """What ``tierkv export --cache-dir STORE ARCHIVE`` does, timed in process."""
+    with DiskTier(store_dir, writer=False) as disk, archive_file(str(archive)) as out:
         chunks = archive_chunks(disk, select(disk))
-        with open(archive, "wb", buffering=1 << 20) as f:
-            try:
-                while True:
-                    f.write(next(chunks))
-            except StopIteration as stop:
-                report = stop.value
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            while True:
+                out.write(next(chunks))
+        except StopIteration as stop:
+            report = stop.value
     assert report.corrupt == 0 and report.vanished == 0
     return int(report.blocks)
 

@@ -77,6 +77,7 @@ def export(
 
     Safe while a server uses the store. A file appears under its name only once complete and synced."""
     from tierkv.archive.export import archive_chunks, select
+    from tierkv.archive.streams import archive_file
 
     to_stdout = archive == "-"
     if to_stdout and sys.stdout.isatty():
@@ -98,7 +99,7 @@ def export(
 
         chunks = archive_chunks(disk, sel, progress, _mac(secret_file))
         try:
-            with _archive_out(archive) as out:
+            with archive_file(archive) as out:
                 while True:
                     try:
                         out.write(next(chunks))
@@ -125,37 +126,6 @@ def export(
         )
     if report.corrupt:
         fail(f"{report.corrupt} corrupt record(s) left out: run `tierkv gc --check` and check the disk", 1)
-
-
-@contextlib.contextmanager
-def _archive_out(archive: str) -> Iterator[BinaryIO]:
-    """Standard output; a pipe, a device or a FIFO, written as is; else a file written under a temporary
-    name, synced, then renamed into place: a file named ARCHIVE is always whole."""
-    if archive == "-":
-        yield sys.stdout.buffer
-        sys.stdout.buffer.flush()
-        return
-    path = Path(archive)
-    if path.exists() and not path.is_file():  # /dev/stdout, a named pipe: not replaced by a file
-        with open(path, "wb", buffering=1 << 20) as f:
-            yield f
-        return
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        with open(tmp, "wb", buffering=1 << 20) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    with contextlib.suppress(OSError):  # the rename durable too (not all file systems can sync a dir)
-        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 @click.command("import")
