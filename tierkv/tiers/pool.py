@@ -26,6 +26,7 @@ from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.prefault import Populator, populate_in_background
 from tierkv.tiers.slot_copies import Slabs, copy_run, gather_run, index_tensor, slabs, upload_run
 from tierkv.tiers.target import Target, rows_scatterable
+from tierkv.units import format_size
 
 __all__ = ["BlockPool", "MAX_HELD_FRACTION"]
 
@@ -531,4 +532,4 @@ class BlockPool(Tier):
         return {"used_nbytes": self.used_nbytes, "capacity_nbytes": self.capacity_nbytes, "blocks": len(self)}
 
     def describe(self) -> str:
-        return f"{self.name} {self.capacity_nbytes / 2**30:.1f} GiB"
+        return f"{self.name} {format_size(self.capacity_nbytes)}"

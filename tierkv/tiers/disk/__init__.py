@@ -41,6 +41,7 @@ from tierkv.tiers.disk.writer import (
     Record,
     Writer,
 )
+from tierkv.units import format_size
 
 if TYPE_CHECKING:
     from tierkv.tiers.target import Target
@@ -346,7 +347,7 @@ class DiskTier(Tier):
     def describe(self) -> str:
         """How this tier is set up, in one phrase (the server's start-up line)."""
         p = self.policy
-        budget = f"{p.budget_nbytes / 2**30:.1f} GiB" if p.budget_nbytes else "no budget"
+        budget = format_size(p.budget_nbytes) if p.budget_nbytes else "no budget"
         ttl = f"ttl {p.ttl_s:.0f}s" if p.ttl_s else "no ttl"
         sweep = (
             f"swept every {self._sweeper.interval_s:g}s"
