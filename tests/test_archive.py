@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from tierkv import TieredStore
-from tierkv.archive.export import archive_chunks, select
+from tierkv.archive.export import archive_chunks, prefixes_first, select
 from tierkv.archive.frames import FRAME_HEAD_NBYTES, ArchiveError, FrameReader, Kind, frame_head
 from tierkv.archive.load import import_archive
 from tierkv.cli import main
@@ -264,7 +264,7 @@ def test_export_sends_prefixes_before_their_continuations(tmp_path) -> None:
         store.flush()
         chain = BlockChain.of(cm.namespace(), PROMPTS[0][:96])
     with DiskTier(tmp_path / "s", writer=False) as disk:
-        order = [bytes(k) for k, _ in select(disk).entries]
+        order = [bytes(k) for k, _ in prefixes_first(disk, select(disk).entries)]
     first = [order.index(bytes(k)) for k in chain.keys]
     assert first == sorted(first) and first[:4] == [0, 1, 2, 3]  # the hottest prompt, from its start
 
@@ -385,6 +385,50 @@ def test_frame_reader_skips_garbage_and_oversized_bodies(monkeypatch) -> None:
         FrameReader(io.BytesIO(b"TKVARCH\0" + (9).to_bytes(2, "little") + bytes(6))).read_file_head()
 
 
+def test_an_export_stream_abandoned_mid_draw_is_closed_after_it_and_counted_done() -> None:
+    """The client goes away while a chunk is being drawn: the generator is closed once that draw is done
+    (on the same thread: closing a running generator raises), and only then is the export counted done."""
+    import asyncio
+    import threading
+
+    from tierkv.server.admin import _Export
+
+    drawing, closed = threading.Event(), threading.Event()
+
+    def chunks():
+        try:
+            yield b"head"
+            drawing.set()
+            time.sleep(0.5)  # a batch being read when the client leaves
+            yield b"batch"
+        finally:
+            closed.set()
+
+    running = [1]
+    export = _Export(chunks(), running)
+
+    async def client_leaves() -> None:
+        stream = export.stream()
+        assert await stream.__anext__() == b"head"
+        pending = asyncio.ensure_future(stream.__anext__())
+        await asyncio.to_thread(drawing.wait, 5)
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        await stream.aclose()
+        await export.finish()  # the response's background task: nothing more to do
+
+    asyncio.run(client_leaves())
+    assert closed.wait(5)
+    deadline = time.monotonic() + 5
+    while running[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert running == [0]
+    never = _Export(chunks(), running := [1])
+    asyncio.run(never.finish())  # a response that never started
+    assert running == [0]
+
+
 def test_a_server_export_warms_another_server(tmp_path) -> None:
     """Node to node: server A's /admin/export streams into B's directory (while B runs), and B's first
     requests hit, with A's answers."""
@@ -418,6 +462,27 @@ def test_a_server_export_warms_another_server(tmp_path) -> None:
             if json.loads(r.stdout)["imported"] > 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
+        # The same stream saved to a file first: the token still verifies it.
+        import urllib.request
+
+        req = urllib.request.Request(a.url + "/admin/export", headers={"Authorization": "Bearer secret"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            (tmp_path / "a.tkv").write_bytes(resp.read())
+        r = CliRunner().invoke(main, ["import", "--cache-dir", str(tmp_path / "c"), str(tmp_path / "a.tkv")])
+        assert r.exit_code == 2 and "signed" in r.output  # without the token: refused whole
+        r = CliRunner().invoke(
+            main,
+            [
+                "import",
+                "--cache-dir",
+                str(tmp_path / "c"),
+                "--token",
+                "secret",
+                "--json",
+                str(tmp_path / "a.tkv"),
+            ],
+        )
+        assert r.exit_code == 0 and json.loads(r.stdout)["signed"] is True
         hit = b.client().chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
         assert hit.usage.prompt_tokens_details.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
         assert hit.choices[0].message.content == first.choices[0].message.content

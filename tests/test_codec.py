@@ -65,6 +65,24 @@ def test_a_record_unsealed_and_sealed_again_is_the_same_bytes(ns, codec_: Codec)
             assert os.read(f.fileno(), len(rec) + 10)[: len(rec)] == rec
 
 
+def test_a_zstd_payload_declaring_more_than_its_shape_is_refused_unallocated(ns) -> None:
+    """zstd decompresses a frame that states its size into that many bytes, whatever the cap: a record
+    (its checksums right, as a forger makes them) declaring 1 GiB is refused before any allocation."""
+    import dataclasses
+
+    import xxhash
+    import zstandard
+
+    rec, expected, _ = _record(ns, Codec.ZSTD)
+    header, _, _ = codec.decode_header(rec)
+    bomb = zstandard.ZstdCompressor().compress(bytes(1 << 30))  # about 32 KiB, stating 1 GiB
+    forged = dataclasses.replace(
+        header, payload_nbytes=len(bomb), payload_checksum=xxhash.xxh3_64_intdigest(bomb)
+    )
+    with pytest.raises(RecordError, match="declares 1073741824 bytes"):
+        codec.decode_payload(forged, memoryview(bomb))
+
+
 def test_raw_record_is_header_tokens_payload(ns) -> None:
     rec, _, kv = _record(ns)
     assert len(rec) == codec.HEADER_NBYTES + 4 * ns.block_tokens + kv.numel() * kv.element_size()

@@ -331,9 +331,16 @@ def decode_payload(header: Header, stored: memoryview) -> memoryview | bytes:
             raise RecordError("raw payload length differs from its shape")
         return stored
     try:
+        # A frame that states its size is decompressed into that many bytes whatever max_output_size says:
+        # a size other than the shape's is refused before anything is allocated.
+        declared = zstandard.frame_content_size(stored)
+        if declared not in (-1, expected_raw):
+            raise RecordError(f"compressed payload declares {declared} bytes, its shape needs {expected_raw}")
         raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=expected_raw)
     except zstandard.ZstdError as exc:
         raise RecordError(f"payload does not decompress: {exc}") from None
+    except MemoryError:
+        raise RecordError(f"payload of {expected_raw} bytes does not fit in memory") from None
     if len(raw) != expected_raw:
         raise RecordError("decompressed payload length differs from its shape")
     if header.codec == Codec.ZSTD_SHUFFLE:

@@ -362,16 +362,16 @@ class TieredStore:
         return purge(self, namespace, purge_all=purge_all)
 
     def export_chunks(
-        self, namespaces: Sequence[str] = (), models: Sequence[str] = (), mac: bytes | None = None
+        self, namespaces: Sequence[str] = (), models: Sequence[str] = (), secret: bytes | None = None
     ) -> Iterator[bytes | memoryview]:
         """The disk tier's verified records of these namespaces (digest prefixes) and models (all without
-        either) as an archive, in chunks (``tierkv.archive``), signed with ``mac`` (a key from
-        ``archive.frames.mac_key``) if given. The selection is taken now (ConfigError on a prefix that
-        names no namespace); blocks still dirty in the host tier are not in it."""
+        either) as an archive, in chunks (``tierkv.archive``), signed with a key derived from ``secret``
+        if given. The selection is taken now (cheap; ConfigError on a prefix that names no namespace), its
+        order and reads as the chunks are drawn; blocks still dirty in the host tier are not in it."""
         from tierkv.archive.export import archive_chunks, select
 
         disk = self._durable()
-        return archive_chunks(disk, select(disk, namespaces, models), mac=mac)
+        return archive_chunks(disk, select(disk, namespaces, models), secret=secret)
 
     def invalidate(self, ns: Namespace, token_ids: Tokens, blocks: Iterable[int]) -> int:
         """Remove blocks ``blocks`` (indices into the prompt's full blocks) from every tier, their saves

@@ -10,6 +10,7 @@ prefixes.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,14 +18,14 @@ from typing import Any
 
 import xxhash
 
-from tierkv.archive.frames import Kind, file_head, frame_fields, frame_head, frame_mac, json_frame, key_id
+from tierkv.archive.frames import Kind, file_head, frame_fields, frame_head, frame_mac, json_frame, mac_key
 from tierkv.codec import check_stored
 from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest, root_key
 from tierkv.tiers.disk import DiskTier, Entry
 from tierkv.tiers.disk.segments import aligned
 
-__all__ = ["ExportReport", "Selection", "archive_chunks", "select"]
+__all__ = ["ExportReport", "Selection", "archive_chunks", "prefixes_first", "select"]
 
 BATCH_NBYTES = 32 << 20  # read and verified together (in parallel), then written out
 BATCH_RECORDS = 256
@@ -35,7 +36,8 @@ class Selection:
     """What an export writes: entries in the order they go out, and their namespaces' specs."""
 
     entries: list[tuple[BlockKey, Entry]]
-    specs: dict[NamespaceDigest, Namespace | None]  # None: the store has no spec row for it
+    specs: dict[NamespaceDigest, Namespace]
+    no_spec: int = 0  # entries left out: their namespace has no spec row in the store
 
     @property
     def nbytes(self) -> int:
@@ -49,6 +51,7 @@ class ExportReport:
     archive_nbytes: int = 0
     corrupt: int = 0  # failed verification while still indexed: left out (``tierkv gc --check`` purges)
     vanished: int = 0  # removed from the store after the selection (a sweep, an eviction)
+    no_spec: int = 0  # left out: their namespace's spec is not in the store (an importer refuses them)
     planned: int = 0
     namespaces: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
@@ -60,8 +63,10 @@ def select(
     disk: DiskTier, namespaces: Sequence[str] = (), models: Sequence[str] = (), now: float | None = None
 ) -> Selection:
     """The unexpired entries of the namespaces given (digests or unique prefixes of them) and of the models
-    given (as ``tierkv serve --model`` or ``tierkv stats`` name them); everything when neither is given. ConfigError on a prefix that
-    names no namespace, or several."""
+    given (as ``tierkv serve --model`` or ``tierkv stats`` name them); everything when neither is given.
+    ConfigError on a prefix that names no namespace, or several. Entries of a namespace whose spec the
+    store lacks are left out (an importer could not check their shape) and counted. Cheap: the order
+    (``archive_chunks`` takes it, reading every record's first page) is not taken here."""
     from tierkv.maintenance import resolve_namespace
 
     known = disk.namespaces()
@@ -83,9 +88,10 @@ def select(
         for k, e in entries
         if (wanted is None or e.ns_digest in wanted) and not disk.policy.expired(e, t)
     ]
-    chosen = _prefixes_first(disk, chosen)
-    specs = {NamespaceDigest(e.ns_digest): known.get(NamespaceDigest(e.ns_digest)) for _, e in chosen}
-    return Selection(chosen, specs)
+    no_spec = sum(1 for _, e in chosen if NamespaceDigest(e.ns_digest) not in known)
+    chosen = [(k, e) for k, e in chosen if NamespaceDigest(e.ns_digest) in known]
+    specs = {NamespaceDigest(e.ns_digest): known[NamespaceDigest(e.ns_digest)] for _, e in chosen}
+    return Selection(chosen, specs, no_spec)
 
 
 _ORPHAN = -(1 << 62)
@@ -134,7 +140,7 @@ def _is_model(ns: Namespace, name: str) -> bool:
     return ns.model_id in (base, base.rstrip("/").rsplit("/", 1)[-1])
 
 
-def _prefixes_first(disk: DiskTier, entries: list[tuple[BlockKey, Entry]]) -> list[tuple[BlockKey, Entry]]:
+def prefixes_first(disk: DiskTier, entries: list[tuple[BlockKey, Entry]]) -> list[tuple[BlockKey, Entry]]:
     """Most recently used first, and every block after the blocks before it in its prompt: a block counts
     as recent as the most recent block after it (a hit touches its whole prefix, but a continuation saved
     later is newer than the prefix it extends), and among equals the shorter prefix goes first. So an
@@ -157,10 +163,10 @@ def _prefixes_first(disk: DiskTier, entries: list[tuple[BlockKey, Entry]]) -> li
     return [entries[i] for i in reachable + orphans]
 
 
-def _head(sel: Selection, mac: bytes | None) -> dict[str, Any]:
+def _head(sel: Selection, salt: bytes | None) -> dict[str, Any]:
     per_ns: dict[str, dict[str, Any]] = {}
     for digest, ns in sel.specs.items():
-        per_ns[digest.hex()] = {"spec": ns.to_json() if ns is not None else None, "blocks": 0, "nbytes": 0}
+        per_ns[digest.hex()] = {"spec": ns.to_json(), "blocks": 0, "nbytes": 0}
     for _, e in sel.entries:
         row = per_ns[e.ns_digest.hex()]
         row["blocks"] += 1
@@ -174,7 +180,7 @@ def _head(sel: Selection, mac: bytes | None) -> dict[str, Any]:
         "blocks": len(sel.entries),
         "nbytes": sel.nbytes,
         "namespaces": per_ns,
-        "mac": None if mac is None else {"algorithm": "blake2b-256", "key_id": key_id(mac)},
+        "mac": None if salt is None else {"algorithm": "blake2b-256", "kdf": "scrypt", "salt": salt.hex()},
     }
 
 
@@ -260,14 +266,17 @@ def archive_chunks(
     disk: DiskTier,
     sel: Selection,
     progress: Callable[[int, int], None] | None = None,
-    mac: bytes | None = None,
+    secret: bytes | None = None,
 ) -> Generator[bytes | memoryview, None, ExportReport]:
     """The archive of ``sel``, as chunks to write or send in order; returns the report when exhausted.
-    ``progress(blocks, nbytes)`` after each batch; ``mac``: a MAC key (``frames.mac_key``) to sign every
-    record with."""
-    report = ExportReport(planned=len(sel.entries))
+    ``progress(blocks, nbytes)`` after each batch; ``secret``: every frame is signed with a key derived
+    from it and a salt of this archive's own (``frames.mac_key``)."""
+    report = ExportReport(planned=len(sel.entries), no_spec=sel.no_spec)
     digest = xxhash.xxh3_64()
-    for chunk in (file_head(), json_frame(Kind.HEAD, _head(sel, mac))):
+    salt = os.urandom(16) if secret is not None else None
+    mac = mac_key(secret, salt) if secret is not None and salt is not None else None
+    sel.entries = prefixes_first(disk, sel.entries)
+    for chunk in (file_head(), json_frame(Kind.HEAD, _head(sel, salt), mac)):
         report.archive_nbytes += len(chunk)
         yield chunk
     # One batch read ahead on a thread (the reads release the GIL) while the previous one is written out.
@@ -291,6 +300,7 @@ def archive_chunks(
             "vanished": report.vanished,
             "records_xxh3": digest.hexdigest(),
         },
+        mac,
     )
     report.archive_nbytes += len(end)
     yield end

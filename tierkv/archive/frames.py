@@ -13,8 +13,8 @@ per block (the key, and the block's record exactly as the disk tier stores it: s
 or a host: it moves between machines as is.
 
 The records' own checksums catch damage, not a forger: whoever writes an archive can compute records
-whose keys are right and whose KV is not. A MAC keyed by a secret both sides hold (``mac_key``) is what
-lets an importer refuse records nobody with the secret wrote.
+whose keys are right and whose KV is not. A MAC keyed by a secret both sides hold (``mac_key``), on every
+frame, is what lets an importer refuse records, and heads and ends, nobody with the secret wrote.
 
 Why not tar: a damaged tar header loses the rest of the archive; here a frame whose head fails its
 checksum is skipped by scanning for the next frame magic, so one bad region costs only the records in it.
@@ -32,6 +32,7 @@ import json
 import os
 import stat
 import struct
+import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
@@ -55,7 +56,6 @@ __all__ = [
     "frame_head",
     "frame_mac",
     "json_frame",
-    "key_id",
     "mac_key",
 ]
 
@@ -91,14 +91,12 @@ def file_head() -> bytes:
     return _FILE_HEAD.pack(FILE_MAGIC, ARCHIVE_VERSION, 0, 0)
 
 
-def mac_key(secret: bytes) -> bytes:
-    """The MAC key derived from a shared secret (a server's admin token, or a secret file's bytes)."""
-    return hashlib.blake2b(b"tierkv-archive-mac\0" + secret, digest_size=32).digest()
-
-
-def key_id(key: bytes) -> str:
-    """Names a MAC key without revealing it: an importer with another secret is told so up front."""
-    return hashlib.blake2b(b"key-id", key=key, digest_size=8).hexdigest()
+def mac_key(secret: bytes, salt: bytes) -> bytes:
+    """The MAC key of one archive: scrypt of the shared secret (a server's admin token, a secret file's
+    bytes) with the archive's own random salt. Slow on purpose: an archive must not let anyone test guesses
+    of the secret (a human-chosen token, say) at hash speed, and a record signed for one archive does not
+    verify in another."""
+    return hashlib.scrypt(secret, salt=b"tierkv-archive\0" + salt, n=1 << 14, r=8, p=1, dklen=32)
 
 
 def frame_mac(key: bytes, fields: bytes, body: bytes | bytearray | memoryview) -> bytes:
@@ -119,9 +117,11 @@ def frame_head(
     return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def json_frame(kind: Kind, obj: dict[str, Any]) -> bytes:
+def json_frame(kind: Kind, obj: dict[str, Any], key: bytes | None = None) -> bytes:
+    """A head or end frame, MACed with ``key`` if given."""
     body = json.dumps(obj, sort_keys=True).encode()
-    return frame_head(kind, NO_KEY, len(body)) + body
+    mac = bytes(_MAC_NBYTES) if key is None else frame_mac(key, frame_fields(kind, NO_KEY, len(body)), body)
+    return frame_head(kind, NO_KEY, len(body), mac=mac) + body
 
 
 @dataclasses.dataclass(slots=True)
@@ -272,10 +272,12 @@ class FrameReader:
             self._pos += 1
             self.nbytes_read += 1
 
-    def frames(self) -> Iterator[Frame]:
+    def frames(self, stop: threading.Event | None = None) -> Iterator[Frame]:
         """Every frame whose head checks, in order. Bodies are as read: their content is the caller's to
-        verify."""
-        while True:
+        verify. Once ``stop`` is set, the stream is read no further."""
+        if self._prefetch is not None:
+            self._prefetch.interrupt = stop
+        while stop is None or not stop.is_set():
             if self._fill(FRAME_HEAD_NBYTES) == 0:
                 return
             head = self._head_at_pos()

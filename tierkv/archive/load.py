@@ -23,13 +23,14 @@ import dataclasses
 import hmac
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import xxhash
 
-from tierkv.archive.frames import ArchiveError, Frame, FrameReader, Kind, frame_mac, key_id
+from tierkv.archive.frames import ArchiveError, Frame, FrameReader, Kind, frame_mac, mac_key
 from tierkv.codec import Header, check_stored, decode_header, unseal
 from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace, root_key
@@ -133,15 +134,17 @@ def import_archive(
     src: BinaryIO | FrameReader,
     progress: Callable[[ImportReport], None] | None = None,
     timeout_s: float = 600.0,
-    mac: bytes | None = None,
+    secret: bytes | None = None,
+    stop: threading.Event | None = None,
 ) -> ImportReport:
     """Import every verified record of the archive on ``src`` that the store lacks and has room for.
 
-    ``mac``: a MAC key (``frames.mac_key``); then every record must carry a MAC made with it, and an
-    archive signed with another key, or not signed, is an ArchiveError before anything is stored. Without
-    one, a signed archive is an ArchiveError too (its signer meant it to be checked). ArchiveError also if
-    ``src`` is not an archive this build reads; anything damaged inside it is counted, not raised.
-    ``progress(report)`` every few records."""
+    ``secret``: every frame must carry a MAC made with the key derived from it and the archive's salt
+    (``frames.mac_key``); an archive signed with another secret, or not signed, is an ArchiveError before
+    anything is stored. Without one, a signed archive is an ArchiveError too (its signer meant it to be
+    checked). ArchiveError also if ``src`` is not an archive this build reads; anything damaged inside it
+    is counted, not raised. ``progress(report)`` every few records; ``stop``: set it (a Ctrl-C handler) to
+    stop reading, what was queued is still written and counted."""
     if disk.writer is None:
         raise ConfigError("import needs a disk tier opened with a writer")
     if isinstance(src, FrameReader):
@@ -150,62 +153,38 @@ def import_archive(
         reader = FrameReader(src)
         reader.read_file_head()
     report = ImportReport()
-    specs: dict[bytes, Namespace] = {}
-    seen_head = False
+    state = _State(disk)
     end: dict[str, Any] | None = None
-    digest = xxhash.xxh3_64()
-    policy = disk.policy
-    dropped_before = _dropped(disk)
-    queued: list[tuple[bytes, int]] = []  # key, record nbytes
-    refused_puts = 0  # the writer took none of these (it counted each as a dropped save, or timed out)
-    landed: set[bytes] = set()  # keys present or queued: the blocks after them may follow
+    mac: bytes | None = None
+    seen_head = False
     try:
-        for frame in reader.frames():
+        for frame in reader.frames(stop):
             if frame.kind == Kind.HEAD and not seen_head:
                 seen_head = True
                 head = _json(frame.body) or {}
-                _check_signing(head, mac)
-                specs = _specs(head)
+                mac = _head_key(head, frame, secret)
+                state.specs = _specs(head)
                 planned = head.get("blocks")
                 report.planned = planned if isinstance(planned, int) else 0
-                continue
-            if frame.kind == Kind.END:
-                end = _json(frame.body)
-                continue
-            if frame.kind != Kind.RECORD:
-                continue  # a kind from a newer writer, or a second head: nothing to store
-            now = disk.clock()
-            header = _refusal(frame, specs, mac, now)
-            if header is None:
-                report.refused += 1
-                continue
-            digest.update(frame.key + header.payload_checksum.to_bytes(8, "little"))
-            access_s = min(frame.time_s, now)
-            if disk.holds([BlockKey(frame.key)])[0]:
-                report.present += 1
-                landed.add(frame.key)
-            elif not _reachable(disk, header, landed):
-                report.unreachable += 1
-            elif policy.expired_at(header.created_s, access_s, now):
-                report.expired += 1
-            elif policy.budget_nbytes is not None and aligned(frame.body_nbytes) > policy.budget_nbytes:
-                report.no_room += 1
-            elif _queue(disk, frame.key, frame.body, header, specs[header.ns_digest], access_s, timeout_s):
-                queued.append((frame.key, frame.body_nbytes))
-                landed.add(frame.key)
-            else:
-                refused_puts += 1
-            if progress is not None and (report.seen + len(queued) + refused_puts) % 64 == 0:
-                progress(report)
-    except KeyboardInterrupt:  # stop reading; what was queued is still written, and counted
-        report.interrupted = True
+            elif frame.kind == Kind.END:
+                signed = mac is None or (frame.body is not None and _mac_ok(frame, mac))
+                end = _json(frame.body) if signed else None
+            elif frame.kind == Kind.RECORD:
+                if secret is not None and mac is None:  # the head was lost: nothing can be checked
+                    report.refused += 1
+                else:
+                    state.take(frame, mac, report, timeout_s)
+                if progress is not None and (report.seen + len(state.queued)) % 64 == 0:
+                    progress(report)
+            # Another kind (a newer writer's), or a second head: nothing to store.
     finally:
         reader.close()
+    report.interrupted = stop is not None and stop.is_set()
     if not disk.flush(timeout_s):
         raise OSError("the disk tier did not finish writing the imported records in time")
-    dropped_queued = max(0, _dropped(disk) - dropped_before - refused_puts)
-    report.not_written += refused_puts
-    _settle(disk, queued, dropped_queued, report)
+    dropped_queued = max(0, _dropped(disk) - state.dropped_before - state.writer_refused)
+    report.not_written += state.writer_refused + state.timed_out
+    _settle(disk, state.queued, dropped_queued, report)
     report.damaged_regions = reader.damaged_regions
     report.archive_nbytes = reader.nbytes_read
     report.stream_error = reader.error
@@ -214,34 +193,99 @@ def import_archive(
         blocks = end.get("blocks")
         report.complete = not reader.truncated and reader.error is None and blocks == report.seen
         if report.refused == 0 and report.complete:
-            report.digest_ok = end.get("records_xxh3") == digest.hexdigest()
+            report.digest_ok = end.get("records_xxh3") == state.digest.hexdigest()
     if progress is not None:
         progress(report)
     return report
 
 
-def _reachable(disk: DiskTier, header: Header, landed: set[bytes]) -> bool:
-    """Whether a prompt could reach this block from position 0 here: its parent is its namespace's root,
-    or a block the store holds or this import queued (the export sends prefixes first)."""
-    parent = bytes(header.parent_key)
-    if parent == root_key(header.ns_digest) or parent in landed:
-        return True
-    return disk.holds([BlockKey(parent)])[0]
+class _State:
+    """What an import tracks between records."""
+
+    def __init__(self, disk: DiskTier) -> None:
+        self.disk = disk
+        self.specs: dict[bytes, Namespace] = {}
+        self.digest = xxhash.xxh3_64()
+        self.dropped_before = _dropped(disk)
+        self.queued: list[tuple[bytes, int]] = []  # key, record nbytes
+        self.writer_refused = 0  # put returned False: the writer counted each as a dropped save
+        self.timed_out = 0  # the writer's queue never had room in time (not counted by the writer)
+        self.landed: set[bytes] = set()  # keys present or queued: the blocks after them may follow
+        self.no_room: set[bytes] = set()  # keys left out for room: the blocks after them are too
+        with disk.index.read() as txn:  # the room left, as an estimate: the writer decides, in its txn
+            self.used_nbytes = disk.index.total_nbytes(txn)
+
+    def take(self, frame: Frame, mac: bytes | None, report: ImportReport, timeout_s: float) -> None:
+        disk, policy = self.disk, self.disk.policy
+        now = disk.clock()
+        header = _refusal(frame, self.specs, mac, now)
+        if header is None or frame.body is None:
+            report.refused += 1
+            return
+        self.digest.update(frame.key + header.payload_checksum.to_bytes(8, "little"))
+        access_s = min(frame.time_s, now)
+        created_s = min(header.created_s, now)  # a source clock a little ahead (CLOCK_SKEW_S)
+        parent = bytes(header.parent_key)
+        footprint = aligned(frame.body_nbytes)
+        if disk.holds([BlockKey(frame.key)])[0]:
+            report.present += 1
+            self.landed.add(frame.key)
+        elif parent in self.no_room:
+            report.no_room += 1
+            self.no_room.add(frame.key)
+        elif not self._reachable(header):
+            report.unreachable += 1
+        elif policy.expired_at(created_s, access_s, now):
+            report.expired += 1
+        elif policy.budget_nbytes is not None and self.used_nbytes + footprint > policy.budget_nbytes:
+            report.no_room += 1  # not even written: the writer would skip it
+            self.no_room.add(frame.key)
+        else:
+            after = None if parent == root_key(header.ns_digest) else parent
+            ns = self.specs[header.ns_digest]
+            got = _queue(disk, frame.key, frame.body, header, ns, created_s, access_s, after, timeout_s)
+            if got:
+                self.queued.append((frame.key, frame.body_nbytes))
+                self.landed.add(frame.key)
+                self.used_nbytes += footprint
+            elif got is None:
+                self.timed_out += 1
+            else:
+                self.writer_refused += 1
+
+    def _reachable(self, header: Header) -> bool:
+        """Whether a prompt could reach this block from position 0 here: its parent is its namespace's
+        root, or a block the store holds or this import queued (the export sends prefixes first)."""
+        parent = bytes(header.parent_key)
+        if parent == root_key(header.ns_digest) or parent in self.landed:
+            return True
+        return self.disk.holds([BlockKey(parent)])[0]
 
 
-def _check_signing(head: dict[str, Any], mac: bytes | None) -> None:
+def _mac_ok(frame: Frame, mac: bytes) -> bool:
+    return frame.body is not None and hmac.compare_digest(frame.mac, frame_mac(mac, frame.fields, frame.body))
+
+
+def _head_key(head: dict[str, Any], frame: Frame, secret: bytes | None) -> bytes | None:
+    """The archive's MAC key, from the secret and the salt in its head, once the head's own MAC verifies
+    with it; None without a secret. ArchiveError when signing and secret disagree."""
     signed = head.get("mac")
-    if mac is None and signed:
-        raise ArchiveError(
-            "this archive is signed: give its secret (--secret-file, or --token for a server's export)"
-        )
-    if mac is not None:
-        if not isinstance(signed, dict):
+    if secret is None:
+        if signed:
             raise ArchiveError(
-                "this archive is not signed, and a secret was given: nothing in it can be trusted"
+                "this archive is signed: give its secret (--secret-file, or --token for a server's export)"
             )
-        if signed.get("key_id") != key_id(mac):
-            raise ArchiveError("this archive was signed with another secret")
+        return None
+    salt = signed.get("salt") if isinstance(signed, dict) else None
+    if not isinstance(salt, str):
+        raise ArchiveError("this archive is not signed, and a secret was given: nothing in it can be trusted")
+    try:
+        key = mac_key(secret, bytes.fromhex(salt))
+    except ValueError:
+        raise ArchiveError("this archive's signature is malformed") from None
+    if not _mac_ok(frame, key):
+        raise ArchiveError("this archive was signed with another secret (or its head was altered)")
+    return key
 
 
 def _settle(disk: DiskTier, queued: list[tuple[bytes, int]], dropped: int, report: ImportReport) -> None:
@@ -267,17 +311,19 @@ def _dropped(disk: DiskTier) -> int:
 def _queue(
     disk: DiskTier,
     key: bytes,
-    body: bytes | bytearray | None,
+    body: bytes | bytearray,
     header: Header,
     ns: Namespace,
+    created_s: float,
     access_s: float,
+    after: bytes | None,
     timeout_s: float,
-) -> bool:
+) -> bool | None:
     """Hand a record to the disk tier's writer, waiting while its queue is full (an import is a bulk
     writer: it waits for room rather than drop). False if the tier stopped accepting writes (the writer
-    counted the drop)."""
+    counted the drop); None if its queue had no room for ``timeout_s``."""
     writer = disk.writer
-    assert writer is not None and body is not None
+    assert writer is not None
     # Unsealed: the writer seals it again (the same bytes: it verified) on its native path, O_DIRECT where
     # the file system allows, instead of a buffered write of the sealed bytes.
     record = unseal(memoryview(body), header)
@@ -286,11 +332,12 @@ def _queue(
         key,
         lambda: record,
         record.nbytes,
-        header.created_s,
+        created_s,
         None,
         ns.spec_bytes,
         access_s=access_s,
         evict=False,
+        after=after,
     )
     deadline = time.monotonic() + timeout_s
     while True:
@@ -298,5 +345,5 @@ def _queue(
         if got is not None:
             return got
         if time.monotonic() > deadline:
-            return False
+            return None
         time.sleep(_ROOM_WAIT_S)

@@ -28,6 +28,7 @@ class PrefetchReader:
         self._head = memoryview(b"")
         self._done = False
         self._stop = threading.Event()
+        self.interrupt: threading.Event | None = None  # set (Ctrl-C): the reader sees the stream end
         read = getattr(stream, "read1", stream.read)
         self._thread = threading.Thread(target=self._run, args=(read, chunk_nbytes), daemon=True)
         self._thread.name = "tierkv-import-read"
@@ -56,7 +57,14 @@ class PrefetchReader:
     def _next(self) -> bool:
         if self._done:
             return False
-        got = self._chunks.get()
+        while True:  # in short waits: a Ctrl-C flag is seen while the stream is silent
+            if self.interrupt is not None and self.interrupt.is_set():
+                return False
+            try:
+                got = self._chunks.get(timeout=0.2)
+                break
+            except queue.Empty:
+                continue
         if isinstance(got, BaseException):
             self._done = True
             raise got

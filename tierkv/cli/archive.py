@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -38,10 +40,9 @@ secret_file_option = click.option(
 )
 
 
-def _mac(secret_file: str | None, token: str | None = None) -> bytes | None:
-    """The MAC key: from the secret file, else from the admin token (an import from a server's URL)."""
-    from tierkv.archive.frames import mac_key
-
+def _secret(secret_file: str | None, token: str | None = None) -> bytes | None:
+    """What signs the archive: the secret file's bytes, else the source server's admin token (its
+    /admin/export signs with it, whether read from the URL or saved to a file first)."""
     if secret_file is not None:
         try:
             secret = Path(secret_file).read_bytes().rstrip(b"\r\n")
@@ -49,8 +50,8 @@ def _mac(secret_file: str | None, token: str | None = None) -> bytes | None:
             fail(f"--secret-file: {exc}", 2)
         if not secret:
             fail(f"--secret-file: {secret_file} is empty", 2)
-        return mac_key(secret)
-    return mac_key(token.encode()) if token else None
+        return secret
+    return token.encode() if token else None
 
 
 @click.command()
@@ -97,7 +98,7 @@ def export(
                     err=True,
                 )
 
-        chunks = archive_chunks(disk, sel, progress, _mac(secret_file))
+        chunks = archive_chunks(disk, sel, progress, _secret(secret_file))
         try:
             with archive_file(archive) as out:
                 while True:
@@ -161,28 +162,31 @@ def import_cmd(
                 err=True,
             )
 
-    is_url = archive.startswith(("http://", "https://"))
-    mac = _mac(secret_file, token if is_url else None)
+    secret = _secret(secret_file, token)
     created = not (Path(cache_dir) / "index" / "data.mdb").exists()
-    with _archive_in(archive, token) as src:
+    stop = threading.Event()
+    with _archive_in(archive, token) as src, _ctrl_c_sets(stop):
         reader = FrameReader(src)
         try:
-            reader.read_file_head()  # before the store is opened: not an archive creates nothing
-        except ArchiveError as exc:
-            fail(f"{archive}: {exc}", 2)
-        with open_disk(cache_dir, writer=True, queue_nbytes=IMPORT_QUEUE_NBYTES) as disk:
-            if created:
-                click.echo(
-                    f"tierkv: a new store at {cache_dir}: no budget and no TTL until a server opens it with "
-                    "--disk-budget / --ttl",
-                    err=True,
-                )
             try:
-                report = import_archive(disk, reader, progress, mac=mac)
+                reader.read_file_head()  # before the store is opened: not an archive creates nothing
             except ArchiveError as exc:
                 fail(f"{archive}: {exc}", 2)
-            except OSError as exc:
-                fail(f"import stopped: {exc}; run it again to resume", 1)
+            with open_disk(cache_dir, writer=True, queue_nbytes=IMPORT_QUEUE_NBYTES) as disk:
+                if created:
+                    click.echo(
+                        f"tierkv: a new store at {cache_dir}: no budget and no TTL until a server opens it "
+                        "with --disk-budget / --ttl",
+                        err=True,
+                    )
+                try:
+                    report = import_archive(disk, reader, progress, secret=secret, stop=stop)
+                except ArchiveError as exc:
+                    fail(f"{archive}: {exc}", 2)
+                except OSError as exc:
+                    fail(f"import stopped: {exc}; run it again to resume", 1)
+        finally:
+            reader.close()  # its read-ahead thread, on every way out
     if show:
         click.echo("", err=True)
     out: dict[str, Any] = report.as_dict()
@@ -220,6 +224,20 @@ def import_cmd(
 
 
 @contextlib.contextmanager
+def _ctrl_c_sets(stop: threading.Event) -> Iterator[None]:
+    """Ctrl-C sets ``stop`` instead of raising wherever the import happens to be (between a queue's two
+    steps, say): the import stops reading at a frame's edge and writes what it queued."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def _archive_in(archive: str, token: str | None) -> Iterator[BinaryIO]:
     if archive == "-":
         yield sys.stdin.buffer
@@ -229,7 +247,7 @@ def _archive_in(archive: str, token: str | None) -> Iterator[BinaryIO]:
         # No redirects: urllib would send the token on to wherever one points.
         opener = urllib.request.build_opener(_NoRedirect)
         try:
-            resp = opener.open(req, timeout=60)
+            resp = opener.open(req, timeout=600)  # per read: the source orders its records first
         except urllib.error.HTTPError as exc:
             hint = (
                 " (give the source server's admin token: --token or TIERKV_EXPORT_TOKEN)"

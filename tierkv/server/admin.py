@@ -12,14 +12,14 @@ import asyncio
 import hmac
 import json
 import math
-import threading
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
-from tierkv.archive.frames import mac_key
 from tierkv.errors import ConfigError
 from tierkv.server.responses import JSON, error, json_object
 from tierkv.server.state import Server
@@ -105,22 +105,38 @@ def _namespace(opts: dict[str, Any]) -> str | None:
     return value
 
 
-async def _off_loop(
-    chunks: Iterator[bytes | memoryview], running: list[int]
-) -> AsyncIterator[bytes | memoryview]:
-    """The export's chunks, each produced on a worker thread (its reads, native, release the GIL): the
-    event loop keeps answering meanwhile. When the client goes away mid-stream the generator is closed
-    at once, on a thread (its read-ahead may be finishing a batch). ``running`` counts the exports
-    streaming (a response never started holds nothing: its generator has not run)."""
-    running[0] += 1
-    try:
-        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-            yield chunk  # a view into its batch's own buffer, never reused
-    finally:
-        running[0] -= 1
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            threading.Thread(target=close, name="tierkv-export-close", daemon=True).start()
+class _Export:
+    """One export's stream: its chunks drawn on a thread of its own (the reads, native, release the GIL),
+    so the event loop keeps answering meanwhile. When the client goes away the generator is closed on that
+    same thread, after the draw in flight (a generator cannot be closed while it runs), and only then is
+    the export counted as done in ``running`` (counted up by the caller). A response that never started
+    is counted done by ``finish``, its background task."""
+
+    def __init__(self, chunks: Iterator[bytes | memoryview], running: list[int]) -> None:
+        self.chunks = chunks
+        self.running = running
+        self.started = False
+
+    async def stream(self) -> AsyncIterator[bytes | memoryview]:
+        self.started = True
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tierkv-export")
+        try:
+            while (chunk := await asyncio.wrap_future(pool.submit(next, self.chunks, None))) is not None:
+                yield chunk  # a view into its batch's own buffer, never reused
+        finally:
+            pool.submit(self._close)
+            pool.shutdown(wait=False)
+
+    def _close(self) -> None:
+        try:
+            getattr(self.chunks, "close", lambda: None)()
+        finally:
+            self.running[0] -= 1
+
+    async def finish(self) -> None:
+        if not self.started:
+            self.started = True
+            self._close()
 
 
 def add_admin_routes(app: FastAPI, server: Server) -> None:
@@ -176,16 +192,23 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
             return error(400, f"unknown export parameter(s): {', '.join(sorted(unknown))}")
         if exporting[0]:
             return error(409, "an export is already running on this server; try again when it is done")
+        exporting[0] += 1  # at once: the selection below takes a while, and a second request must see it
         try:
             chunks = await asyncio.to_thread(
                 store.export_chunks,
                 request.query_params.getlist("namespace"),
                 request.query_params.getlist("model"),
-                mac_key(str(server.config.admin_token).encode()),
+                str(server.config.admin_token).encode(),
             )
-        except ConfigError as exc:
-            return error(400, str(exc), param="namespace")
-        return StreamingResponse(_off_loop(chunks, exporting), media_type="application/octet-stream")
+        except BaseException as exc:
+            exporting[0] -= 1
+            if isinstance(exc, ConfigError):
+                return error(400, str(exc), param="namespace")
+            raise
+        export = _Export(chunks, exporting)
+        return StreamingResponse(
+            export.stream(), media_type="application/octet-stream", background=BackgroundTask(export.finish)
+        )
 
     @app.post("/admin/gc")
     async def admin_gc(request: Request) -> JSON:

@@ -74,6 +74,9 @@ class Put:
     record: Record = dataclasses.field(default_factory=list)
     access_s: float | None = None  # its last access, if not now (an import keeps the source's LRU order)
     evict: bool = True  # False: skipped, not indexed, if it would push the store past its budget (import)
+    # With evict False: indexed only if this key (the block's parent) is indexed or indexed in the same
+    # transaction, so that a budget cut never keeps a continuation without its prefix. None: no condition.
+    after: bytes | None = None
 
     @property
     def record_nbytes(self) -> int:
@@ -368,6 +371,8 @@ class Writer:
             # Room for records that must not evict, taken in this transaction: another process's writes
             # since any earlier look count.
             room = None if budget is None else budget - self.index.total_nbytes(txn)
+            idx = self.index.db["index"]
+            indexed: set[bytes] = set()  # in this transaction
             for p, off in zip(fresh, offsets):
                 if not p.is_live():
                     # Purged or invalidated since the first look. Checked in the transaction: one that
@@ -384,11 +389,15 @@ class Writer:
                     holes.append((*old.location, self.index.remove(txn, p.key, old)))  # replaced, atomically
                     if room is not None:
                         room += old.footprint
+                if p.after is not None and p.after not in indexed and txn.get(p.after, db=idx) is None:
+                    unused.append((seg.seg_id, off, p.record_nbytes, False))  # its prefix did not fit
+                    continue
                 if room is not None:
                     if not p.evict and aligned(p.record_nbytes) > room:
                         unused.append((seg.seg_id, off, p.record_nbytes, False))
                         continue
                     room -= aligned(p.record_nbytes)
+                indexed.add(p.key)
                 if p.ns_spec is not None:
                     self.index.put_namespace(txn, p.ns_digest, p.ns_spec)
                 access_s = now if p.access_s is None else min(p.access_s, now)
