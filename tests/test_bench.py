@@ -102,11 +102,12 @@ def test_bench_quick_peers_and_stalls(tmp_path, monkeypatch) -> None:
 def test_bench_quick_transfer_measures_export_and_import_beside_the_store(tmp_path, monkeypatch) -> None:
     res, folder = _quick(tmp_path, monkeypatch, "transfer")
     t = res["transfer"]
-    assert len(t["rows_Bps"]) == 4 and all(row["median"] > 0 for row in t["rows_Bps"].values())
+    assert len(t["rows_Bps"]) == 5 and all(row["median"] > 0 for row in t["rows_Bps"].values())
     # The archive carries each record once, with a small frame head: about the store's live bytes.
     assert 0.9 < t["ratios"]["archive size / store live bytes"] < 1.1
     assert set(t["ratios"]) == {
         "export / cold restore",
+        "export / copy (cp)",
         "import / durable save",
         "archive size / store live bytes",
     }

@@ -5,13 +5,17 @@ Rows (GB/s of KV, medians of ``runs`` with their spread; the store's rows altern
 that the disk's drift favours neither):
   durable save        TieredStore save + flush into an empty store (the store's own write speed)
   cold restore        TieredStore.load of every prompt, page cache dropped (the store's own read speed)
+  copy                the store's segment files read cold and written to one file, synced, by the kernel
+                      (sendfile, as cp does), without tierkv: an export reads and writes one disk too
   export              every record read cold, verified and written to an archive file, synced
   import              the archive read cold, every record verified, written durably into an empty store
-Ratios: export / cold restore, import / durable save, and the archive's size against the store's live bytes.
+Ratios: export / cold restore, export / copy (cp), import / durable save, and the archive's size against
+the store's live bytes.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -44,6 +48,18 @@ def _export(store_dir: Path, archive: Path) -> int:
     return int(report.blocks)
 
 
+def _raw_copy(files: list[Path], dest: Path) -> None:
+    """The kernel's own copy of the same bytes, no tierkv (as ``cp`` does it: sendfile): the store's
+    segment files read cold and written to one new file, synced. An export reads and writes one disk too."""
+    with open(dest, "wb") as out:
+        for f in files:
+            with open(f, "rb") as src:
+                size, at = os.fstat(src.fileno()).st_size, 0
+                while at < size:
+                    at += os.sendfile(out.fileno(), src.fileno(), at, size - at)
+        os.fsync(out.fileno())
+
+
 def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str, Any]:
     prompts, kv = workload(total_nbytes)
     num_prompts, prompt_tokens = len(prompts), len(prompts[0])
@@ -51,7 +67,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str
     blocks = num_prompts * prompt_tokens // NS.block_tokens
     store_dir, archive, dest = base / "store", base / "cache.tkv", base / "imported"
     out = torch.empty_like(kv)
-    times: dict[str, list[float]] = {k: [] for k in ("save", "restore", "export", "import")}
+    times: dict[str, list[float]] = {k: [] for k in ("save", "restore", "copy", "export", "import")}
     method = ""
     archive_nbytes = live_nbytes = 0
     for r in range(runs):
@@ -79,7 +95,15 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str
             assert _export(store_dir, archive) == blocks
             times["export"].append(time.perf_counter() - t0)
 
-        for step in (restore, export) if r % 2 == 0 else (export, restore):
+        def copy() -> None:
+            files = sorted((store_dir / "segments").glob("*.seg"))
+            drop_page_cache(files)
+            t0 = time.perf_counter()
+            _raw_copy(files, base / "copy.bin")
+            times["copy"].append(time.perf_counter() - t0)
+            (base / "copy.bin").unlink()
+
+        for step in (restore, copy, export) if r % 2 == 0 else (export, copy, restore):
             step()
         archive_nbytes = archive.stat().st_size
         shutil.rmtree(dest, ignore_errors=True)
@@ -92,6 +116,9 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str
     rows = {
         "durable save (save + flush, empty store)": summary([data_nbytes / t for t in times["save"]]),
         "cold restore (load every prompt)": summary([data_nbytes / t for t in times["restore"]]),
+        "copy of the store's files (sendfile, as cp; fsync; no tierkv)": summary(
+            [data_nbytes / t for t in times["copy"]]
+        ),
         "export (cold read, verify, write the archive, fsync)": summary(
             [data_nbytes / t for t in times["export"]]
         ),
@@ -99,7 +126,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str
             [data_nbytes / t for t in times["import"]]
         ),
     }
-    med = {k: v["median"] for k, v in zip(("save", "restore", "export", "import"), rows.values())}
+    med = {k: v["median"] for k, v in zip(("save", "restore", "copy", "export", "import"), rows.values())}
     return {
         "config": {
             "kv_nbytes": data_nbytes,
@@ -115,6 +142,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str
         "live_nbytes": live_nbytes,
         "ratios": {
             "export / cold restore": med["export"] / med["restore"],
+            "export / copy (cp)": med["export"] / med["copy"],
             "import / durable save": med["import"] / med["save"],
             "archive size / store live bytes": archive_nbytes / live_nbytes,
         },
