@@ -6,15 +6,16 @@ running it again: what was committed is skipped as already there.
 
 Nothing is evicted to make room: the writer indexes an imported record only if it fits the store's budget
 in the transaction that would index it (another process's writes meanwhile count), and an archive larger
-than the room left fills it, most recently used records first (the export's order); the rest is counted
-as ``no_room``. Records keep their last access time from the source (never later than now), so the store's
+than the room left fills it, most recently used records first (the export's order), a block only after
+the blocks before it in its prompt; the rest is counted as ``no_room``. Records keep their last access time from the source (never later than now), so the store's
 LRU order and sliding TTL go on as they were.
 
 What is refused, record by record: a frame whose body is damaged (its checksums), a record whose token
 ids do not hash to its key, a record of a namespace the archive's head does not declare with a spec that
 hashes to its digest, a record whose dtype, shape or token count is not its namespace's (checked before a
 compressed payload is inflated: its size is bounded by the spec), a creation or access time that is not a
-finite time up to now, and, with a MAC key, a record whose MAC does not verify.
+finite time at most CLOCK_SKEW_S ahead of ours (then clamped to now), and, with a secret, a record whose
+MAC does not verify.
 """
 
 from __future__ import annotations
