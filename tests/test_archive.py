@@ -223,6 +223,17 @@ def test_nothing_is_created_or_read_where_nothing_is(tmp_path) -> None:
     assert r.exit_code == 2 and not (tmp_path / "new").exists()
 
 
+def test_a_wrong_secret_creates_nothing_and_two_secrets_are_refused(source, tmp_path) -> None:
+    (tmp_path / "s").write_text("right")
+    (tmp_path / "w").write_text("wrong")
+    _export(source, tmp_path / "a.tkv", "--secret-file", str(tmp_path / "s"))
+    args = ["import", "--cache-dir", str(tmp_path / "new"), str(tmp_path / "a.tkv")]
+    r = CliRunner().invoke(main, [*args, "--secret-file", str(tmp_path / "w")])
+    assert r.exit_code == 2 and "another secret" in r.output and not (tmp_path / "new").exists()
+    r = CliRunner().invoke(main, [*args, "--secret-file", str(tmp_path / "s"), "--token", "t"])
+    assert r.exit_code == 2 and "not both" in r.output
+
+
 def test_import_stays_within_the_budget_and_evicts_nothing(source, tmp_path, ns) -> None:
     from tierkv.tiers.disk.segments import aligned
 
@@ -391,7 +402,7 @@ def test_an_export_stream_abandoned_mid_draw_is_closed_after_it_and_counted_done
     import asyncio
     import threading
 
-    from tierkv.server.admin import _Export
+    from tierkv.server.admin import _Export, _Exports
 
     drawing, closed = threading.Event(), threading.Event()
 
@@ -404,8 +415,8 @@ def test_an_export_stream_abandoned_mid_draw_is_closed_after_it_and_counted_done
         finally:
             closed.set()
 
-    running = [1]
-    export = _Export(chunks(), running)
+    running = _Exports(running=1)
+    export = _Export(chunks(), running, "test")
 
     async def client_leaves() -> None:
         stream = export.stream()
@@ -421,12 +432,12 @@ def test_an_export_stream_abandoned_mid_draw_is_closed_after_it_and_counted_done
     asyncio.run(client_leaves())
     assert closed.wait(5)
     deadline = time.monotonic() + 5
-    while running[0] and time.monotonic() < deadline:
+    while running.running and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert running == [0]
-    never = _Export(chunks(), running := [1])
+    assert running.running == 0
+    never = _Export(chunks(), running := _Exports(running=1), "test")
     asyncio.run(never.finish())  # a response that never started
-    assert running == [0]
+    assert running.running == 0
 
 
 def test_a_server_export_warms_another_server(tmp_path) -> None:

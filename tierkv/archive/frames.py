@@ -159,10 +159,21 @@ class FrameReader:
         self.truncated = False
         self.error: str | None = None  # why the stream ended early, if it failed rather than ended
         self.nbytes_read = 0
+        self._pushed: Frame | None = None
+
+    def pushback(self, frame: Frame | None) -> None:
+        """Give a frame back: ``frames`` yields it first."""
+        self._pushed = frame
 
     def close(self) -> None:
         if self._prefetch is not None:
             self._prefetch.close()
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether its read-ahead thread is still blocked in the stream (a source that stalled): then the
+        stream must not be closed (that would wait for the thread), only the process exited."""
+        return self._prefetch is not None and self._prefetch.blocked
 
     def _fill(self, n: int) -> int:
         """Make ``n`` bytes available past the position if the stream has them; how many are."""
@@ -277,6 +288,9 @@ class FrameReader:
         verify. Once ``stop`` is set, the stream is read no further."""
         if self._prefetch is not None:
             self._prefetch.interrupt = stop
+        if self._pushed is not None:
+            pushed, self._pushed = self._pushed, None
+            yield pushed
         while stop is None or not stop.is_set():
             if self._fill(FRAME_HEAD_NBYTES) == 0:
                 return

@@ -130,9 +130,36 @@ def _refusal(frame: Frame, specs: dict[bytes, Namespace], mac: bytes | None, now
         return None
 
 
+@dataclasses.dataclass
+class Opened:
+    """An archive whose file head and head frame were read, and its signing checked against the secret:
+    what ``open_archive`` gives, before any store is opened."""
+
+    reader: FrameReader
+    head: dict[str, Any]
+    head_frame: Frame | None  # None: the first frame was not a head (damaged): nothing to check
+    mac: bytes | None
+
+
+def open_archive(src: BinaryIO | FrameReader, secret: bytes | None) -> Opened:
+    """Read the archive's file head and its head frame; ArchiveError if it is not an archive this build
+    reads, or its signing and ``secret`` disagree (a wrong secret, none for a signed archive)."""
+    if isinstance(src, FrameReader):
+        reader = src
+    else:
+        reader = FrameReader(src)
+    reader.read_file_head()
+    first = next(reader.frames(), None)
+    if first is None or first.kind != Kind.HEAD:
+        reader.pushback(first)
+        return Opened(reader, {}, None, None)
+    head = _json(first.body) or {}
+    return Opened(reader, head, first, _head_key(head, first, secret))
+
+
 def import_archive(
     disk: DiskTier,
-    src: BinaryIO | FrameReader,
+    src: BinaryIO | Opened,
     progress: Callable[[ImportReport], None] | None = None,
     timeout_s: float = 600.0,
     secret: bytes | None = None,
@@ -148,27 +175,18 @@ def import_archive(
     stop reading, what was queued is still written and counted."""
     if disk.writer is None:
         raise ConfigError("import needs a disk tier opened with a writer")
-    if isinstance(src, FrameReader):
-        reader = src  # its file head already read
-    else:
-        reader = FrameReader(src)
-        reader.read_file_head()
+    opened = src if isinstance(src, Opened) else open_archive(src, secret)
+    reader, mac = opened.reader, opened.mac
     report = ImportReport()
     state = _State(disk)
+    state.specs = _specs(opened.head)
+    planned = opened.head.get("blocks")
+    report.planned = planned if isinstance(planned, int) else 0
     end: dict[str, Any] | None = None
-    mac: bytes | None = None
-    seen_head = False
     try:
         for frame in reader.frames(stop):
-            if frame.kind == Kind.HEAD and not seen_head:
-                seen_head = True
-                head = _json(frame.body) or {}
-                mac = _head_key(head, frame, secret)
-                state.specs = _specs(head)
-                planned = head.get("blocks")
-                report.planned = planned if isinstance(planned, int) else 0
-            elif frame.kind == Kind.END:
-                signed = mac is None or (frame.body is not None and _mac_ok(frame, mac))
+            if frame.kind == Kind.END:
+                signed = mac is None or _mac_ok(frame, mac)
                 end = _json(frame.body) if signed else None
             elif frame.kind == Kind.RECORD:
                 if secret is not None and mac is None:  # the head was lost: nothing can be checked

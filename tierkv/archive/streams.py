@@ -6,15 +6,30 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 __all__ = ["PrefetchReader", "archive_file"]
 
 CHUNK_NBYTES = 8 << 20
+
+
+def _raw_read(stream: BinaryIO) -> Callable[[int], bytes] | None:
+    """``os.read`` on the stream's descriptor where it has one (a file, a pipe, a FIFO: not a socket's
+    buffered reader): a read blocked there holds no lock of Python's buffered stream, so a Ctrl-C can end
+    the process while the source stalls ("could not acquire lock ... at interpreter shutdown" otherwise)."""
+    try:
+        fd = stream.fileno()
+        mode = os.fstat(fd).st_mode
+    except (AttributeError, OSError, ValueError):
+        return None
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+        return None
+    return lambda n: os.read(fd, n)
 
 
 class PrefetchReader:
@@ -29,7 +44,8 @@ class PrefetchReader:
         self._done = False
         self._stop = threading.Event()
         self.interrupt: threading.Event | None = None  # set (Ctrl-C): the reader sees the stream end
-        read = getattr(stream, "read1", stream.read)
+        self.blocked = False  # inside a read of the stream right now
+        read = _raw_read(stream) or getattr(stream, "read1", stream.read)
         self._thread = threading.Thread(target=self._run, args=(read, chunk_nbytes), daemon=True)
         self._thread.name = "tierkv-import-read"
         self._thread.start()
@@ -37,7 +53,9 @@ class PrefetchReader:
     def _run(self, read: object, chunk_nbytes: int) -> None:
         try:
             while not self._stop.is_set():
+                self.blocked = True
                 chunk = read(chunk_nbytes)  # type: ignore[operator]
+                self.blocked = False
                 self._chunks.put(chunk)
                 if not chunk:
                     return

@@ -112,7 +112,7 @@ def export(
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
             fail(f"{archive}: the reader closed the pipe before the archive was whole", 1)
         except OSError as exc:
-            fail(f"cannot write {archive}: {exc}", 2)
+            fail(f"cannot write {archive}: {exc.strerror or exc}", 2)
         if show:
             click.echo("", err=True)
     out_json = report.as_dict()
@@ -121,12 +121,17 @@ def export(
     else:
         click.echo(
             f"exported {report.blocks} blocks ({format_size(report.record_nbytes)}) of "
-            f"{len(report.namespaces)} namespace(s) into {format_size(report.archive_nbytes)}"
+            f"{len(report.namespaces)} namespace(s) into {archive if archive != '-' else 'standard output'} "
+            f"({format_size(report.archive_nbytes)}{', signed' if secret_file else ''})"
             + (f"; {report.vanished} removed from the store meanwhile" if report.vanished else ""),
             err=to_stdout,
         )
     if report.corrupt:
-        fail(f"{report.corrupt} corrupt record(s) left out: run `tierkv gc --check` and check the disk", 1)
+        fail(
+            f"{report.corrupt} corrupt record(s) left out: run `tierkv gc --check` and check the disk",
+            1,
+            "warning",
+        )
 
 
 @click.command("import")
@@ -148,8 +153,8 @@ def import_cmd(
 
     Safe while a server uses the store; run it again after an interruption and it resumes (what was
     imported is skipped). A damaged record is refused by itself and counted; nothing is evicted."""
-    from tierkv.archive.frames import ArchiveError, FrameReader
-    from tierkv.archive.load import ImportReport, import_archive
+    from tierkv.archive.frames import ArchiveError
+    from tierkv.archive.load import ImportReport, import_archive, open_archive
 
     show = sys.stderr.isatty() and not as_json
 
@@ -162,16 +167,19 @@ def import_cmd(
                 err=True,
             )
 
+    if token and secret_file:
+        fail("give --token (a server's export) or --secret-file (an archive signed with it), not both", 2)
     secret = _secret(secret_file, token)
     created = not (Path(cache_dir) / "index" / "data.mdb").exists()
     stop = threading.Event()
     with _archive_in(archive, token) as src, _ctrl_c_sets(stop):
-        reader = FrameReader(src)
         try:
-            try:
-                reader.read_file_head()  # before the store is opened: not an archive creates nothing
-            except ArchiveError as exc:
-                fail(f"{archive}: {exc}", 2)
+            # Before the store is opened: what is not an archive, or not signed as the secret says, creates
+            # nothing.
+            opened = open_archive(src, secret)
+        except ArchiveError as exc:
+            fail(f"{archive}: {exc}", 2)
+        try:
             with open_disk(cache_dir, writer=True, queue_nbytes=IMPORT_QUEUE_NBYTES) as disk:
                 if created:
                     click.echo(
@@ -180,15 +188,30 @@ def import_cmd(
                         err=True,
                     )
                 try:
-                    report = import_archive(disk, reader, progress, secret=secret, stop=stop)
+                    report = import_archive(disk, opened, progress, secret=secret, stop=stop)
                 except ArchiveError as exc:
                     fail(f"{archive}: {exc}", 2)
                 except OSError as exc:
                     fail(f"import stopped: {exc}; run it again to resume", 1)
         finally:
-            reader.close()  # its read-ahead thread, on every way out
-    if show:
-        click.echo("", err=True)
+            opened.reader.close()  # its read-ahead thread, on every way out
+        if show:
+            click.echo("", err=True)
+        code, message = _import_outcome(report, as_json)
+        if opened.reader.abandoned:
+            # The source stalled and its read-ahead thread is blocked in it: closing the stream would wait
+            # for that thread (for ever, if the source never ends). The store is closed and synced: leave.
+            if message:
+                click.echo(f"tierkv: {message}", err=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    if message:
+        fail(message, code, "warning" if code == 1 else "error")
+
+
+def _import_outcome(report: Any, as_json: bool) -> tuple[int, str]:
+    """Print the import's report; its exit status and the line that explains it (empty when all went)."""
     out: dict[str, Any] = report.as_dict()
     if as_json:
         click.echo(json.dumps(out))
@@ -199,9 +222,10 @@ def import_cmd(
             + (f", unreachable {report.unreachable}" if report.unreachable else "")
             + (f", not written {report.not_written}" if report.not_written else "")
             + (f"; {report.damaged_regions} damaged region(s) skipped" if report.damaged_regions else "")
+            + ("; every record's signature checked" if report.signed else "; unsigned")
         )
     if report.interrupted:
-        fail("interrupted: what was read before is imported; run it again to resume", 130)
+        return 130, "interrupted: what was read before is imported; run it again to resume"
     problems = []
     if report.no_room:
         problems.append(
@@ -218,9 +242,10 @@ def import_cmd(
         problems.append("the archive's records differ from what its end frame lists")
     if report.not_written:
         problems.append("the disk tier did not take every record (full, or failing): see the server's log")
-    if problems:
-        resume = not report.complete or report.refused or report.damaged_regions or report.not_written
-        fail("; ".join(problems) + ("; run it again with a whole archive to resume" if resume else ""), 1)
+    if not problems:
+        return 0, ""
+    resume = not report.complete or report.refused or report.damaged_regions or report.not_written
+    return 1, "; ".join(problems) + ("; run it again with a whole archive to resume" if resume else "")
 
 
 @contextlib.contextmanager
@@ -255,8 +280,10 @@ def _archive_in(archive: str, token: str | None) -> Iterator[BinaryIO]:
                 else ""
             )
             fail(f"{archive}: HTTP {exc.code}: {_error_message(exc)}{hint}", 2)
-        except (urllib.error.URLError, OSError) as exc:
-            fail(f"{archive}: {exc}", 2)
+        except urllib.error.URLError as exc:
+            fail(f"cannot reach {archive}: {exc.reason}", 2)
+        except OSError as exc:
+            fail(f"cannot reach {archive}: {exc}", 2)
         with resp:
             yield resp
         return

@@ -17,8 +17,8 @@ from tierkv.paths import DEFAULT_CACHE_DIR_HELP, default_cache_dir
 __all__ = ["cache_dir_option", "fail", "open_disk", "parsed"]
 
 
-def fail(message: str, code: int) -> NoReturn:
-    click.echo(f"tierkv: error: {message}", err=True)
+def fail(message: str, code: int, label: str = "error") -> NoReturn:
+    click.echo(f"tierkv: {label}: {message}", err=True)
     sys.exit(code)
 
 

@@ -9,9 +9,12 @@ Everything goes through the store's public maintenance calls (``report``, ``gc``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
+import logging
 import math
+import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,6 +28,8 @@ from tierkv.server.responses import JSON, error, json_object
 from tierkv.server.state import Server
 from tierkv.store import TieredStore
 from tierkv.units import parse_duration, parse_size
+
+log = logging.getLogger("tierkv.server")
 
 GC_OPTIONS = frozenset({"ttl", "max_age", "budget", "namespace", "all", "check", "compact", "dry_run"})
 
@@ -105,25 +110,52 @@ def _namespace(opts: dict[str, Any]) -> str | None:
     return value
 
 
+EXPORT_STALL_S = 60.0  # an export whose client read nothing for this long no longer holds the slot
+
+
+@dataclasses.dataclass
+class _Exports:
+    """The exports streaming now: one at a time, each reads the whole store beside the model; a client
+    that stopped reading frees the slot after EXPORT_STALL_S (its stream ends when it disconnects)."""
+
+    running: int = 0
+    drawn_at: float = 0.0  # when the newest one last had a chunk taken by its client
+
+    def busy(self) -> bool:
+        return self.running > 0 and time.monotonic() - self.drawn_at < EXPORT_STALL_S
+
+
 class _Export:
     """One export's stream: its chunks drawn on a thread of its own (the reads, native, release the GIL),
     so the event loop keeps answering meanwhile. When the client goes away the generator is closed on that
     same thread, after the draw in flight (a generator cannot be closed while it runs), and only then is
-    the export counted as done in ``running`` (counted up by the caller). A response that never started
-    is counted done by ``finish``, its background task."""
+    the export counted as done (it was counted by the caller). A response that never started is counted
+    done by ``finish``, its background task."""
 
-    def __init__(self, chunks: Iterator[bytes | memoryview], running: list[int]) -> None:
+    def __init__(self, chunks: Iterator[bytes | memoryview], exports: _Exports, who: str) -> None:
         self.chunks = chunks
-        self.running = running
+        self.exports = exports
+        self.who = who
         self.started = False
+        self.nbytes = 0
 
     async def stream(self) -> AsyncIterator[bytes | memoryview]:
         self.started = True
         pool = ThreadPoolExecutor(1, thread_name_prefix="tierkv-export")
+        done = False
         try:
             while (chunk := await asyncio.wrap_future(pool.submit(next, self.chunks, None))) is not None:
+                self.exports.drawn_at = time.monotonic()
+                self.nbytes += len(chunk)
                 yield chunk  # a view into its batch's own buffer, never reused
+            done = True
         finally:
+            log.info(
+                "export to %s %s after %.1f MiB",
+                self.who,
+                "done" if done else "cut off (the client went away)",
+                self.nbytes / 2**20,
+            )
             pool.submit(self._close)
             pool.shutdown(wait=False)
 
@@ -131,7 +163,7 @@ class _Export:
         try:
             getattr(self.chunks, "close", lambda: None)()
         finally:
-            self.running[0] -= 1
+            self.exports.running -= 1
 
     async def finish(self) -> None:
         if not self.started:
@@ -145,7 +177,9 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
         token = server.config.admin_token
         if not token:
             return error(
-                404, "the admin API is disabled (start the server with --admin-token)", "not_found_error"
+                404,
+                "the admin API is disabled (start the server with --admin-token-file or TIERKV_ADMIN_TOKEN)",
+                "not_found_error",
             )
         given = request.headers.get("authorization", "").encode("latin-1")  # as the bytes were sent
         if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # constant time: no timing oracle
@@ -178,7 +212,7 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
             return store
         return JSON(server.misses.report())
 
-    exporting = [0]  # exports streaming: one at a time, each reads the whole store beside the model
+    exports = _Exports()
 
     @app.get("/admin/export", response_model=None)
     async def admin_export(request: Request) -> JSON | StreamingResponse:
@@ -190,9 +224,10 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
             return store
         if unknown := set(request.query_params) - {"namespace", "model"}:
             return error(400, f"unknown export parameter(s): {', '.join(sorted(unknown))}")
-        if exporting[0]:
+        if exports.busy():
             return error(409, "an export is already running on this server; try again when it is done")
-        exporting[0] += 1  # at once: the selection below takes a while, and a second request must see it
+        exports.running += 1  # at once: the selection below takes a while, and a second request must see it
+        exports.drawn_at = time.monotonic()
         try:
             chunks = await asyncio.to_thread(
                 store.export_chunks,
@@ -201,11 +236,13 @@ def add_admin_routes(app: FastAPI, server: Server) -> None:
                 str(server.config.admin_token).encode(),
             )
         except BaseException as exc:
-            exporting[0] -= 1
+            exports.running -= 1
             if isinstance(exc, ConfigError):
                 return error(400, str(exc), param="namespace")
             raise
-        export = _Export(chunks, exporting)
+        who = request.client.host if request.client else "?"
+        log.info("export to %s started", who)
+        export = _Export(chunks, exports, who)
         return StreamingResponse(
             export.stream(), media_type="application/octet-stream", background=BackgroundTask(export.finish)
         )
