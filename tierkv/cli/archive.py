@@ -123,7 +123,8 @@ def export(
             f"exported {report.blocks} blocks ({format_size(report.record_nbytes)}) of "
             f"{len(report.namespaces)} namespace(s) into {archive if archive != '-' else 'standard output'} "
             f"({format_size(report.archive_nbytes)}{', signed' if secret_file else ''})"
-            + (f"; {report.vanished} removed from the store meanwhile" if report.vanished else ""),
+            + (f"; {report.vanished} removed from the store meanwhile" if report.vanished else "")
+            + (f"; {report.no_spec} left out, their namespace's spec missing" if report.no_spec else ""),
             err=to_stdout,
         )
     if report.corrupt:

@@ -156,7 +156,10 @@ class _Export:
                 "done" if done else "cut off (the client went away)",
                 self.nbytes / 2**20,
             )
-            pool.submit(self._close)
+            if done:  # the generator has returned: nothing to close, and the slot is free before the
+                self.exports.running -= 1  # response's last byte (a client's next export must not get 409)
+            else:
+                pool.submit(self._close)
             pool.shutdown(wait=False)
 
     def _close(self) -> None:
