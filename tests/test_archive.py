@@ -440,6 +440,21 @@ def test_an_export_stream_abandoned_mid_draw_is_closed_after_it_and_counted_done
     assert running.running == 0
 
 
+def test_read_ahead_never_reads_a_file_that_reused_its_descriptor(tmp_path) -> None:
+    """An import abandoned without closing its reader (an error on the way out): its read-ahead thread must
+    not go on reading through a descriptor number the process gave to the next file it opened."""
+    from tierkv.archive.streams import PrefetchReader
+
+    (tmp_path / "a").write_bytes(b"a" * (16 << 20))
+    (tmp_path / "b").write_bytes(b"b" * (16 << 20))
+    fa = open(tmp_path / "a", "rb")  # noqa: SIM115
+    PrefetchReader(fa, chunk_nbytes=1 << 20, depth=1).read1(10)
+    fa.close()
+    with open(tmp_path / "b", "rb") as fb:  # most likely the number fa had
+        time.sleep(0.2)
+        assert fb.read() == b"b" * (16 << 20)
+
+
 def test_a_server_export_warms_another_server(tmp_path) -> None:
     """Node to node: server A's /admin/export streams into B's directory (while B runs), and B's first
     requests hit, with A's answers."""
@@ -493,7 +508,7 @@ def test_a_server_export_warms_another_server(tmp_path) -> None:
                 str(tmp_path / "a.tkv"),
             ],
         )
-        assert r.exit_code == 0 and json.loads(r.stdout)["signed"] is True
+        assert r.exit_code == 0 and json.loads(r.stdout)["signed"] is True, r.output
         hit = b.client().chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
         assert hit.usage.prompt_tokens_details.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
         assert hit.choices[0].message.content == first.choices[0].message.content

@@ -9,7 +9,7 @@ import queue
 import stat
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,10 +18,12 @@ __all__ = ["PrefetchReader", "archive_file"]
 CHUNK_NBYTES = 8 << 20
 
 
-def _raw_read(stream: BinaryIO) -> Callable[[int], bytes] | None:
-    """``os.read`` on the stream's descriptor where it has one (a file, a pipe, a FIFO: not a socket's
-    buffered reader): a read blocked there holds no lock of Python's buffered stream, so a Ctrl-C can end
-    the process while the source stalls ("could not acquire lock ... at interpreter shutdown" otherwise)."""
+def _own_fd(stream: BinaryIO) -> int | None:
+    """A duplicate of the stream's descriptor where it has one (a file, a pipe, a FIFO: not a socket's
+    buffered reader), for the read-ahead thread alone. Read with ``os.read``, a read blocked in it holds no
+    lock of Python's buffered stream, so a Ctrl-C can end the process while the source stalls ("could not
+    acquire lock ... at interpreter shutdown" otherwise); and being the thread's own, it is never a number
+    the caller closed and the process reused for another file (the thread would read that file)."""
     try:
         fd = stream.fileno()
         mode = os.fstat(fd).st_mode
@@ -29,7 +31,7 @@ def _raw_read(stream: BinaryIO) -> Callable[[int], bytes] | None:
         return None
     if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
         return None
-    return lambda n: os.read(fd, n)
+    return os.dup(fd)
 
 
 class PrefetchReader:
@@ -45,12 +47,13 @@ class PrefetchReader:
         self._stop = threading.Event()
         self.interrupt: threading.Event | None = None  # set (Ctrl-C): the reader sees the stream end
         self.blocked = False  # inside a read of the stream right now
-        read = _raw_read(stream) or getattr(stream, "read1", stream.read)
-        self._thread = threading.Thread(target=self._run, args=(read, chunk_nbytes), daemon=True)
+        fd = _own_fd(stream)
+        read = (lambda n: os.read(fd, n)) if fd is not None else getattr(stream, "read1", stream.read)
+        self._thread = threading.Thread(target=self._run, args=(read, chunk_nbytes, fd), daemon=True)
         self._thread.name = "tierkv-import-read"
         self._thread.start()
 
-    def _run(self, read: object, chunk_nbytes: int) -> None:
+    def _run(self, read: object, chunk_nbytes: int, fd: int | None) -> None:
         try:
             while not self._stop.is_set():
                 self.blocked = True
@@ -61,6 +64,9 @@ class PrefetchReader:
                     return
         except BaseException as exc:  # handed to the reader, raised there
             self._chunks.put(exc)
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def fileno(self) -> int:
         return self._stream.fileno()

@@ -154,7 +154,7 @@ def import_cmd(
 
     Safe while a server uses the store; run it again after an interruption and it resumes (what was
     imported is skipped). A damaged record is refused by itself and counted; nothing is evicted."""
-    from tierkv.archive.frames import ArchiveError
+    from tierkv.archive.frames import ArchiveError, FrameReader
     from tierkv.archive.load import ImportReport, import_archive, open_archive
 
     show = sys.stderr.isatty() and not as_json
@@ -174,11 +174,13 @@ def import_cmd(
     created = not (Path(cache_dir) / "index" / "data.mdb").exists()
     stop = threading.Event()
     with _archive_in(archive, token) as src, _ctrl_c_sets(stop):
+        reader = FrameReader(src)
         try:
             # Before the store is opened: what is not an archive, or not signed as the secret says, creates
             # nothing.
-            opened = open_archive(src, secret)
+            opened = open_archive(reader, secret)
         except ArchiveError as exc:
+            reader.close()
             fail(f"{archive}: {exc}", 2)
         try:
             with open_disk(cache_dir, writer=True, queue_nbytes=IMPORT_QUEUE_NBYTES) as disk:
