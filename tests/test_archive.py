@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from tierkv import TieredStore
-from tierkv.archive.export import archive_chunks, prefixes_first, select
+from tierkv.archive.export import archive_chunks, prefixes_first, read_parents, select
 from tierkv.archive.frames import FRAME_HEAD_NBYTES, ArchiveError, FrameReader, Kind, frame_head
 from tierkv.archive.load import import_archive
 from tierkv.cli import main
@@ -257,7 +257,7 @@ def test_import_stays_within_the_budget_and_evicts_nothing(source, tmp_path, ns)
         with d.index.read() as txn:
             assert d.index.total_nbytes(txn) <= budget
         # What fitted is whole prefixes: every imported block's parent is its prompt's start or imported.
-        for (_, e), parent in zip(entries, d.parents([e for _, e in entries])):
+        for (_, e), parent in zip(entries, read_parents(d, [e for _, e in entries])):
             assert bytes(parent) in keys or parent == root_key(e.ns_digest)
 
 

@@ -19,13 +19,13 @@ from typing import Any
 import xxhash
 
 from tierkv.archive.frames import Kind, file_head, frame_fields, frame_head, frame_mac, json_frame, mac_key
-from tierkv.codec import check_stored
+from tierkv.codec import check_stored, parent_key_of
 from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest, root_key
 from tierkv.tiers.disk import DiskTier, Entry
 from tierkv.tiers.disk.segments import aligned
 
-__all__ = ["ExportReport", "Selection", "archive_chunks", "prefixes_first", "select"]
+__all__ = ["ExportReport", "Selection", "archive_chunks", "prefixes_first", "read_parents", "select"]
 
 BATCH_NBYTES = 32 << 20  # read and verified together (in parallel), then written out
 BATCH_RECORDS = 256
@@ -94,6 +94,17 @@ def select(
     return Selection(chosen, specs, no_spec)
 
 
+def read_parents(disk: DiskTier, entries: Sequence[Entry]) -> list[BlockKey | None]:
+    """Each record's parent key, read from the first page of its header, unverified (None where it is not
+    a record's): how an export orders prefixes before their continuations."""
+    out: list[BlockKey | None] = []
+    for at in range(0, len(entries), 4096):  # 16 MiB of first pages at a time
+        heads = [dataclasses.replace(e, nbytes=min(e.nbytes, 4096)) for e in entries[at : at + 4096]]
+        with disk.read(heads) as views:
+            out += [parent_key_of(v) for v in views]
+    return out
+
+
 _ORPHAN = -(1 << 62)
 
 
@@ -146,7 +157,7 @@ def prefixes_first(disk: DiskTier, entries: list[tuple[BlockKey, Entry]]) -> lis
     later is newer than the prefix it extends), and among equals the shorter prefix goes first. So an
     import that runs out of room keeps whole prefixes, never a continuation without its start. Blocks whose
     prefix is not in the selection (it was evicted) can never be hit from position 0: they go last."""
-    parents = disk.parents([e for _, e in entries])
+    parents = read_parents(disk, [e for _, e in entries])
     at = {bytes(k): i for i, (k, _) in enumerate(entries)}
     parent_at = [at.get(bytes(p)) if p is not None else None for p in parents]
     roots = {bytes(root_key(NamespaceDigest(e.ns_digest))) for _, e in entries}

@@ -10,7 +10,6 @@ that acts on it, and each writing process appends to a segment of its own, flock
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -182,18 +181,6 @@ class DiskTier(Tier):
         that cannot be read; with an I/O error its location is added to ``failed``)."""
         with self.segments.read_lock:
             yield self.segments.read([e.location for e in entries], failed) if entries else []
-
-    def parents(self, entries: Sequence[Entry]) -> list[BlockKey | None]:
-        """Each record's parent key, read from the first page of its header, unverified (None where it
-        is not a record's): how an export orders prefixes before their continuations."""
-        from tierkv.codec import parent_key_of
-
-        out: list[BlockKey | None] = []
-        for at in range(0, len(entries), 4096):  # 16 MiB of first pages at a time
-            heads = [dataclasses.replace(e, nbytes=min(e.nbytes, 4096)) for e in entries[at : at + 4096]]
-            with self.read(heads) as views:
-                out += [parent_key_of(v) for v in views]
-        return out
 
     def read_scatter(
         self,
