@@ -26,7 +26,13 @@ def test_stats_json(store_dir, ns) -> None:
     assert r.exit_code == 0, r.output
     report = json.loads(r.output)
     assert report["blocks"] == 8
-    assert report["policy"] == {"budget_nbytes": 2**20, "ttl_s": 3600, "max_age_s": None}
+    assert report["policy"] == {
+        "budget_nbytes": 2**20,
+        "ttl_s": 3600,
+        "max_age_s": None,
+        "pin_budget_nbytes": 2**18,
+    }
+    assert report["retention"]["default"]["blocks"] == 8 and report["retention"]["pinned"]["blocks"] == 0
     (row,) = report["namespaces"]
     assert row["digest"] == ns.digest.hex() and row["blocks"] == 8 and row["expired_unswept"] == 0
     assert sum(row["last_access_histogram"].values()) == 8

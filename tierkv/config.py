@@ -35,6 +35,7 @@ class DiskConfig:
     budget_nbytes: int | None = None  # None: unbounded
     sync: bool = True  # fdatasync each batch before indexing it (off only for tests and benchmarks)
     sweep_interval_s: float = 0.0  # > 0: expiry and budget swept in the background that often
+    pin_budget_nbytes: int | None = None  # None: a quarter of the budget (no pins without a budget)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # DiskTier's sizes (queue, segments...)
 
 
@@ -63,6 +64,7 @@ class StoreConfig:
         *,
         host_bytes: int = 1 << 30,
         disk_bytes: int | None = None,
+        pin_bytes: int | None = None,
         ttl_s: float | None = None,
         max_age_s: float | None = None,
         codec_: Codec | str = Codec.RAW,
@@ -77,11 +79,14 @@ class StoreConfig:
         **disk_options: int,
     ) -> StoreConfig:
         """The flat keywords of ``TieredStore.open``. ``path=None`` gives a memory-only store;
-        ``host_bytes=0`` one without a host tier."""
+        ``host_bytes=0`` one without a host tier. ``pin_bytes``: the disk tier's pin budget (None: a
+        quarter of ``disk_bytes``)."""
         if isinstance(codec_, str):
             codec_ = Codec[codec_.upper().replace("-", "_")]
         disk = (
-            None if path is None else DiskConfig(Path(path), disk_bytes, sync, sweep_interval_s, disk_options)
+            None
+            if path is None
+            else DiskConfig(Path(path), disk_bytes, sync, sweep_interval_s, pin_bytes, disk_options)
         )
         return cls(
             host_bytes=host_bytes,
@@ -100,6 +105,12 @@ class StoreConfig:
             self.disk is not None and self.disk.budget_nbytes is not None and self.disk.budget_nbytes <= 0
         ):
             raise ConfigError("host_bytes must be >= 0 and disk_bytes > 0")
+        if self.disk is not None and self.disk.pin_budget_nbytes is not None:
+            budget = self.disk.budget_nbytes
+            if self.disk.pin_budget_nbytes < 0 or (
+                budget is not None and self.disk.pin_budget_nbytes > budget
+            ):
+                raise ConfigError("the pin budget must be >= 0 and at most the disk budget")
 
     def build(self, counters: Counters) -> list[Tier]:
         """The tiers, fastest first."""
@@ -129,7 +140,7 @@ class StoreConfig:
             tiers.append(
                 DiskTier(
                     d.path,
-                    policy=Policy(d.budget_nbytes, self.ttl_s, self.max_age_s),
+                    policy=Policy(d.budget_nbytes, self.ttl_s, self.max_age_s, d.pin_budget_nbytes),
                     clock=self.clock,
                     sync=d.sync,
                     counters=counters,

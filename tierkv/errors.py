@@ -5,12 +5,14 @@ TierKVError
 ├── StoreFormatError     the store on disk was written by another format version
 ├── StoreOpenError       the store cannot be opened (permissions, read-only media, memory, lock file)
 ├── NamespaceConflictError  one digest registered with two different specs
-└── ConfigError          a caller's mistake in an argument (size, duration, shape)
+├── ConfigError          a caller's mistake in an argument (size, duration, shape)
+└── PinBudgetError       a pin would take the pinned bytes past the store's pin budget (refused)
 """
 
 __all__ = [
     "ConfigError",
     "NamespaceConflictError",
+    "PinBudgetError",
     "RecordError",
     "StoreFormatError",
     "StoreOpenError",
@@ -43,3 +45,7 @@ class NamespaceConflictError(TierKVError):
 
 class ConfigError(TierKVError, ValueError):
     """An argument is out of range or malformed."""
+
+
+class PinBudgetError(TierKVError):
+    """A pin was refused: it would take the pinned bytes past the pin budget (nothing was pinned)."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 from tierkv.telemetry import gpu_telemetry
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk import DiskTier, Entry
+from tierkv.units import format_duration
 
 # Last-access histogram buckets: upper bounds in seconds, named as a person reads them.
 AGE_BUCKETS_S: tuple[tuple[str, float], ...] = (
@@ -22,7 +22,7 @@ AGE_BUCKETS_S: tuple[tuple[str, float], ...] = (
 
 def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
     """A JSON-ready report. Totals come from the exact counters; ages from one pass over the index."""
-    now = time.time() if now is None else now
+    now = disk.clock() if now is None else now
     policy = disk.policy
     namespaces = disk.namespaces()
     per_ns: dict[bytes, dict[str, Any]] = {}
@@ -39,7 +39,9 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
             "expired_unswept": 0,
             "last_access_histogram": {name: 0 for name, _ in AGE_BUCKETS_S},
         }
+    retention = _RetentionUsage()
     for _, e in disk.iter_entries():
+        retention.add(e, now)
         row = per_ns.get(e.ns_digest)
         if row is None:  # written after the totals were read
             continue
@@ -57,7 +59,9 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
             "budget_nbytes": policy.budget_nbytes,
             "ttl_s": policy.ttl_s,
             "max_age_s": policy.max_age_s,
+            "pin_budget_nbytes": policy.pin_limit_nbytes,
         },
+        "retention": retention.report(),
         "blocks": sum(r["blocks"] for r in per_ns.values()),
         "live_nbytes": usage["live_nbytes"],
         "segment_allocated_nbytes": usage["segment_allocated_nbytes"],
@@ -67,6 +71,31 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
         "namespaces": sorted(per_ns.values(), key=lambda r: -r["nbytes"]),
         "gpus": [dataclasses.asdict(g) for g in gpu_telemetry()],  # NVML, device-wide; [] without a GPU
     }
+
+
+class _RetentionUsage:
+    """Blocks and bytes by how they are kept: the store's own TTL, a request's longer retention (per
+    retention asked), or a pin still running."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[int]] = {"default": [0, 0], "retained": [0, 0], "pinned": [0, 0]}
+        self.by_ttl: dict[str, list[int]] = {}
+
+    def add(self, e: Entry, now: float) -> None:
+        kind = "pinned" if e.pin_until_s > now else "retained" if e.retain_s else "default"
+        self.rows[kind][0] += 1
+        self.rows[kind][1] += e.footprint
+        if kind == "retained":
+            row = self.by_ttl.setdefault(format_duration(e.retain_s), [0, 0])
+            row[0] += 1
+            row[1] += e.footprint
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: {"blocks": b, "nbytes": n} for k, (b, n) in self.rows.items()}
+        out["retained"]["by_ttl"] = {
+            k: {"blocks": b, "nbytes": n} for k, (b, n) in sorted(self.by_ttl.items())
+        }
+        return out
 
 
 __all__ = ["AGE_BUCKETS_S", "store_stats"]

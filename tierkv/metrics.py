@@ -33,6 +33,7 @@ COUNTER_NAMES = (
     "recomputed_blocks",  # cached, but computed: reading was judged slower (planner.py); in miss_blocks too
     "checked_blocks",  # the sampled self-check: restored blocks also computed cold and compared
     "check_mismatch_blocks",  # ... that differed (invalidated in every tier)
+    "pins_refused",  # pins past the pin budget when written (another process pinned first): not taken
 )
 
 
@@ -57,6 +58,10 @@ EXPORTED_COUNTERS = {
         "Blocks that waited for the tier in the host tier (write-back) and left it before they were written",
     ),
     "write_errors": ("tierkv_tier_write_errors", "Write batches that failed (e.g. a full disk)"),
+    "pins_refused": (
+        "tierkv_tier_pins_refused",
+        "Pins not taken when written: the pin budget was full (another process pinned first)",
+    ),
     "read_errors": ("tierkv_tier_read_errors", "Records whose read failed (EIO): purged, recomputed"),
 }
 EXPORTED_GAUGES = {

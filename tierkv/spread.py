@@ -130,10 +130,11 @@ def spread(
     created_s: dict[int, float],
     start: int = 0,
     promoted: set[int] | frozenset[int] = frozenset(),
+    memory_only: bool = False,
 ) -> None:
     """After a restore: blocks read from a slower tier are written into the faster ones (memory tiers
-    now, so the next request hits there; record tiers behind); slower tiers refresh the blocks served
-    from above and get back those they lost."""
+    now, so the next request hits there; record tiers behind, unless ``memory_only``); slower tiers
+    refresh the blocks served from above and get back those they lost."""
     B = chain.ns.block_tokens
     wants: dict[Tier, list[int]] = {}
     for j, tier in enumerate(tiers):
@@ -146,8 +147,11 @@ def spread(
                 for i, block in blocks_on(tier.device, dest, below, B):
                     tier.put(chain.keys[i], block, created_s=created_s.get(i))
             continue
-        wanted = [i for i, w in zip(below, tier.needs(chain, below)) if w] if below else []
-        if wanted := sorted(set(wanted) | set(tier.served_above(chain, above))):
+        wanted = (
+            [i for i, w in zip(below, tier.needs(chain, below)) if w] if below and not memory_only else []
+        )
+        wanted = sorted(set(wanted) | set(tier.served_above(chain, above)))
+        if wanted and not memory_only:
             wants[tier] = wanted
     if wants:
         writes.write_back(chain, wants, lambda i: dest[:, :, i * B : (i + 1) * B], created_s)

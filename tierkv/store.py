@@ -25,6 +25,7 @@ from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
 from tierkv.planner import RestorePlanner
+from tierkv.retention import Retention
 from tierkv.spread import promoter, runs_of, spread
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk import DiskTier
@@ -150,14 +151,22 @@ class TieredStore:
             raise ConfigError(f"kv holds {kv.shape[2]} tokens, fewer than the {min_tokens} asked for")
 
     def save(
-        self, ns: Namespace, token_ids: Tokens, kv: torch.Tensor, *, start_block: int = 0, kv_start: int = 0
+        self,
+        ns: Namespace,
+        token_ids: Tokens,
+        kv: torch.Tensor,
+        *,
+        start_block: int = 0,
+        kv_start: int = 0,
+        memory_only: bool = False,
     ) -> int:
         """Keep the full blocks of ``token_ids`` (KV ``[layers, 2, tokens, kv_heads, head_dim]``, any device).
 
         Returns at once: the memory tiers' copies are made now (or, through the staging ring, queued), the
         disk write happens behind (a dropped save is counted, never an error). Blocks before
         ``start_block`` are known cached and skipped. ``kv`` may start at token ``kv_start``
-        (<= ``start_block * block_tokens``) instead of 0. Returns the number of blocks handed on.
+        (<= ``start_block * block_tokens``) instead of 0. ``memory_only``: kept in the memory tiers only,
+        never written to disk or remote (``Retention.memory_only``). Returns the number of blocks handed on.
         """
         chain = _chain(ns, token_ids)
         if not 0 <= kv_start <= start_block * ns.block_tokens:
@@ -165,10 +174,16 @@ class TieredStore:
         self._check_kv(ns, kv, chain.num_tokens - kv_start)
         B = ns.block_tokens
         blocks = [kv[:, :, i * B - kv_start : (i + 1) * B - kv_start] for i in range(start_block, len(chain))]
-        return self.writes.save(chain, start_block, blocks)
+        return self.writes.save(chain, start_block, blocks, memory_only=memory_only)
 
     def save_blocks(
-        self, ns: Namespace, token_ids: Tokens, blocks: torch.Tensor, *, start_block: int = 0
+        self,
+        ns: Namespace,
+        token_ids: Tokens,
+        blocks: torch.Tensor,
+        *,
+        start_block: int = 0,
+        memory_only: bool = False,
     ) -> int:
         """Like ``save`` for blocks ``start_block..`` given block-major, ``[N, layers, 2, block_tokens,
         kv_heads, head_dim]`` (as ``kernels.gather_blocks`` makes them: each block one contiguous piece)."""
@@ -184,7 +199,37 @@ class TieredStore:
                 f"{blocks.shape[0]} blocks from block {start_block} do not end at the prompt's "
                 f"last full block ({len(chain)})"
             )
-        return self.writes.save(chain, start_block, list(blocks.unbind(0)), stacked=blocks)
+        return self.writes.save(
+            chain, start_block, list(blocks.unbind(0)), stacked=blocks, memory_only=memory_only
+        )
+
+    # ---------------------------------------------------------------- retention (cache control)
+
+    def check_pin(
+        self, ns: Namespace, token_ids: Tokens, pin_s: float, *, num_blocks: int | None = None
+    ) -> None:
+        """Raise ``PinBudgetError`` (nothing pinned) unless the first ``num_blocks`` blocks of the prompt
+        (all its full blocks by default) fit in the disk tier's pin budget for ``pin_s``; call it before
+        the work whose blocks ``retain`` is to pin. ConfigError without a disk tier."""
+        chain = _chain(ns, token_ids)
+        count = len(chain) if num_blocks is None else min(num_blocks, len(chain))
+        if pin_s <= 0 or count == 0:
+            return
+        spec = KVSpec.of(ns)
+        record_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes + spec.block_nbytes
+        self._durable().check_pin(chain, count, record_nbytes)
+
+    def retain(
+        self, ns: Namespace, token_ids: Tokens, retention: Retention, *, num_blocks: int | None = None
+    ) -> None:
+        """The first ``num_blocks`` blocks of the prompt (all its full blocks by default) were used by a
+        request asking ``retention``: each tier that keeps blocks by retention extends theirs (never
+        shortens), those still on their way included. Check a pin with ``check_pin`` first."""
+        chain = _chain(ns, token_ids)
+        count = len(chain) if num_blocks is None else min(num_blocks, len(chain))
+        if count > 0 and (retention.ttl_s or retention.pin_s):
+            for tier in self.tiers:
+                tier.extend_retention(chain, count, retention)
 
     # ---------------------------------------------------------------- lookup and restore
 
@@ -223,7 +268,13 @@ class TieredStore:
         return hit.num_tokens, kv
 
     def restore(
-        self, ns: Namespace, token_ids: Tokens, out: torch.Tensor | None = None, *, start_block: int = 0
+        self,
+        ns: Namespace,
+        token_ids: Tokens,
+        out: torch.Tensor | None = None,
+        *,
+        start_block: int = 0,
+        memory_only: bool = False,
     ) -> tuple[Hit, torch.Tensor | None]:
         """Like ``load``, with the ``Hit`` (tokens per tier, restore time).
 
@@ -231,6 +282,8 @@ class TieredStore:
         cache); they are neither probed nor read, and ``out``'s rows for them are left as they are. The
         hit then still counts from token 0 (``num_blocks`` = ``start_block`` + the blocks read;
         ``by_tier`` only the blocks read), and is a miss when not even block ``start_block`` is cached.
+        ``memory_only``: what was restored is written back to the memory tiers only (a request keeping
+        its prompt out of the disk, ``Retention.memory_only``).
         """
         t0 = time.perf_counter()
         chain = _chain(ns, token_ids)
@@ -254,7 +307,7 @@ class TieredStore:
             tier.requested(chain)
         with self.writes.gens.reading(chain) as usable:
             # A purge or invalidation in progress waits for this restore; the blocks it names are misses.
-            return self._restore(chain, start_block, max(usable, start_block), out, by_tier, t0)
+            return self._restore(chain, start_block, max(usable, start_block), out, by_tier, t0, memory_only)
 
     def _restore(
         self,
@@ -264,6 +317,7 @@ class TieredStore:
         out: torch.Tensor | None,
         by_tier: dict[str, int],
         t0: float,
+        memory_only: bool = False,
     ) -> tuple[Hit, torch.Tensor | None]:
         ns = chain.ns
         spec = KVSpec.of(ns)
@@ -318,6 +372,7 @@ class TieredStore:
             target.created_s,
             start_block,
             promoted,
+            memory_only,
         )
         self.counters.add("store", "miss_blocks", len(chain) - n)
         for name, tokens in by_tier.items():

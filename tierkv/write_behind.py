@@ -91,9 +91,11 @@ class WriteBehind:
         start: int,
         blocks: Sequence[torch.Tensor],
         stacked: torch.Tensor | None = None,
+        memory_only: bool = False,
     ) -> int:
         """``blocks`` are blocks ``start..`` of ``chain`` (``stacked``: the same as one contiguous tensor,
-        if they are). Returns how many were handed on to the tiers written behind."""
+        if they are); ``memory_only``: into the memory tiers only, never a record tier. Returns how many
+        were handed on to the tiers written behind."""
         if not blocks:
             return 0
         self.gens.saw(chain.ns.digest)
@@ -106,7 +108,8 @@ class WriteBehind:
                 for key, block in zip(keys, blocks):
                     pool.put(key, block)
         idx = list(range(start, start + len(blocks)))
-        dests = self._dests(chain, idx, [t for t in self.tiers if self._behind(t)])
+        behind = [t for t in self.tiers if self._behind(t) and (isinstance(t, BlockPool) or not memory_only)]
+        dests = self._dests(chain, idx, behind)
         return self._submit(chain, idx, lambda i: blocks[i - start], dests)
 
     def write_back(

@@ -54,7 +54,15 @@ __all__ = ["route", "serve"]
     "--disk-budget",
     help="Disk budget, a size above 0; none: no budget (0 is an error on both engines).  [default: 20GiB]",
 )
-@click.option("--ttl", help="Sliding TTL of cached blocks.  [default: 24h]")
+@click.option(
+    "--pin-budget",
+    help="Bytes of the disk budget that pinned prefixes may hold (past it a pin is refused; 0: no "
+    "pins).  [default: a quarter of --disk-budget]",
+)
+@click.option(
+    "--ttl",
+    help="Sliding TTL of cached blocks, the least a block gets (a request may ask longer).  [default: 24h]",
+)
 @click.option(
     "--sweep-interval",
     "sweep_interval_s",

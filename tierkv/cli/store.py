@@ -43,7 +43,18 @@ def stats(cache_dir: str, as_json: bool) -> None:
     used = f" ({100 * report['budget_used']:.1f}% used)" if report["budget_used"] is not None else ""
     click.echo(
         f"policy     budget {budget}{used}   ttl {format_duration(p['ttl_s']) if p['ttl_s'] else 'none'}   "
-        f"max age {format_duration(p['max_age_s']) if p['max_age_s'] else 'none'}"
+        f"max age {format_duration(p['max_age_s']) if p['max_age_s'] else 'none'}   "
+        f"pin budget {format_size(p['pin_budget_nbytes']) if p['pin_budget_nbytes'] else 'none'}"
+    )
+    r = report["retention"]
+    kept = "".join(
+        f", {ttl} {row['blocks']}" for ttl, row in r["retained"]["by_ttl"].items()
+    )  # per retention asked
+    click.echo(
+        f"retention  store's ttl {r['default']['blocks']} blocks {format_size(r['default']['nbytes'])}   "
+        f"asked longer {r['retained']['blocks']} blocks {format_size(r['retained']['nbytes'])}"
+        + (f" ({kept[2:]})" if kept else "")
+        + f"   pinned {r['pinned']['blocks']} blocks {format_size(r['pinned']['nbytes'])}"
     )
     for g in report["gpus"]:
         click.echo(

@@ -30,6 +30,7 @@ class ServeConfig:
     gpu_cache: str = "auto"  # a size, a fraction of free GPU memory, auto (0.1 on CUDA, none on CPU) or 0
     host_cache: int = 2 << 30  # bytes of host RAM for KV blocks
     disk_budget: int | None = 20 << 30  # bytes on disk; None: no budget (given as "none"; 0 is an error)
+    pin_budget: int | None = None  # bytes of the disk budget pins may hold; None: a quarter of it
     ttl: float = 86400.0  # seconds, sliding from the last hit
     sweep_interval_s: float = 300.0  # seconds between background sweeps (expiry, budget); 0: none
     no_cache: bool = False
@@ -93,7 +94,10 @@ class ServeConfig:
     def store_config(self) -> StoreConfig:
         """The store this server runs on (its GPU tier is added once the model is loaded)."""
         disk = DiskConfig(
-            Path(self.resolved_cache_dir()), self.disk_budget, sweep_interval_s=self.sweep_interval_s
+            Path(self.resolved_cache_dir()),
+            self.disk_budget,
+            sweep_interval_s=self.sweep_interval_s,
+            pin_budget_nbytes=self.pin_budget,
         )
         remote = RemoteConfig(self.remote, self.remote_admit_after) if self.remote else None
         return StoreConfig(host_bytes=self.host_cache, disk=disk, remote=remote, ttl_s=self.ttl)
@@ -128,6 +132,8 @@ def _coerce(name: str, value: Any) -> Any:
             return text
         if name == "disk_budget":
             return parse_disk_budget(value)
+        if name == "pin_budget":
+            return parse_size(value if isinstance(value, (str, int)) else int(value))
         if name in ("host_cache", "max_body", "max_body_total"):
             return parse_size(value if isinstance(value, (str, int)) else int(value))
         if name in ("ttl", "body_timeout"):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tierkv import codec
 from tierkv.codec import Unsealed
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
+from tierkv.retention import Retention
 
 if TYPE_CHECKING:
     import torch
@@ -122,6 +123,10 @@ class Tier:
 
     def requested(self, chain: BlockChain) -> None:
         """A request for ``chain`` arrived (admission counting); called before the probe of a restore."""
+
+    def extend_retention(self, chain: BlockChain, count: int, retention: Retention) -> None:
+        """Blocks ``0..count-1`` were used by a request asking ``retention`` (a tier that keeps blocks by
+        their own retention extends theirs: the disk tier)."""
 
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
         """Blocks ``idx`` were just served by faster tiers: refresh what this tier holds of them (a hit

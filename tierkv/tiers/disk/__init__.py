@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from tierkv import native
+from tierkv.errors import PinBudgetError
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
+from tierkv.retention import Retention
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Hole, Policy, SweepReport
-from tierkv.tiers.disk.segments import SegmentDir
+from tierkv.tiers.disk.segments import SegmentDir, aligned
 from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
 from tierkv.tiers.disk.writer import (
     DEFAULT_BATCH_NBYTES,
@@ -111,7 +113,7 @@ class DiskTier(Tier):
             direct_writes=direct_writes,
         )
         self.sweeps = Sweeps(self.index, self.segments, self.counters)
-        self.times = AccessTimes(self.index)
+        self.times = AccessTimes(self.index, self.counters)
         self.writer: Writer | None = None
         self._sweeper: Sweeper | None = None
         self._closed = False
@@ -225,7 +227,10 @@ class DiskTier(Tier):
         return self.locate(chain.keys[first : first + count])
 
     def _expired(self, key: BlockKey, e: Entry, now: float) -> bool:
-        e.last_access_s = max(e.last_access_s, self.times.last(key))
+        pending = self.times.last(key)  # hits and retention not written yet count
+        if pending is not None:
+            e.last_access_s = max(e.last_access_s, pending.t)
+            e.retain_s = max(e.retain_s, pending.retain_s)
         return self.policy.expired(e, now)
 
     def read_into(self, chain: BlockChain, first: int, count: int, target: Target) -> int:
@@ -281,6 +286,47 @@ class DiskTier(Tier):
             block.live,
         )
         return self.writer.put(item, full_ok=full_ok)
+
+    def extend_retention(self, chain: BlockChain, count: int, retention: Retention) -> None:
+        """Blocks ``0..count-1`` of ``chain`` were used with ``retention``: their own retention and pin
+        are extended, never shortened (written behind like access times; a block still on its way gets
+        them once indexed). Pins are checked against the budget by ``check_pin`` first; one that no
+        longer fits when written is not taken (counted as ``pins_refused``)."""
+        if self.read_only or self._closed or not (retention.ttl_s or retention.pin_s):
+            return
+        now = self.clock()
+        pin_until_s = now + retention.pin_s if retention.pin_s else 0.0
+        self.times.touch(chain.keys[:count], now, retention.ttl_s, pin_until_s)
+
+    def check_pin(self, chain: BlockChain, count: int, record_nbytes: int) -> None:
+        """Raise ``PinBudgetError`` unless pinning blocks ``0..count-1`` of ``chain`` (records of about
+        ``record_nbytes`` where not stored yet) fits in the pin budget, with the pins already taken and
+        those asked for and not yet written."""
+        limit = self.policy.pin_limit_nbytes
+        if self.read_only or limit <= 0:
+            raise PinBudgetError(
+                "this store takes no pins: its disk tier has no pin budget (give it --pin-budget, or a "
+                "--disk-budget, whose quarter pins may use)"
+            )
+        keys = [bytes(k) for k in chain.keys[:count]]
+        pending = [k for k in self.times.pending_pins() if k not in set(keys)]
+        now = self.clock()
+        with self.index.read() as txn:
+            pinned = self.index.pinned_nbytes(txn)
+            more = 0
+            for key in keys + pending:
+                raw = txn.get(key, db=self.index.db["index"])
+                e = Entry.unpack(raw) if raw is not None else None
+                if e is None or self.policy.expired(e, now):
+                    more += aligned(record_nbytes)
+                elif not e.pin_until_s:
+                    more += e.footprint
+        if pinned + more > limit:
+            raise PinBudgetError(
+                f"pin refused: pinning {count} blocks ({format_size(more)} with the pins on their way) "
+                f"would take the pinned bytes from {format_size(pinned)} past the pin budget, "
+                f"{format_size(limit)}"
+            )
 
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
         """A hit in memory refreshes the disk copy's TTL; a block whose disk copy is gone (expired,

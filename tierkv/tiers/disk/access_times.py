@@ -1,32 +1,102 @@
-"""Access times of the disk tier's blocks: hits refresh each block's sliding TTL, coalesced in memory and
-written by the writer thread in one transaction at most once a second."""
+"""Access times of the disk tier's blocks, and the retention and pins requests ask for them: hits refresh
+each block's sliding TTL, coalesced in memory and written by the writer thread in one transaction at most
+once a second.
+
+A retention or a pin may name a block that is not indexed yet (its save is still in the staging ring or
+the writer's queue): it waits here (``WAIT_S`` at most) and the writer hands it back for the flush that
+follows the transaction indexing the block (``requeue``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
+import time
 from collections.abc import Sequence
 
+from tierkv.metrics import Counters
 from tierkv.tiers.disk.index import Index, Txn
 
-__all__ = ["AccessTimes"]
+__all__ = ["AccessTimes", "Touch", "WAIT_S", "WAIT_MAX_KEYS"]
+
+log = logging.getLogger("tierkv.disk")
+
+WAIT_S = 600.0  # a retention for a block never indexed is forgotten after this
+WAIT_MAX_KEYS = 1 << 16  # and the oldest go first past this many
+
+
+@dataclasses.dataclass(slots=True)
+class Touch:
+    t: float  # last access
+    retain_s: float = 0.0
+    pin_until_s: float = 0.0
+
+    def merge(self, other: Touch) -> None:
+        self.t = max(self.t, other.t)
+        self.retain_s = max(self.retain_s, other.retain_s)
+        self.pin_until_s = max(self.pin_until_s, other.pin_until_s)
+
+    @property
+    def asks(self) -> bool:
+        """Whether it asks for more than an access time."""
+        return bool(self.retain_s or self.pin_until_s)
 
 
 class AccessTimes:
     """Hits refresh the sliding TTL; coalesced in memory, written in one transaction at most once a second."""
 
-    def __init__(self, index: Index) -> None:
+    def __init__(self, index: Index, counters: Counters | None = None) -> None:
         self.index = index
-        self._touched: dict[bytes, float] = {}
+        self.counters = counters or Counters()
+        self._touched: dict[bytes, Touch] = {}
+        self._waiting: dict[bytes, tuple[Touch, float]] = {}  # key -> (what it asks, since: monotonic)
         self._lock = threading.Lock()
 
-    def touch(self, keys: Sequence[bytes], now: float) -> None:
+    def touch(
+        self, keys: Sequence[bytes], now: float, retain_s: float = 0.0, pin_until_s: float = 0.0
+    ) -> None:
         with self._lock:
             for key in keys:
-                self._touched[bytes(key)] = now
+                k = bytes(key)
+                new = Touch(now, retain_s, pin_until_s)
+                old = self._touched.get(k)
+                if old is None:
+                    self._touched[k] = new
+                else:
+                    old.merge(new)
 
-    def last(self, key: bytes) -> float:
+    def last(self, key: bytes) -> Touch | None:
+        """What is pending for ``key``: not written yet, or waiting for it to be indexed."""
         with self._lock:
-            return self._touched.get(key, 0.0)
+            pending = self._touched.get(key)
+            waiting = self._waiting.get(key)
+        if waiting is None:
+            return pending
+        out = dataclasses.replace(waiting[0])
+        if pending is not None:
+            out.merge(pending)
+        return out
+
+    def pending_pins(self) -> list[bytes]:
+        """Keys with a pin asked for and not applied yet (their bytes count against the pin budget)."""
+        with self._lock:
+            return [k for k, v in self._touched.items() if v.pin_until_s] + [
+                k for k, (v, _) in self._waiting.items() if v.pin_until_s and k not in self._touched
+            ]
+
+    def requeue(self, keys: Sequence[bytes]) -> None:
+        """The writer just indexed (or found stored) ``keys``: what waits for them is written next flush."""
+        with self._lock:
+            for key in keys:
+                waiting = self._waiting.pop(key, None)
+                if waiting is None:
+                    continue
+                old = self._touched.get(key)
+                if old is None:
+                    self._touched[key] = waiting[0]
+                else:
+                    old.merge(waiting[0])
 
     def flush(self) -> None:
         with self._lock:
@@ -34,14 +104,40 @@ class AccessTimes:
         if not touched:
             return
 
-        def write(txn: Txn) -> None:
-            for key, t in touched.items():
-                self.index.touch(txn, key, t)
+        def write(txn: Txn) -> dict[bytes, str]:
+            return {
+                key: self.index.touch(txn, key, v.t, v.retain_s, v.pin_until_s) for key, v in touched.items()
+            }
 
         try:
-            self.index.write(write)
+            status = self.index.write(write)
         except BaseException:
             with self._lock:  # keep them for the next try
-                for key, t in touched.items():
-                    self._touched[key] = max(t, self._touched.get(key, 0.0))
+                for key, v in touched.items():
+                    old = self._touched.get(key)
+                    if old is None:
+                        self._touched[key] = v
+                    else:
+                        old.merge(v)
             raise
+        refused = sum(s == "pin_refused" for s in status.values())
+        if refused:
+            self.counters.add("disk", "pins_refused", refused)
+            log.warning("disk tier: %d pins not taken: the pin budget is full", refused)
+        absent = [(k, touched[k]) for k, s in status.items() if s == "absent" and touched[k].asks]
+        if absent:
+            self._wait(absent)
+
+    def _wait(self, items: list[tuple[bytes, Touch]]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for key, v in items:
+                old = self._waiting.pop(key, None)
+                if old is not None:
+                    v.merge(old[0])
+                self._waiting[key] = (v, now)  # (re)inserted last: the dict stays oldest first
+            while self._waiting:
+                key, (_, since) = next(iter(self._waiting.items()))
+                if now - since <= WAIT_S and len(self._waiting) <= WAIT_MAX_KEYS:
+                    break
+                del self._waiting[key]

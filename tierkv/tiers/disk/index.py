@@ -27,6 +27,8 @@ from tierkv.priority import normal_priority
 from tierkv.tiers.disk.opening import open_store
 from tierkv.tiers.disk.schema import (
     DBS,
+    PINNED,
+    READ_FORMAT_VERSIONS,
     SEG_ID,
     SEGMENT,
     STORE_FORMAT_VERSION,
@@ -39,11 +41,12 @@ from tierkv.tiers.disk.schema import (
 )
 from tierkv.tiers.disk.txn import TxnGate
 
-__all__ = ["Index", "MAP_GROW_ATTEMPTS", "Txn"]
+__all__ = ["EVICTION_ORDER", "Index", "MAP_GROW_ATTEMPTS", "Txn"]
 
 log = logging.getLogger("tierkv.disk")
 
 MAP_GROW_ATTEMPTS = 8  # doublings of the map within one write before giving up
+EVICTION_ORDER = ("atime", "retained")  # pinned blocks are never evicted
 T = TypeVar("T")
 Txn = Any  # lmdb.Transaction (py-lmdb ships no type information)
 
@@ -74,7 +77,7 @@ class Index:
         self.env = lmdb.open(
             str(self.path / "index"),
             map_size=map_nbytes,
-            max_dbs=8,
+            max_dbs=16,
             subdir=True,
             sync=self.sync,
             metasync=self.sync,
@@ -102,18 +105,27 @@ class Index:
     def _check_format(self, writer: bool) -> None:
         with self.read() as txn:
             raw = txn.get(b"format_version", db=self.db["meta"])
-        if raw is None and writer:
-            self.write(
-                lambda txn: txn.put(
-                    b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"], overwrite=False
-                )
-            )
-        elif raw is not None and _parse_version(raw) != STORE_FORMAT_VERSION:
-            version = bytes(raw)[:16].decode(errors="replace")
+        version = None if raw is None else _parse_version(raw)
+        if raw is not None and version not in READ_FORMAT_VERSIONS:
+            shown = bytes(raw)[:16].decode(errors="replace")
             raise StoreFormatError(
-                f"{self.path} holds a tierkv store of format version {version}; this build reads version "
-                f"{STORE_FORMAT_VERSION}. Use another --cache-dir, or delete this one to start afresh."
+                f"{self.path} holds a tierkv store of format version {shown}; this build reads versions "
+                f"{', '.join(map(str, READ_FORMAT_VERSIONS))}. Use another --cache-dir, or delete this one "
+                "to start afresh."
             )
+        if writer and version != STORE_FORMAT_VERSION:
+            # New, or version 1 (read as is: see schema.py): marked 2, so that version-1 builds, which
+            # would ignore retention and pins, refuse it from now on.
+            def mark(txn: Txn) -> None:
+                current = txn.get(b"format_version", db=self.db["meta"])
+                if current is None or _parse_version(current) in READ_FORMAT_VERSIONS:
+                    txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"])
+
+            self.write(mark)
+            if version is not None:
+                log.info(
+                    "disk tier %s: format version %d marked %d", self.path, version, STORE_FORMAT_VERSION
+                )
 
     def _load_policy(self, given: Policy | None, persist: bool) -> Policy:
         """The stored policy, with the fields ``given`` sets (not None) replacing it; persisted by writers."""
@@ -193,31 +205,72 @@ class Index:
 
     def insert(self, txn: Txn, key: bytes, e: Entry) -> None:
         txn.put(key, e.pack(), db=self.db["index"])
-        txn.put(time_key(e.last_access_s, key), b"", db=self.db["atime"])
+        table, row = e.time_row(key)
+        txn.put(row, b"", db=self.db[table])
         txn.put(time_key(e.created_s, key), b"", db=self.db["ctime"])
         self._add_totals(txn, e.ns_digest, 1, e.footprint)
         self._add_segment(txn, e.seg_id, 1, e.footprint)
+        if e.pin_until_s:
+            self._add_pinned(txn, 1, e.footprint)
 
     def remove(self, txn: Txn, key: bytes, e: Entry) -> bool:
         """Drop an entry and its index rows; True if its segment is now empty and sealed (unlink it)."""
         txn.delete(key, db=self.db["index"])
-        txn.delete(time_key(e.last_access_s, key), db=self.db["atime"])
+        table, row = e.time_row(key)
+        txn.delete(row, db=self.db[table])
         txn.delete(time_key(e.created_s, key), db=self.db["ctime"])
         self._add_totals(txn, e.ns_digest, -1, -e.footprint)
+        if e.pin_until_s:
+            self._add_pinned(txn, -1, -e.footprint)
         return self._add_segment(txn, e.seg_id, -1, -e.footprint)
 
-    def touch(self, txn: Txn, key: bytes, t: float) -> None:
-        """Move an entry's last access to ``t`` (never back; an expired entry stays expired)."""
+    def replace(self, txn: Txn, key: bytes, old: Entry, new: Entry) -> None:
+        """Rewrite an entry whose access time, retention or pin changed (same record, same place)."""
+        table, row = old.time_row(key)
+        txn.delete(row, db=self.db[table])
+        table, row = new.time_row(key)
+        txn.put(row, b"", db=self.db[table])
+        txn.put(key, new.pack(), db=self.db["index"])
+        if bool(new.pin_until_s) != bool(old.pin_until_s):
+            sign = 1 if new.pin_until_s else -1
+            self._add_pinned(txn, sign, sign * new.footprint)
+
+    def touch(self, txn: Txn, key: bytes, t: float, retain_s: float = 0.0, pin_until_s: float = 0.0) -> str:
+        """Move an entry's last access to ``t`` (never back), and extend its retention and pin to those
+        given (never shorten them). An expired entry stays expired. A pin that would take the pinned
+        bytes past the pin budget is not taken (the rest is). Returns "absent", "expired", "pin_refused"
+        or "ok"."""
         raw = txn.get(key, db=self.db["index"])
         if raw is None:
-            return
+            return "absent"
         e = Entry.unpack(raw)
-        if t <= e.last_access_s or self.policy.expired(e, t):
-            return
-        txn.delete(time_key(e.last_access_s, key), db=self.db["atime"])
-        e.last_access_s = t
-        txn.put(key, e.pack(), db=self.db["index"])
-        txn.put(time_key(t, key), b"", db=self.db["atime"])
+        if self.policy.expired(e, max(t, e.last_access_s)):
+            return "expired"
+        new = dataclasses.replace(
+            e, last_access_s=max(t, e.last_access_s), retain_s=max(retain_s, e.retain_s)
+        )
+        status = "ok"
+        if pin_until_s > e.pin_until_s:
+            if e.pin_until_s or self.pinned_nbytes(txn) + e.footprint <= self.policy.pin_limit_nbytes:
+                new.pin_until_s = pin_until_s
+            else:
+                status = "pin_refused"
+        if new != e:
+            self.replace(txn, key, e, new)
+        return status
+
+    def pinned_nbytes(self, txn: Txn) -> int:
+        raw = txn.get(PINNED, db=self.db["meta"])
+        return TOTALS.unpack(raw)[1] if raw else 0
+
+    def pinned(self, txn: Txn) -> tuple[int, int]:
+        """(blocks, footprint bytes) pinned now (pins past their end count until a sweep ends them)."""
+        raw = txn.get(PINNED, db=self.db["meta"])
+        return TOTALS.unpack(raw) if raw else (0, 0)
+
+    def _add_pinned(self, txn: Txn, blocks: int, nbytes: int) -> None:
+        b, n = self.pinned(txn)
+        txn.put(PINNED, TOTALS.pack(max(0, b + blocks), max(0, n + nbytes)), db=self.db["meta"])
 
     def _add_totals(self, txn: Txn, ns: bytes, blocks: int, nbytes: int) -> None:
         raw = txn.get(ns, db=self.db["totals"])
@@ -287,20 +340,23 @@ class Index:
             txn.put(digest, spec, db=self.db["namespaces"])
 
     def evict_over(self, txn: Txn, budget: int) -> list[Hole]:
-        """Evict least-recently-used blocks until the live bytes fit in ``budget``."""
+        """Evict blocks until the live bytes fit in ``budget``: least recently used first among those of
+        the store's own retention, then those a request asked to keep, the soonest to lapse first; never
+        a pinned block (pins fit in their own budget, a part of this one)."""
         total = self.total_nbytes(txn)
         holes: list[Hole] = []
-        cur = txn.cursor(db=self.db["atime"])
-        while total > budget and cur.first():
-            tkey = bytes(cur.key())
-            key = tkey[TIME.size :]
-            raw = txn.get(key, db=self.db["index"])
-            if raw is None:  # stale row (cannot happen in a consistent store): drop it
-                txn.delete(tkey, db=self.db["atime"])
-                continue
-            e = Entry.unpack(raw)
-            holes.append((*e.location, self.remove(txn, key, e)))
-            total -= e.footprint
+        for table in EVICTION_ORDER:
+            cur = txn.cursor(db=self.db[table])
+            while total > budget and cur.first():
+                tkey = bytes(cur.key())
+                key = tkey[TIME.size :]
+                raw = txn.get(key, db=self.db["index"])
+                if raw is None:  # stale row (cannot happen in a consistent store): drop it
+                    txn.delete(tkey, db=self.db[table])
+                    continue
+                e = Entry.unpack(raw)
+                holes.append((*e.location, self.remove(txn, key, e)))
+                total -= e.footprint
         return holes
 
     def remove_at(self, found: Sequence[tuple[bytes, tuple[int, int, int]]]) -> list[Hole]:

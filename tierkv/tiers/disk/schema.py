@@ -2,13 +2,25 @@
 
 LMDB environment ``<dir>/index`` (named databases):
 
-    index       key -> Entry (namespace, segment, offset, nbytes, created_s, last_access_s)
-    atime       last_access_ms(8, big-endian) || key -> ""   (LRU eviction and sliding-TTL sweeps)
+    index       key -> Entry (namespace, segment, offset, nbytes, created_s, last_access_s, retain_s,
+                pin_until_s)
+    atime       last_access_ms(8, big-endian) || key -> ""   (blocks of the store's own retention: LRU
+                                                             eviction first, sliding-TTL sweeps)
+    retained    (last_access + retain_s)_ms || key -> ""     (blocks a request asked to keep longer:
+                                                             evicted after every ``atime`` block)
+    pinned      pin_until_ms || key -> ""                    (pinned: never evicted, never idle-expired)
     ctime       created_ms || key -> ""                      (max-age sweeps)
     segments    seg_id(4) -> SegmentRow (live bytes and records, creator pid, sealed)
     totals      namespace digest -> (blocks, nbytes)         (exact, updated in the same transactions)
     namespaces  namespace digest -> spec JSON                (while the namespace has blocks)
-    meta        format version, segment counter, the store's TTL / max-age / budget policy
+    meta        format version, segment counter, the store's TTL / max-age / budget policy, and
+                ``pinned``: (blocks, nbytes) pinned (exact, updated in the same transactions)
+
+Each entry has one row in exactly one of ``atime``, ``retained`` and ``pinned`` (``Entry.time_row``).
+
+Format versions: 1 had no per-block retention (its 64-byte entries read as the store's default
+retention, and a writer opening it marks it version 2, which version-1 builds refuse); 2 adds
+``retain_s`` and ``pin_until_s`` to entries and the ``retained`` and ``pinned`` tables.
 """
 
 from __future__ import annotations
@@ -21,6 +33,9 @@ from tierkv.tiers.disk.segments import aligned
 __all__ = [
     "DBS",
     "ENTRY",
+    "ENTRY_V1",
+    "PINNED",
+    "READ_FORMAT_VERSIONS",
     "Entry",
     "Hole",
     "Policy",
@@ -34,9 +49,12 @@ __all__ = [
     "time_of",
 ]
 
-STORE_FORMAT_VERSION = 1
-DBS = ("index", "atime", "ctime", "segments", "totals", "namespaces", "meta")
-ENTRY = struct.Struct("<32sIQIdd")  # ns digest, seg_id, offset, nbytes, created_s, last_access_s
+STORE_FORMAT_VERSION = 2
+READ_FORMAT_VERSIONS = (1, 2)  # 1 is read as is (see above) and marked 2 by the first writer
+DBS = ("index", "atime", "retained", "pinned", "ctime", "segments", "totals", "namespaces", "meta")
+ENTRY_V1 = struct.Struct("<32sIQIdd")  # ns digest, seg_id, offset, nbytes, created_s, last_access_s
+ENTRY = struct.Struct("<32sIQIdddd")  # version 2: ..., retain_s, pin_until_s
+PINNED = b"pinned"  # meta key: TOTALS of the pinned blocks
 SEGMENT = struct.Struct("<QIIB")  # live_nbytes, live_records, creator pid, sealed
 TOTALS = struct.Struct("<QQ")  # blocks, nbytes (footprint: page-aligned record bytes)
 TIME = struct.Struct(">Q")  # milliseconds, big-endian so LMDB's byte order is time order
@@ -53,15 +71,34 @@ class Entry:
     nbytes: int
     created_s: float
     last_access_s: float
+    retain_s: float = 0.0  # kept at least this long after its last access (0: the store's TTL only)
+    pin_until_s: float = 0.0  # pinned until then (0: not pinned)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Entry:
+        if len(raw) == ENTRY_V1.size:  # written by format version 1
+            return cls(*ENTRY_V1.unpack(raw))
         return cls(*ENTRY.unpack(raw))
 
     def pack(self) -> bytes:
         return ENTRY.pack(
-            self.ns_digest, self.seg_id, self.offset, self.nbytes, self.created_s, self.last_access_s
+            self.ns_digest,
+            self.seg_id,
+            self.offset,
+            self.nbytes,
+            self.created_s,
+            self.last_access_s,
+            self.retain_s,
+            self.pin_until_s,
         )
+
+    def time_row(self, key: bytes) -> tuple[str, bytes]:
+        """The entry's row in the table of its class: pinned, retained by a request, or the store's."""
+        if self.pin_until_s:
+            return "pinned", time_key(self.pin_until_s, key)
+        if self.retain_s:
+            return "retained", time_key(self.last_access_s + self.retain_s, key)
+        return "atime", time_key(self.last_access_s, key)
 
     @property
     def footprint(self) -> int:
@@ -78,15 +115,33 @@ class Policy:
 
     budget_nbytes: int | None = None  # None: unbounded
     ttl_s: float | None = None  # sliding, from last access
-    max_age_s: float | None = None  # absolute, from creation
+    max_age_s: float | None = None  # absolute, from creation: caps every retention and pin too
+    pin_budget_nbytes: int | None = None  # None: a quarter of the budget (no pins without a budget)
+
+    @property
+    def pin_limit_nbytes(self) -> int:
+        if self.pin_budget_nbytes is not None:
+            return self.pin_budget_nbytes
+        return self.budget_nbytes // 4 if self.budget_nbytes else 0
 
     def expired(self, e: Entry, now: float) -> bool:
-        return self.expired_at(e.created_s, e.last_access_s, now)
+        return self.expired_at(e.created_s, e.last_access_s, now, e.retain_s, e.pin_until_s)
 
-    def expired_at(self, created_s: float, last_access_s: float, now: float) -> bool:
-        if self.ttl_s is not None and now - last_access_s > self.ttl_s:
+    def expired_at(
+        self,
+        created_s: float,
+        last_access_s: float,
+        now: float,
+        retain_s: float = 0.0,
+        pin_until_s: float = 0.0,
+    ) -> bool:
+        """A request's retention extends the store's TTL (never shortens it); a pin holds until it ends;
+        the max age holds for every block."""
+        if self.max_age_s is not None and now - created_s > self.max_age_s:
             return True
-        return self.max_age_s is not None and now - created_s > self.max_age_s
+        if pin_until_s > now:
+            return False
+        return self.ttl_s is not None and now - last_access_s > max(self.ttl_s, retain_s)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ only after the commit that freed it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from tierkv.errors import RecordError
 from tierkv.keys import BlockKey
 from tierkv.metrics import Counters
 from tierkv.priority import background_priority
-from tierkv.tiers.disk.index import Index, Txn
+from tierkv.tiers.disk.index import EVICTION_ORDER, Index, Txn
 from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_of
 from tierkv.tiers.disk.segments import SegmentDir, aligned
 
@@ -29,6 +30,7 @@ SWEEP_BATCH = 256  # deletions per transaction
 PURGE_SCAN = 4096  # index entries a purge looks at per transaction (it holds LMDB's write lock meanwhile)
 DEFAULT_SWEEP_INTERVAL_S = 300.0  # a server's own expiry and budget sweep
 Progress = Callable[[int], None] | None
+STOP = object()  # a walk's verdict: this row and all after it stay
 
 
 class Sweeps:
@@ -61,14 +63,31 @@ class Sweeps:
         self, table: str, stop: Callable[[Txn, float, bytes], bool], dry_run: bool, progress: Progress
     ) -> int:
         """Delete from the oldest end of a time table until ``stop(txn, time_s, key)``."""
+        return self._walk(
+            table, lambda txn, t, key, _e: STOP if stop(txn, t, key) else None, dry_run, progress
+        )
+
+    def _walk(
+        self,
+        table: str,
+        decide: Callable[[Txn, float, bytes, Entry | None], Entry | object | None],
+        dry_run: bool,
+        progress: Progress,
+    ) -> int:
+        """Walk a time table from its oldest end; per row ``decide(txn, time_s, key, entry)`` says
+        ``STOP``, None (remove the entry) or a new entry for it (which leaves this table: a pin or a
+        retention that ended). Returns how many entries were removed."""
         db = self.index.db
         if dry_run:
             n = 0
             with self.index.read() as txn:
                 for tkey, _ in txn.cursor(db=db[table]):
-                    if stop(txn, time_of(tkey), bytes(tkey[TIME.size :])):
+                    key = bytes(tkey[TIME.size :])
+                    raw = txn.get(key, db=db["index"])
+                    verdict = decide(txn, time_of(tkey), key, Entry.unpack(raw) if raw else None)
+                    if verdict is STOP:
                         break
-                    n += 1
+                    n += verdict is None
             return n
 
         def batch(txn: Txn) -> tuple[int, list[Hole]]:
@@ -78,15 +97,19 @@ class Sweeps:
             while n < SWEEP_BATCH and cur.first():
                 tkey = bytes(cur.key())
                 key = tkey[TIME.size :]
-                if stop(txn, time_of(tkey), key):
+                raw = txn.get(key, db=db["index"])
+                e = Entry.unpack(raw) if raw is not None else None
+                verdict = decide(txn, time_of(tkey), key, e)
+                if verdict is STOP:
                     break
                 n += 1
-                raw = txn.get(key, db=db["index"])
-                if raw is None:
+                if e is None or e.time_row(key) != (table, tkey):  # a stale row: drop it
                     txn.delete(tkey, db=db[table])
-                else:
-                    e = Entry.unpack(raw)
+                elif verdict is None:
                     holes.append((*e.location, self.index.remove(txn, key, e)))
+                else:
+                    assert isinstance(verdict, Entry) and verdict.time_row(key)[0] != table
+                    self.index.replace(txn, key, e, verdict)
             return n, holes
 
         removed = 0
@@ -108,11 +131,28 @@ class Sweeps:
         dry_run: bool = False,
         progress: Progress = None,
     ) -> SweepReport:
-        """Delete blocks idle longer than ``ttl_s`` or older than ``max_age_s`` (defaults: the policy)."""
+        """Delete blocks idle longer than ``ttl_s`` (or their own retention, if longer) or older than
+        ``max_age_s`` (defaults: the policy); pins that ended return their blocks to the other classes."""
         policy = self.index.policy
         ttl_s = policy.ttl_s if ttl_s is None else ttl_s
         max_age_s = policy.max_age_s if max_age_s is None else max_age_s
-        n = 0
+        rules = dataclasses.replace(policy, ttl_s=ttl_s, max_age_s=max_age_s)
+
+        def lapsed(
+            end: Callable[[Entry], Entry],
+        ) -> Callable[[Txn, float, bytes, Entry | None], Entry | object | None]:
+            def decide(_txn: Txn, t: float, _key: bytes, e: Entry | None) -> Entry | object | None:
+                if t >= now:
+                    return STOP
+                if e is None:
+                    return None  # (a stale row: dropped)
+                ended = end(e)
+                return None if rules.expired(ended, now) else ended
+
+            return decide
+
+        n = self._walk("pinned", lapsed(lambda e: dataclasses.replace(e, pin_until_s=0.0)), dry_run, progress)
+        n += self._walk("retained", lapsed(lambda e: dataclasses.replace(e, retain_s=0.0)), dry_run, progress)
         if ttl_s is not None:
             n += self._sweep("atime", lambda _txn, t, _k: now - t <= ttl_s, dry_run, progress)
         if max_age_s is not None:
@@ -123,6 +163,7 @@ class Sweeps:
     def enforce_budget(
         self, budget_nbytes: int | None = None, *, dry_run: bool = False, progress: Progress = None
     ) -> SweepReport:
+        """Evict in ``Index.evict_over``'s order (never a pinned block) until the live bytes fit."""
         budget = self.index.policy.budget_nbytes if budget_nbytes is None else budget_nbytes
         if budget is None:
             return SweepReport()
@@ -142,7 +183,7 @@ class Sweeps:
             freed[0] += Entry.unpack(raw).footprint if raw else 0
             return False
 
-        n = self._sweep("atime", stop, dry_run, progress)
+        n = sum(self._sweep(table, stop, dry_run, progress) for table in EVICTION_ORDER)
         self.counters.add("disk", "evictions", n)
         return SweepReport(evicted=n, freed_nbytes=freed[0])
 

@@ -272,7 +272,9 @@ class Writer:
         purges = [(i.key, i.location) for i in items if isinstance(i, Purge)]
         if purges:
             self._guarded(lambda: self.segments.release(self.index.remove_at(purges)))
-        self._guarded(self._write_batch, [i for i in items if isinstance(i, Put)])
+        puts = [i for i in items if isinstance(i, Put)]
+        self._guarded(self._write_batch, puts)
+        self.times.requeue([p.key for p in puts])  # retention asked for them before they were indexed
         self._guarded(self.times.flush)
         if self.on_room is not None and self.accepting:
             self._guarded(self.on_room)
