@@ -15,7 +15,7 @@ import dataclasses
 from tierkv import units
 from tierkv.errors import ConfigError
 
-__all__ = ["MAX_RETENTION_S", "Retention", "parse_duration"]
+__all__ = ["CacheControl", "MAX_RETENTION_S", "NO_CONTROL", "Retention", "parse_duration"]
 
 MAX_RETENTION_S = 30 * 86400.0  # the longest retention or pin one request may ask for
 
@@ -55,3 +55,22 @@ def parse_duration(value: str | float | int, what: str = "duration") -> float:
     if not 0.0 < seconds <= MAX_RETENTION_S:  # also NaN and infinities
         raise ConfigError(f"{what}: must be more than 0 and at most 30d, got {value!r}")
     return seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheControl:
+    """What a request asks: a retention per prefix (its prompt tokens), and for the whole request
+    whether its new blocks may go to disk (``memory_only``) or anywhere at all (``no_store``)."""
+
+    prefixes: tuple[tuple[int, Retention], ...] = ()
+    memory_only: bool = False
+    no_store: bool = False
+
+    @property
+    def pin(self) -> tuple[int, float]:
+        """(prompt tokens, seconds) of the longest pinned prefix; (0, 0) without a pin."""
+        pins = [(n, r.pin_s) for n, r in self.prefixes if r.pin_s]
+        return max(pins) if pins else (0, 0.0)
+
+
+NO_CONTROL = CacheControl()  # a request that asks nothing

@@ -29,6 +29,7 @@ from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
 from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import DTYPE_NAMES
+from tierkv.retention import NO_CONTROL, CacheControl
 from tierkv.store import Hit, TieredStore
 
 __all__ = ["CachedModel", "GenerateResult", "PrefillResult", "StreamEvent"]
@@ -50,6 +51,7 @@ class PrefillResult:
     computed_tokens: int
     restore_s: float
     forward_s: float
+    saved_tokens: int = 0  # prompt tokens handed to the store after it (the cache writes they cost)
 
 
 @dataclasses.dataclass
@@ -222,15 +224,29 @@ class CachedModel:
 
     @torch.inference_mode()
     def prefill(
-        self, token_ids: Sequence[int], *, cache_salt: str = "", use_cache: bool = True
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        use_cache: bool = True,
+        control: CacheControl = NO_CONTROL,
     ) -> PrefillResult:
-        pre, save = self._prefill(token_ids, cache_salt, use_cache)
+        pre, save = self._prefill(token_ids, cache_salt, use_cache, control)
         if save is not None:
-            self._save(*save)
+            pre.saved_tokens = self._save(*save, control=control)
+            self._retain(save[0], control)
         return pre
 
+    def _retain(self, chain: BlockChain, control: CacheControl) -> None:
+        """The prompt's prefixes get the retention (and pins) the request asked for: its hits and its
+        new blocks alike (the store extends, never shortens)."""
+        if self.store is None:
+            return
+        for tokens, retention in control.prefixes:
+            self.store.retain(chain.ns, chain, retention, num_blocks=tokens // chain.ns.block_tokens)
+
     def _prefill(
-        self, token_ids: Sequence[int], cache_salt: str, use_cache: bool
+        self, token_ids: Sequence[int], cache_salt: str, use_cache: bool, control: CacheControl = NO_CONTROL
     ) -> tuple[PrefillResult, tuple[BlockChain, Any, int] | None]:
         """The prefill, and what its caller is to save (``_save``'s arguments): ``stream`` answers with
         the first token before it saves."""
@@ -248,7 +264,12 @@ class CachedModel:
                 "restore", (ns.num_layers, 2, restorable, ns.num_kv_heads, ns.head_dim), grow_dim=2
             )
             assert self.store is not None
-            hit, cached = self.store.restore(ns, chain.prefix(restorable // B), out=out)
+            hit, cached = self.store.restore(
+                ns,
+                chain.prefix(restorable // B),
+                out=out,
+                memory_only=control.memory_only or control.no_store,
+            )
         n = hit.num_tokens
         cache = cache_from_kv(self.model, cached) if cached is not None else new_cache(self.model)
         t1 = time.perf_counter()
@@ -301,28 +322,32 @@ class CachedModel:
             return cold, cold_cache, False
         return cold, cold_cache, True
 
-    def _save(self, chain: BlockChain, cache: Any, cached_tokens: int) -> None:
-        """Hand the full blocks after ``cached_tokens`` to the store (it returns at once).
+    def _save(
+        self, chain: BlockChain, cache: Any, cached_tokens: int, control: CacheControl = NO_CONTROL
+    ) -> int:
+        """Hand the full blocks after ``cached_tokens`` to the store (it returns at once); returns how
+        many tokens they hold (0 when the request asked for nothing to be stored).
 
         The blocks are gathered from every layer of the cache in one batched call (one kernel launch with
         the CUDA extension) into block-major order, so each block leaves the device as one piece.
         """
-        if self.store is None:
-            return
+        if self.store is None or control.no_store:
+            return 0
         ns = chain.ns
         B = ns.block_tokens
         first, end = cached_tokens // B, len(chain)
         if end <= first:
-            return
+            return 0
         keys, values = cache_layers(cache, self.layout)
         if any(k.shape[1] < end * B for k in keys):
-            return  # a cache that does not hold every token (sliding window): nothing to save
+            return 0  # a cache that does not hold every token (sliding window): nothing to save
         blocks = self._buffer(
             "save", (end - first, ns.num_layers, 2, B, ns.num_kv_heads, ns.head_dim), grow_dim=0
         )
         kernels.gather_blocks(keys, values, range(first * B, end * B, B), B, out=blocks)
         # The CPU buffer is reused: the store copies (or stages) every block before save_blocks returns.
-        self.store.save_blocks(ns, chain, blocks, start_block=first)
+        self.store.save_blocks(ns, chain, blocks, start_block=first, memory_only=control.memory_only)
+        return (end - first) * B
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> GenerateResult:
         """Greedy (temperature 0) or sampled (seeded) generation; ``stop`` strings end it early."""
@@ -342,21 +367,24 @@ class CachedModel:
         stop: Sequence[str] = (),
         cache_salt: str = "",
         use_cache: bool = True,
+        control: CacheControl = NO_CONTROL,
     ) -> Iterator[StreamEvent]:
         """Generate step by step: one event after the prefill, one per text delta, a last one with the result.
+        ``control``: the request's cache control (retention per prefix, memory only, nothing stored).
 
         Text is held back while it could still become a stop string or ends inside a multi-byte character,
         so what was streamed is always a prefix of the final text.
         """
         prompt_ids = list(prompt_ids)
         with torch.inference_mode():
-            pre, save = self._prefill(prompt_ids, cache_salt, use_cache)
+            pre, save = self._prefill(prompt_ids, cache_salt, use_cache, control)
         try:
             yield StreamEvent(prefill=pre)  # the first token's logits go out before the save's copies
         finally:  # saved also when the caller stops here (a client gone after its first token)
             if save is not None:
                 with torch.inference_mode():
-                    self._save(*save)
+                    pre.saved_tokens = self._save(*save, control=control)
+                self._retain(save[0], control)
         logits, cache = pre.logits, pre.cache
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
         out: list[int] = []
@@ -392,7 +420,7 @@ class CachedModel:
             # The cache holds the prompt and every generated token but the last: save what that completes.
             held = (prompt_ids + out)[: _cache_len(cache)]
             with torch.inference_mode():  # as the prefill: the reused buffers are inference tensors
-                self._save(BlockChain.of(self.namespace(cache_salt), held), cache, len(prompt_ids))
+                self._save(BlockChain.of(self.namespace(cache_salt), held), cache, len(prompt_ids), control)
         yield StreamEvent(result=GenerateResult(out, final, finish, pre, len(prompt_ids)))
 
 

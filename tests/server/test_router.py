@@ -34,6 +34,17 @@ def test_routing_key_uses_the_prompt_start_and_the_tenant() -> None:
     assert routing_key(short_a, 1024) == routing_key(short_b, 1024)  # the newest message is left out
 
 
+def test_a_prompt_cache_key_routes_by_the_key_within_the_tenant() -> None:
+    a = {"messages": [{"role": "user", "content": "one document"}], "prompt_cache_key": "project-7"}
+    b = {"messages": [{"role": "user", "content": "another one"}], "prompt_cache_key": "project-7"}
+    assert routing_key(a, 1024) == routing_key(b, 1024)
+    assert routing_key(a, 1024) != routing_key({**a, "prompt_cache_key": "project-8"}, 1024)
+    assert routing_key(a, 1024) != routing_key({**a, "cache_salt": "t2"}, 1024)
+    assert routing_key({**a, "prompt_cache_key": ""}, 1024) != routing_key(
+        {**b, "prompt_cache_key": ""}, 1024
+    )
+
+
 def test_saturated_owner_spills_to_the_least_loaded() -> None:
     router = Router(["http://a", "http://b"], max_inflight=2)
     key = b"same prefix"

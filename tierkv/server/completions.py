@@ -17,8 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from jinja2 import TemplateError, TemplateSyntaxError  # chat templates' errors (jinja2 comes with torch)
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, PinBudgetError
 from tierkv.prompts import PromptError, encode_text, render_chat
+from tierkv.retention import NO_CONTROL, CacheControl
+from tierkv.server.cache_control import cache_control_of
 from tierkv.server.engine import Busy, ClientError
 from tierkv.server.responses import JSON, error, sse
 from tierkv.server.schemas import ChatCompletionRequest, CompletionRequest, error_body
@@ -72,12 +74,17 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
                 raise ClientError("prompt must not be empty", "prompt")
             return encode_text(server.cm.tokenizer, prompt)
 
-        return await _generate(req, tokenize, chat=False, default_max_tokens=16)
+        return await _generate(
+            req,
+            tokenize,
+            chat=False,
+            default_max_tokens=16,
+            control=lambda body, ids: cache_control_of(body, len(ids)),
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
-        def tokenize() -> list[int]:
-            messages = [{"role": msg.role, "content": msg.text()} for msg in req.messages]
+        def render(messages: list[dict[str, str]]) -> list[int]:
             try:
                 return render_chat(server.cm.tokenizer, messages)
             except TemplateSyntaxError:  # the model's template itself is broken: the server's fault (500)
@@ -88,8 +95,31 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
                     f"messages: the model's chat template does not accept these messages: {exc}", "messages"
                 ) from None
 
+        def tokenize() -> list[int]:
+            return render([{"role": msg.role, "content": msg.text()} for msg in req.messages])
+
+        def control(body: ChatCompletionRequest, ids: list[int]) -> CacheControl:
+            def prefix_tokens(m: int, k: int) -> int:
+                """Prompt tokens up to the end of part k of message m: the chat rendered that far and
+                compared with the whole (its template closes the turn: only the common part counts)."""
+                msgs = [{"role": x.role, "content": x.text()} for x in body.messages[:m]]
+                cut = body.messages[m].model_copy(
+                    update={"content": list(body.messages[m].content or [])[: k + 1]}
+                )
+                try:
+                    upto = render(msgs + [{"role": cut.role, "content": cut.text()}])
+                except ClientError:  # a template that refuses the cut chat: the whole messages before
+                    upto = render(msgs) if msgs else []
+                return next(
+                    (i for i, (a, b) in enumerate(zip(ids, upto)) if a != b), min(len(ids), len(upto))
+                )
+
+            return cache_control_of(body, len(ids), prefix_tokens)
+
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await _generate(req, tokenize, chat=True, default_max_tokens=256, max_tokens=max_tokens)
+        return await _generate(
+            req, tokenize, chat=True, default_max_tokens=256, max_tokens=max_tokens, control=control
+        )
 
     async def _generate(
         req: CompletionRequest | ChatCompletionRequest,
@@ -98,6 +128,7 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
         chat: bool,
         default_max_tokens: int,
         max_tokens: int | None = None,
+        control: Callable[[Any, list[int]], CacheControl] = lambda _body, _ids: NO_CONTROL,
     ) -> Response:
         t_start = time.perf_counter()
         max_tokens = max_tokens or req.max_tokens
@@ -111,6 +142,16 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             budget = max_tokens or min(default_max_tokens, max(1, engine.max_context - len(ids)))
             engine.check_length(len(ids), budget, "messages" if chat else "prompt")
             salt = req.cache_salt or ""
+            asked = control(req, ids)  # checked with the cache off too: a bad value is a 400 either way
+            if not engine.use_cache:
+                asked = NO_CONTROL
+            pin_tokens, pin_s = asked.pin
+            if pin_s and server.store is not None:  # refused before any work, never dropped
+                ns = server.cm.namespace(salt)
+                try:
+                    server.store.check_pin(ns, ids, pin_s, num_blocks=pin_tokens // ns.block_tokens)
+                except (PinBudgetError, ConfigError) as exc:
+                    raise ClientError(str(exc), "tierkv.pin", "pin_refused") from None
             events = server.cm.stream(
                 ids,
                 budget,
@@ -120,6 +161,7 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
                 stop=req.stop_list(),
                 cache_salt=salt,
                 use_cache=engine.use_cache,
+                control=asked,
             )
             first = next(events)
             if engine.use_cache and first.prefill is not None:
@@ -236,6 +278,8 @@ def _usage(result: GenerateResult) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": cached},
         "prompt_cache_hit_tokens": cached,
         "prompt_cache_miss_tokens": result.prompt_tokens - cached,
+        "cache_read_input_tokens": cached,  # Anthropic's names
+        "cache_creation_input_tokens": pre.saved_tokens,
         "tierkv": {
             "cached_tokens_by_tier": pre.hit.by_tier,
             "restore_ms": round(pre.restore_s * 1e3, 3),

@@ -68,8 +68,13 @@ def routing_key(body: dict[str, Any], prefix_chars: int) -> bytes:
     """The start of the prompt as the worker will see it (plus the tenant's cache salt).
 
     For a chat, the last message is left out when there are earlier ones: the history is what the next
-    turns share, the newest message is what differs.
+    turns share, the newest message is what differs. A request naming a ``prompt_cache_key`` (OpenAI's
+    field for requests that share a long prefix) goes by that key instead.
     """
+    salt = str(body.get("cache_salt") or "")
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return (salt + "\0prompt_cache_key\0" + key).encode("utf-8", "surrogatepass")
     if isinstance(body.get("messages"), list):
         msgs = [m for m in body["messages"] if isinstance(m, dict)]
         text = "".join(
@@ -77,7 +82,7 @@ def routing_key(body: dict[str, Any], prefix_chars: int) -> bytes:
         )
     else:
         text = json.dumps(body.get("prompt"))
-    return (str(body.get("cache_salt") or "") + "\0" + text[:prefix_chars]).encode("utf-8", "surrogatepass")
+    return (salt + "\0" + text[:prefix_chars]).encode("utf-8", "surrogatepass")
 
 
 class Router:

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tierkv.server.cache_control import PromptCacheOptions, TierkvCacheOptions
+
 # What torch's Generator.manual_seed takes (a negative seed wraps around); past it torch raises.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP = 64  # stop strings per request: each one is searched for after every generated token
@@ -29,6 +31,11 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
+    # Cache control (server/cache_control.py): OpenAI's fields, and tierkv's own for what they lack.
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    tierkv: TierkvCacheOptions | None = None
     # Accepted only at the values that ask for what we do (one choice, no log probabilities): anything
     # else is a 400 naming the field, never silently ignored.
     n: int | None = None

@@ -1,0 +1,175 @@
+"""Cache control per request, in the fields clients already send, turned into ``CacheControl``.
+
+- OpenAI: ``prompt_cache_options`` (``ttl`` ``"30m"``, the least every breakpoint the request writes is
+  kept after each use; ``mode`` ``"implicit"``: the whole prompt is one, ``"explicit"``: only the parts
+  marked are, and without any nothing is saved), ``prompt_cache_breakpoint: {"mode": "explicit", "ttl":
+  "30m" | "12h"}`` on chat content parts (the prefix up to the end of that part), the older
+  ``prompt_cache_retention`` (``"in_memory"``: the prompt's new blocks stay in memory, never on disk;
+  ``"24h"``: kept at least a day after each use) and ``prompt_cache_key`` (routing affinity in ``tierkv
+  route``; never a namespace).
+- Anthropic-style ``cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`` on chat content parts: the
+  prefix up to the end of that part is kept at least that long after each use (at most four breakpoints).
+- tierkv's own ``"tierkv": {"retention": "2h", "pin": "1h", "no_store": true}``: a retention of any
+  length up to 30 days, a pin (never evicted or idle-expired until it ends, within the pin budget), or
+  nothing saved at all.
+
+A value the server does not know is a 400 naming the field: silently caching less (or more) than a
+client asked for is the one thing a cache control must not do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tierkv.errors import ConfigError
+from tierkv.retention import CacheControl, Retention, parse_duration
+from tierkv.server.engine import ClientError
+
+__all__ = [
+    "ANTHROPIC_TTLS_S",
+    "OPENAI_TTLS_S",
+    "PromptCacheOptions",
+    "MAX_BREAKPOINTS",
+    "OPENAI_RETENTIONS",
+    "TierkvCacheOptions",
+    "cache_control_of",
+]
+
+OPENAI_RETENTIONS = {"in_memory": Retention(memory_only=True), "24h": Retention(ttl_s=86400.0)}
+OPENAI_TTLS_S = {"30m": 1800.0, "12h": 43200.0}
+ANTHROPIC_TTLS_S = {"5m": 300.0, "1h": 3600.0}
+MAX_BREAKPOINTS = 4  # OpenAI's and Anthropic's limit; each costs a render of the chat up to it
+
+
+class PromptCacheOptions(BaseModel):
+    """OpenAI's ``prompt_cache_options``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: str = "implicit"
+    ttl: str = "30m"
+
+
+class TierkvCacheOptions(BaseModel):
+    """The ``tierkv`` request field: what the OpenAI and Anthropic fields cannot say."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    retention: str | float | None = None  # "2h", "7d", seconds
+    pin: str | float | None = None
+    no_store: bool = False
+
+
+def cache_control_of(
+    body: Any,
+    num_tokens: int,
+    prefix_tokens: Callable[[int, int], int] | None = None,
+) -> CacheControl:
+    """The cache control a completion or chat request (``body``, a schema object) asks for its prompt of
+    ``num_tokens`` tokens. ``prefix_tokens(m, k)``: for a chat, how many of the prompt's tokens the
+    messages up to part ``k`` of message ``m`` make. ClientError (400) naming the field otherwise."""
+    prefixes: list[tuple[int, Retention]] = []
+    memory_only = no_store = False
+    retention = getattr(body, "prompt_cache_retention", None)
+    if retention is not None:
+        asked = OPENAI_RETENTIONS.get(retention) if isinstance(retention, str) else None
+        if asked is None:
+            raise ClientError(
+                f"prompt_cache_retention: must be one of {', '.join(map(repr, OPENAI_RETENTIONS))}, "
+                f"got {retention!r}",
+                "prompt_cache_retention",
+            )
+        memory_only = asked.memory_only
+        if asked.ttl_s:
+            prefixes.append((num_tokens, asked))
+    options: PromptCacheOptions | None = getattr(body, "prompt_cache_options", None)
+    default_ttl_s = 0.0
+    if options is not None:
+        if options.mode not in ("implicit", "explicit"):
+            raise ClientError(
+                f"prompt_cache_options.mode: must be 'implicit' or 'explicit', got {options.mode!r}",
+                "prompt_cache_options.mode",
+            )
+        default_ttl_s = _one_of(options.ttl, OPENAI_TTLS_S, "prompt_cache_options.ttl")
+        if options.mode == "implicit":
+            prefixes.append((num_tokens, Retention(ttl_s=default_ttl_s)))
+    ext: TierkvCacheOptions | None = getattr(body, "tierkv", None)
+    if ext is not None:
+        no_store = ext.no_store
+        if ext.retention is not None:
+            prefixes.append((num_tokens, Retention(ttl_s=_duration(ext.retention, "tierkv.retention"))))
+        if ext.pin is not None:
+            if memory_only:
+                raise ClientError(
+                    "tierkv.pin: a pin keeps the prompt on disk; prompt_cache_retention 'in_memory' keeps "
+                    "it off: ask for one of them",
+                    "tierkv.pin",
+                )
+            prefixes.append((num_tokens, Retention(pin_s=_duration(ext.pin, "tierkv.pin"))))
+    marks = _breakpoints(getattr(body, "messages", None) or (), default_ttl_s or OPENAI_TTLS_S["30m"])
+    for m, k, ttl_s in marks:
+        if prefix_tokens is None:
+            raise ClientError("cache_control: only chat content parts take cache_control", "cache_control")
+        prefixes.append((prefix_tokens(m, k), Retention(ttl_s=ttl_s)))
+    if no_store and (prefixes or memory_only):
+        raise ClientError(
+            "tierkv.no_store: nothing is saved for this request, so it cannot also ask for a retention, "
+            "a pin or in_memory",
+            "tierkv.no_store",
+        )
+    if options is not None and options.mode == "explicit" and not prefixes and not memory_only:
+        no_store = True  # OpenAI: without an explicit breakpoint "the request does not use prompt caching"
+    return CacheControl(tuple(prefixes), memory_only, no_store)
+
+
+def _duration(value: str | float, field: str) -> float:
+    try:
+        return parse_duration(value, field)
+    except ConfigError as exc:
+        raise ClientError(str(exc), field) from None
+
+
+def _one_of(value: Any, allowed: dict[str, float], field: str) -> float:
+    if value not in allowed:
+        raise ClientError(f"{field}: must be one of {', '.join(map(repr, allowed))}, got {value!r}", field)
+    return allowed[value]
+
+
+def _breakpoints(messages: Sequence[Any], openai_ttl_s: float) -> list[tuple[int, int, float]]:
+    """(message, part, ttl_s) of each content part marked as the end of a prefix to keep: Anthropic's
+    ``cache_control`` or OpenAI's ``prompt_cache_breakpoint``, checked."""
+    out: list[tuple[int, int, float]] = []
+    for m, msg in enumerate(messages):
+        if not isinstance(msg.content, list):
+            continue
+        for k, part in enumerate(msg.content):
+            if not isinstance(part, dict):
+                continue
+            if (cc := part.get("cache_control")) is not None:
+                field = f"messages.{m}.content.{k}.cache_control"
+                out.append((m, k, _mark(cc, field, "type", "ephemeral", ANTHROPIC_TTLS_S, "5m")))
+            if (bp := part.get("prompt_cache_breakpoint")) is not None:
+                field = f"messages.{m}.content.{k}.prompt_cache_breakpoint"
+                ttl_s = _mark(bp, field, "mode", "explicit", OPENAI_TTLS_S, None)
+                out.append((m, k, ttl_s or openai_ttl_s))
+    if len(out) > MAX_BREAKPOINTS:
+        raise ClientError(
+            f"cache_control: at most {MAX_BREAKPOINTS} breakpoints per request, got {len(out)}", "messages"
+        )
+    return out
+
+
+def _mark(
+    value: Any, field: str, kind: str, expected: str, ttls_s: dict[str, float], default: str | None
+) -> float:
+    """The ttl of one breakpoint object ({kind: expected, "ttl": ...}); 0.0 for none and no default."""
+    if not isinstance(value, dict) or value.get(kind) != expected:
+        raise ClientError(f'{field}: must be {{"{kind}": "{expected}"}} with an optional ttl', field)
+    unknown = set(value) - {kind, "ttl"}
+    if unknown:
+        raise ClientError(f"{field}: unknown field(s) {', '.join(sorted(unknown))}", field)
+    ttl = value.get("ttl", default)
+    return 0.0 if ttl is None else _one_of(ttl, ttls_s, f"{field}.ttl")
