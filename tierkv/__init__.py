@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tierkv.errors import (
     ConfigError,
     NamespaceConflictError,
+    PinBudgetError,
     RecordError,
     StoreFormatError,
     StoreOpenError,
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from tierkv.codec import Codec
     from tierkv.config import StoreConfig
     from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest, block_keys
+    from tierkv.retention import Retention
     from tierkv.store import Hit, TieredStore
 
 _LAZY = {
@@ -32,6 +34,7 @@ _LAZY = {
     "NamespaceDigest": "tierkv.keys",
     "block_keys": "tierkv.keys",
     "Hit": "tierkv.store",
+    "Retention": "tierkv.retention",
     "TieredStore": "tierkv.store",
     "StoreConfig": "tierkv.config",
 }
@@ -56,7 +59,9 @@ __all__ = [
     "Namespace",
     "NamespaceConflictError",
     "NamespaceDigest",
+    "PinBudgetError",
     "RecordError",
+    "Retention",
     "StoreFormatError",
     "StoreConfig",
     "StoreOpenError",
