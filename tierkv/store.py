@@ -35,7 +35,7 @@ from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
 from tierkv.write_behind import WriteBehind
 
-__all__ = ["Hit", "TieredStore", "Tokens"]
+__all__ = ["Forgotten", "Hit", "TieredStore", "Tokens"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,16 @@ class Hit:
     by_tier: dict[str, int]
     num_blocks: int = 0
     restore_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Forgotten:
+    """What ``forget`` did: of the prompt's ``blocks`` full blocks, ``removed`` were held by some tier (or
+    on their way) and are gone; the first ``kept_shared`` were left because other prompts extend them."""
+
+    blocks: int
+    removed: int
+    kept_shared: int
 
 
 Tokens = Sequence[int] | np.ndarray | BlockChain  # a prompt's token ids, or its chain if already made
@@ -275,6 +285,7 @@ class TieredStore:
         *,
         start_block: int = 0,
         memory_only: bool = False,
+        plan: bool = True,
     ) -> tuple[Hit, torch.Tensor | None]:
         """Like ``load``, with the ``Hit`` (tokens per tier, restore time).
 
@@ -283,7 +294,8 @@ class TieredStore:
         hit then still counts from token 0 (``num_blocks`` = ``start_block`` + the blocks read;
         ``by_tier`` only the blocks read), and is a miss when not even block ``start_block`` is cached.
         ``memory_only``: what was restored is written back to the memory tiers only (a request keeping
-        its prompt out of the disk, ``Retention.memory_only``).
+        its prompt out of the disk, ``Retention.memory_only``). ``plan=False``: read every cached block,
+        even where the planner judges computing it faster (a prefetch, off any request's path).
         """
         t0 = time.perf_counter()
         chain = _chain(ns, token_ids)
@@ -307,7 +319,9 @@ class TieredStore:
             tier.requested(chain)
         with self.writes.gens.reading(chain) as usable:
             # A purge or invalidation in progress waits for this restore; the blocks it names are misses.
-            return self._restore(chain, start_block, max(usable, start_block), out, by_tier, t0, memory_only)
+            return self._restore(
+                chain, start_block, max(usable, start_block), out, by_tier, t0, memory_only, plan
+            )
 
     def _restore(
         self,
@@ -318,12 +332,13 @@ class TieredStore:
         by_tier: dict[str, int],
         t0: float,
         memory_only: bool = False,
+        plan: bool = True,
     ) -> tuple[Hit, torch.Tensor | None]:
         ns = chain.ns
         spec = KVSpec.of(ns)
         B = ns.block_tokens
         src = self._sources(chain.prefix(usable), start_block)
-        if src:  # restore or recompute: reading a slow tier's run may cost more than computing it
+        if src and plan:  # restore or recompute: reading a slow tier's run may cost more than computing it
             keep = self.planner.cut(
                 _model_key(ns),
                 [self.tiers[k].name for k in src],
@@ -381,6 +396,30 @@ class TieredStore:
                 self.counters.add(name, "hit_tokens", tokens)
         return Hit(n * B, by_tier, n, time.perf_counter() - t0), (dest[:, :, : n * B] if n else None)
 
+    def prefetch(self, ns: Namespace, token_ids: Tokens, *, chunk_nbytes: int = 64 << 20) -> tuple[Hit, Hit]:
+        """Bring the prompt's longest cached prefix into the CPU memory tier from the slower ones (disk,
+        remote), computing nothing, so that the next request restores it from memory. At most what
+        that tier holds is read, in chunks of ``chunk_nbytes`` (the memory this costs meanwhile).
+        Returns where the prefix was before and where it is after (``lookup``'s ``Hit``s)."""
+        chain = _chain(ns, token_ids)
+        before = self.lookup(ns, chain)
+        pool = next((t for t in self.tiers if isinstance(t, BlockPool) and t.device.type == "cpu"), None)
+        if pool is None or before.num_blocks == 0:
+            return before, before
+        spec = KVSpec.of(ns)
+        n = min(before.num_blocks, pool.capacity_nbytes // spec.block_nbytes)
+        step = max(1, chunk_nbytes // spec.block_nbytes)
+        done = 0
+        while done < n:
+            end = min(n, done + step)
+            # Rows before ``done`` are never written: their pages are never touched (not memory spent).
+            out = torch.empty(spec.shape(end * ns.block_tokens), dtype=spec.dtype)
+            hit, _ = self.restore(ns, chain.prefix(end), out, start_block=done, plan=False)
+            if hit.num_blocks < end:  # a block failed verification (purged): the prefix ends there
+                break
+            done = end
+        return before, self.lookup(ns, chain)
+
     def observe_prefill(self, ns: Namespace, tokens: int, seconds: float) -> None:
         """The caller computed ``tokens`` of a prompt of ``ns``'s model in ``seconds``: with the tiers' read
         bandwidth (measured by restores) it lets ``restore`` compute the rest of a prefix instead of
@@ -435,6 +474,17 @@ class TieredStore:
         from tierkv.removal import invalidate
 
         return invalidate(self, _chain(ns, token_ids), blocks)
+
+    def forget(self, ns: Namespace, token_ids: Tokens, *, shared: bool = False) -> Forgotten:
+        """Remove the prompt's blocks from every tier, their saves on their way included (a barrier,
+        like ``invalidate``): only those no other stored prompt extends, or all of them with ``shared``.
+        What other prompts extend is known from the disk tier's index (without one, nothing counts as
+        shared); a continuation held only in memory is not seen."""
+        chain = _chain(ns, token_ids)
+        disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+        keep = 0 if shared or disk is None else disk.shared_blocks(chain)
+        removed = self.invalidate(ns, chain, range(keep, len(chain)))
+        return Forgotten(len(chain), removed, keep)
 
     def report(self) -> dict[str, Any]:
         """``tierkv stats``' report of the disk tier, plus what only this process knows under ``live``."""

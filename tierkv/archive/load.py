@@ -357,6 +357,7 @@ def _queue(
         access_s=access_s,
         evict=False,
         after=after,
+        parent=bytes(header.parent_key),
     )
     deadline = time.monotonic() + timeout_s
     while True:

@@ -284,6 +284,7 @@ class DiskTier(Tier):
             block.release,
             block.ns.spec_bytes,
             block.live,
+            parent=bytes(block.parent),
         )
         return self.writer.put(item, full_ok=full_ok)
 
@@ -327,6 +328,18 @@ class DiskTier(Tier):
                 f"would take the pinned bytes from {format_size(pinned)} past the pin budget, "
                 f"{format_size(limit)}"
             )
+
+    def shared_blocks(self, chain: BlockChain) -> int:
+        """How many leading blocks of ``chain`` a stored block of another prompt extends (those a
+        deletion by prompt keeps): the end of the longest prefix with a stored continuation other than
+        this chain's own. Version-1 entries name no parent: continuations among them are not seen."""
+        n = len(chain)
+        with self.index.read() as txn:
+            for i in range(n - 1, -1, -1):
+                own = bytes(chain.keys[i + 1]) if i + 1 < n else None
+                if any(child != own for child in self.index.children(txn, bytes(chain.keys[i]))):
+                    return i + 1
+        return 0
 
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
         """A hit in memory refreshes the disk copy's TTL; a block whose disk copy is gone (expired,

@@ -27,6 +27,7 @@ from tierkv.priority import normal_priority
 from tierkv.tiers.disk.opening import open_store
 from tierkv.tiers.disk.schema import (
     DBS,
+    NO_PARENT,
     PINNED,
     READ_FORMAT_VERSIONS,
     SEG_ID,
@@ -208,6 +209,8 @@ class Index:
         table, row = e.time_row(key)
         txn.put(row, b"", db=self.db[table])
         txn.put(time_key(e.created_s, key), b"", db=self.db["ctime"])
+        if e.parent != NO_PARENT:
+            txn.put(e.parent + key, b"", db=self.db["children"])
         self._add_totals(txn, e.ns_digest, 1, e.footprint)
         self._add_segment(txn, e.seg_id, 1, e.footprint)
         if e.pin_until_s:
@@ -219,6 +222,8 @@ class Index:
         table, row = e.time_row(key)
         txn.delete(row, db=self.db[table])
         txn.delete(time_key(e.created_s, key), db=self.db["ctime"])
+        if e.parent != NO_PARENT:
+            txn.delete(e.parent + key, db=self.db["children"])
         self._add_totals(txn, e.ns_digest, -1, -e.footprint)
         if e.pin_until_s:
             self._add_pinned(txn, -1, -e.footprint)
@@ -258,6 +263,19 @@ class Index:
         if new != e:
             self.replace(txn, key, e, new)
         return status
+
+    def children(self, txn: Txn, key: bytes, limit: int = 2) -> list[bytes]:
+        """Keys of stored blocks whose parent is ``key`` (at most ``limit``)."""
+        out: list[bytes] = []
+        cur = txn.cursor(db=self.db["children"])
+        ok = cur.set_range(key)
+        while ok and len(out) < limit:
+            row = bytes(cur.key())
+            if row[: len(key)] != key:
+                break
+            out.append(row[len(key) :])
+            ok = cur.next()
+        return out
 
     def pinned_nbytes(self, txn: Txn) -> int:
         raw = txn.get(PINNED, db=self.db["meta"])

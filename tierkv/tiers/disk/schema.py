@@ -3,13 +3,15 @@
 LMDB environment ``<dir>/index`` (named databases):
 
     index       key -> Entry (namespace, segment, offset, nbytes, created_s, last_access_s, retain_s,
-                pin_until_s)
+                pin_until_s, parent key)
     atime       last_access_ms(8, big-endian) || key -> ""   (blocks of the store's own retention: LRU
                                                              eviction first, sliding-TTL sweeps)
     retained    (last_access + retain_s)_ms || key -> ""     (blocks a request asked to keep longer:
                                                              evicted after every ``atime`` block)
     pinned      pin_until_ms || key -> ""                    (pinned: never evicted, never idle-expired)
     ctime       created_ms || key -> ""                      (max-age sweeps)
+    children    parent key || key -> ""                      (which stored prefixes extend a block:
+                                                             a deletion by prompt keeps shared ones)
     segments    seg_id(4) -> SegmentRow (live bytes and records, creator pid, sealed)
     totals      namespace digest -> (blocks, nbytes)         (exact, updated in the same transactions)
     namespaces  namespace digest -> spec JSON                (while the namespace has blocks)
@@ -19,8 +21,9 @@ LMDB environment ``<dir>/index`` (named databases):
 Each entry has one row in exactly one of ``atime``, ``retained`` and ``pinned`` (``Entry.time_row``).
 
 Format versions: 1 had no per-block retention (its 64-byte entries read as the store's default
-retention, and a writer opening it marks it version 2, which version-1 builds refuse); 2 adds
-``retain_s`` and ``pin_until_s`` to entries and the ``retained`` and ``pinned`` tables.
+retention and no parent, and a writer opening it marks it version 2, which version-1 builds refuse);
+2 adds ``retain_s``, ``pin_until_s`` and the parent key to entries, and the ``retained``, ``pinned``
+and ``children`` tables (version-1 entries have no ``children`` row: their siblings are not seen).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "DBS",
     "ENTRY",
     "ENTRY_V1",
+    "NO_PARENT",
     "PINNED",
     "READ_FORMAT_VERSIONS",
     "Entry",
@@ -51,9 +55,21 @@ __all__ = [
 
 STORE_FORMAT_VERSION = 2
 READ_FORMAT_VERSIONS = (1, 2)  # 1 is read as is (see above) and marked 2 by the first writer
-DBS = ("index", "atime", "retained", "pinned", "ctime", "segments", "totals", "namespaces", "meta")
+DBS = (
+    "index",
+    "atime",
+    "retained",
+    "pinned",
+    "ctime",
+    "children",
+    "segments",
+    "totals",
+    "namespaces",
+    "meta",
+)
 ENTRY_V1 = struct.Struct("<32sIQIdd")  # ns digest, seg_id, offset, nbytes, created_s, last_access_s
-ENTRY = struct.Struct("<32sIQIdddd")  # version 2: ..., retain_s, pin_until_s
+ENTRY = struct.Struct("<32sIQIdddd32s")  # version 2: ..., retain_s, pin_until_s, parent key
+NO_PARENT = bytes(32)  # a version-1 entry's parent: unknown
 PINNED = b"pinned"  # meta key: TOTALS of the pinned blocks
 SEGMENT = struct.Struct("<QIIB")  # live_nbytes, live_records, creator pid, sealed
 TOTALS = struct.Struct("<QQ")  # blocks, nbytes (footprint: page-aligned record bytes)
@@ -73,6 +89,7 @@ class Entry:
     last_access_s: float
     retain_s: float = 0.0  # kept at least this long after its last access (0: the store's TTL only)
     pin_until_s: float = 0.0  # pinned until then (0: not pinned)
+    parent: bytes = NO_PARENT  # the key of the block before it (the namespace's root key for block 0)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Entry:
@@ -90,6 +107,7 @@ class Entry:
             self.last_access_s,
             self.retain_s,
             self.pin_until_s,
+            self.parent,
         )
 
     def time_row(self, key: bytes) -> tuple[str, bytes]:

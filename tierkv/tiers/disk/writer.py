@@ -77,6 +77,7 @@ class Put:
     # With evict False: indexed only if this key (the block's parent) is indexed or indexed in the same
     # transaction, so that a budget cut never keeps a continuation without its prefix. None: no condition.
     after: bytes | None = None
+    parent: bytes | None = None  # the key of the block before it (indexed: which prefixes extend which)
 
     @property
     def record_nbytes(self) -> int:
@@ -403,9 +404,10 @@ class Writer:
                 if p.ns_spec is not None:
                     self.index.put_namespace(txn, p.ns_digest, p.ns_spec)
                 access_s = now if p.access_s is None else min(p.access_s, now)
-                self.index.insert(
-                    txn, p.key, Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, access_s)
-                )
+                entry = Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, access_s)
+                if p.parent is not None:
+                    entry.parent = p.parent
+                self.index.insert(txn, p.key, entry)
             evicted = self.index.evict_over(txn, budget) if budget is not None else []
             return holes + evicted, unused, len(evicted)
 
