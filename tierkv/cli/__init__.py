@@ -6,6 +6,7 @@ server or a tokenizer at module level):
     tierkv.cli.archive  export, import   a store's records to an archive and back (the same)
     tierkv.cli.serve    serve, route     the OpenAI-compatible server and the prefix-aware router
     tierkv.cli.prompts  explain, lint    the prompt tools
+    tierkv.cli.cache    prefetch, forget a running server's cache, prompt by prompt
     tierkv.cli.bench    bench            the benchmarks of ``tierkv.bench``
 
 ``python -m tierkv.cli`` and the ``tierkv`` console script (``tierkv.cli:main``) are the same command.
@@ -29,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "route": ("tierkv.cli.serve", "route"),
     "explain": ("tierkv.cli.prompts", "explain"),
     "lint": ("tierkv.cli.prompts", "lint_cmd"),
+    "prefetch": ("tierkv.cli.cache", "prefetch"),
+    "forget": ("tierkv.cli.cache", "forget"),
     "bench": ("tierkv.cli.bench", "bench"),
 }
 

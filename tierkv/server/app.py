@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierkv.server.admin import add_admin_routes
+from tierkv.server.cache_routes import add_cache_routes
 from tierkv.server.completions import add_completion_routes
 from tierkv.server.middleware import CountAndCatch
 from tierkv.server.responses import JSON, error
@@ -89,6 +90,7 @@ def create_app(server: Server) -> FastAPI:
 
     add_completion_routes(app, server)
     add_admin_routes(app, server)
+    add_cache_routes(app, server)
     return app
 
 
