@@ -65,6 +65,7 @@ class CacheControl:
     prefixes: tuple[tuple[int, Retention], ...] = ()
     memory_only: bool = False
     no_store: bool = False
+    save_tokens: int | None = None  # save only the prompt's first this many tokens (None: all it computed)
 
     @property
     def pin(self) -> tuple[int, float]:

@@ -240,7 +240,7 @@ class CachedModel:
     def _retain(self, chain: BlockChain, control: CacheControl) -> None:
         """The prompt's prefixes get the retention (and pins) the request asked for: its hits and its
         new blocks alike (the store extends, never shortens)."""
-        if self.store is None:
+        if self.store is None or control.no_store:
             return
         for tokens, retention in control.prefixes:
             self.store.retain(chain.ns, chain, retention, num_blocks=tokens // chain.ns.block_tokens)
@@ -336,6 +336,8 @@ class CachedModel:
         ns = chain.ns
         B = ns.block_tokens
         first, end = cached_tokens // B, len(chain)
+        if control.save_tokens is not None:  # only the prefixes the request marked
+            end = min(end, control.save_tokens // B)
         if end <= first:
             return 0
         keys, values = cache_layers(cache, self.layout)
@@ -346,7 +348,9 @@ class CachedModel:
         )
         kernels.gather_blocks(keys, values, range(first * B, end * B, B), B, out=blocks)
         # The CPU buffer is reused: the store copies (or stages) every block before save_blocks returns.
-        self.store.save_blocks(ns, chain, blocks, start_block=first, memory_only=control.memory_only)
+        self.store.save_blocks(
+            ns, chain.prefix(end), blocks, start_block=first, memory_only=control.memory_only
+        )
         return (end - first) * B
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> GenerateResult:

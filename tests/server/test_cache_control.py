@@ -27,8 +27,17 @@ TEXT = " ".join(f"Clause {i}: the answer cites its sources." for i in range(8)) 
 def server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     # One block of the tiny model is 772 KiB on disk: the pin budget holds one 4-block prompt, not two.
+    # A TTL shorter than every retention asked below (a retention shorter than the TTL is no ask at all).
     srv = ServerProcess(
-        "--disk-budget", "256MiB", "--pin-budget", "4MiB", "--max-context", "4096", cache_dir=cache
+        "--disk-budget",
+        "256MiB",
+        "--pin-budget",
+        "4MiB",
+        "--ttl",
+        "1m",
+        "--max-context",
+        "4096",
+        cache_dir=cache,
     )
     srv.cache_dir = cache
     yield srv
@@ -183,6 +192,36 @@ def test_openai_prompt_cache_breakpoints_and_explicit_mode(server) -> None:
     _chat(client, messages, prompt_cache_options={"mode": "explicit", "ttl": "30m"})
     report = _wait_for(server, lambda s: _retained(s, "12.0h") >= before + upto)
     assert _retained(report, "12.0h") == before + upto
+    # Explicit mode: only the marked prefix is saved, not the rest of the prompt
+    blocks_before = _stats(server)["blocks"]
+    long_question = {"role": "user", "content": "Which clause, and why? " + _text("question") * 2}
+    explicit = [messages[0], long_question]
+    r = _chat(client, explicit, prompt_cache_options={"mode": "explicit"})
+    assert _usage(r)["cache_creation_input_tokens"] == 0  # the marked prefix was stored by the first request
+    assert _usage(r)["prompt_tokens_details"]["cache_write_tokens"] == 0
+    time.sleep(2)
+    assert _stats(server)["blocks"] == blocks_before
+    # A breakpoint on a whole message with text content (as some clients send it)
+    system2 = _text("message-level")
+    r = _chat(
+        client,
+        [
+            {
+                "role": "system",
+                "content": system2,
+                "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"},
+            },
+            {"role": "user", "content": "Which clause?"},
+        ],
+        prompt_cache_options={"mode": "explicit"},
+    )
+    full = render_chat(
+        tok, [{"role": "system", "content": system2}, {"role": "user", "content": "Which clause?"}]
+    )
+    upto2 = _common(full, render_chat(tok, [{"role": "system", "content": system2}])) // BLOCK
+    assert _usage(r)["cache_creation_input_tokens"] == upto2 * BLOCK
+    report = _wait_for(server, lambda s: _retained(s, "12.0h") >= before + upto + upto2)
+    assert _retained(report, "12.0h") == before + upto + upto2
     # Explicit mode without a breakpoint: the request does not use prompt caching, so nothing is saved
     plain = [{"role": "user", "content": _text("explicit, no breakpoint")}]
     _chat(client, plain, prompt_cache_options={"mode": "explicit"})
@@ -206,6 +245,7 @@ def test_a_pin_within_the_budget_holds_and_one_past_it_is_refused(server) -> Non
     assert "pin budget" in err.value.body["message"]
     # Pinning the same prompt again takes no more room
     _chat(client, first, extra_body={"tierkv": {"pin": "2h"}})
+    assert "needs" in err.value.body["message"] and "--pin-budget" in err.value.body["message"]
 
 
 def test_no_store_saves_nothing(server) -> None:
@@ -228,6 +268,9 @@ def test_no_store_saves_nothing(server) -> None:
         ({"tierkv": {"keep": True}}, "tierkv.keep"),
         ({"tierkv": {"no_store": True, "retention": "1h"}}, "tierkv.no_store"),
         ({"prompt_cache_retention": "in_memory", "tierkv": {"pin": "1h"}}, "tierkv.pin"),
+        ({"prompt_cache_retention": "in_memory", "tierkv": {"retention": "7d"}}, "tierkv.retention"),
+        ({"tierkv": {"no_store": "yes"}}, "tierkv.no_store"),
+        ({"message_cc": {"type": "ephemeral", "ttl": "2h"}}, "messages.0.cache_control.ttl"),
         ({"content_cc": {"type": "ephemeral", "ttl": "2h"}}, "messages.0.content.0.cache_control.ttl"),
         ({"content_cc": {"type": "persistent"}}, "messages.0.content.0.cache_control"),
         (
@@ -242,7 +285,10 @@ def test_unknown_cache_control_values_are_400_naming_the_field(server, extra, pa
         part["cache_control"] = extra.pop("content_cc")
     if "content_bp" in extra:
         part["prompt_cache_breakpoint"] = extra.pop("content_bp")
-    body = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": [part]}], **extra}
+    message: dict = {"role": "user", "content": [part]}
+    if "message_cc" in extra:
+        message = {"role": "user", "content": "Hello there.", "cache_control": extra.pop("message_cc")}
+    body = {"model": "default", "max_tokens": 2, "messages": [message], **extra}
     code, out = _post(server.url + "/v1/chat/completions", body)
     assert code == 400, out
     assert out["error"]["param"] == param, out

@@ -52,7 +52,7 @@ def stats(cache_dir: str, as_json: bool) -> None:
     )  # per retention asked
     click.echo(
         f"retention  store's ttl {r['default']['blocks']} blocks {format_size(r['default']['nbytes'])}   "
-        f"asked longer {r['retained']['blocks']} blocks {format_size(r['retained']['nbytes'])}"
+        f"asked to keep {r['retained']['blocks']} blocks {format_size(r['retained']['nbytes'])}"
         + (f" ({kept[2:]})" if kept else "")
         + f"   pinned {r['pinned']['blocks']} blocks {format_size(r['pinned']['nbytes'])}"
     )

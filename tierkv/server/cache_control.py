@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool
 
 from tierkv.errors import ConfigError
 from tierkv.retention import CacheControl, Retention, parse_duration
@@ -60,17 +60,17 @@ class TierkvCacheOptions(BaseModel):
 
     retention: str | float | None = None  # "2h", "7d", seconds
     pin: str | float | None = None
-    no_store: bool = False
+    no_store: StrictBool = False
 
 
 def cache_control_of(
     body: Any,
     num_tokens: int,
-    prefix_tokens: Callable[[int, int], int] | None = None,
+    prefix_tokens: Callable[[int, int | None], int] | None = None,
 ) -> CacheControl:
     """The cache control a completion or chat request (``body``, a schema object) asks for its prompt of
     ``num_tokens`` tokens. ``prefix_tokens(m, k)``: for a chat, how many of the prompt's tokens the
-    messages up to part ``k`` of message ``m`` make. ClientError (400) naming the field otherwise."""
+    messages up to part ``k`` of message ``m`` make (``k`` None: up to the end of message ``m``). ClientError (400) naming the field otherwise."""
     prefixes: list[tuple[int, Retention]] = []
     memory_only = no_store = False
     retention = getattr(body, "prompt_cache_retention", None)
@@ -100,6 +100,12 @@ def cache_control_of(
     if ext is not None:
         no_store = ext.no_store
         if ext.retention is not None:
+            if memory_only:
+                raise ClientError(
+                    "tierkv.retention: a retention keeps the prompt on disk; prompt_cache_retention "
+                    "'in_memory' keeps it off: ask for one of them",
+                    "tierkv.retention",
+                )
             prefixes.append((num_tokens, Retention(ttl_s=_duration(ext.retention, "tierkv.retention"))))
         if ext.pin is not None:
             if memory_only:
@@ -110,19 +116,28 @@ def cache_control_of(
                 )
             prefixes.append((num_tokens, Retention(pin_s=_duration(ext.pin, "tierkv.pin"))))
     marks = _breakpoints(getattr(body, "messages", None) or (), default_ttl_s or OPENAI_TTLS_S["30m"])
+    marked: list[int] = []
     for m, k, ttl_s in marks:
         if prefix_tokens is None:
             raise ClientError("cache_control: only chat content parts take cache_control", "cache_control")
-        prefixes.append((prefix_tokens(m, k), Retention(ttl_s=ttl_s)))
+        marked.append(prefix_tokens(m, k))
+        prefixes.append((marked[-1], Retention(ttl_s=ttl_s)))
+    # Explicit mode: only the marked prefixes are kept (OpenAI writes only its explicit breakpoints)
+    save_tokens = max(marked) if options is not None and options.mode == "explicit" and marked else None
     if no_store and (prefixes or memory_only):
         raise ClientError(
             "tierkv.no_store: nothing is saved for this request, so it cannot also ask for a retention, "
             "a pin or in_memory",
             "tierkv.no_store",
         )
-    if options is not None and options.mode == "explicit" and not prefixes and not memory_only:
-        no_store = True  # OpenAI: without an explicit breakpoint "the request does not use prompt caching"
-    return CacheControl(tuple(prefixes), memory_only, no_store)
+    if options is not None and options.mode == "explicit" and not marked and not memory_only:
+        if prefixes:  # (tierkv's own retention or pin: the whole prompt, as asked)
+            save_tokens = None
+        else:
+            no_store = (
+                True  # OpenAI: without an explicit breakpoint "the request does not use prompt caching"
+            )
+    return CacheControl(tuple(prefixes), memory_only, no_store, save_tokens)
 
 
 def _duration(value: str | float, field: str) -> float:
@@ -138,23 +153,32 @@ def _one_of(value: Any, allowed: dict[str, float], field: str) -> float:
     return allowed[value]
 
 
-def _breakpoints(messages: Sequence[Any], openai_ttl_s: float) -> list[tuple[int, int, float]]:
+def _breakpoints(messages: Sequence[Any], openai_ttl_s: float) -> list[tuple[int, int | None, float]]:
     """(message, part, ttl_s) of each content part marked as the end of a prefix to keep: Anthropic's
-    ``cache_control`` or OpenAI's ``prompt_cache_breakpoint``, checked."""
-    out: list[tuple[int, int, float]] = []
+    ``cache_control`` or OpenAI's ``prompt_cache_breakpoint``, checked. A mark on the message itself
+    (part None) ends the prefix at the message's end."""
+    out: list[tuple[int, int | None, float]] = []
+
+    def marks(where: Any, field: str, m: int, k: int | None) -> None:
+        if (cc := where.get("cache_control")) is not None:
+            out.append(
+                (m, k, _mark(cc, f"{field}.cache_control", "type", "ephemeral", ANTHROPIC_TTLS_S, "5m"))
+            )
+        if (bp := where.get("prompt_cache_breakpoint")) is not None:
+            ttl_s = _mark(bp, f"{field}.prompt_cache_breakpoint", "mode", "explicit", OPENAI_TTLS_S, None)
+            out.append((m, k, ttl_s or openai_ttl_s))
+
     for m, msg in enumerate(messages):
-        if not isinstance(msg.content, list):
-            continue
-        for k, part in enumerate(msg.content):
-            if not isinstance(part, dict):
-                continue
-            if (cc := part.get("cache_control")) is not None:
-                field = f"messages.{m}.content.{k}.cache_control"
-                out.append((m, k, _mark(cc, field, "type", "ephemeral", ANTHROPIC_TTLS_S, "5m")))
-            if (bp := part.get("prompt_cache_breakpoint")) is not None:
-                field = f"messages.{m}.content.{k}.prompt_cache_breakpoint"
-                ttl_s = _mark(bp, field, "mode", "explicit", OPENAI_TTLS_S, None)
-                out.append((m, k, ttl_s or openai_ttl_s))
+        if isinstance(msg.content, list):
+            for k, part in enumerate(msg.content):
+                if isinstance(part, dict):
+                    marks(part, f"messages.{m}.content.{k}", m, k)
+        marks(
+            {"cache_control": msg.cache_control, "prompt_cache_breakpoint": msg.prompt_cache_breakpoint},
+            f"messages.{m}",
+            m,
+            None,
+        )
     if len(out) > MAX_BREAKPOINTS:
         raise ClientError(
             f"cache_control: at most {MAX_BREAKPOINTS} breakpoints per request, got {len(out)}", "messages"

@@ -99,15 +99,16 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             return render([{"role": msg.role, "content": msg.text()} for msg in req.messages])
 
         def control(body: ChatCompletionRequest, ids: list[int]) -> CacheControl:
-            def prefix_tokens(m: int, k: int) -> int:
-                """Prompt tokens up to the end of part k of message m: the chat rendered that far and
-                compared with the whole (its template closes the turn: only the common part counts)."""
+            def prefix_tokens(m: int, k: int | None) -> int:
+                """Prompt tokens up to the end of part k of message m (k None: of the whole message): the
+                chat rendered that far and compared with the whole (its template closes the turn: only the
+                common part counts)."""
                 msgs = [{"role": x.role, "content": x.text()} for x in body.messages[:m]]
-                cut = body.messages[m].model_copy(
-                    update={"content": list(body.messages[m].content or [])[: k + 1]}
-                )
+                last = body.messages[m]
+                if k is not None:
+                    last = last.model_copy(update={"content": list(last.content or [])[: k + 1]})
                 try:
-                    upto = render(msgs + [{"role": cut.role, "content": cut.text()}])
+                    upto = render(msgs + [{"role": last.role, "content": last.text()}])
                 except ClientError:  # a template that refuses the cut chat: the whole messages before
                     upto = render(msgs) if msgs else []
                 return next(
@@ -275,7 +276,7 @@ def _usage(result: GenerateResult) -> dict[str, Any]:
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": len(result.token_ids),
         "total_tokens": result.prompt_tokens + len(result.token_ids),
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": {"cached_tokens": cached, "cache_write_tokens": pre.saved_tokens},
         "prompt_cache_hit_tokens": cached,
         "prompt_cache_miss_tokens": result.prompt_tokens - cached,
         "cache_read_input_tokens": cached,  # Anthropic's names

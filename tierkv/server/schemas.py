@@ -74,6 +74,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    # A breakpoint on the whole message (as some clients send it, with text content): the prefix up to
+    # its end (server/cache_control.py).
+    cache_control: Any = None
+    prompt_cache_breakpoint: Any = None
 
     @field_validator("content")
     @classmethod

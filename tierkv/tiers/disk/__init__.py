@@ -302,7 +302,7 @@ class DiskTier(Tier):
     def check_pin(self, chain: BlockChain, count: int, record_nbytes: int) -> None:
         """Raise ``PinBudgetError`` unless pinning blocks ``0..count-1`` of ``chain`` (records of about
         ``record_nbytes`` where not stored yet) fits in the pin budget, with the pins already taken and
-        those asked for and not yet written."""
+        those asked for and not yet written. A pin that adds no bytes (all pinned already) always fits."""
         limit = self.policy.pin_limit_nbytes
         if self.read_only or limit <= 0:
             raise PinBudgetError(
@@ -310,23 +310,30 @@ class DiskTier(Tier):
                 "--disk-budget, whose quarter pins may use)"
             )
         keys = [bytes(k) for k in chain.keys[:count]]
-        pending = [k for k in self.times.pending_pins() if k not in set(keys)]
+        asked = set(keys)
+        pending = [k for k in self.times.pending_pins() if k not in asked]
         now = self.clock()
         with self.index.read() as txn:
-            pinned = self.index.pinned_nbytes(txn)
-            more = 0
-            for key in keys + pending:
+            pinned = self.index.live_pinned_nbytes(txn, now)
+            mine = theirs = 0
+            for i, key in enumerate(keys + pending):
                 raw = txn.get(key, db=self.index.db["index"])
                 e = Entry.unpack(raw) if raw is not None else None
                 if e is None or self.policy.expired(e, now):
-                    more += aligned(record_nbytes)
-                elif not e.pin_until_s:
-                    more += e.footprint
-        if pinned + more > limit:
+                    add = aligned(record_nbytes)
+                elif e.pin_until_s <= now:
+                    add = e.footprint
+                else:
+                    add = 0
+                if i < len(keys):
+                    mine += add
+                else:
+                    theirs += add
+        if mine and pinned + theirs + mine > limit:
             raise PinBudgetError(
-                f"pin refused: pinning {count} blocks ({format_size(more)} with the pins on their way) "
-                f"would take the pinned bytes from {format_size(pinned)} past the pin budget, "
-                f"{format_size(limit)}"
+                f"pin refused: it needs {format_size(mine)} more, and {format_size(pinned + theirs)} of the "
+                f"{format_size(limit)} pin budget is pinned already (or on its way): pin a shorter prefix, "
+                "wait for pins to end, or give the server a larger --pin-budget"
             )
 
     def shared_blocks(self, chain: BlockChain) -> int:
@@ -395,6 +402,8 @@ class DiskTier(Tier):
         p = self.policy
         budget = format_size(p.budget_nbytes) if p.budget_nbytes else "no budget"
         ttl = f"ttl {p.ttl_s:.0f}s" if p.ttl_s else "no ttl"
+        if p.pin_limit_nbytes:
+            ttl += f", pins up to {format_size(p.pin_limit_nbytes)}"
         sweep = (
             f"swept every {self._sweeper.interval_s:g}s"
             if self._sweeper is not None

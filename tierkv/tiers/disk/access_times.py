@@ -22,7 +22,7 @@ __all__ = ["AccessTimes", "Touch", "WAIT_S", "WAIT_MAX_KEYS"]
 
 log = logging.getLogger("tierkv.disk")
 
-WAIT_S = 600.0  # a retention for a block never indexed is forgotten after this
+WAIT_S = 120.0  # a retention for a block never indexed (its save dropped) is forgotten after this
 WAIT_MAX_KEYS = 1 << 16  # and the oldest go first past this many
 
 
@@ -105,6 +105,8 @@ class AccessTimes:
             return
 
         def write(txn: Txn) -> dict[bytes, str]:
+            if any(v.pin_until_s for v in touched.values()):  # pins that ended make room for these
+                self.index.end_pins(txn, max(v.t for v in touched.values()))
             return {
                 key: self.index.touch(txn, key, v.t, v.retain_s, v.pin_until_s) for key, v in touched.items()
             }
@@ -132,12 +134,19 @@ class AccessTimes:
         now = time.monotonic()
         with self._lock:
             for key, v in items:
-                old = self._waiting.pop(key, None)
+                old = self._waiting.get(key)
                 if old is not None:
-                    v.merge(old[0])
-                self._waiting[key] = (v, now)  # (re)inserted last: the dict stays oldest first
+                    old[0].merge(v)  # keeps its place and its age
+                else:
+                    self._waiting[key] = (v, now)
             while self._waiting:
                 key, (_, since) = next(iter(self._waiting.items()))
                 if now - since <= WAIT_S and len(self._waiting) <= WAIT_MAX_KEYS:
                     break
                 del self._waiting[key]
+        # A flush off the writer thread (a sweep's) may have found them absent just before the writer
+        # indexed them and looked here: those indexed by now are written next flush instead.
+        with self.index.read() as txn:
+            present = [k for k, _ in items if txn.get(k, db=self.index.db["index"]) is not None]
+        if present:
+            self.requeue(present)

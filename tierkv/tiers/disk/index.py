@@ -26,8 +26,8 @@ from tierkv.metrics import Counters
 from tierkv.priority import normal_priority
 from tierkv.tiers.disk.opening import open_store
 from tierkv.tiers.disk.schema import (
+    BASE_FORMAT_VERSION,
     DBS,
-    NO_PARENT,
     PINNED,
     READ_FORMAT_VERSIONS,
     SEG_ID,
@@ -39,6 +39,7 @@ from tierkv.tiers.disk.schema import (
     Hole,
     Policy,
     time_key,
+    time_of,
 )
 from tierkv.tiers.disk.txn import TxnGate
 
@@ -114,25 +115,36 @@ class Index:
                 f"{', '.join(map(str, READ_FORMAT_VERSIONS))}. Use another --cache-dir, or delete this one "
                 "to start afresh."
             )
-        if writer and version != STORE_FORMAT_VERSION:
-            # New, or version 1 (read as is: see schema.py): marked 2, so that version-1 builds, which
-            # would ignore retention and pins, refuse it from now on.
-            def mark(txn: Txn) -> None:
-                current = txn.get(b"format_version", db=self.db["meta"])
-                if current is None or _parse_version(current) in READ_FORMAT_VERSIONS:
-                    txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"])
-
-            self.write(mark)
-            if version is not None:
-                log.info(
-                    "disk tier %s: format version %d marked %d", self.path, version, STORE_FORMAT_VERSION
+        if writer and raw is None:
+            self.write(
+                lambda txn: txn.put(
+                    b"format_version", str(BASE_FORMAT_VERSION).encode(), db=self.db["meta"], overwrite=False
                 )
+            )
+
+    def _mark_v2(self, txn: Txn) -> None:
+        """In the transaction that writes an entry with a retention or a pin: format-1 builds, which cannot
+        read it, refuse the store from now on (checked in every such transaction: one that aborted and
+        ran again must not rely on an earlier one)."""
+        current = txn.get(b"format_version", db=self.db["meta"])
+        if current is None or _parse_version(current) != STORE_FORMAT_VERSION:
+            txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"])
+            log.info(
+                "disk tier %s: the first retention or pin: format version %d", self.path, STORE_FORMAT_VERSION
+            )
 
     def _load_policy(self, given: Policy | None, persist: bool) -> Policy:
-        """The stored policy, with the fields ``given`` sets (not None) replacing it; persisted by writers."""
+        """The stored policy, with the fields ``given`` sets (not None) replacing it; persisted by writers.
+        The pin budget has a key of its own: format-1 builds read the policy's JSON and refuse fields
+        they do not know."""
         with self.read() as txn:
             raw = txn.get(b"policy", db=self.db["meta"])
-        stored = Policy(**json.loads(raw)) if raw else Policy()
+            pin_raw = txn.get(b"pin_budget", db=self.db["meta"])
+        known = {f.name for f in dataclasses.fields(Policy)}
+        fields = {k: v for k, v in json.loads(raw).items() if k in known} if raw else {}
+        if pin_raw is not None:
+            fields["pin_budget_nbytes"] = int(pin_raw)
+        stored = Policy(**fields)
         if given is None:
             return stored
         merged = Policy(
@@ -142,11 +154,14 @@ class Index:
             )
         )
         if persist and merged != stored:
-            self.write(
-                lambda txn: txn.put(
-                    b"policy", json.dumps(dataclasses.asdict(merged)).encode(), db=self.db["meta"]
-                )
-            )
+            v1 = {k: v for k, v in dataclasses.asdict(merged).items() if k != "pin_budget_nbytes"}
+
+            def put(txn: Txn) -> None:
+                txn.put(b"policy", json.dumps(v1).encode(), db=self.db["meta"])
+                if merged.pin_budget_nbytes is not None:
+                    txn.put(b"pin_budget", str(merged.pin_budget_nbytes).encode(), db=self.db["meta"])
+
+            self.write(put)
         return merged
 
     def close(self) -> None:
@@ -204,13 +219,17 @@ class Index:
 
     # ---------------------------------------------------------------- row updates (inside write(fn))
 
-    def insert(self, txn: Txn, key: bytes, e: Entry) -> None:
+    def insert(self, txn: Txn, key: bytes, e: Entry, parent: bytes | None = None) -> None:
+        """Index an entry (``parent``: the key of the block before it, for ``children``)."""
+        if e.needs_v2:
+            self._mark_v2(txn)
         txn.put(key, e.pack(), db=self.db["index"])
         table, row = e.time_row(key)
         txn.put(row, b"", db=self.db[table])
         txn.put(time_key(e.created_s, key), b"", db=self.db["ctime"])
-        if e.parent != NO_PARENT:
-            txn.put(e.parent + key, b"", db=self.db["children"])
+        if parent is not None:
+            txn.put(key, parent, db=self.db["parents"])
+            txn.put(parent + key, b"", db=self.db["children"])
         self._add_totals(txn, e.ns_digest, 1, e.footprint)
         self._add_segment(txn, e.seg_id, 1, e.footprint)
         if e.pin_until_s:
@@ -222,8 +241,10 @@ class Index:
         table, row = e.time_row(key)
         txn.delete(row, db=self.db[table])
         txn.delete(time_key(e.created_s, key), db=self.db["ctime"])
-        if e.parent != NO_PARENT:
-            txn.delete(e.parent + key, db=self.db["children"])
+        parent = txn.get(key, db=self.db["parents"])
+        if parent is not None:
+            txn.delete(key, db=self.db["parents"])
+            txn.delete(bytes(parent) + key, db=self.db["children"])
         self._add_totals(txn, e.ns_digest, -1, -e.footprint)
         if e.pin_until_s:
             self._add_pinned(txn, -1, -e.footprint)
@@ -231,6 +252,8 @@ class Index:
 
     def replace(self, txn: Txn, key: bytes, old: Entry, new: Entry) -> None:
         """Rewrite an entry whose access time, retention or pin changed (same record, same place)."""
+        if new.needs_v2:
+            self._mark_v2(txn)
         table, row = old.time_row(key)
         txn.delete(row, db=self.db[table])
         table, row = new.time_row(key)
@@ -251,6 +274,9 @@ class Index:
         e = Entry.unpack(raw)
         if self.policy.expired(e, max(t, e.last_access_s)):
             return "expired"
+        ttl_s = self.policy.ttl_s
+        if ttl_s is None or retain_s < ttl_s:  # shorter than the store keeps it anyway: nothing asked
+            retain_s = 0.0
         new = dataclasses.replace(
             e, last_access_s=max(t, e.last_access_s), retain_s=max(retain_s, e.retain_s)
         )
@@ -273,9 +299,38 @@ class Index:
             row = bytes(cur.key())
             if row[: len(key)] != key:
                 break
-            out.append(row[len(key) :])
+            child = row[len(key) :]
+            if txn.get(child, db=self.db["index"]) is not None:  # (a format-1 process may have left it)
+                out.append(child)
             ok = cur.next()
         return out
+
+    def end_pins(self, txn: Txn, now: float) -> None:
+        """Pins that ended before ``now`` release their blocks to the other classes (a sweep does this
+        too; eviction and new pins must not wait for one)."""
+        cur = txn.cursor(db=self.db["pinned"])
+        while cur.first():
+            tkey = bytes(cur.key())
+            if time_of(tkey) >= now:
+                return
+            key = tkey[TIME.size :]
+            raw = txn.get(key, db=self.db["index"])
+            if raw is None:
+                txn.delete(tkey, db=self.db["pinned"])  # stale row
+                continue
+            e = Entry.unpack(raw)
+            self.replace(txn, key, e, dataclasses.replace(e, pin_until_s=0.0))
+
+    def live_pinned_nbytes(self, txn: Txn, now: float) -> int:
+        """Bytes of pins that have not ended by ``now`` (in a read transaction: ended ones still count
+        in the totals until ``end_pins`` or a sweep)."""
+        ended = 0
+        for tkey, _ in txn.cursor(db=self.db["pinned"]):
+            if time_of(bytes(tkey)) >= now:
+                break
+            raw = txn.get(bytes(tkey[TIME.size :]), db=self.db["index"])
+            ended += Entry.unpack(raw).footprint if raw is not None else 0
+        return max(0, self.pinned_nbytes(txn) - ended)
 
     def pinned_nbytes(self, txn: Txn) -> int:
         raw = txn.get(PINNED, db=self.db["meta"])
@@ -357,12 +412,14 @@ class Index:
         if existing is None:
             txn.put(digest, spec, db=self.db["namespaces"])
 
-    def evict_over(self, txn: Txn, budget: int) -> list[Hole]:
+    def evict_over(self, txn: Txn, budget: int, now: float | None = None) -> list[Hole]:
         """Evict blocks until the live bytes fit in ``budget``: least recently used first among those of
         the store's own retention, then those a request asked to keep, the soonest to lapse first; never
         a pinned block (pins fit in their own budget, a part of this one)."""
         total = self.total_nbytes(txn)
         holes: list[Hole] = []
+        if total > budget and now is not None:
+            self.end_pins(txn, now)
         for table in EVICTION_ORDER:
             cur = txn.cursor(db=self.db[table])
             while total > budget and cur.first():

@@ -2,14 +2,16 @@
 
 LMDB environment ``<dir>/index`` (named databases):
 
-    index       key -> Entry (namespace, segment, offset, nbytes, created_s, last_access_s, retain_s,
-                pin_until_s, parent key)
+    index       key -> Entry (namespace, segment, offset, nbytes, created_s, last_access_s[, retain_s,
+                pin_until_s]: the last two only when either is set, so that the rest stay readable by
+                format-1 builds)
     atime       last_access_ms(8, big-endian) || key -> ""   (blocks of the store's own retention: LRU
                                                              eviction first, sliding-TTL sweeps)
     retained    (last_access + retain_s)_ms || key -> ""     (blocks a request asked to keep longer:
                                                              evicted after every ``atime`` block)
     pinned      pin_until_ms || key -> ""                    (pinned: never evicted, never idle-expired)
     ctime       created_ms || key -> ""                      (max-age sweeps)
+    parents     key -> parent key                            (for blocks saved since format 2)
     children    parent key || key -> ""                      (which stored prefixes extend a block:
                                                              a deletion by prompt keeps shared ones)
     segments    seg_id(4) -> SegmentRow (live bytes and records, creator pid, sealed)
@@ -20,10 +22,12 @@ LMDB environment ``<dir>/index`` (named databases):
 
 Each entry has one row in exactly one of ``atime``, ``retained`` and ``pinned`` (``Entry.time_row``).
 
-Format versions: 1 had no per-block retention (its 64-byte entries read as the store's default
-retention and no parent, and a writer opening it marks it version 2, which version-1 builds refuse);
-2 adds ``retain_s``, ``pin_until_s`` and the parent key to entries, and the ``retained``, ``pinned``
-and ``children`` tables (version-1 entries have no ``children`` row: their siblings are not seen).
+Format versions: a store is marked 1 until the first entry with a retention or a pin is written, then
+2. Format-1 builds read and write every other entry (64 bytes) and ignore the new tables, so they run
+beside this build until a request first asks for a retention or a pin; from then on they refuse the store
+(stop them before, or upgrade them). This build reads both. Rows of the new tables that a format-1 process
+left stale (it removed the entry, not them) are ignored: a ``children`` row counts only while its child
+is indexed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ __all__ = [
     "DBS",
     "ENTRY",
     "ENTRY_V1",
-    "NO_PARENT",
+    "BASE_FORMAT_VERSION",
     "PINNED",
     "READ_FORMAT_VERSIONS",
     "Entry",
@@ -61,6 +65,7 @@ DBS = (
     "retained",
     "pinned",
     "ctime",
+    "parents",
     "children",
     "segments",
     "totals",
@@ -68,8 +73,8 @@ DBS = (
     "meta",
 )
 ENTRY_V1 = struct.Struct("<32sIQIdd")  # ns digest, seg_id, offset, nbytes, created_s, last_access_s
-ENTRY = struct.Struct("<32sIQIdddd32s")  # version 2: ..., retain_s, pin_until_s, parent key
-NO_PARENT = bytes(32)  # a version-1 entry's parent: unknown
+ENTRY = struct.Struct("<32sIQIdddd")  # version 2, with a retention or a pin: ..., retain_s, pin_until_s
+BASE_FORMAT_VERSION = 1  # what a store without any retention or pin is marked
 PINNED = b"pinned"  # meta key: TOTALS of the pinned blocks
 SEGMENT = struct.Struct("<QIIB")  # live_nbytes, live_records, creator pid, sealed
 TOTALS = struct.Struct("<QQ")  # blocks, nbytes (footprint: page-aligned record bytes)
@@ -89,7 +94,6 @@ class Entry:
     last_access_s: float
     retain_s: float = 0.0  # kept at least this long after its last access (0: the store's TTL only)
     pin_until_s: float = 0.0  # pinned until then (0: not pinned)
-    parent: bytes = NO_PARENT  # the key of the block before it (the namespace's root key for block 0)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Entry:
@@ -97,18 +101,16 @@ class Entry:
             return cls(*ENTRY_V1.unpack(raw))
         return cls(*ENTRY.unpack(raw))
 
+    @property
+    def needs_v2(self) -> bool:
+        """Whether it holds what only format 2 can say (a retention or a pin)."""
+        return bool(self.retain_s or self.pin_until_s)
+
     def pack(self) -> bytes:
-        return ENTRY.pack(
-            self.ns_digest,
-            self.seg_id,
-            self.offset,
-            self.nbytes,
-            self.created_s,
-            self.last_access_s,
-            self.retain_s,
-            self.pin_until_s,
-            self.parent,
-        )
+        base = (self.ns_digest, self.seg_id, self.offset, self.nbytes, self.created_s, self.last_access_s)
+        if not self.needs_v2:
+            return ENTRY_V1.pack(*base)
+        return ENTRY.pack(*base, self.retain_s, self.pin_until_s)
 
     def time_row(self, key: bytes) -> tuple[str, bytes]:
         """The entry's row in the table of its class: pinned, retained by a request, or the store's."""
@@ -138,8 +140,10 @@ class Policy:
 
     @property
     def pin_limit_nbytes(self) -> int:
+        """The bytes pins may hold: never more than the budget (else it could not be met)."""
         if self.pin_budget_nbytes is not None:
-            return self.pin_budget_nbytes
+            limit = self.pin_budget_nbytes
+            return min(limit, self.budget_nbytes) if self.budget_nbytes is not None else limit
         return self.budget_nbytes // 4 if self.budget_nbytes else 0
 
     def expired(self, e: Entry, now: float) -> bool:

@@ -19,7 +19,7 @@ from tierkv.keys import BlockKey
 from tierkv.metrics import Counters
 from tierkv.priority import background_priority
 from tierkv.tiers.disk.index import EVICTION_ORDER, Index, Txn
-from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_of
+from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_key, time_of
 from tierkv.tiers.disk.segments import SegmentDir, aligned
 
 __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Progress", "SWEEP_BATCH", "Sweeper", "Sweeps"]
@@ -103,7 +103,7 @@ class Sweeps:
                 if verdict is STOP:
                     break
                 n += 1
-                if e is None or e.time_row(key) != (table, tkey):  # a stale row: drop it
+                if e is None or _row_of(table, key, e) != (table, tkey):  # a stale row: drop it
                     txn.delete(tkey, db=db[table])
                 elif verdict is None:
                     holes.append((*e.location, self.index.remove(txn, key, e)))
@@ -325,6 +325,11 @@ class Sweeps:
 
         if self.index.write(drop):
             self.segments.unlink(seg_id)
+
+
+def _row_of(table: str, key: bytes, e: Entry) -> tuple[str, bytes]:
+    """The row ``e`` should have in ``table``'s kind of table: its creation time, or its class's time."""
+    return ("ctime", time_key(e.created_s, key)) if table == "ctime" else e.time_row(key)
 
 
 def _record_ok(key: bytes, e: Entry, view: memoryview) -> bool:

@@ -405,10 +405,8 @@ class Writer:
                     self.index.put_namespace(txn, p.ns_digest, p.ns_spec)
                 access_s = now if p.access_s is None else min(p.access_s, now)
                 entry = Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, access_s)
-                if p.parent is not None:
-                    entry.parent = p.parent
-                self.index.insert(txn, p.key, entry)
-            evicted = self.index.evict_over(txn, budget) if budget is not None else []
+                self.index.insert(txn, p.key, entry, p.parent)
+            evicted = self.index.evict_over(txn, budget, now) if budget is not None else []
             return holes + evicted, unused, len(evicted)
 
         try:
