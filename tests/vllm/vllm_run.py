@@ -1,7 +1,7 @@
 """One vLLM engine process for the connector tests: ``python vllm_run.py SPEC.json RESULT.json``.
 
 SPEC: {"model": dir, "connector": extra-config dict or null (no connector), "prompts": [{"tokens": [...],
-"salt": str or null}, ...], "max_tokens": int, "logprobs": int, "block_size": int or null}. The prompts run
+"salt": str or null, "kv_transfer_params": dict or null}, ...], "max_tokens": int, "logprobs": int, "block_size": int or null}. The prompts run
 one after another (each its own ``generate``), greedy, ignoring EOS; or "batches": [[prompt, ...], ...],
 each list one ``generate`` (scheduled together), "reset_between": true to empty vLLM's own prefix cache
 between them. "faults": see ``faults.py``. RESULT: per prompt the generated
@@ -135,13 +135,18 @@ def main(spec_path: str, result_path: str) -> None:
         if before_batch is not None:
             before_batch(n)
         prompts = []
+        per_prompt = []  # a prompt's "kv_transfer_params" reach the connector as vLLM's server passes them
         for p in batch:
             prompt = TokensPrompt(prompt_token_ids=p["tokens"])
             if p.get("salt"):
                 prompt["cache_salt"] = p["salt"]
             prompts.append(prompt)
+            own = params.clone()
+            if p.get("kv_transfer_params") is not None:
+                own.extra_args = {"kv_transfer_params": p["kv_transfer_params"]}
+            per_prompt.append(own)
         t1 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, per_prompt, use_tqdm=False)
         seconds = time.perf_counter() - t1
         for out in outs:
             gen = out.outputs[0]

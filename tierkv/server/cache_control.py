@@ -15,10 +15,15 @@
 
 A value the server does not know is a 400 naming the field: silently caching less (or more) than a
 client asked for is the one thing a cache control must not do.
+
+The same fields reach the vLLM connector in a request's ``kv_transfer_params`` (vLLM's server passes no
+other field through): ``integrations/vllm/scheduler.py`` reads them with ``cache_control_of`` too.
+Nothing here imports the server (FastAPI, the model): the connector runs inside vLLM.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,16 +31,18 @@ from pydantic import BaseModel, ConfigDict, StrictBool
 
 from tierkv.errors import ConfigError
 from tierkv.retention import CacheControl, Retention, parse_duration
-from tierkv.server.engine import ClientError
 
 __all__ = [
     "ANTHROPIC_TTLS_S",
+    "CacheControlError",
     "OPENAI_TTLS_S",
     "PromptCacheOptions",
     "MAX_BREAKPOINTS",
     "OPENAI_RETENTIONS",
     "TierkvCacheOptions",
+    "CONTROL_FIELDS",
     "cache_control_of",
+    "control_from_params",
 ]
 
 OPENAI_RETENTIONS = {"in_memory": Retention(memory_only=True), "24h": Retention(ttl_s=86400.0)}
@@ -51,6 +58,14 @@ class PromptCacheOptions(BaseModel):
 
     mode: str = "implicit"
     ttl: str = "30m"
+
+
+class CacheControlError(ConfigError):
+    """A cache-control field the server does not know (a 400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class TierkvCacheOptions(BaseModel):
@@ -70,14 +85,14 @@ def cache_control_of(
 ) -> CacheControl:
     """The cache control a completion or chat request (``body``, a schema object) asks for its prompt of
     ``num_tokens`` tokens. ``prefix_tokens(m, k)``: for a chat, how many of the prompt's tokens the
-    messages up to part ``k`` of message ``m`` make (``k`` None: up to the end of message ``m``). ClientError (400) naming the field otherwise."""
+    messages up to part ``k`` of message ``m`` make (``k`` None: up to the end of message ``m``). CacheControlError (a 400) naming the field otherwise."""
     prefixes: list[tuple[int, Retention]] = []
     memory_only = no_store = False
     retention = getattr(body, "prompt_cache_retention", None)
     if retention is not None:
         asked = OPENAI_RETENTIONS.get(retention) if isinstance(retention, str) else None
         if asked is None:
-            raise ClientError(
+            raise CacheControlError(
                 f"prompt_cache_retention: must be one of {', '.join(map(repr, OPENAI_RETENTIONS))}, "
                 f"got {retention!r}",
                 "prompt_cache_retention",
@@ -89,7 +104,7 @@ def cache_control_of(
     default_ttl_s = 0.0
     if options is not None:
         if options.mode not in ("implicit", "explicit"):
-            raise ClientError(
+            raise CacheControlError(
                 f"prompt_cache_options.mode: must be 'implicit' or 'explicit', got {options.mode!r}",
                 "prompt_cache_options.mode",
             )
@@ -101,7 +116,7 @@ def cache_control_of(
         no_store = ext.no_store
         if ext.retention is not None:
             if memory_only:
-                raise ClientError(
+                raise CacheControlError(
                     "tierkv.retention: a retention keeps the prompt on disk; prompt_cache_retention "
                     "'in_memory' keeps it off: ask for one of them",
                     "tierkv.retention",
@@ -109,7 +124,7 @@ def cache_control_of(
             prefixes.append((num_tokens, Retention(ttl_s=_duration(ext.retention, "tierkv.retention"))))
         if ext.pin is not None:
             if memory_only:
-                raise ClientError(
+                raise CacheControlError(
                     "tierkv.pin: a pin keeps the prompt on disk; prompt_cache_retention 'in_memory' keeps "
                     "it off: ask for one of them",
                     "tierkv.pin",
@@ -119,13 +134,15 @@ def cache_control_of(
     marked: list[int] = []
     for m, k, ttl_s in marks:
         if prefix_tokens is None:
-            raise ClientError("cache_control: only chat content parts take cache_control", "cache_control")
+            raise CacheControlError(
+                "cache_control: only chat content parts take cache_control", "cache_control"
+            )
         marked.append(prefix_tokens(m, k))
         prefixes.append((marked[-1], Retention(ttl_s=ttl_s)))
     # Explicit mode: only the marked prefixes are kept (OpenAI writes only its explicit breakpoints)
     save_tokens = max(marked) if options is not None and options.mode == "explicit" and marked else None
     if no_store and (prefixes or memory_only):
-        raise ClientError(
+        raise CacheControlError(
             "tierkv.no_store: nothing is saved for this request, so it cannot also ask for a retention, "
             "a pin or in_memory",
             "tierkv.no_store",
@@ -143,13 +160,17 @@ def cache_control_of(
 def _duration(value: str | float, field: str) -> float:
     try:
         return parse_duration(value, field)
+    except CacheControlError:
+        raise
     except ConfigError as exc:
-        raise ClientError(str(exc), field) from None
+        raise CacheControlError(str(exc), field) from None
 
 
 def _one_of(value: Any, allowed: dict[str, float], field: str) -> float:
     if value not in allowed:
-        raise ClientError(f"{field}: must be one of {', '.join(map(repr, allowed))}, got {value!r}", field)
+        raise CacheControlError(
+            f"{field}: must be one of {', '.join(map(repr, allowed))}, got {value!r}", field
+        )
     return allowed[value]
 
 
@@ -180,7 +201,7 @@ def _breakpoints(messages: Sequence[Any], openai_ttl_s: float) -> list[tuple[int
             None,
         )
     if len(out) > MAX_BREAKPOINTS:
-        raise ClientError(
+        raise CacheControlError(
             f"cache_control: at most {MAX_BREAKPOINTS} breakpoints per request, got {len(out)}", "messages"
         )
     return out
@@ -191,9 +212,31 @@ def _mark(
 ) -> float:
     """The ttl of one breakpoint object ({kind: expected, "ttl": ...}); 0.0 for none and no default."""
     if not isinstance(value, dict) or value.get(kind) != expected:
-        raise ClientError(f'{field}: must be {{"{kind}": "{expected}"}} with an optional ttl', field)
+        raise CacheControlError(f'{field}: must be {{"{kind}": "{expected}"}} with an optional ttl', field)
     unknown = set(value) - {kind, "ttl"}
     if unknown:
-        raise ClientError(f"{field}: unknown field(s) {', '.join(sorted(unknown))}", field)
+        raise CacheControlError(f"{field}: unknown field(s) {', '.join(sorted(unknown))}", field)
     ttl = value.get("ttl", default)
     return 0.0 if ttl is None else _one_of(ttl, ttls_s, f"{field}.ttl")
+
+
+CONTROL_FIELDS = frozenset({"tierkv", "prompt_cache_retention", "prompt_cache_options"})
+
+
+def control_from_params(params: dict[str, Any], num_tokens: int) -> CacheControl:
+    """The cache control in a vLLM request's ``kv_transfer_params`` (``prompt_cache_retention``,
+    ``prompt_cache_options`` with implicit mode, ``tierkv``): the prompt has no messages there, so no
+    breakpoints. CacheControlError or pydantic's ValueError on a value it does not know."""
+    options = params.get("prompt_cache_options")
+    ext = params.get("tierkv")
+    body = types.SimpleNamespace(
+        prompt_cache_retention=params.get("prompt_cache_retention"),
+        prompt_cache_options=PromptCacheOptions(**options) if isinstance(options, dict) else options,
+        tierkv=TierkvCacheOptions(**ext) if isinstance(ext, dict) else ext,
+        messages=None,
+    )
+    for field in ("prompt_cache_options", "tierkv"):
+        value = getattr(body, field)
+        if value is not None and not isinstance(value, BaseModel):
+            raise CacheControlError(f"{field}: must be an object", field)
+    return cache_control_of(body, num_tokens)

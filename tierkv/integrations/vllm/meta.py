@@ -6,6 +6,8 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from tierkv.retention import CacheControl
+
 __all__ = ["BlockSpan", "TierKVMetadata", "TierKVWorkerMetadata"]
 
 
@@ -25,6 +27,7 @@ class BlockSpan:
     block_ids: list[int]
     deps: list[int] = dataclasses.field(default_factory=list)
     check: bool = False
+    control: CacheControl | None = None  # the request's cache control (retention, memory only)
 
     @property
     def end(self) -> int:

@@ -20,11 +20,14 @@ import time
 import uuid
 from typing import Any
 
+from tierkv.errors import ConfigError, PinBudgetError
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.metrics import TierKVStats
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
 from tierkv.keys import BlockChain, Namespace
+from tierkv.retention import NO_CONTROL, CacheControl
+from tierkv.server.cache_control import CONTROL_FIELDS, control_from_params
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -47,6 +50,7 @@ class _Request:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     check: tuple[int, int] | None = None  # a self-checked load's blocks, not yet recomputed by vLLM
     counted: bool = False  # its prompt tokens are in the metrics (once, however often it is rescheduled)
+    control: CacheControl = NO_CONTROL  # what its kv_transfer_params asked of the cache
 
 
 # What a request must have for the connector to key it with certainty; a vLLM whose requests lack any of
@@ -132,8 +136,27 @@ class SchedulerSide:
             ns = self.ns.with_salt(salt) if salt else self.ns
             prompt = list(request.prompt_token_ids)
             r = _Request(prompt, salt, BlockChain.of(ns, prompt))
+            r.control = self._control(request, r)
             self._reqs[request.request_id] = r
         return r
+
+    def _control(self, request: Any, r: _Request) -> CacheControl:
+        """The cache control in the request's ``kv_transfer_params`` (the one field vLLM's server passes
+        through): the fields ``tierkv serve`` takes at the top level of a request (docs/cache-control.md).
+        vLLM has no way to refuse a request from here: a value the connector does not know, or a pin past
+        the budget, is logged and counted, and the request is served without it."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict) or not CONTROL_FIELDS & set(params):
+            return NO_CONTROL
+        try:
+            control = control_from_params(params, len(r.prompt))
+            tokens, pin_s = control.pin
+            if pin_s and self.store is not None:
+                self.store.check_pin(r.chain.ns, r.chain, pin_s, num_blocks=tokens // self.block_tokens)
+        except (ConfigError, PinBudgetError, ValueError) as exc:
+            log.warning("tierkv: request %s: its cache control is ignored: %s", request.request_id, exc)
+            return NO_CONTROL
+        return control
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self.store is None or not self.load_enabled:
@@ -262,7 +285,15 @@ class SchedulerSide:
             if end > first:
                 check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
                 meta.loads.append(
-                    BlockSpan(req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end], check=check)
+                    BlockSpan(
+                        req_id,
+                        r.prompt[: end * B],
+                        r.salt,
+                        first,
+                        r.block_ids[first:end],
+                        check=check,
+                        control=r.control,
+                    )
                 )
                 if check:
                     r.check = (first, end)
@@ -280,10 +311,18 @@ class SchedulerSide:
                     BlockSpan(req_id, r.prompt[: hi * B], r.salt, lo, r.block_ids[lo:hi], r.block_ids[:lo])
                 )
                 r.check = None if hi >= r.check[1] else (hi, r.check[1])
-        if self.save_enabled:
+        if r.control.save_tokens is not None:  # only the prefixes the request marked
+            end = min(end, r.control.save_tokens // B)
+        if self.save_enabled and not r.control.no_store and end > first:
             meta.saves.append(
                 BlockSpan(
-                    req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end], r.block_ids[:first]
+                    req_id,
+                    r.prompt[: end * B],
+                    r.salt,
+                    first,
+                    r.block_ids[first:end],
+                    r.block_ids[:first],
+                    control=r.control,
                 )
             )
 

@@ -223,6 +223,11 @@ class WorkerSide:
                 )
                 got = 0
         self.guard.loaded(ids[:got])
+        if got:
+            try:  # a hit extends the retention its request asks, as a save does
+                self._retain(chain.prefix(span.first + got), span)
+            except Exception:
+                log.exception("tierkv: extending the retention of %s failed", span.req_id)
         if got and span.check:
             try:
                 self._keep_for_check(span, kv, got)
@@ -233,6 +238,14 @@ class WorkerSide:
         self.stats["load_blocks"] += got
         self.stats["load_s"] += time.perf_counter() - t0
         self._moved = True
+
+    def _retain(self, chain: BlockChain, span: BlockSpan) -> None:
+        """The retention (and pins) the span's request asked for, on its blocks up to the span's end."""
+        if span.control is None or self.store is None:
+            return
+        B = chain.ns.block_tokens
+        for tokens, retention in span.control.prefixes:
+            self.store.retain(chain.ns, chain, retention, num_blocks=min(tokens // B, len(chain)))
 
     def _fail(self, span: BlockSpan, loaded: int) -> None:
         failed = span.block_ids[loaded:]
@@ -352,7 +365,9 @@ class WorkerSide:
             blocks = self._buffer("save", (n, *self.spec.block_shape), grow_dim=0)
             self.layout.gather(self.caches, torch.tensor(span.block_ids, dtype=torch.long), out=blocks)
             chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
-            self.store.save_blocks(chain.ns, chain, blocks, start_block=span.first)
+            memory_only = span.control is not None and span.control.memory_only
+            self.store.save_blocks(chain.ns, chain, blocks, start_block=span.first, memory_only=memory_only)
+            self._retain(chain, span)
         except Exception:  # a cache: a failed save is a future miss, never a failed request
             log.exception("tierkv: saving %d blocks of %s failed", n, span.req_id)
             return

@@ -1,0 +1,46 @@
+"""Cache control through vLLM: the fields ``tierkv serve`` takes, given in a request's ``kv_transfer_params``
+(the one field vLLM's server passes to a connector), honoured by TierKVConnector in a real vLLM engine."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from vllm_engine import Engine, tierkv_cli
+
+B = 128  # vLLM's CPU block size (the default)
+
+
+def _prompt(seed: int) -> list[int]:
+    return random.Random(seed).choices(range(3, 500), k=3 * B + 10)  # 3 whole blocks
+
+
+def test_kv_transfer_params_carry_retention_memory_only_and_no_store(tmp_path: Path, model_dir: Path) -> None:
+    cache = tmp_path / "cache"
+    connector = {"cache_dir": str(cache), "host_bytes": "64MiB", "disk_bytes": "1GiB", "ttl_s": "1h"}
+    kept, in_memory, nothing, bad = (_prompt(i) for i in (11, 12, 13, 14))
+    run = Engine(tmp_path, model_dir).run(
+        "control",
+        [
+            {"tokens": kept, "kv_transfer_params": {"tierkv": {"retention": "7d"}}},
+            {"tokens": in_memory, "kv_transfer_params": {"prompt_cache_retention": "in_memory"}},
+            {"tokens": nothing, "kv_transfer_params": {"tierkv": {"no_store": True}}},
+            {"tokens": bad, "kv_transfer_params": {"tierkv": {"retention": "forever"}}},  # ignored, logged
+        ],
+        connector,
+    )
+    assert len(run["results"]) == 4
+    stats = tierkv_cli("stats", "--cache-dir", str(cache))
+    # On disk: the kept prompt (7 days after each use) and the one whose control was refused (the TTL)
+    assert stats["blocks"] == 6
+    assert stats["retention"]["retained"]["by_ttl"] == {
+        "7.0d": {"blocks": 3, "nbytes": 3 * stats["live_nbytes"] // 6}
+    }
+    assert stats["retention"]["default"]["blocks"] == 3
+    from tierkv.keys import BlockChain, Namespace
+    from tierkv.tiers.disk import DiskTier
+
+    (ns,) = [Namespace.from_json(n["spec"]) for n in stats["namespaces"]]
+    with DiskTier(cache, writer=False) as disk:
+        for tokens, held in ((kept, 3), (in_memory, 0), (nothing, 0), (bad, 3)):
+            assert disk.lookup(BlockChain.of(ns, tokens).keys) == held
