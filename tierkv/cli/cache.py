@@ -11,8 +11,9 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -87,6 +88,23 @@ _server = click.option(
 _salt = click.option("--cache-salt", help="The tenant's cache_salt (else each file's own, else none).")
 
 
+def _each(
+    paths: tuple[str, ...],
+    send: Callable[[Path], tuple[int, dict[str, Any]]],
+    line: Callable[[dict[str, Any]], str],
+) -> NoReturn:
+    """Send each prompt file; print ``line(answer)`` for each, or its error. Exit 1 if any failed."""
+    failed = 0
+    for path in _files(paths):
+        code, out = send(path)
+        if code != 200:
+            failed += 1
+            click.echo(f"{path}: {code} {out.get('error', {}).get('message', out)}", err=True)
+        else:
+            click.echo(f"{path}: {line(out)}")
+    sys.exit(1 if failed else 0)
+
+
 @click.command()
 @_server
 @_salt
@@ -95,18 +113,14 @@ def prefetch(server: str, cache_salt: str | None, paths: tuple[str, ...]) -> Non
     """Bring each prompt's cached prefix from disk into the server's memory, computing nothing.
 
     PATHS: request bodies (chat or completion JSON) or text files, or directories of them."""
-    failed = 0
-    for path in _files(paths):
-        code, out = _send(server, "POST", "/v1/cache/prefetch", _body(path, cache_salt))
-        if code != 200:
-            failed += 1
-            click.echo(f"{path}: {code} {out.get('error', {}).get('message', out)}", err=True)
-            continue
-        click.echo(
-            f"{path}: {out['cached_tokens']:,} of {out['prompt_tokens']:,} tokens cached, now in "
+    _each(
+        paths,
+        lambda path: _send(server, "POST", "/v1/cache/prefetch", _body(path, cache_salt)),
+        lambda out: (
+            f"{out['cached_tokens']:,} of {out['prompt_tokens']:,} tokens cached, now in "
             f"{_tiers(out['cached_tokens_by_tier'])} (were in {_tiers(out['before_by_tier'])})"
-        )
-    sys.exit(1 if failed else 0)
+        ),
+    )
 
 
 @click.command()
@@ -121,20 +135,15 @@ def forget(server: str, cache_salt: str | None, shared: bool, paths: tuple[str, 
 
     Only the blocks no other cached prompt extends, unless --shared. PATHS: request bodies (chat or
     completion JSON) or text files, or directories of them."""
-    failed = 0
-    for path in _files(paths):
-        body = {**_body(path, cache_salt), "shared": shared}
-        code, out = _send(server, "DELETE", "/v1/cache", body)
-        if code != 200:
-            failed += 1
-            click.echo(f"{path}: {code} {out.get('error', {}).get('message', out)}", err=True)
-            continue
-        click.echo(
-            f"{path}: removed {out['removed_blocks']} of {out['blocks']} blocks"
+    _each(
+        paths,
+        lambda path: _send(server, "DELETE", "/v1/cache", {**_body(path, cache_salt), "shared": shared}),
+        lambda out: (
+            f"removed {out['removed_blocks']} of {out['blocks']} blocks"
             + (
                 f", kept {out['kept_shared_blocks']} shared with other prompts"
                 if out["kept_shared_blocks"]
                 else ""
             )
-        )
-    sys.exit(1 if failed else 0)
+        ),
+    )

@@ -114,22 +114,20 @@ def cache_control_of(
     ext: TierkvCacheOptions | None = getattr(body, "tierkv", None)
     if ext is not None:
         no_store = ext.no_store
-        if ext.retention is not None:
+        for field in ("retention", "pin"):
+            value = getattr(ext, field)
+            if value is None:
+                continue
             if memory_only:
                 raise CacheControlError(
-                    "tierkv.retention: a retention keeps the prompt on disk; prompt_cache_retention "
+                    f"tierkv.{field}: a {field} keeps the prompt on disk; prompt_cache_retention "
                     "'in_memory' keeps it off: ask for one of them",
-                    "tierkv.retention",
+                    f"tierkv.{field}",
                 )
-            prefixes.append((num_tokens, Retention(ttl_s=_duration(ext.retention, "tierkv.retention"))))
-        if ext.pin is not None:
-            if memory_only:
-                raise CacheControlError(
-                    "tierkv.pin: a pin keeps the prompt on disk; prompt_cache_retention 'in_memory' keeps "
-                    "it off: ask for one of them",
-                    "tierkv.pin",
-                )
-            prefixes.append((num_tokens, Retention(pin_s=_duration(ext.pin, "tierkv.pin"))))
+            seconds = _duration(value, f"tierkv.{field}")
+            prefixes.append(
+                (num_tokens, Retention(ttl_s=seconds) if field == "retention" else Retention(pin_s=seconds))
+            )
     marks = _breakpoints(getattr(body, "messages", None) or (), default_ttl_s or OPENAI_TTLS_S["30m"])
     marked: list[int] = []
     for m, k, ttl_s in marks:

@@ -58,6 +58,15 @@ class _Request:
 _REQUEST_FIELDS = ("prompt_token_ids", "mm_features", "lora_request", "prompt_embeds", "cache_salt")
 
 
+def _span(
+    req_id: str, r: _Request, first: int, end: int, B: int, deps: list[int] | None = None, check: bool = False
+) -> BlockSpan:
+    """Blocks ``first..end`` of request ``r``, in its vLLM blocks, with its cache control."""
+    return BlockSpan(
+        req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end], deps or [], check, r.control
+    )
+
+
 def _eligible(request: Any) -> bool:
     return (
         request.prompt_token_ids is not None
@@ -284,17 +293,7 @@ class SchedulerSide:
             end = min(end, len(r.block_ids))  # (never fewer: vLLM allocated them; but never a dropped load)
             if end > first:
                 check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
-                meta.loads.append(
-                    BlockSpan(
-                        req_id,
-                        r.prompt[: end * B],
-                        r.salt,
-                        first,
-                        r.block_ids[first:end],
-                        check=check,
-                        control=r.control,
-                    )
-                )
+                meta.loads.append(_span(req_id, r, first, end, B, check=check))
                 if check:
                     r.check = (first, end)
         if not scheduled:
@@ -314,17 +313,7 @@ class SchedulerSide:
         if r.control.save_tokens is not None:  # only the prefixes the request marked
             end = min(end, r.control.save_tokens // B)
         if self.save_enabled and not r.control.no_store and end > first:
-            meta.saves.append(
-                BlockSpan(
-                    req_id,
-                    r.prompt[: end * B],
-                    r.salt,
-                    first,
-                    r.block_ids[first:end],
-                    r.block_ids[:first],
-                    control=r.control,
-                )
-            )
+            meta.saves.append(_span(req_id, r, first, end, B, deps=r.block_ids[:first]))
 
     def update_connector_output(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
