@@ -1,7 +1,9 @@
 """What cache control costs a request in ``tierkv serve``: the time to the first token of a chat sent
 plain, with OpenAI's prompt_cache_options, and with four Anthropic-style breakpoints (each costs a render
-of the chat up to it), interleaved, on one server, in one run. Prints the configuration, the medians and
-the ratios against the plain request.
+of the chat up to it), interleaved, on one server, in one run; and the plain request through ``tierkv
+route`` in front of the same server: what one more HTTP hop (a thin front that would translate cache
+fields for vLLM's server) costs. Prints the configuration, the medians and the ratios against the plain
+request.
 
     .venv/bin/python scripts/cache_control_cost.py [--model smollm2] [--rounds 15]
 """
@@ -64,6 +66,13 @@ def main() -> None:
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
+    route_port = _free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "tierkv.cli", "route", "--workers", url, "--port", str(route_port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    front = f"http://127.0.0.1:{route_port}"
     try:
         for _ in range(600):
             try:
@@ -89,22 +98,29 @@ def main() -> None:
             return [{"role": "system", "content": content}, user]
 
         variants = {
-            "plain": {"messages": chat(False)},
-            "prompt_cache_options (implicit, 30m)": {
-                "messages": chat(False),
-                "prompt_cache_options": {"ttl": "30m"},
-            },
-            "4 cache_control breakpoints": {"messages": chat(True)},
+            "plain": (url, {"messages": chat(False)}),
+            "prompt_cache_options (implicit, 30m)": (
+                url,
+                {"messages": chat(False), "prompt_cache_options": {"ttl": "30m"}},
+            ),
+            "4 cache_control breakpoints": (url, {"messages": chat(True)}),
+            "plain, through tierkv route": (front, {"messages": chat(False)}),
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
         prompt_tokens = 0
-        for body in variants.values():  # warm: the prompt is cached (a host-tier hit) for every variant
-            _, out = _post(url + "/v1/chat/completions", {**body, "max_tokens": 1, "temperature": 0})
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(front + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        for base_url, body in variants.values():  # warm: the prompt is cached (a host-tier hit) for every variant
+            _, out = _post(base_url + "/v1/chat/completions", {**body, "max_tokens": 1, "temperature": 0})
             prompt_tokens = out["usage"]["prompt_tokens"]
         for _ in range(args.rounds):
-            for name, body in variants.items():
+            for name, (base_url, body) in variants.items():
                 seconds, out = _post(
-                    url + "/v1/chat/completions", {**body, "max_tokens": 1, "temperature": 0}
+                    base_url + "/v1/chat/completions", {**body, "max_tokens": 1, "temperature": 0}
                 )
                 times[name].append(seconds)
         base = statistics.median(times["plain"])
@@ -119,8 +135,9 @@ def main() -> None:
                 f"ratio {med / base:.3f}"
             )
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        for proc in (router, server):
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
 
 
 if __name__ == "__main__":
