@@ -1,5 +1,5 @@
-"""Removing blocks from every tier of a store, as a barrier: a purge (a namespace, or everything) and an
-invalidation (chosen blocks a caller learnt may be wrong).
+"""Removing blocks from every tier of a store, as a barrier: a purge (a namespace, or everything), an
+invalidation (chosen blocks a caller learnt may be wrong) and a deletion by prompt (``forget``).
 
 Both raise a fence in the write-behind's generations (``write_behind.Generations``): saves begun before it
 are dropped wherever they are (the staging ring, a writer's queue, the disk writer's indexing
@@ -8,6 +8,7 @@ transaction), restores begun before it are waited for, and the blocks it names a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,28 @@ from tierkv.tiers.pool import BlockPool
 if TYPE_CHECKING:
     from tierkv.store import TieredStore
 
-__all__ = ["invalidate", "purge"]
+__all__ = ["Forgotten", "forget", "invalidate", "purge"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Forgotten:
+    """What ``forget`` did: of the prompt's ``blocks`` full blocks, ``removed`` were held by some tier (or
+    on their way) and are gone; the first ``kept_shared`` were left because other prompts extend them."""
+
+    blocks: int
+    removed: int
+    kept_shared: int
+
+
+def forget(store: TieredStore, chain: BlockChain, *, shared: bool = False) -> Forgotten:
+    """Remove the prompt's blocks from every tier, their saves on their way included (a barrier, like
+    ``invalidate``): only those no other stored prompt extends, or all of them with ``shared``. What other
+    prompts extend is known from the disk tier's index (without one, nothing counts as shared); a
+    continuation held only in memory is not seen."""
+    disk = next((t for t in store.tiers if isinstance(t, DiskTier)), None)
+    keep = 0 if shared or disk is None else disk.shared_blocks(chain)
+    removed = invalidate(store, chain, range(keep, len(chain)))
+    return Forgotten(len(chain), removed, keep)
 
 
 def purge(store: TieredStore, namespace: str | None, *, purge_all: bool = False) -> dict[str, Any]:

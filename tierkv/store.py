@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,7 +35,10 @@ from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
 from tierkv.write_behind import WriteBehind
 
-__all__ = ["Forgotten", "Hit", "TieredStore", "Tokens"]
+if TYPE_CHECKING:
+    from tierkv.removal import Forgotten
+
+__all__ = ["Hit", "TieredStore", "Tokens"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +49,6 @@ class Hit:
     by_tier: dict[str, int]
     num_blocks: int = 0
     restore_s: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Forgotten:
-    """What ``forget`` did: of the prompt's ``blocks`` full blocks, ``removed`` were held by some tier (or
-    on their way) and are gone; the first ``kept_shared`` were left because other prompts extend them."""
-
-    blocks: int
-    removed: int
-    kept_shared: int
 
 
 Tokens = Sequence[int] | np.ndarray | BlockChain  # a prompt's token ids, or its chain if already made
@@ -397,28 +390,11 @@ class TieredStore:
         return Hit(n * B, by_tier, n, time.perf_counter() - t0), (dest[:, :, : n * B] if n else None)
 
     def prefetch(self, ns: Namespace, token_ids: Tokens, *, chunk_nbytes: int = 64 << 20) -> tuple[Hit, Hit]:
-        """Bring the prompt's longest cached prefix into the CPU memory tier from the slower ones (disk,
-        remote), computing nothing, so that the next request restores it from memory. At most what
-        that tier holds is read, in chunks of ``chunk_nbytes`` (the memory this costs meanwhile).
-        Returns where the prefix was before and where it is after (``lookup``'s ``Hit``s)."""
-        chain = _chain(ns, token_ids)
-        before = self.lookup(ns, chain)
-        pool = next((t for t in self.tiers if isinstance(t, BlockPool) and t.device.type == "cpu"), None)
-        if pool is None or before.num_blocks == 0:
-            return before, before
-        spec = KVSpec.of(ns)
-        n = min(before.num_blocks, pool.capacity_nbytes // spec.block_nbytes)
-        step = max(1, chunk_nbytes // spec.block_nbytes)
-        done = 0
-        while done < n:
-            end = min(n, done + step)
-            # Rows before ``done`` are never written: their pages are never touched (not memory spent).
-            out = torch.empty(spec.shape(end * ns.block_tokens), dtype=spec.dtype)
-            hit, _ = self.restore(ns, chain.prefix(end), out, start_block=done, plan=False)
-            if hit.num_blocks < end:  # a block failed verification (purged): the prefix ends there
-                break
-            done = end
-        return before, self.lookup(ns, chain)
+        """Bring the prompt's longest cached prefix into the CPU memory tier from the slower ones, computing
+        nothing (``prefetch.prefetch``). Returns where it was before and where it is after."""
+        from tierkv.prefetch import prefetch
+
+        return prefetch(self, _chain(ns, token_ids), chunk_nbytes)
 
     def observe_prefill(self, ns: Namespace, tokens: int, seconds: float) -> None:
         """The caller computed ``tokens`` of a prompt of ``ns``'s model in ``seconds``: with the tiers' read
@@ -476,15 +452,11 @@ class TieredStore:
         return invalidate(self, _chain(ns, token_ids), blocks)
 
     def forget(self, ns: Namespace, token_ids: Tokens, *, shared: bool = False) -> Forgotten:
-        """Remove the prompt's blocks from every tier, their saves on their way included (a barrier,
-        like ``invalidate``): only those no other stored prompt extends, or all of them with ``shared``.
-        What other prompts extend is known from the disk tier's index (without one, nothing counts as
-        shared); a continuation held only in memory is not seen."""
-        chain = _chain(ns, token_ids)
-        disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
-        keep = 0 if shared or disk is None else disk.shared_blocks(chain)
-        removed = self.invalidate(ns, chain, range(keep, len(chain)))
-        return Forgotten(len(chain), removed, keep)
+        """Remove the prompt's blocks from every tier, their saves on their way included: only those no
+        other stored prompt extends, or all with ``shared`` (``removal.forget``)."""
+        from tierkv.removal import forget
+
+        return forget(self, _chain(ns, token_ids), shared=shared)
 
     def report(self) -> dict[str, Any]:
         """``tierkv stats``' report of the disk tier, plus what only this process knows under ``live``."""

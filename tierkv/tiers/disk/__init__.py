@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from tierkv import native
-from tierkv.errors import PinBudgetError
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
 from tierkv.retention import Retention
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.disk.index import Index, Txn
+from tierkv.tiers.disk.pins import check_pin
 from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Hole, Policy, SweepReport
-from tierkv.tiers.disk.segments import SegmentDir, aligned
+from tierkv.tiers.disk.segments import SegmentDir
 from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
 from tierkv.tiers.disk.writer import (
     DEFAULT_BATCH_NBYTES,
@@ -300,41 +300,9 @@ class DiskTier(Tier):
         self.times.touch(chain.keys[:count], now, retention.ttl_s, pin_until_s)
 
     def check_pin(self, chain: BlockChain, count: int, record_nbytes: int) -> None:
-        """Raise ``PinBudgetError`` unless pinning blocks ``0..count-1`` of ``chain`` (records of about
-        ``record_nbytes`` where not stored yet) fits in the pin budget, with the pins already taken and
-        those asked for and not yet written. A pin that adds no bytes (all pinned already) always fits."""
-        limit = self.policy.pin_limit_nbytes
-        if self.read_only or limit <= 0:
-            raise PinBudgetError(
-                "this store takes no pins: its disk tier has no pin budget (give it --pin-budget, or a "
-                "--disk-budget, whose quarter pins may use)"
-            )
-        keys = [bytes(k) for k in chain.keys[:count]]
-        asked = set(keys)
-        pending = [k for k in self.times.pending_pins() if k not in asked]
-        now = self.clock()
-        with self.index.read() as txn:
-            pinned = self.index.live_pinned_nbytes(txn, now)
-            mine = theirs = 0
-            for i, key in enumerate(keys + pending):
-                raw = txn.get(key, db=self.index.db["index"])
-                e = Entry.unpack(raw) if raw is not None else None
-                if e is None or self.policy.expired(e, now):
-                    add = aligned(record_nbytes)
-                elif e.pin_until_s <= now:
-                    add = e.footprint
-                else:
-                    add = 0
-                if i < len(keys):
-                    mine += add
-                else:
-                    theirs += add
-        if mine and pinned + theirs + mine > limit:
-            raise PinBudgetError(
-                f"pin refused: it needs {format_size(mine)} more, and {format_size(pinned + theirs)} of the "
-                f"{format_size(limit)} pin budget is pinned already (or on its way): pin a shorter prefix, "
-                "wait for pins to end, or give the server a larger --pin-budget"
-            )
+        """Raise ``PinBudgetError`` unless pinning blocks ``0..count-1`` of ``chain`` fits in the pin
+        budget (``pins.check_pin``)."""
+        check_pin(self, chain, count, record_nbytes)
 
     def shared_blocks(self, chain: BlockChain) -> int:
         """How many leading blocks of ``chain`` a stored block of another prompt extends (those a

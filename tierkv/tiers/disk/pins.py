@@ -1,0 +1,60 @@
+"""Pin admission: whether a pin fits in the disk tier's pin budget, decided before the work it pins.
+
+The pinned bytes are exact in the index (``meta`` ``pinned``), less pins that have ended but were not swept
+yet; pins asked for and not written yet (their blocks still on their way) count too, at the size their
+records will have. The transaction that writes a pin checks again (another process may have pinned
+meanwhile) and counts what it refused (``pins_refused``): this check is what lets a client hear "no".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tierkv.errors import PinBudgetError
+from tierkv.keys import BlockChain
+from tierkv.tiers.disk.schema import Entry
+from tierkv.tiers.disk.segments import aligned
+from tierkv.units import format_size
+
+if TYPE_CHECKING:
+    from tierkv.tiers.disk import DiskTier
+
+__all__ = ["check_pin"]
+
+
+def check_pin(disk: DiskTier, chain: BlockChain, count: int, record_nbytes: int) -> None:
+    """Raise ``PinBudgetError`` unless pinning blocks ``0..count-1`` of ``chain`` (records of about
+    ``record_nbytes`` where not stored yet) fits in the pin budget, with the pins already taken and
+    those asked for and not yet written. A pin that adds no bytes (all pinned already) always fits."""
+    limit = disk.policy.pin_limit_nbytes
+    if disk.read_only or limit <= 0:
+        raise PinBudgetError(
+            "this store takes no pins: its disk tier has no pin budget (give it --pin-budget, or a "
+            "--disk-budget, whose quarter pins may use)"
+        )
+    keys = [bytes(k) for k in chain.keys[:count]]
+    asked = set(keys)
+    pending = [k for k in disk.times.pending_pins() if k not in asked]
+    now = disk.clock()
+    with disk.index.read() as txn:
+        pinned = disk.index.live_pinned_nbytes(txn, now)
+        mine = theirs = 0
+        for i, key in enumerate(keys + pending):
+            raw = txn.get(key, db=disk.index.db["index"])
+            e = Entry.unpack(raw) if raw is not None else None
+            if e is None or disk.policy.expired(e, now):
+                add = aligned(record_nbytes)
+            elif e.pin_until_s <= now:
+                add = e.footprint
+            else:
+                add = 0
+            if i < len(keys):
+                mine += add
+            else:
+                theirs += add
+    if mine and pinned + theirs + mine > limit:
+        raise PinBudgetError(
+            f"pin refused: it needs {format_size(mine)} more, and {format_size(pinned + theirs)} of the "
+            f"{format_size(limit)} pin budget is pinned already (or on its way): pin a shorter prefix, "
+            "wait for pins to end, or give the server a larger --pin-budget"
+        )
