@@ -60,7 +60,13 @@ def run_gc(
             report += disk.check(dry_run=dry_run, progress=tick)
     if compact:
         report += disk.compact(dry_run=dry_run)
-    return {**dataclasses.asdict(report), "dry_run": dry_run, "live_nbytes": disk.usage()["live_nbytes"]}
+    usage = disk.usage()
+    return {
+        **dataclasses.asdict(report),
+        "dry_run": dry_run,
+        "live_nbytes": usage["live_nbytes"],
+        "pinned_nbytes": usage["pinned_nbytes"],
+    }
 
 
 __all__ = ["ProgressFactory", "resolve_namespace", "run_gc"]

@@ -150,6 +150,11 @@ def gc(
             + f": expired {out['expired']}, evicted {out['evicted']}, purged {out['purged']}, "
             f"corrupt {out['corrupt']} (of {out['checked']} checked), segments {out['segments_removed']}; "
             f"freed {format_size(out['freed_nbytes'])}; live {format_size(out['live_nbytes'])}"
+            + (
+                f" ({format_size(out['pinned_nbytes'])} of it pinned: never evicted)"
+                if out["pinned_nbytes"]
+                else ""
+            )
         )
     if out["corrupt"]:  # a cron job or a script must hear of it: the disk or something writing to it is bad
         verb = "would purge" if dry_run else "purged"

@@ -355,6 +355,7 @@ class DiskTier(Tier):
     def usage(self) -> dict[str, int]:
         with self.index.read() as txn:
             live = self.index.total_nbytes(txn)
+            pinned = self.index.pinned_nbytes(txn)
         allocated, apparent = self.segments.disk_nbytes()
         index_nbytes = sum(p.stat().st_size for p in (self.path / "index").glob("*.mdb"))
         return {
@@ -363,6 +364,7 @@ class DiskTier(Tier):
             "segment_apparent_nbytes": apparent,
             "index_file_nbytes": index_nbytes,
             "budget_nbytes": self.policy.budget_nbytes or 0,
+            "pinned_nbytes": pinned,  # never evicted: a budget below it cannot be met until pins end
         }
 
     def describe(self) -> str:
