@@ -6,8 +6,10 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from click.testing import CliRunner
 
 from tierkv import TieredStore
+from tierkv.cli import main
 from tierkv.errors import ConfigError, PinBudgetError
 from tierkv.retention import Retention, parse_duration
 from tierkv.tiers.disk import DiskTier
@@ -197,9 +199,10 @@ def _format_version(path: Path) -> bytes:
         env.close()
 
 
-def test_a_store_of_format_version_1_opens_serves_and_takes_retention(tmp_path, ns) -> None:
+def test_a_store_of_format_version_1_serves_and_takes_retention_once_upgraded(tmp_path, ns) -> None:
     """A cache directory written before per-block retention (by the previous build, committed as is). It
-    stays readable by that build until the first retention or pin is written, then is marked 2."""
+    stays format 1, readable by that build, until an operator upgrades it: a request cannot decide when
+    older builds sharing the directory start to fail."""
     path = tmp_path / "old"
     path.mkdir()
     with tarfile.open(FIXTURES / "store-format-1.tar.gz") as tar:
@@ -212,13 +215,30 @@ def test_a_store_of_format_version_1_opens_serves_and_takes_retention(tmp_path, 
         n, kv = store.load(ns, toks)
         assert n == 64 and torch.equal(kv, make_kv(ns, 64, seed=3))
         assert store.lookup(ns, list(range(100, 132))).num_tokens == 32
-        store.save(ns, list(range(200, 232)), make_kv(ns, 32, seed=5))  # a plain save: still format 1
+        with pytest.raises(ConfigError, match="gc --upgrade"):
+            store.check_retention()
+        with pytest.raises(ConfigError, match="gc --upgrade"):
+            store.forget(ns, toks)  # which prompts extend which is not known yet
+        store.retain(ns, toks, Retention(ttl_s=7200))  # not written: the entries stay format 1
         store.flush()
+        assert {e.retain_s for e in _entries(store).values()} == {0.0}
         assert _version_of(store) == b"1"
+    r = CliRunner().invoke(main, ["gc", "--upgrade", "--ttl", "3650d", "--cache-dir", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "upgraded to format 2" in r.output and "6 blocks' parents" in r.output
+    assert _format_version(path) == str(STORE_FORMAT_VERSION).encode()
+    with TieredStore.open(path, host_bytes=0, ttl_s=3600, clock=lambda: now[0]) as store:
+        store.check_retention()
         store.retain(ns, toks, Retention(ttl_s=7200))
         store.flush()
         assert {e.retain_s for e in _entries(store).values()} == {7200.0, 0.0}
-    assert _format_version(path) == str(STORE_FORMAT_VERSION).encode()
+        # The parents found at the upgrade: a prompt sharing the first 3 blocks keeps them when the old
+        # one is forgotten
+        longer = toks[:48] + list(range(900, 932))
+        store.save(ns, longer, make_kv(ns, 80, seed=9))
+        store.flush()
+        assert store.forget(ns, toks).kept_shared == 3
+        assert store.lookup(ns, longer).num_tokens == 80
 
 
 def test_max_age_sweeps_remove_blocks_of_every_class(tmp_path, ns) -> None:
@@ -249,8 +269,8 @@ def test_a_retention_shorter_than_the_store_ttl_is_no_ask(tmp_path, ns) -> None:
         store.retain(ns, _prompt(0), Retention(ttl_s=300))
         store.flush()
         assert {e.retain_s for e in _entries(store).values()} == {0.0}  # kept an hour anyway
-        # Nothing only format 2 can say was written: format-1 builds beside this one still read every entry
-        assert _version_of(store) == b"1"
+        # Entries without a retention or a pin are the 64-byte format-1 entries
+        assert _version_of(store) == str(STORE_FORMAT_VERSION).encode()  # (a new store: format 2)
         disk = store.tier("disk")
         with disk.index.read() as txn:
             assert {len(v) for _, v in txn.cursor(db=disk.index.db["index"])} == {ENTRY_V1.size}
@@ -265,3 +285,22 @@ def test_durations_and_retention_values_are_checked() -> None:
     with pytest.raises(ConfigError):
         Retention(ttl_s=float("nan"))
     assert Retention(ttl_s=300).merge(Retention(pin_s=60, memory_only=True)) == Retention(300, 60, True)
+
+
+def test_pins_over_a_lowered_budget_are_not_extended(tmp_path, ns) -> None:
+    """A restart with a smaller pin budget: the pins taken end as asked, none is extended meanwhile."""
+    now = [10_000.0]
+    record = 4096
+    with _open(tmp_path, now, disk_bytes=40 * record, pin_bytes=8 * record) as store:
+        for i in (0, 1):
+            store.save(ns, _prompt(i), make_kv(ns, 64, seed=i))
+            store.retain(ns, _prompt(i), Retention(pin_s=600))
+        store.flush()
+    with _open(tmp_path, now, disk_bytes=40 * record, pin_bytes=4 * record) as store:
+        ends = {e.pin_until_s for e in _entries(store).values()}
+        store.retain(ns, _prompt(0), Retention(pin_s=3600))
+        store.flush()
+        assert {e.pin_until_s for e in _entries(store).values()} == ends == {10_600.0}
+        assert store.stats()["disk"]["pins_refused"] == 4
+        now[0] += 700  # the pins ended: there is room again
+        store.check_pin(ns, _prompt(0), 60)

@@ -69,4 +69,12 @@ def run_gc(
     }
 
 
-__all__ = ["ProgressFactory", "resolve_namespace", "run_gc"]
+def upgrade(disk: DiskTier) -> int:
+    """Mark a format-1 store 2 (``Index.upgrade``), filling which stored blocks extend which from the
+    records' own parent keys (read from each record's first page). Returns how many were filled."""
+    from tierkv.archive.export import read_parents
+
+    return disk.index.upgrade(lambda entries: read_parents(disk, entries))
+
+
+__all__ = ["ProgressFactory", "resolve_namespace", "run_gc", "upgrade"]

@@ -39,6 +39,11 @@ def forget(store: TieredStore, chain: BlockChain, *, shared: bool = False) -> Fo
     prompts extend is known from the disk tier's index (without one, nothing counts as shared); a
     continuation held only in memory is not seen."""
     disk = next((t for t in store.tiers if isinstance(t, DiskTier)), None)
+    if disk is not None and not shared and not disk.retention_enabled():
+        raise ConfigError(
+            "this cache directory is format 1: which stored prompts extend which is not known until "
+            "`tierkv gc --upgrade`; delete with shared=true to remove the whole prompt meanwhile"
+        )
     keep = 0 if shared or disk is None else disk.shared_blocks(chain)
     removed = invalidate(store, chain, range(keep, len(chain)))
     return Forgotten(len(chain), removed, keep)

@@ -222,6 +222,13 @@ class TieredStore:
         record_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes + spec.block_nbytes
         self._durable().check_pin(chain, count, record_nbytes)
 
+    def check_retention(self) -> None:
+        """ConfigError unless the disk tier can keep blocks by retention and pins (a format-2 store:
+        ``tierkv gc --upgrade`` marks a format-1 one); without a disk tier, nothing is kept by them."""
+        disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+        if disk is not None:
+            disk.check_retention()
+
     def retain(
         self, ns: Namespace, token_ids: Tokens, retention: Retention, *, num_blocks: int | None = None
     ) -> None:

@@ -108,6 +108,12 @@ def stats(cache_dir: str, as_json: bool) -> None:
 @click.option(
     "--compact", is_flag=True, help="Release space no live record uses (crash leftovers, empty files)."
 )
+@click.option(
+    "--upgrade",
+    is_flag=True,
+    help="Mark a format-1 store (from an older tierkv) format 2, which retention and pins need; stop "
+    "older builds on it first: they cannot read it afterwards.",
+)
 @click.option("--dry-run", is_flag=True, help="Count what would go; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def gc(
@@ -119,13 +125,20 @@ def gc(
     purge_all: bool,
     check: bool,
     compact: bool,
+    upgrade: bool,
     dry_run: bool,
     as_json: bool,
 ) -> None:
     """Sweep expired blocks, hold the byte budget, purge, verify, compact."""
     from tierkv.maintenance import run_gc
+    from tierkv.maintenance import upgrade as upgrade_store
 
     with open_disk(cache_dir) as disk:
+        if upgrade and not dry_run and not disk.retention_enabled():
+            filled = upgrade_store(disk)
+            click.echo(
+                f"upgraded to format 2: retention and pins on; {filled} blocks' parents indexed", err=True
+            )
         show = sys.stderr.isatty() and not as_json
         try:
             out = run_gc(

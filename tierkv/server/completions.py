@@ -146,6 +146,11 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             asked = control(req, ids)  # checked with the cache off too: a bad value is a 400 either way
             if not engine.use_cache:
                 asked = NO_CONTROL
+            if server.store is not None and any(r.ttl_s or r.pin_s for _, r in asked.prefixes):
+                try:
+                    server.store.check_retention()
+                except ConfigError as exc:
+                    raise ClientError(str(exc), "cache_control", "store_format_1") from None
             pin_tokens, pin_s = asked.pin
             if pin_s and server.store is not None:  # refused before any work, never dropped
                 ns = server.cm.namespace(salt)

@@ -159,6 +159,8 @@ class SchedulerSide:
             return NO_CONTROL
         try:
             control = control_from_params(params, len(r.prompt))
+            if self.store is not None and any(x.ttl_s or x.pin_s for _, x in control.prefixes):
+                self.store.check_retention()
             tokens, pin_s = control.pin
             if pin_s and self.store is not None:
                 self.store.check_pin(r.chain.ns, r.chain, pin_s, num_blocks=tokens // self.block_tokens)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from tierkv import native
+from tierkv.errors import ConfigError
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
 from tierkv.retention import Retention
@@ -303,6 +304,20 @@ class DiskTier(Tier):
         """Raise ``PinBudgetError`` unless pinning blocks ``0..count-1`` of ``chain`` fits in the pin
         budget (``pins.check_pin``)."""
         check_pin(self, chain, count, record_nbytes)
+
+    def retention_enabled(self) -> bool:
+        """Whether blocks here can hold a retention or a pin: a store of format 2 (a format-1 store may be
+        shared with older builds, which could not read such an entry: ``tierkv gc --upgrade``)."""
+        with self.index.read() as txn:
+            return self.index.format_version(txn) == STORE_FORMAT_VERSION
+
+    def check_retention(self) -> None:
+        """ConfigError (with the way out) unless ``retention_enabled``."""
+        if not self.retention_enabled():
+            raise ConfigError(
+                f"the cache directory {self.path} is format 1 (older tierkv builds may share it): retention "
+                "and pins need `tierkv gc --upgrade --cache-dir DIR` (stop older builds first)"
+            )
 
     def shared_blocks(self, chain: BlockChain) -> int:
         """How many leading blocks of ``chain`` a stored block of another prompt extends (those a

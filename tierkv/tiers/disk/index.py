@@ -115,23 +115,65 @@ class Index:
                 f"{', '.join(map(str, READ_FORMAT_VERSIONS))}. Use another --cache-dir, or delete this one "
                 "to start afresh."
             )
-        if writer and raw is None:
+        if writer and raw is None:  # a new store: no older build has written to it
             self.write(
                 lambda txn: txn.put(
-                    b"format_version", str(BASE_FORMAT_VERSION).encode(), db=self.db["meta"], overwrite=False
+                    b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"], overwrite=False
                 )
             )
-
-    def _mark_v2(self, txn: Txn) -> None:
-        """In the transaction that writes an entry with a retention or a pin: format-1 builds, which cannot
-        read it, refuse the store from now on (checked in every such transaction: one that aborted and
-        ran again must not rely on an earlier one)."""
-        current = txn.get(b"format_version", db=self.db["meta"])
-        if current is None or _parse_version(current) != STORE_FORMAT_VERSION:
-            txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"])
+        elif version == BASE_FORMAT_VERSION:
             log.info(
-                "disk tier %s: the first retention or pin: format version %d", self.path, STORE_FORMAT_VERSION
+                "disk tier %s: format version 1 (older builds may share it): retention and pins are off "
+                "until `tierkv gc --upgrade` marks it 2",
+                self.path,
             )
+
+    def format_version(self, txn: Txn) -> int:
+        """The store's format version now (another process may have upgraded it since this one opened)."""
+        raw = txn.get(b"format_version", db=self.db["meta"])
+        return (_parse_version(raw) or BASE_FORMAT_VERSION) if raw is not None else BASE_FORMAT_VERSION
+
+    def upgrade(self, parents: Callable[[list[Entry]], Sequence[bytes | None]]) -> int:
+        """Mark a format-1 store 2, after filling the ``parents`` and ``children`` rows of its entries from
+        ``parents(entries)`` (the records' own parent keys). An operator's step (``tierkv gc --upgrade``):
+        format-1 builds refuse the store afterwards, and one still running beside it would fail on the
+        first entry with a retention, so they are stopped first. Returns how many rows were filled."""
+        filled = 0
+        batch: list[tuple[bytes, Entry]] = []
+
+        def fill(items: list[tuple[bytes, Entry]]) -> int:
+            keys = [k for k, _ in items]
+            found = parents([e for _, e in items])
+
+            def put(txn: Txn) -> int:
+                n = 0
+                for key, parent in zip(keys, found):
+                    if parent is not None and txn.get(key, db=self.db["index"]) is not None:
+                        if txn.get(key, db=self.db["parents"]) is None:
+                            txn.put(key, bytes(parent), db=self.db["parents"])
+                            txn.put(bytes(parent) + key, b"", db=self.db["children"])
+                            n += 1
+                return n
+
+            return self.write(put)
+
+        for key, e in self.iter_entries():
+            batch.append((bytes(key), e))
+            if len(batch) >= 1024:
+                filled += fill(batch)
+                batch = []
+        if batch:
+            filled += fill(batch)
+
+        def mark(txn: Txn) -> None:
+            version = self.format_version(txn)
+            if version > STORE_FORMAT_VERSION:
+                raise StoreFormatError(f"{self.path}: format version {version} is newer than this build's")
+            txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"])
+
+        self.write(mark)
+        log.info("disk tier %s: marked format version %d", self.path, STORE_FORMAT_VERSION)
+        return filled
 
     def _load_policy(self, given: Policy | None, persist: bool) -> Policy:
         """The stored policy, with the fields ``given`` sets (not None) replacing it; persisted by writers.
@@ -221,8 +263,6 @@ class Index:
 
     def insert(self, txn: Txn, key: bytes, e: Entry, parent: bytes | None = None) -> None:
         """Index an entry (``parent``: the key of the block before it, for ``children``)."""
-        if e.needs_v2:
-            self._mark_v2(txn)
         txn.put(key, e.pack(), db=self.db["index"])
         table, row = e.time_row(key)
         txn.put(row, b"", db=self.db[table])
@@ -252,8 +292,6 @@ class Index:
 
     def replace(self, txn: Txn, key: bytes, old: Entry, new: Entry) -> None:
         """Rewrite an entry whose access time, retention or pin changed (same record, same place)."""
-        if new.needs_v2:
-            self._mark_v2(txn)
         table, row = old.time_row(key)
         txn.delete(row, db=self.db[table])
         table, row = new.time_row(key)
@@ -277,12 +315,21 @@ class Index:
         ttl_s = self.policy.ttl_s
         if ttl_s is None or retain_s < ttl_s:  # shorter than the store keeps it anyway: nothing asked
             retain_s = 0.0
+        status = "ok"
+        if (retain_s or pin_until_s) and self.format_version(txn) != STORE_FORMAT_VERSION:
+            # A format-1 store (older builds may share it, and could not read such an entry): only the
+            # access time, until an operator upgrades it (``upgrade``).
+            retain_s = pin_until_s = 0.0
+            status = "format_1"
         new = dataclasses.replace(
             e, last_access_s=max(t, e.last_access_s), retain_s=max(retain_s, e.retain_s)
         )
-        status = "ok"
         if pin_until_s > e.pin_until_s:
-            if e.pin_until_s or self.pinned_nbytes(txn) + e.footprint <= self.policy.pin_limit_nbytes:
+            limit = self.policy.pin_limit_nbytes
+            pinned = self.pinned_nbytes(txn)
+            # A pin that adds no bytes is extended, unless pins hold more than the limit (a budget
+            # lowered since): then they end as they were asked, and none is extended.
+            if pinned + (0 if e.pin_until_s else e.footprint) <= limit:
                 new.pin_until_s = pin_until_s
             else:
                 status = "pin_refused"

@@ -32,6 +32,7 @@ def check_pin(disk: DiskTier, chain: BlockChain, count: int, record_nbytes: int)
             "this store takes no pins: its disk tier has no pin budget (give it --pin-budget, or a "
             "--disk-budget, whose quarter pins may use)"
         )
+    disk.check_retention()
     keys = [bytes(k) for k in chain.keys[:count]]
     asked = set(keys)
     pending = [k for k in disk.times.pending_pins() if k not in asked]
