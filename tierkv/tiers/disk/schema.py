@@ -22,12 +22,13 @@ LMDB environment ``<dir>/index`` (named databases):
 
 Each entry has one row in exactly one of ``atime``, ``retained`` and ``pinned`` (``Entry.time_row``).
 
-Format versions: a store is marked 1 until the first entry with a retention or a pin is written, then
-2. Format-1 builds read and write every other entry (64 bytes) and ignore the new tables, so they run
-beside this build until a request first asks for a retention or a pin; from then on they refuse the store
-(stop them before, or upgrade them). This build reads both. Rows of the new tables that a format-1 process
-left stale (it removed the entry, not them) are ignored: a ``children`` row counts only while its child
-is indexed.
+Format versions: a new store is format 2. A store written by an older build is format 1: this build reads
+and writes it as is (64-byte entries; the new tables ignored by that build), takes no retention or pin on
+it, and leaves it readable by that build, until an operator runs ``tierkv gc --upgrade`` (stopping older
+builds first): that fills ``parents`` and ``children`` from the records' own headers and marks it 2, which
+older builds refuse. An entry is packed in format 1 unless it holds a retention or a pin. Rows of the new
+tables that a format-1 process left stale are ignored: a ``children`` row counts only while its child is
+indexed.
 """
 
 from __future__ import annotations
