@@ -117,7 +117,9 @@ class ServerProcess:
     def client(self, **kwargs):  # noqa: ANN201
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)
+        return openai.OpenAI(
+            **{"base_url": self.url + "/v1", "api_key": "unused", "max_retries": 0, **kwargs}
+        )
 
     def stop(self, timeout: float = 60) -> int:
         import signal

@@ -79,6 +79,11 @@ __all__ = ["route", "serve"]
     "--remote-admit-after", type=int, help="Share a block once this many requests contained it.  [default: 1]"
 )
 @click.option(
+    "--api-keys",
+    help="A keys file (tierkv keys add): every /v1 request then needs an API key, and each key's tenant "
+    "has a cache space of its own.",
+)
+@click.option(
     "--admin-token",
     help="Enables /admin/* for requests bearing this token (visible in ps: prefer "
     "--admin-token-file or $TIERKV_ADMIN_TOKEN).",

@@ -68,7 +68,8 @@ def stats(cache_dir: str, as_json: bool) -> None:
         click.echo(
             f"\nnamespace  {ns['digest'][:16]}  {spec.get('model_id', '?')}@{spec.get('revision', '?')} "
             f"{spec.get('dtype', '?')} block {spec.get('block_tokens', '?')}"
-            + (f" salt {spec['tenant_salt']!r}" if spec.get("tenant_salt") else "")
+            # a salt may be a tenant's secret: never printed, only a digest of it to tell them apart
+            + (f" salted #{_digest(spec['tenant_salt'])}" if spec.get("tenant_salt") else "")
         )
 
         def age(t: float | None) -> str:
@@ -172,6 +173,12 @@ def gc(
     if out["corrupt"]:  # a cron job or a script must hear of it: the disk or something writing to it is bad
         verb = "would purge" if dry_run else "purged"
         fail(f"{out['corrupt']} corrupt record(s) found and {verb}: check the disk (dmesg, SMART)", 1)
+
+
+def _digest(secret: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(secret.encode()).hexdigest()[:12]
 
 
 @contextmanager

@@ -4,7 +4,7 @@ A prefetch brings the prompt's cached prefix from disk (or the remote tier) into
 nothing, so that the request that follows restores it from memory; a deletion removes the prompt's
 blocks from every tier (only those no other stored prompt extends, unless ``shared`` is true). Both run
 off the event loop and off the model thread: store work only. A client reaches only its own tenant's
-blocks (its ``cache_salt``), and only prompts it can name.
+blocks (its API key's tenant, then its ``cache_salt``), and only prompts it can name.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from jinja2 import TemplateError, TemplateSyntaxError
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from tierkv.errors import ConfigError
 from tierkv.prompts import PromptError, encode_text, render_chat
 from tierkv.server.engine import ClientError
-from tierkv.server.responses import JSON, error
+from tierkv.server.responses import JSON, error, unauthorized
 from tierkv.server.schemas import ChatMessage
-from tierkv.server.state import Server
+from tierkv.server.state import Server, Unauthorized
 
 __all__ = ["CacheRequest", "add_cache_routes"]
 
@@ -64,17 +64,21 @@ def add_cache_routes(app: FastAPI, server: Server) -> None:
             raise ClientError("prompt must not be empty", "prompt")
         return encode_text(server.cm.tokenizer, req.prompt)
 
-    async def run(req: CacheRequest, work: Any) -> Response:
+    async def run(req: CacheRequest, request: Request, work: Any) -> Response:
+        try:
+            salt = server.salt_of(request.headers.get("authorization"), req.cache_salt)
+        except Unauthorized as exc:
+            return unauthorized(str(exc))
         store = server.store
         if store is None or not server.engine.use_cache:
             return error(409, "this server runs without a cache", code="no_cache")
         try:
-            return JSON(await asyncio.to_thread(lambda: work(store, token_ids(req), req.cache_salt or "")))
+            return JSON(await asyncio.to_thread(lambda: work(store, token_ids(req), salt)))
         except (ClientError, PromptError, ConfigError) as exc:
             return error(400, str(exc), param=getattr(exc, "param", None))
 
     @app.post("/v1/cache/prefetch")
-    async def prefetch(req: CacheRequest) -> Response:
+    async def prefetch(req: CacheRequest, request: Request) -> Response:
         def work(store: Any, ids: list[int], salt: str) -> dict[str, Any]:
             ns = server.cm.namespace(salt)
             restorable = (len(ids) - 1) // ns.block_tokens  # a request computes its last token itself
@@ -87,10 +91,10 @@ def add_cache_routes(app: FastAPI, server: Server) -> None:
                 "before_by_tier": before.by_tier,  # where they were
             }
 
-        return await run(req, work)
+        return await run(req, request, work)
 
     @app.delete("/v1/cache")
-    async def forget(req: CacheRequest) -> Response:
+    async def forget(req: CacheRequest, request: Request) -> Response:
         def work(store: Any, ids: list[int], salt: str) -> dict[str, Any]:
             ns = server.cm.namespace(salt)
             gone = store.forget(ns, ids, shared=req.shared)
@@ -105,4 +109,4 @@ def add_cache_routes(app: FastAPI, server: Server) -> None:
                 "engine_prefix_cache": "none",
             }
 
-        return await run(req, work)
+        return await run(req, request, work)

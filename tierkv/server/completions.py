@@ -22,9 +22,9 @@ from tierkv.prompts import PromptError, encode_text, render_chat
 from tierkv.retention import NO_CONTROL, CacheControl
 from tierkv.server.cache_control import cache_control_of
 from tierkv.server.engine import Busy, ClientError
-from tierkv.server.responses import JSON, error, sse
+from tierkv.server.responses import JSON, error, sse, unauthorized
 from tierkv.server.schemas import ChatCompletionRequest, CompletionRequest, error_body
-from tierkv.server.state import Server
+from tierkv.server.state import Server, Unauthorized
 from tierkv.worker import GenerateResult, PrefillResult, StreamEvent
 
 log = logging.getLogger("tierkv.server")
@@ -76,6 +76,7 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
 
         return await _generate(
             req,
+            request,
             tokenize,
             chat=False,
             default_max_tokens=16,
@@ -119,11 +120,12 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
 
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await _generate(
-            req, tokenize, chat=True, default_max_tokens=256, max_tokens=max_tokens, control=control
+            req, request, tokenize, chat=True, default_max_tokens=256, max_tokens=max_tokens, control=control
         )
 
     async def _generate(
         req: CompletionRequest | ChatCompletionRequest,
+        request: Request,
         tokenize: Callable[[], list[int]],
         *,
         chat: bool,
@@ -134,6 +136,10 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
         t_start = time.perf_counter()
         max_tokens = max_tokens or req.max_tokens
         engine = server.engine
+        try:
+            salt = server.salt_of(request.headers.get("authorization"), req.cache_salt)
+        except Unauthorized as exc:
+            return unauthorized(str(exc))
         if (unsupported := req.unsupported()) is not None:
             return error(400, unsupported[1], param=unsupported[0])
         temperature, top_p = sampling(req.temperature, req.top_p)
@@ -142,7 +148,6 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             ids = tokenize()
             budget = max_tokens or min(default_max_tokens, max(1, engine.max_context - len(ids)))
             engine.check_length(len(ids), budget, "messages" if chat else "prompt")
-            salt = req.cache_salt or ""
             asked = control(req, ids)  # checked with the cache off too: a bad value is a 400 either way
             if not engine.use_cache:
                 asked = NO_CONTROL

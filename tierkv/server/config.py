@@ -36,6 +36,7 @@ class ServeConfig:
     no_cache: bool = False
     remote: str | None = None  # redis://host:port or redis+cluster://host:port: a tier shared by workers
     remote_admit_after: int = 1  # share a block once this many requests contained it
+    api_keys: str | None = None  # a keys file (server/tenants.py): requests need a key, tenants share nothing
     admin_token: str | None = None  # admin API disabled without one
     admin_token_file: str | None = (
         None  # read into admin_token at load (not on the command line: ps shows it)

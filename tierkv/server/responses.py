@@ -32,6 +32,11 @@ def error(
     return JSON(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+def unauthorized(message: str) -> JSON:
+    """401 as OpenAI answers a missing or wrong key."""
+    return error(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 def sse(obj: Any) -> bytes:
     """One server-sent event carrying ``obj`` as JSON."""
     return b"data: " + json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode() + b"\n\n"
@@ -49,4 +54,4 @@ async def json_object(request: Request) -> dict[str, Any] | JSON:
     return obj
 
 
-__all__ = ["JSON", "error", "json_object", "sse"]
+__all__ = ["JSON", "error", "json_object", "sse", "unauthorized"]

@@ -7,9 +7,14 @@ import torch
 from tierkv.server.config import ServeConfig
 from tierkv.server.engine import Engine
 from tierkv.server.metrics import Metrics
+from tierkv.server.tenants import Tenants, namespace_salt
 from tierkv.store import TieredStore
 from tierkv.tiers.gpu import gpu_budget_nbytes
 from tierkv.worker import CachedModel
+
+
+class Unauthorized(Exception):
+    """A request without a valid API key on a server with keys (HTTP 401)."""
 
 
 class Server:
@@ -34,6 +39,17 @@ class Server:
         from tierkv.explain import MissLog
 
         self.misses = MissLog(debug_prompts=config.debug_prompts)
+        self.tenants = Tenants(config.api_keys) if config.api_keys else None
+
+    def salt_of(self, authorization: str | None, cache_salt: str | None) -> str:
+        """The namespace salt of a request: its tenant's (from its API key) and its ``cache_salt``.
+        ``Unauthorized`` when the server has keys and the request's is missing or unknown."""
+        if self.tenants is None:
+            return cache_salt or ""
+        tenant = self.tenants.tenant(authorization)
+        if tenant is None:
+            raise Unauthorized("a valid API key is needed: Authorization: Bearer <key>")
+        return namespace_salt(tenant, cache_salt or "")
 
     def close(self) -> None:
         self.engine.close()
@@ -74,4 +90,4 @@ def open_store(config: ServeConfig) -> TieredStore:
     return TieredStore.from_config(config.store_config())
 
 
-__all__ = ["Server", "load_server", "open_store"]
+__all__ = ["Server", "Unauthorized", "load_server", "open_store"]

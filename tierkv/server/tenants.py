@@ -1,0 +1,156 @@
+"""Tenants from credentials: API keys map each request to a tenant, whose secret salt seeds its namespaces.
+
+The keys file (``--api-keys FILE``, TOML, reloaded when it changes; ``tierkv keys add`` writes it):
+
+    [tenants.acme]
+    salt = "3f1c..."                    # the tenant's secret: part of every namespace of its blocks
+    keys = ["sha256:9b74...", ...]      # SHA-256 of each API key: the keys themselves are never stored
+
+A request's ``Authorization: Bearer KEY`` names its tenant; its ``cache_salt`` only subdivides that
+tenant's space (``namespace_salt``). Two tenants never share a block, so no hit, timing or usage field
+tells one tenant what another sent. Without a keys file every client shares the space of its
+``cache_salt`` (the default, ``""``, is shared by all), as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from tierkv.errors import ConfigError
+
+__all__ = ["Tenant", "Tenants", "add_key", "key_hash", "namespace_salt"]
+
+log = logging.getLogger("tierkv.server")
+
+KEY_PREFIX = "tk-"  # keys tierkv makes: recognisable in logs and secret scanners
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    salt: str
+
+
+def key_hash(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def namespace_salt(tenant: Tenant | None, cache_salt: str) -> str:
+    """The namespace salt of a request: its tenant's secret, then its own ``cache_salt`` (which cannot
+    reach another tenant's space: the separator is not in a tenant's salt)."""
+    if tenant is None:
+        return cache_salt
+    return f"tenant:{tenant.salt}\x1f{cache_salt}"
+
+
+def _load(path: Path) -> dict[str, Tenant]:
+    """key hash -> tenant, from the keys file; ConfigError naming what is wrong."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"api keys file {path}: {exc}") from None
+    tenants = data.get("tenants")
+    if not isinstance(tenants, dict):
+        raise ConfigError(f"api keys file {path}: no [tenants.NAME] tables")
+    by_hash: dict[str, Tenant] = {}
+    for name, t in tenants.items():
+        salt, keys = (t.get("salt"), t.get("keys")) if isinstance(t, dict) else (None, None)
+        if not isinstance(salt, str) or len(salt) < 16 or "\x1f" in salt:
+            raise ConfigError(f"api keys file {path}: tenant {name!r} needs a salt of 16 characters or more")
+        if not isinstance(keys, list) or not all(
+            isinstance(k, str) and k.startswith("sha256:") for k in keys
+        ):
+            raise ConfigError(
+                f"api keys file {path}: tenant {name!r}: keys must be a list of 'sha256:...' hashes"
+            )
+        for k in keys:
+            if k in by_hash:
+                raise ConfigError(f"api keys file {path}: one key hash is listed for two tenants")
+            by_hash[k] = Tenant(name, salt)
+    return by_hash
+
+
+class Tenants:
+    """The keys file, reloaded when it changes (its size or modification time); a file that no longer
+    parses keeps the last good table, and says so once."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._stamp = self._stat()
+        self._by_hash = _load(self.path)  # at start: an error stops the server
+        log.info("api keys: %d keys of %d tenants from %s", len(self._by_hash), len(self.names()), self.path)
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def names(self) -> set[str]:
+        return {t.name for t in self._by_hash.values()}
+
+    def tenant(self, authorization: str | None) -> Tenant | None:
+        """The tenant of an ``Authorization`` header's bearer key; None for none or an unknown one."""
+        self._reload()
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        wanted = key_hash(authorization[len("Bearer ") :].strip())
+        found = None
+        for h, t in self._by_hash.items():  # constant time per entry: no early exit on a match
+            if hmac.compare_digest(h, wanted):
+                found = t
+        return found
+
+    def _reload(self) -> None:
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return
+        with self._lock:
+            if stamp == self._stamp:
+                return
+            self._stamp = stamp
+            try:
+                self._by_hash = _load(self.path)
+                log.info("api keys: reloaded %s (%d keys)", self.path, len(self._by_hash))
+            except ConfigError as exc:
+                log.error("api keys: %s; the previous keys stay in use", exc)
+
+
+def add_key(path: str | os.PathLike[str], tenant: str) -> str:
+    """Make a new API key for ``tenant`` (the tenant too, with a new secret salt, if it is new) and store
+    its hash in the keys file (written whole to a temporary file, then renamed; mode 0600). Returns the
+    key: shown once, never stored."""
+    if not tenant or not all(c.isascii() and (c.isalnum() or c in "-_") for c in tenant):
+        raise ConfigError(f"tenant names are letters, digits, '-' and '_': got {tenant!r}")
+    p = Path(path)
+    data = tomllib.loads(p.read_text()) if p.exists() else {}
+    tenants = data.setdefault("tenants", {})
+    entry = tenants.setdefault(tenant, {"salt": secrets.token_hex(32), "keys": []})
+    key = KEY_PREFIX + secrets.token_hex(24)
+    entry["keys"] = [*entry.get("keys", []), key_hash(key)]
+    lines = []
+    for name, t in tenants.items():
+        lines.append(f"[tenants.{name}]")
+        lines.append(f'salt = "{t["salt"]}"')
+        lines.append("keys = [" + ", ".join(f'"{k}"' for k in t["keys"]) + "]")
+        lines.append("")
+    tmp = p.with_name(p.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    _load(p)  # what was written parses
+    return key
