@@ -260,6 +260,7 @@ def test_no_store_saves_nothing(server) -> None:
     ("extra", "param"),
     [
         ({"prompt_cache_retention": "1w"}, "prompt_cache_retention"),
+        ({"cache_salt": "tenant:abc"}, "cache_salt"),  # reserved for tenants of API keys
         ({"prompt_cache_options": {"ttl": "5m"}}, "prompt_cache_options.ttl"),
         ({"prompt_cache_options": {"mode": "sometimes"}}, "prompt_cache_options.mode"),
         ({"prompt_cache_options": {"ttl": "30m", "when": "now"}}, "prompt_cache_options.when"),

@@ -66,7 +66,9 @@ def test_a_missing_or_unknown_key_is_401_and_health_needs_none(setup) -> None:
         )
         with pytest.raises(urllib.error.HTTPError) as http:
             urllib.request.urlopen(req, timeout=30)
-        assert http.value.code == 401 and http.value.headers["WWW-Authenticate"] == "Bearer"
+        code, challenge = http.value.code, http.value.headers["WWW-Authenticate"]
+        http.value.close()
+        assert code == 401 and challenge == "Bearer"
     with urllib.request.urlopen(srv.url + "/health", timeout=10) as r:
         assert r.status == 200
 
@@ -83,3 +85,31 @@ def test_stats_never_print_a_tenant_salt(setup) -> None:
     text = CliRunner().invoke(main, ["stats", "--cache-dir", str(work / "cache")]).output
     assert "salted #" in text
     assert not any(s in text for s in salts)
+
+
+def test_the_keys_file_is_written_safely_and_checked(tmp_path) -> None:
+    from tierkv.errors import ConfigError
+    from tierkv.server.tenants import Tenants, add_key, key_hash
+
+    path = tmp_path / "keys.toml"
+    stale = tmp_path / ".keys.toml.tmp"  # a file someone placed where a fixed temporary name would be
+    stale.write_text("x")
+    stale.chmod(0o666)
+    keys = [add_key(path, "acme"), add_key(path, "acme"), add_key(path, "beta")]
+    assert path.stat().st_mode & 0o777 == 0o600 and stale.read_text() == "x"
+    tenants = Tenants(path)
+    assert [tenants.tenant(f"Bearer {k}").name for k in keys] == ["acme", "acme", "beta"]
+    assert tenants.tenant("Bearer tk-nope") is None and tenants.tenant(None) is None
+    assert key_hash(keys[0]) in path.read_text() and keys[0] not in path.read_text()
+    # Two tenants with one salt would share a cache space: refused
+    text = path.read_text()
+    salt = text.split('salt = "')[1].split('"')[0]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace(text.split('salt = "')[2].split('"')[0], salt))
+    with pytest.raises(ConfigError, match="another tenant's salt"):
+        Tenants(bad)
+    with pytest.raises(ConfigError):
+        add_key(bad, "gamma")  # a file that does not load is not rewritten
+    # A removed keys file refuses every key (a revocation must not leave old keys working)
+    path.unlink()
+    assert tenants.tenant(f"Bearer {keys[0]}") is None

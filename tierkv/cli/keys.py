@@ -26,7 +26,7 @@ def add(tenant: str, path: str) -> None:
 
     try:
         key = add_key(path, tenant)
-    except (ConfigError, OSError) as exc:
+    except (ConfigError, OSError, ValueError) as exc:  # (ValueError: a keys file that is not TOML)
         fail(str(exc), 2)
     click.echo(key)
     click.echo(f"tierkv: a new key for tenant {tenant!r} in {path} (shown once: it is not stored)", err=True)

@@ -69,6 +69,8 @@ def add_cache_routes(app: FastAPI, server: Server) -> None:
             salt = server.salt_of(request.headers.get("authorization"), req.cache_salt)
         except Unauthorized as exc:
             return unauthorized(str(exc))
+        except ConfigError as exc:  # a reserved cache_salt
+            return error(400, str(exc), param="cache_salt")
         store = server.store
         if store is None or not server.engine.use_cache:
             return error(409, "this server runs without a cache", code="no_cache")

@@ -140,6 +140,8 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             salt = server.salt_of(request.headers.get("authorization"), req.cache_salt)
         except Unauthorized as exc:
             return unauthorized(str(exc))
+        except ConfigError as exc:  # a reserved cache_salt
+            return error(400, str(exc), param="cache_salt")
         if (unsupported := req.unsupported()) is not None:
             return error(400, unsupported[1], param=unsupported[0])
         temperature, top_p = sampling(req.temperature, req.top_p)

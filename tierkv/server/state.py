@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from tierkv.errors import ConfigError
 from tierkv.server.config import ServeConfig
 from tierkv.server.engine import Engine
 from tierkv.server.metrics import Metrics
-from tierkv.server.tenants import Tenants, namespace_salt
+from tierkv.server.tenants import RESERVED, Tenants, namespace_salt
 from tierkv.store import TieredStore
 from tierkv.tiers.gpu import gpu_budget_nbytes
 from tierkv.worker import CachedModel
@@ -45,6 +46,8 @@ class Server:
         """The namespace salt of a request: its tenant's (from its API key) and its ``cache_salt``.
         ``Unauthorized`` when the server has keys and the request's is missing or unknown."""
         if self.tenants is None:
+            if (cache_salt or "").startswith(RESERVED):  # a keyed server's tenant space, on a shared store
+                raise ConfigError(f"cache_salt: the prefix {RESERVED!r} is reserved for tenants of API keys")
             return cache_salt or ""
         tenant = self.tenants.tenant(authorization)
         if tenant is None:

@@ -14,11 +14,16 @@ tells one tenant what another sent. Without a keys file every client shares the 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
+import stat
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +32,7 @@ import tomllib
 
 from tierkv.errors import ConfigError
 
-__all__ = ["Tenant", "Tenants", "add_key", "key_hash", "namespace_salt"]
+__all__ = ["RESERVED", "Tenant", "Tenants", "add_key", "key_hash", "namespace_salt"]
 
 log = logging.getLogger("tierkv.server")
 
@@ -44,12 +49,17 @@ def key_hash(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
+RESERVED = "tenant:"  # namespace salts of tenants start so: a client's own cache_salt may not
+
+
 def namespace_salt(tenant: Tenant | None, cache_salt: str) -> str:
-    """The namespace salt of a request: its tenant's secret, then its own ``cache_salt`` (which cannot
-    reach another tenant's space: the separator is not in a tenant's salt)."""
+    """The namespace salt of a request: derived from its tenant's secret (the secret itself is never
+    stored: namespaces are written to the index, stats and archives), then its own ``cache_salt``, which
+    cannot reach another tenant's space (the separator is not in the derived part)."""
     if tenant is None:
         return cache_salt
-    return f"tenant:{tenant.salt}\x1f{cache_salt}"
+    derived = hmac.new(tenant.salt.encode(), b"tierkv namespace", hashlib.sha256).hexdigest()
+    return f"{RESERVED}{derived}\x1f{cache_salt}"
 
 
 def _load(path: Path) -> dict[str, Tenant]:
@@ -62,6 +72,7 @@ def _load(path: Path) -> dict[str, Tenant]:
     if not isinstance(tenants, dict):
         raise ConfigError(f"api keys file {path}: no [tenants.NAME] tables")
     by_hash: dict[str, Tenant] = {}
+    salts: set[str] = set()
     for name, t in tenants.items():
         salt, keys = (t.get("salt"), t.get("keys")) if isinstance(t, dict) else (None, None)
         if not isinstance(salt, str) or len(salt) < 16 or "\x1f" in salt:
@@ -72,6 +83,9 @@ def _load(path: Path) -> dict[str, Tenant]:
             raise ConfigError(
                 f"api keys file {path}: tenant {name!r}: keys must be a list of 'sha256:...' hashes"
             )
+        if salt in salts:  # two tenants with one salt would share one cache space
+            raise ConfigError(f"api keys file {path}: tenant {name!r} has another tenant's salt")
+        salts.add(salt)
         for k in keys:
             if k in by_hash:
                 raise ConfigError(f"api keys file {path}: one key hash is listed for two tenants")
@@ -90,12 +104,14 @@ class Tenants:
         self._by_hash = _load(self.path)  # at start: an error stops the server
         log.info("api keys: %d keys of %d tenants from %s", len(self._by_hash), len(self.names()), self.path)
 
-    def _stat(self) -> tuple[int, int] | None:
+    def _stat(self) -> tuple[int, ...] | None:
         try:
             st = self.path.stat()
         except OSError:
             return None
-        return (st.st_mtime_ns, st.st_size)
+        if st.st_mode & 0o077:
+            log.warning("api keys file %s can be read or written by other users (chmod 600 it)", self.path)
+        return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
     def names(self) -> set[str]:
         return {t.name for t in self._by_hash.values()}
@@ -120,6 +136,10 @@ class Tenants:
             if stamp == self._stamp:
                 return
             self._stamp = stamp
+            if stamp is None:  # removed: no key is valid (a revocation must not leave the old ones working)
+                self._by_hash = {}
+                log.error("api keys: %s is gone: every request is refused until it is back", self.path)
+                return
             try:
                 self._by_hash = _load(self.path)
                 log.info("api keys: reloaded %s (%d keys)", self.path, len(self._by_hash))
@@ -129,28 +149,44 @@ class Tenants:
 
 def add_key(path: str | os.PathLike[str], tenant: str) -> str:
     """Make a new API key for ``tenant`` (the tenant too, with a new secret salt, if it is new) and store
-    its hash in the keys file (written whole to a temporary file, then renamed; mode 0600). Returns the
-    key: shown once, never stored."""
+    its hash in the keys file. Under a lock (concurrent runs lose no key), written whole to a new private
+    temporary file, checked, then renamed over the file (which keeps its mode; 0600 when new). Returns
+    the key: shown once, never stored."""
     if not tenant or not all(c.isascii() and (c.isalnum() or c in "-_") for c in tenant):
         raise ConfigError(f"tenant names are letters, digits, '-' and '_': got {tenant!r}")
     p = Path(path)
-    data = tomllib.loads(p.read_text()) if p.exists() else {}
-    tenants = data.setdefault("tenants", {})
-    entry = tenants.setdefault(tenant, {"salt": secrets.token_hex(32), "keys": []})
-    key = KEY_PREFIX + secrets.token_hex(24)
-    entry["keys"] = [*entry.get("keys", []), key_hash(key)]
-    lines = []
-    for name, t in tenants.items():
-        lines.append(f"[tenants.{name}]")
-        lines.append(f'salt = "{t["salt"]}"')
-        lines.append("keys = [" + ", ".join(f'"{k}"' for k in t["keys"]) + "]")
-        lines.append("")
-    tmp = p.with_name(p.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-    _load(p)  # what was written parses
+    with open(p.with_name(p.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = tomllib.loads(p.read_text()) if p.exists() else {}
+        if p.exists():
+            _load(p)  # a file that does not parse is not rewritten
+        tenants = data.setdefault("tenants", {})
+        entry = tenants.setdefault(tenant, {"salt": secrets.token_hex(32), "keys": []})
+        key = KEY_PREFIX + secrets.token_hex(24)
+        entry["keys"] = [*entry.get("keys", []), key_hash(key)]
+        lines = []
+        for name, t in tenants.items():  # every string a TOML basic string: JSON's quoting is valid TOML
+            lines.append(f"[tenants.{json.dumps(name)}]")
+            lines.append(f"salt = {json.dumps(t['salt'])}")
+            lines.append("keys = [" + ", ".join(json.dumps(k) for k in t["keys"]) + "]")
+            lines.append("")
+        mode = stat.S_IMODE(p.stat().st_mode) if p.exists() else 0o600
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+        try:
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "w") as f:
+                f.write("\n".join(lines))
+                f.flush()
+                os.fsync(f.fileno())
+            _load(Path(tmp))  # what was written parses, before it replaces anything
+            os.replace(tmp, p)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dfd = os.open(p.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
     return key
