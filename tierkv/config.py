@@ -43,6 +43,7 @@ class DiskConfig:
 class RemoteConfig:
     url: str  # redis://host:port or redis+cluster://host:port
     admit_after: int = 1  # share a block only once that many requests contained it
+    secrets: tuple[bytes, ...] = ()  # sign records with the first, accept any (remote.py); () unsigned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,7 @@ class StoreConfig:
         sync: bool = True,
         remote: str | None = None,
         remote_admit_after: int = 1,
+        remote_secrets: tuple[bytes, ...] = (),
         gpu_bytes: int = 0,
         device: str = "cuda",
         staging: bool | None = None,
@@ -91,7 +93,9 @@ class StoreConfig:
         return cls(
             host_bytes=host_bytes,
             disk=disk,
-            remote=RemoteConfig(remote, remote_admit_after) if remote is not None else None,
+            remote=RemoteConfig(remote, remote_admit_after, tuple(remote_secrets))
+            if remote is not None
+            else None,
             gpu=GpuConfig(gpu_bytes, str(device)),
             ttl_s=ttl_s,
             max_age_s=max_age_s,
@@ -152,7 +156,9 @@ class StoreConfig:
             from tierkv.tiers.admission import Admission
             from tierkv.tiers.remote import RemoteTier
 
-            remote: Tier = RemoteTier(self.remote.url, ttl_s=self.ttl_s, counters=counters)
+            remote: Tier = RemoteTier(
+                self.remote.url, ttl_s=self.ttl_s, counters=counters, secrets=self.remote.secrets
+            )
             tiers.append(
                 Admission(remote, self.remote.admit_after) if self.remote.admit_after > 1 else remote
             )

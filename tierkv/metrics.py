@@ -34,6 +34,7 @@ COUNTER_NAMES = (
     "checked_blocks",  # the sampled self-check: restored blocks also computed cold and compared
     "check_mismatch_blocks",  # ... that differed (invalidated in every tier)
     "pins_refused",  # pins past the pin budget when written (another process pinned first): not taken
+    "mac_failures",  # remote records no deployment secret signed (forged or foreign): deleted, never served
 )
 
 

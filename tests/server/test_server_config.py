@@ -177,3 +177,16 @@ def test_a_damaged_store_moved_aside_waits_for_its_new_lock_a_bounded_time(tmp_p
     error = result.get("error")
     assert isinstance(error, StoreOpenError) and "another process opened the new empty store" in str(error)
     assert list(tmp_path.glob("cache.corrupt-*"))  # the damaged store is kept for a post-mortem
+
+
+def test_the_remote_secret_file_signs_the_remote_tier(tmp_path) -> None:
+    secrets = tmp_path / "remote.secret"
+    secrets.write_text("new-secret-0123456789\n\nold-secret-0123456789\n")
+    config = ServeConfig.load(
+        {"remote": "redis://127.0.0.1:6379"}, env={"TIERKV_REMOTE_SECRET_FILE": str(secrets)}
+    )
+    remote = config.store_config().remote
+    assert remote is not None and remote.secrets == (b"new-secret-0123456789", b"old-secret-0123456789")
+    secrets.write_text("short\n")
+    with pytest.raises(ConfigError, match="16 characters"):
+        ServeConfig.load({"remote": "redis://x", "remote_secret_file": str(secrets)}).store_config()

@@ -59,6 +59,38 @@ def test_foreign_or_corrupted_remote_value_is_a_miss_and_deleted(tmp_path, ns, r
     assert r.get(second) is None
 
 
+def test_records_without_a_deployment_mac_are_never_served(tmp_path, ns, redis_server) -> None:
+    """A writer to the shared Redis (right key, valid checksum) without the secret cannot make a node
+    serve its KV; a rotated secret keeps old records readable while both are listed, then refuses them."""
+    import redis
+
+    old, new = b"old-secret-0123456789", b"new-secret-9876543210"
+    forged, signed = list(range(48)), list(range(100, 148))
+    with TieredStore.open(None, host_bytes=0, remote=redis_server.url) as writer:  # no secret: unsigned
+        writer.save(ns, forged, make_kv(ns, 48, seed=1))
+        writer.flush()
+    with TieredStore.open(None, host_bytes=0, remote=redis_server.url, remote_secrets=(old,)) as a:
+        a.save(ns, signed, make_kv(ns, 48, seed=2))
+        a.flush()
+        hit, _ = a.restore(ns, forged)
+        assert hit.num_tokens == 0 and a.stats()["remote"]["mac_failures"] == 1
+        hit, kv = a.restore(ns, signed)
+        assert hit.num_tokens == 48 and torch.equal(kv, make_kv(ns, 48, seed=2))
+    r = redis.Redis(port=redis_server.port)
+    from tierkv.keys import block_keys
+    from tierkv.tiers.remote import RemoteTier
+
+    assert r.get(RemoteTier.redis_key(ns.digest, block_keys(ns, forged)[0])) is None  # deleted
+    moved = r.get(RemoteTier.redis_key(ns.digest, block_keys(ns, signed)[0]))
+    r.set(RemoteTier.redis_key(ns.digest, block_keys(ns, forged)[0]), moved)  # a signed record moved
+    with TieredStore.open(None, host_bytes=0, remote=redis_server.url, remote_secrets=(new, old)) as b:
+        assert b.restore(ns, signed)[0].num_tokens == 48  # the old secret, still accepted
+        assert b.restore(ns, forged)[0].num_tokens == 0  # its MAC names another key
+    with TieredStore.open(None, host_bytes=0, remote=redis_server.url, remote_secrets=(new,)) as c:
+        assert c.restore(ns, signed)[0].num_tokens == 0  # the rotation is over: refused
+        assert c.stats()["remote"]["mac_failures"] == 1
+
+
 def test_redis_outage_degrades_to_local_tiers_and_the_breaker_closes_again(
     tmp_path, ns, redis_server, monkeypatch
 ) -> None:

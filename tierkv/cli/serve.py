@@ -79,6 +79,11 @@ __all__ = ["route", "serve"]
     "--remote-admit-after", type=int, help="Share a block once this many requests contained it.  [default: 1]"
 )
 @click.option(
+    "--remote-secret-file",
+    help="Sign the remote tier's records (keyed MACs): a file of secrets, one a line, the first signing, "
+    "the others accepted while a rotation runs; a record no secret signed is never served.",
+)
+@click.option(
     "--api-keys",
     help="A keys file (tierkv keys add): every /v1 request then needs an API key, and each key's tenant "
     "has a cache space of its own.",

@@ -36,6 +36,7 @@ class ServeConfig:
     no_cache: bool = False
     remote: str | None = None  # redis://host:port or redis+cluster://host:port: a tier shared by workers
     remote_admit_after: int = 1  # share a block once this many requests contained it
+    remote_secret_file: str | None = None  # secrets signing remote records, one a line (first signs)
     api_keys: str | None = None  # a keys file (server/tenants.py): requests need a key, tenants share nothing
     admin_token: str | None = None  # admin API disabled without one
     admin_token_file: str | None = (
@@ -100,12 +101,28 @@ class ServeConfig:
             sweep_interval_s=self.sweep_interval_s,
             pin_budget_nbytes=self.pin_budget,
         )
-        remote = RemoteConfig(self.remote, self.remote_admit_after) if self.remote else None
+        secrets = read_secrets(self.remote_secret_file) if self.remote_secret_file else ()
+        remote = RemoteConfig(self.remote, self.remote_admit_after, secrets) if self.remote else None
         return StoreConfig(host_bytes=self.host_cache, disk=disk, remote=remote, ttl_s=self.ttl)
 
 
 # Option names as given (--sweep-interval, TIERKV_SWEEP_INTERVAL, sweep_interval in TOML) -> field names.
 _ALIASES = {"sweep_interval": "sweep_interval_s"}
+
+
+def read_secrets(path: str) -> tuple[bytes, ...]:
+    """The remote tier's secrets: one a line (blank lines skipped), the first signs, each 16 characters
+    or more; ConfigError naming the file otherwise."""
+    try:
+        lines = [line.strip() for line in Path(path).read_text().splitlines()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"remote secret file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})"
+        ) from None
+    secrets = [line for line in lines if line]
+    if not secrets or any(len(x) < 16 for x in secrets):
+        raise ConfigError(f"remote secret file {path}: one secret a line, each 16 characters or more")
+    return tuple(x.encode() for x in secrets)
 
 
 def read_token_file(path: str) -> str:
@@ -186,4 +203,4 @@ def _float_or(text: str, default: float) -> float:
         return default
 
 
-__all__ = ["ServeConfig", "parse_disk_budget", "read_token_file", "redact_url"]
+__all__ = ["ServeConfig", "parse_disk_budget", "read_secrets", "read_token_file", "redact_url"]

@@ -7,11 +7,19 @@ background thread, in pipelined batches. The byte budget is the server's: run it
 
 Anything that goes wrong remotely (refused connection, timeout, resharding) trips a circuit breaker: the
 tier is skipped for a cooldown, then one probe decides. A request never fails because the remote tier did.
+
+Signed records: anyone who can write to the Redis could otherwise store KV that every node serves for any
+prompt (records carry checksums, not signatures). With deployment ``secrets`` each value is
+``MAC_MAGIC || blake2b-256(redis key || record, key=secret) || record``; a value whose MAC no secret
+accepts (unsigned, another secret, another key) is a miss, deleted and counted (``mac_failures``).
+The first secret signs; the others are accepted for reading while a rotation runs.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import logging
 import threading
 import time
@@ -39,9 +47,13 @@ __all__ = [
     "FLUSH_TIMEOUT_S",
     "QUEUE_BLOCKS",
     "RemoteTier",
+    "MAC_MAGIC",
     "SENT_KEYS",
     "WRITE_BATCH",
     "connect",
+    "mac_of",
+    "sign",
+    "unsign",
 ]
 
 log = logging.getLogger("tierkv.remote")
@@ -53,6 +65,33 @@ WRITE_BATCH = 64  # records per pipelined write
 FLUSH_TIMEOUT_S = 120.0  # flush and close never wait longer for the writer
 QUEUE_BLOCKS = 4096  # write-behind bound; past it saves are dropped and counted
 SENT_KEYS = 65536  # blocks remembered as sent, so saves of a cached prefix do not send it again
+MAC_MAGIC = b"TKM1"
+MAC_NBYTES = 32
+
+
+def mac_of(secret: bytes, redis_key: bytes, record: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(key=secret[:64], digest_size=MAC_NBYTES, person=b"tierkv-remote")
+    h.update(len(redis_key).to_bytes(4, "little") + redis_key)
+    h.update(record)
+    return h.digest()
+
+
+def sign(secret: bytes, redis_key: bytes, record: bytes) -> bytes:
+    return MAC_MAGIC + mac_of(secret, redis_key, record) + record
+
+
+def unsign(secrets: Sequence[bytes], redis_key: bytes, value: bytes | memoryview) -> memoryview | None:
+    """The record in a signed value, if one of ``secrets`` made its MAC; else None."""
+    head = len(MAC_MAGIC) + MAC_NBYTES
+    view = memoryview(value)
+    if len(view) < head or bytes(view[: len(MAC_MAGIC)]) != MAC_MAGIC:
+        return None
+    record = view[head:]
+    mac = bytes(view[len(MAC_MAGIC) : head])
+    ok = False
+    for secret in secrets:  # every secret tried: no early exit to time
+        ok |= hmac.compare_digest(mac, mac_of(secret, redis_key, record))
+    return record if ok else None
 
 
 def _glob_escape(raw: bytes) -> bytes:
@@ -135,8 +174,12 @@ class RemoteTier(Tier):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         counters: Counters | None = None,
         breaker: CircuitBreaker | None = None,
+        secrets: Sequence[bytes] = (),
     ) -> None:
+        """``secrets``: sign records with the first, accept any for reading (see the module's doc);
+        none: unsigned records, as before."""
         self.url = url
+        self.secrets = [bytes(x) for x in secrets]
         self.ttl_s = ttl_s
         self.counters = counters or Counters()
         self.breaker = breaker or CircuitBreaker()
@@ -229,8 +272,16 @@ class RemoteTier(Tier):
 
         def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
             for i in range(i0, i0 + n):
+                record: bytes | memoryview = records[i - first]
+                if self.secrets:
+                    signed = unsign(self.secrets, self.redis_key(chain.ns.digest, chain.keys[i]), record)
+                    if signed is None:  # unsigned, or signed by no secret of ours: never served
+                        self.counters.add("remote", "mac_failures")
+                        self.delete(chain.ns.digest, chain.keys[i])
+                        return i - i0
+                    record = signed
                 try:
-                    header, payload = codec.decode_record(records[i - first], expected(chain, i))
+                    header, payload = codec.decode_record(record, expected(chain, i))
                     target.created_s[i] = header.created_s  # its age goes with it: max-age still applies
                 except RecordError:
                     self.counters.add("remote", "corrupt_blocks")
@@ -330,7 +381,9 @@ class RemoteTier(Tier):
         try:
             for ns_digest, key, make, _, live in batch:
                 if live is None or live():
-                    records.append((self.redis_key(ns_digest, key), b"".join(make())))
+                    rkey = self.redis_key(ns_digest, key)
+                    record = b"".join(make())
+                    records.append((rkey, sign(self.secrets[0], rkey, record) if self.secrets else record))
         finally:
             for *_, release, _ in batch:
                 if release is not None:
