@@ -113,3 +113,13 @@ def test_the_keys_file_is_written_safely_and_checked(tmp_path) -> None:
     # A removed keys file refuses every key (a revocation must not leave old keys working)
     path.unlink()
     assert tenants.tenant(f"Bearer {keys[0]}") is None
+
+
+@pytest.mark.parametrize("option", ["api_keys", "remote_secret_file"])
+def test_engine_vllm_refuses_what_it_would_ignore(option, monkeypatch, capsys) -> None:
+    from tierkv.integrations.vllm import serve
+
+    monkeypatch.setattr(serve, "vllm_python", lambda: "/bin/true")
+    assert serve.serve_vllm({option: "/some/file", "model": "/nowhere"}) == 2
+    err = capsys.readouterr().err
+    assert f"--{option.replace('_', '-')} is not supported with --engine vllm" in err

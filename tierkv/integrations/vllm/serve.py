@@ -191,6 +191,16 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
     if python is None:
         print(f"tierkv: {INSTALL_HINT}", file=sys.stderr)
         return 2
+    for option, why in (
+        ("api_keys", "vLLM's server checks no tierkv API keys: tenants would share one cache space"),
+        ("remote_secret_file", "the connector does not sign remote records yet"),
+    ):
+        if _get(config_or_args, option):  # never ignored silently: each changes what is isolated
+            print(
+                f"tierkv: --{option.replace('_', '-')} is not supported with --engine vllm: {why}",
+                file=sys.stderr,
+            )
+            return 2
     try:
         cmd = vllm_command(config_or_args, extra_args, python)
     except ConfigError as exc:
