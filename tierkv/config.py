@@ -43,7 +43,8 @@ class DiskConfig:
 class RemoteConfig:
     url: str  # redis://host:port or redis+cluster://host:port
     admit_after: int = 1  # share a block only once that many requests contained it
-    secrets: tuple[bytes, ...] = ()  # sign records with the first, accept any (remote.py); () unsigned
+    # sign records with the first, accept any (remote.py); () unsigned; never in a repr (logs, tracebacks)
+    secrets: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -181,12 +181,14 @@ def test_a_damaged_store_moved_aside_waits_for_its_new_lock_a_bounded_time(tmp_p
 
 def test_the_remote_secret_file_signs_the_remote_tier(tmp_path) -> None:
     secrets = tmp_path / "remote.secret"
-    secrets.write_text("new-secret-0123456789\n\nold-secret-0123456789\n")
+    secrets.write_text("new-secret-0123456789-0123456789ab\n\nold-secret-0123456789-0123456789ab\n")
     config = ServeConfig.load(
         {"remote": "redis://127.0.0.1:6379"}, env={"TIERKV_REMOTE_SECRET_FILE": str(secrets)}
     )
     remote = config.store_config().remote
-    assert remote is not None and remote.secrets == (b"new-secret-0123456789", b"old-secret-0123456789")
+    assert remote is not None
+    assert remote.secrets == (b"new-secret-0123456789-0123456789ab", b"old-secret-0123456789-0123456789ab")
+    assert "secret" not in repr(config.store_config())  # never in a log line or a traceback
     secrets.write_text("short\n")
-    with pytest.raises(ConfigError, match="16 characters"):
+    with pytest.raises(ConfigError, match="32 bytes"):
         ServeConfig.load({"remote": "redis://x", "remote_secret_file": str(secrets)}).store_config()

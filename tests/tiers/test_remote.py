@@ -61,7 +61,8 @@ def test_foreign_or_corrupted_remote_value_is_a_miss_and_deleted(tmp_path, ns, r
 
 def test_records_without_a_deployment_mac_are_never_served(tmp_path, ns, redis_server) -> None:
     """A writer to the shared Redis (right key, valid checksum) without the secret cannot make a node
-    serve its KV; a rotated secret keeps old records readable while both are listed, then refuses them."""
+    serve its KV; a rotated secret keeps old records readable while both are listed, then refuses them;
+    nothing a node cannot verify is deleted by it."""
     import redis
 
     old, new = b"old-secret-0123456789", b"new-secret-9876543210"
@@ -80,7 +81,10 @@ def test_records_without_a_deployment_mac_are_never_served(tmp_path, ns, redis_s
     from tierkv.keys import block_keys
     from tierkv.tiers.remote import RemoteTier
 
-    assert r.get(RemoteTier.redis_key(ns.digest, block_keys(ns, forged)[0])) is None  # deleted
+    # Left alone (a node with a wrong secret must not wipe what the others read): the TTL removes it
+    assert r.get(RemoteTier.redis_key(ns.digest, block_keys(ns, forged)[0])) is not None
+    with TieredStore.open(None, host_bytes=0, remote=redis_server.url) as unsigned_node:
+        assert unsigned_node.restore(ns, signed)[0].num_tokens == 0  # no secret: signed values not served
     moved = r.get(RemoteTier.redis_key(ns.digest, block_keys(ns, signed)[0]))
     r.set(RemoteTier.redis_key(ns.digest, block_keys(ns, forged)[0]), moved)  # a signed record moved
     with TieredStore.open(None, host_bytes=0, remote=redis_server.url, remote_secrets=(new, old)) as b:

@@ -111,8 +111,8 @@ _ALIASES = {"sweep_interval": "sweep_interval_s"}
 
 
 def read_secrets(path: str) -> tuple[bytes, ...]:
-    """The remote tier's secrets: one a line (blank lines skipped), the first signs, each 16 characters
-    or more; ConfigError naming the file otherwise."""
+    """The remote tier's secrets: one a line (blank lines skipped), the first signs, each 32 bytes or more;
+    ConfigError naming the file otherwise."""
     try:
         lines = [line.strip() for line in Path(path).read_text().splitlines()]
     except (OSError, UnicodeDecodeError) as exc:
@@ -120,8 +120,10 @@ def read_secrets(path: str) -> tuple[bytes, ...]:
             f"remote secret file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})"
         ) from None
     secrets = [line for line in lines if line]
-    if not secrets or any(len(x) < 16 for x in secrets):
-        raise ConfigError(f"remote secret file {path}: one secret a line, each 16 characters or more")
+    if not secrets or any(len(x.encode()) < 32 for x in secrets):
+        raise ConfigError(
+            f"remote secret file {path}: one secret a line, each 32 bytes or more (openssl rand -hex 32)"
+        )
     return tuple(x.encode() for x in secrets)
 
 

@@ -10,9 +10,10 @@ tier is skipped for a cooldown, then one probe decides. A request never fails be
 
 Signed records: anyone who can write to the Redis could otherwise store KV that every node serves for any
 prompt (records carry checksums, not signatures). With deployment ``secrets`` each value is
-``MAC_MAGIC || blake2b-256(redis key || record, key=secret) || record``; a value whose MAC no secret
-accepts (unsigned, another secret, another key) is a miss, deleted and counted (``mac_failures``).
-The first secret signs; the others are accepted for reading while a rotation runs.
+``MAC_MAGIC || blake2b-256(redis key || record, key=scrypt(secret)) || record``; a value whose MAC no
+secret accepts (unsigned, another secret, another key) is a miss, counted (``mac_failures``) and left
+alone (a node with a wrong secret must not wipe what the others read). A node without secrets does not
+serve signed values either. The first secret signs; the others are accepted while a rotation runs.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ __all__ = [
     "SENT_KEYS",
     "WRITE_BATCH",
     "connect",
+    "is_signed",
+    "mac_key",
     "mac_of",
     "sign",
     "unsign",
@@ -69,19 +72,29 @@ MAC_MAGIC = b"TKM1"
 MAC_NBYTES = 32
 
 
-def mac_of(secret: bytes, redis_key: bytes, record: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(key=secret[:64], digest_size=MAC_NBYTES, person=b"tierkv-remote")
+def mac_key(secret: bytes) -> bytes:
+    """The MAC key of a deployment secret: scrypt (about 50 ms, once per secret at start), so that a
+    record and its MAC read from Redis give no fast way to test guesses of the secret; any length."""
+    return hashlib.scrypt(secret, salt=b"tierkv remote records", n=1 << 14, r=8, p=1, dklen=64)
+
+
+def mac_of(key: bytes, redis_key: bytes, record: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(key=key, digest_size=MAC_NBYTES, person=b"tierkv-remote")
     h.update(len(redis_key).to_bytes(4, "little") + redis_key)
     h.update(record)
     return h.digest()
 
 
-def sign(secret: bytes, redis_key: bytes, record: bytes) -> bytes:
-    return MAC_MAGIC + mac_of(secret, redis_key, record) + record
+def sign(key: bytes, redis_key: bytes, record: bytes) -> bytes:
+    return MAC_MAGIC + mac_of(key, redis_key, record) + record
 
 
-def unsign(secrets: Sequence[bytes], redis_key: bytes, value: bytes | memoryview) -> memoryview | None:
-    """The record in a signed value, if one of ``secrets`` made its MAC; else None."""
+def is_signed(value: bytes | memoryview) -> bool:
+    return bytes(memoryview(value)[: len(MAC_MAGIC)]) == MAC_MAGIC
+
+
+def unsign(keys: Sequence[bytes], redis_key: bytes, value: bytes | memoryview) -> memoryview | None:
+    """The record in a signed value, if one of ``keys`` (``mac_key``s) made its MAC; else None."""
     head = len(MAC_MAGIC) + MAC_NBYTES
     view = memoryview(value)
     if len(view) < head or bytes(view[: len(MAC_MAGIC)]) != MAC_MAGIC:
@@ -89,8 +102,8 @@ def unsign(secrets: Sequence[bytes], redis_key: bytes, value: bytes | memoryview
     record = view[head:]
     mac = bytes(view[len(MAC_MAGIC) : head])
     ok = False
-    for secret in secrets:  # every secret tried: no early exit to time
-        ok |= hmac.compare_digest(mac, mac_of(secret, redis_key, record))
+    for key in keys:  # every key tried: no early exit to time
+        ok |= hmac.compare_digest(mac, mac_of(key, redis_key, record))
     return record if ok else None
 
 
@@ -179,7 +192,7 @@ class RemoteTier(Tier):
         """``secrets``: sign records with the first, accept any for reading (see the module's doc);
         none: unsigned records, as before."""
         self.url = url
-        self.secrets = [bytes(x) for x in secrets]
+        self.mac_keys = [mac_key(bytes(x)) for x in secrets]
         self.ttl_s = ttl_s
         self.counters = counters or Counters()
         self.breaker = breaker or CircuitBreaker()
@@ -273,11 +286,14 @@ class RemoteTier(Tier):
         def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
             for i in range(i0, i0 + n):
                 record: bytes | memoryview = records[i - first]
-                if self.secrets:
-                    signed = unsign(self.secrets, self.redis_key(chain.ns.digest, chain.keys[i]), record)
-                    if signed is None:  # unsigned, or signed by no secret of ours: never served
+                if self.mac_keys or is_signed(record):
+                    signed = unsign(self.mac_keys, self.redis_key(chain.ns.digest, chain.keys[i]), record)
+                    if signed is None:
+                        # Unsigned, or signed with no secret of ours (or ours missing): never served, and
+                        # not deleted either: a node with a wrong or missing secret file, or one in the
+                        # middle of a rotation, must not wipe the records the others can read. The TTL
+                        # and Redis's LRU remove forgeries.
                         self.counters.add("remote", "mac_failures")
-                        self.delete(chain.ns.digest, chain.keys[i])
                         return i - i0
                     record = signed
                 try:
@@ -383,7 +399,7 @@ class RemoteTier(Tier):
                 if live is None or live():
                     rkey = self.redis_key(ns_digest, key)
                     record = b"".join(make())
-                    records.append((rkey, sign(self.secrets[0], rkey, record) if self.secrets else record))
+                    records.append((rkey, sign(self.mac_keys[0], rkey, record) if self.mac_keys else record))
         finally:
             for *_, release, _ in batch:
                 if release is not None:
