@@ -39,6 +39,17 @@ def _post(url: str, body: dict) -> tuple[float, dict]:
     return time.perf_counter() - t0, out
 
 
+def _wait_healthy(url: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"{url} did not come up in {timeout_s:.0f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
@@ -74,12 +85,7 @@ def main() -> None:
     )
     front = f"http://127.0.0.1:{route_port}"
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
+        _wait_healthy(url)
         parts = [
             f"Section {i}: " + " ".join(f"rule {i}.{j} applies to every answer." for j in range(40))
             for i in range(4)
@@ -108,12 +114,7 @@ def main() -> None:
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
         prompt_tokens = 0
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(front + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
+        _wait_healthy(front)
         for base_url, body in variants.values():  # warm: the prompt is cached (a host-tier hit) for every variant
             _, out = _post(base_url + "/v1/chat/completions", {**body, "max_tokens": 1, "temperature": 0})
             prompt_tokens = out["usage"]["prompt_tokens"]
