@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from tierkv.errors import ConfigError
 from tierkv.prompts import PromptError, encode_text, render_chat
 from tierkv.server.engine import ClientError
-from tierkv.server.responses import JSON, error, unauthorized
+from tierkv.server.responses import JSON, error
 from tierkv.server.schemas import ChatMessage
-from tierkv.server.state import Server, Unauthorized
+from tierkv.server.state import Server
 
 __all__ = ["CacheRequest", "add_cache_routes"]
 
@@ -65,12 +65,9 @@ def add_cache_routes(app: FastAPI, server: Server) -> None:
         return encode_text(server.cm.tokenizer, req.prompt)
 
     async def run(req: CacheRequest, request: Request, work: Any) -> Response:
-        try:
-            salt = server.salt_of(request.headers.get("authorization"), req.cache_salt)
-        except Unauthorized as exc:
-            return unauthorized(str(exc))
-        except ConfigError as exc:  # a reserved cache_salt
-            return error(400, str(exc), param="cache_salt")
+        salt = server.request_salt(request.headers.get("authorization"), req.cache_salt)
+        if not isinstance(salt, str):  # 401 or 400
+            return salt
         store = server.store
         if store is None or not server.engine.use_cache:
             return error(409, "this server runs without a cache", code="no_cache")

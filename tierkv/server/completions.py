@@ -22,9 +22,9 @@ from tierkv.prompts import PromptError, encode_text, render_chat
 from tierkv.retention import NO_CONTROL, CacheControl
 from tierkv.server.cache_control import cache_control_of
 from tierkv.server.engine import Busy, ClientError
-from tierkv.server.responses import JSON, error, sse, unauthorized
+from tierkv.server.responses import JSON, error, sse
 from tierkv.server.schemas import ChatCompletionRequest, CompletionRequest, error_body
-from tierkv.server.state import Server, Unauthorized
+from tierkv.server.state import Server
 from tierkv.worker import GenerateResult, PrefillResult, StreamEvent
 
 log = logging.getLogger("tierkv.server")
@@ -136,12 +136,9 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
         t_start = time.perf_counter()
         max_tokens = max_tokens or req.max_tokens
         engine = server.engine
-        try:
-            salt = server.salt_of(request.headers.get("authorization"), req.cache_salt)
-        except Unauthorized as exc:
-            return unauthorized(str(exc))
-        except ConfigError as exc:  # a reserved cache_salt
-            return error(400, str(exc), param="cache_salt")
+        salt = server.request_salt(request.headers.get("authorization"), req.cache_salt)
+        if not isinstance(salt, str):  # 401 or 400
+            return salt
         if (unsupported := req.unsupported()) is not None:
             return error(400, unsupported[1], param=unsupported[0])
         temperature, top_p = sampling(req.temperature, req.top_p)

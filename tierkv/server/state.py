@@ -8,6 +8,7 @@ from tierkv.errors import ConfigError
 from tierkv.server.config import ServeConfig
 from tierkv.server.engine import Engine
 from tierkv.server.metrics import Metrics
+from tierkv.server.responses import JSON, error, unauthorized
 from tierkv.server.tenants import RESERVED, Tenants, namespace_salt
 from tierkv.store import TieredStore
 from tierkv.tiers.gpu import gpu_budget_nbytes
@@ -41,6 +42,16 @@ class Server:
 
         self.misses = MissLog(debug_prompts=config.debug_prompts)
         self.tenants = Tenants(config.api_keys) if config.api_keys else None
+
+    def request_salt(self, authorization: str | None, cache_salt: str | None) -> str | JSON:
+        """``salt_of``, or the error response to send instead (401 without a valid key, 400 for a
+        reserved ``cache_salt``)."""
+        try:
+            return self.salt_of(authorization, cache_salt)
+        except Unauthorized as exc:
+            return unauthorized(str(exc))
+        except ConfigError as exc:
+            return error(400, str(exc), param="cache_salt")
 
     def salt_of(self, authorization: str | None, cache_salt: str | None) -> str:
         """The namespace salt of a request: its tenant's (from its API key) and its ``cache_salt``.
