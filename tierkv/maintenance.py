@@ -73,8 +73,9 @@ def upgrade(disk: DiskTier) -> int:
     """Mark a format-1 store 2 (``Index.upgrade``), filling which stored blocks extend which from the
     records' own parent keys (read from each record's first page). Returns how many were filled."""
     from tierkv.archive.export import read_parents
+    from tierkv.tiers.disk.upgrade import upgrade as upgrade_index
 
-    return disk.index.upgrade(lambda entries: read_parents(disk, entries))
+    return upgrade_index(disk.index, lambda entries: read_parents(disk, entries))
 
 
 __all__ = ["ProgressFactory", "resolve_namespace", "run_gc", "upgrade"]

@@ -44,7 +44,7 @@ def forget(store: TieredStore, chain: BlockChain, *, shared: bool = False) -> Fo
             "this cache directory is format 1: which stored prompts extend which is not known until "
             "`tierkv gc --upgrade`; delete with shared=true to remove the whole prompt meanwhile"
         )
-    keep = 0 if shared or disk is None else disk.shared_blocks(chain)
+    keep = 0 if shared or disk is None else _shared_blocks(disk, chain)
     removed = invalidate(store, chain, range(keep, len(chain)))
     return Forgotten(len(chain), removed, keep)
 
@@ -84,6 +84,19 @@ def purge(store: TieredStore, namespace: str | None, *, purge_all: bool = False)
             if not isinstance(tier, (BlockPool, DiskTier)):
                 tier.drop(digest)
     return out
+
+
+def _shared_blocks(disk: DiskTier, chain: BlockChain) -> int:
+    """How many leading blocks of ``chain`` a stored block of another prompt extends (those a deletion
+    by prompt keeps): the end of the longest prefix with a stored continuation other than this chain's
+    own (the disk index's ``children`` rows)."""
+    n = len(chain)
+    with disk.index.read() as txn:
+        for i in range(n - 1, -1, -1):
+            own = bytes(chain.keys[i + 1]) if i + 1 < n else None
+            if any(child != own for child in disk.index.children(txn, bytes(chain.keys[i]))):
+                return i + 1
+    return 0
 
 
 def invalidate(store: TieredStore, chain: BlockChain, blocks: Iterable[int]) -> int:

@@ -319,18 +319,6 @@ class DiskTier(Tier):
                 "and pins need `tierkv gc --upgrade --cache-dir DIR` (stop older builds first)"
             )
 
-    def shared_blocks(self, chain: BlockChain) -> int:
-        """How many leading blocks of ``chain`` a stored block of another prompt extends (those a
-        deletion by prompt keeps): the end of the longest prefix with a stored continuation other than
-        this chain's own. Version-1 entries name no parent: continuations among them are not seen."""
-        n = len(chain)
-        with self.index.read() as txn:
-            for i in range(n - 1, -1, -1):
-                own = bytes(chain.keys[i + 1]) if i + 1 < n else None
-                if any(child != own for child in self.index.children(txn, bytes(chain.keys[i]))):
-                    return i + 1
-        return 0
-
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
         """A hit in memory refreshes the disk copy's TTL; a block whose disk copy is gone (expired,
         evicted, its save dropped) is wanted again, so a restart does not lose it."""

@@ -133,48 +133,6 @@ class Index:
         raw = txn.get(b"format_version", db=self.db["meta"])
         return (_parse_version(raw) or BASE_FORMAT_VERSION) if raw is not None else BASE_FORMAT_VERSION
 
-    def upgrade(self, parents: Callable[[list[Entry]], Sequence[bytes | None]]) -> int:
-        """Mark a format-1 store 2, after filling the ``parents`` and ``children`` rows of its entries from
-        ``parents(entries)`` (the records' own parent keys). An operator's step (``tierkv gc --upgrade``):
-        format-1 builds refuse the store afterwards, and one still running beside it would fail on the
-        first entry with a retention, so they are stopped first. Returns how many rows were filled."""
-        filled = 0
-        batch: list[tuple[bytes, Entry]] = []
-
-        def fill(items: list[tuple[bytes, Entry]]) -> int:
-            keys = [k for k, _ in items]
-            found = parents([e for _, e in items])
-
-            def put(txn: Txn) -> int:
-                n = 0
-                for key, parent in zip(keys, found):
-                    if parent is not None and txn.get(key, db=self.db["index"]) is not None:
-                        if txn.get(key, db=self.db["parents"]) is None:
-                            txn.put(key, bytes(parent), db=self.db["parents"])
-                            txn.put(bytes(parent) + key, b"", db=self.db["children"])
-                            n += 1
-                return n
-
-            return self.write(put)
-
-        for key, e in self.iter_entries():
-            batch.append((bytes(key), e))
-            if len(batch) >= 1024:
-                filled += fill(batch)
-                batch = []
-        if batch:
-            filled += fill(batch)
-
-        def mark(txn: Txn) -> None:
-            version = self.format_version(txn)
-            if version > STORE_FORMAT_VERSION:
-                raise StoreFormatError(f"{self.path}: format version {version} is newer than this build's")
-            txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self.db["meta"])
-
-        self.write(mark)
-        log.info("disk tier %s: marked format version %d", self.path, STORE_FORMAT_VERSION)
-        return filled
-
     def _load_policy(self, given: Policy | None, persist: bool) -> Policy:
         """The stored policy, with the fields ``given`` sets (not None) replacing it; persisted by writers.
         The pin budget has a key of its own: format-1 builds read the policy's JSON and refuse fields
@@ -380,8 +338,7 @@ class Index:
         return max(0, self.pinned_nbytes(txn) - ended)
 
     def pinned_nbytes(self, txn: Txn) -> int:
-        raw = txn.get(PINNED, db=self.db["meta"])
-        return TOTALS.unpack(raw)[1] if raw else 0
+        return self.pinned(txn)[1]
 
     def pinned(self, txn: Txn) -> tuple[int, int]:
         """(blocks, footprint bytes) pinned now (pins past their end count until a sweep ends them)."""

@@ -1,0 +1,59 @@
+"""Upgrading a store written by an older build (format 1) to format 2: an operator's step (``tierkv gc
+--upgrade``), never a request's, since format-1 builds refuse the store afterwards and one still running
+beside it would fail on the first entry with a retention."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from tierkv.errors import StoreFormatError
+from tierkv.tiers.disk.index import Index, Txn
+from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry
+
+__all__ = ["upgrade"]
+
+log = logging.getLogger("tierkv.disk")
+
+
+def upgrade(index: Index, parents: Callable[[list[Entry]], Sequence[bytes | None]]) -> int:
+    """Mark a format-1 store 2, after filling the ``parents`` and ``children`` rows of its entries from
+    ``parents(entries)`` (the records' own parent keys). An operator's step (``tierkv gc --upgrade``):
+    format-1 builds refuse the store afterwards, and one still running beside it would fail on the
+    first entry with a retention, so they are stopped first. Returns how many rows were filled."""
+    filled = 0
+    batch: list[tuple[bytes, Entry]] = []
+
+    def fill(items: list[tuple[bytes, Entry]]) -> int:
+        keys = [k for k, _ in items]
+        found = parents([e for _, e in items])
+
+        def put(txn: Txn) -> int:
+            n = 0
+            for key, parent in zip(keys, found):
+                if parent is not None and txn.get(key, db=index.db["index"]) is not None:
+                    if txn.get(key, db=index.db["parents"]) is None:
+                        txn.put(key, bytes(parent), db=index.db["parents"])
+                        txn.put(bytes(parent) + key, b"", db=index.db["children"])
+                        n += 1
+            return n
+
+        return index.write(put)
+
+    for key, e in index.iter_entries():
+        batch.append((bytes(key), e))
+        if len(batch) >= 1024:
+            filled += fill(batch)
+            batch = []
+    if batch:
+        filled += fill(batch)
+
+    def mark(txn: Txn) -> None:
+        version = index.format_version(txn)
+        if version > STORE_FORMAT_VERSION:
+            raise StoreFormatError(f"{index.path}: format version {version} is newer than this build's")
+        txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=index.db["meta"])
+
+    index.write(mark)
+    log.info("disk tier %s: marked format version %d", index.path, STORE_FORMAT_VERSION)
+    return filled
