@@ -69,6 +69,7 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
         "index_file_nbytes": usage["index_file_nbytes"],
         "budget_used": (usage["live_nbytes"] / policy.budget_nbytes) if policy.budget_nbytes else None,
         "namespaces": sorted(per_ns.values(), key=lambda r: -r["nbytes"]),
+        "tenants": tenant_report(disk),
         "gpus": [dataclasses.asdict(g) for g in gpu_telemetry()],  # NVML, device-wide; [] without a GPU
     }
 
@@ -99,3 +100,21 @@ class _RetentionUsage:
 
 
 __all__ = ["AGE_BUCKETS_S", "store_stats"]
+
+
+def tenant_report(disk: DiskTier) -> list[dict[str, Any]]:
+    """Usage and quotas per tenant (of API keys), by name: never a salt."""
+    rows = []
+    for tid, ((blocks, nbytes, pinned_blocks, pinned_nbytes), q) in disk.tenant_usage().items():
+        rows.append(
+            {
+                "tenant": q.name if q is not None else f"#{tid.hex()[:12]}",  # (one no keys file names now)
+                "blocks": blocks,
+                "nbytes": nbytes,
+                "pinned_blocks": pinned_blocks,
+                "pinned_nbytes": pinned_nbytes,
+                "disk_quota_nbytes": q.disk_nbytes if q is not None else None,
+                "pin_quota_nbytes": q.pin_nbytes if q is not None else None,
+            }
+        )
+    return sorted(rows, key=lambda r: (-r["nbytes"], r["tenant"]))

@@ -27,6 +27,7 @@ from tierkv.metrics import COUNTER_NAMES, Counters
 from tierkv.planner import RestorePlanner
 from tierkv.retention import Retention
 from tierkv.spread import promoter, runs_of, spread
+from tierkv.tenancy import Quota
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.writer import FLUSH_TIMEOUT_S
@@ -221,6 +222,13 @@ class TieredStore:
         spec = KVSpec.of(ns)
         record_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes + spec.block_nbytes
         self._durable().check_pin(chain, count, record_nbytes)
+
+    def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
+        """The tenants' quotas, by tenant id (``tenancy``): the tiers that hold blocks of several tenants
+        evict from those above their quota first; the disk tier stores them for every process on its
+        directory."""
+        for tier in self.tiers:
+            tier.set_quotas(quotas)
 
     def check_retention(self) -> None:
         """ConfigError unless the disk tier can keep blocks by retention and pins (a format-2 store:

@@ -56,6 +56,16 @@ def stats(cache_dir: str, as_json: bool) -> None:
         + (f" ({kept[2:]})" if kept else "")
         + f"   pinned {r['pinned']['blocks']} blocks {format_size(r['pinned']['nbytes'])}"
     )
+    for t in report["tenants"]:
+        quotas = "".join(
+            f"   {what} quota {format_size(t[field])}"
+            for what, field in (("disk", "disk_quota_nbytes"), ("pin", "pin_quota_nbytes"))
+            if t[field] is not None
+        )
+        click.echo(
+            f"tenant     {t['tenant']}   {t['blocks']} blocks {format_size(t['nbytes'])}   pinned "
+            f"{t['pinned_blocks']} blocks {format_size(t['pinned_nbytes'])}{quotas}"
+        )
     for g in report["gpus"]:
         click.echo(
             f"gpu {g['index']}      {g['name']}   memory {format_size(g['memory_used_nbytes'])} of "

@@ -5,6 +5,9 @@ The keys file (``--api-keys FILE``, TOML, reloaded when it changes; ``tierkv key
     [tenants.acme]
     salt = "3f1c..."                    # the tenant's secret: part of every namespace of its blocks
     keys = ["sha256:9b74...", ...]      # SHA-256 of each API key: the keys themselves are never stored
+    disk_quota = "20GiB"                # optional: what eviction leaves the tenant (tenancy.Quota)
+    host_quota = "2GiB"                 # optional: the same in the host tier
+    pin_quota = "1GiB"                  # optional: the most the tenant may pin
 
 A request's ``Authorization: Bearer KEY`` names its tenant; its ``cache_salt`` only subdivides that
 tenant's space (``namespace_salt``). Two tenants never share a block, so no hit, timing or usage field
@@ -31,6 +34,9 @@ from pathlib import Path
 import tomllib
 
 from tierkv.errors import ConfigError
+from tierkv.tenancy import RESERVED, Quota, tenant_id
+from tierkv.tenancy import namespace_salt as _namespace_salt
+from tierkv.units import parse_size
 
 __all__ = ["RESERVED", "Tenant", "Tenants", "add_key", "key_hash", "namespace_salt"]
 
@@ -39,27 +45,50 @@ log = logging.getLogger("tierkv.server")
 KEY_PREFIX = "tk-"  # keys tierkv makes: recognisable in logs and secret scanners
 
 
+QUOTA_FIELDS = {"disk_quota": "disk_nbytes", "host_quota": "host_nbytes", "pin_quota": "pin_nbytes"}
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
     salt: str
+    quota: Quota | None = None  # None: no quota configured (eviction takes from it first)
+
+    @property
+    def id(self) -> bytes:
+        """The id the store sees in its namespaces (``tenancy.tenant_id``)."""
+        tid = tenant_id(namespace_salt(self, ""))
+        assert tid is not None
+        return tid
 
 
 def key_hash(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
-RESERVED = "tenant:"  # namespace salts of tenants start so: a client's own cache_salt may not
-
-
 def namespace_salt(tenant: Tenant | None, cache_salt: str) -> str:
-    """The namespace salt of a request: derived from its tenant's secret (the secret itself is never
-    stored: namespaces are written to the index, stats and archives), then its own ``cache_salt``, which
-    cannot reach another tenant's space (the separator is not in the derived part)."""
-    if tenant is None:
-        return cache_salt
-    derived = hmac.new(tenant.salt.encode(), b"tierkv namespace", hashlib.sha256).hexdigest()
-    return f"{RESERVED}{derived}\x1f{cache_salt}"
+    """The namespace salt of a request: derived from its tenant's secret, then its own ``cache_salt``
+    (``tenancy.namespace_salt``)."""
+    return _namespace_salt(None if tenant is None else tenant.salt, cache_salt)
+
+
+def _quota(path: Path, name: str, t: dict[str, object]) -> Quota | None:
+    sizes: dict[str, int] = {}
+    for field, attr in QUOTA_FIELDS.items():
+        if field in t:
+            value = t[field]
+            try:
+                if not isinstance(value, (str, int)) or isinstance(value, bool):
+                    raise ValueError(value)
+                sizes[attr] = parse_size(value)
+                if sizes[attr] < 0:
+                    raise ValueError(value)
+            except (ValueError, ConfigError):
+                raise ConfigError(
+                    f'api keys file {path}: tenant {name!r}: {field} must be a size such as "20GiB", '
+                    f"got {value!r}"
+                ) from None
+    return Quota(name, **sizes) if sizes else None
 
 
 def _load(path: Path) -> dict[str, Tenant]:
@@ -89,7 +118,7 @@ def _load(path: Path) -> dict[str, Tenant]:
         for k in keys:
             if k in by_hash:
                 raise ConfigError(f"api keys file {path}: one key hash is listed for two tenants")
-            by_hash[k] = Tenant(name, salt)
+            by_hash[k] = Tenant(name, salt, _quota(path, name, t))
     return by_hash
 
 
@@ -115,6 +144,12 @@ class Tenants:
 
     def names(self) -> set[str]:
         return {t.name for t in self._by_hash.values()}
+
+    def quotas(self) -> dict[bytes, Quota]:
+        """Every tenant's quotas by the id the store sees (a tenant without any: a Quota of its name
+        alone, so that stats and metrics can name it)."""
+        self._reload()
+        return {t.id: t.quota or Quota(t.name) for t in self._by_hash.values()}
 
     def tenant(self, authorization: str | None) -> Tenant | None:
         """The tenant of an ``Authorization`` header's bearer key; None for none or an unknown one."""
@@ -169,6 +204,7 @@ def add_key(path: str | os.PathLike[str], tenant: str) -> str:
             lines.append(f"[tenants.{json.dumps(name)}]")
             lines.append(f"salt = {json.dumps(t['salt'])}")
             lines.append("keys = [" + ", ".join(json.dumps(k) for k in t["keys"]) + "]")
+            lines.extend(f"{field} = {json.dumps(t[field])}" for field in QUOTA_FIELDS if field in t)
             lines.append("")
         mode = stat.S_IMODE(p.stat().st_mode) if p.exists() else 0o600
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")

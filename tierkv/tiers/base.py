@@ -20,6 +20,7 @@ from tierkv import codec
 from tierkv.codec import Unsealed
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.retention import Retention
+from tierkv.tenancy import Quota
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +128,9 @@ class Tier:
     def extend_retention(self, chain: BlockChain, count: int, retention: Retention) -> None:
         """Blocks ``0..count-1`` were used by a request asking ``retention`` (a tier that keeps blocks by
         their own retention extends theirs: the disk tier)."""
+
+    def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
+        """The tenants' quotas by tenant id (``tenancy.Quota``): a tier that evicts by them keeps them."""
 
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
         """Blocks ``idx`` were just served by faster tiers: refresh what this tier holds of them (a hit

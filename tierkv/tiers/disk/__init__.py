@@ -26,12 +26,14 @@ from tierkv.errors import ConfigError
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
 from tierkv.retention import Retention
+from tierkv.tenancy import Quota
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.pins import check_pin
 from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Hole, Policy, SweepReport
 from tierkv.tiers.disk.segments import SegmentDir
 from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
+from tierkv.tiers.disk.tenant_rows import TenantUsage
 from tierkv.tiers.disk.writer import (
     DEFAULT_BATCH_NBYTES,
     DEFAULT_QUEUE_NBYTES,
@@ -351,6 +353,18 @@ class DiskTier(Tier):
 
     def iter_entries(self) -> Iterator[tuple[BlockKey, Entry]]:
         return self.index.iter_entries()
+
+    def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
+        """The tenants' quotas (by tenant id): stored, so every process here evicts by them."""
+        if not self.read_only:
+            self.index.tenants.set_quotas(quotas)
+
+    def tenant_usage(self) -> dict[bytes, tuple[TenantUsage, Quota | None]]:
+        """Per tenant id, its (blocks, nbytes, pinned blocks, pinned nbytes) here and its quotas."""
+        with self.index.read() as txn:
+            usage = self.index.tenants.usage(txn)
+            quotas = self.index.tenants.quotas(txn)
+        return {tid: (usage.get(tid, (0, 0, 0, 0)), quotas.get(tid)) for tid in usage.keys() | quotas.keys()}
 
     def snapshot_entries(self) -> list[tuple[BlockKey, Entry]]:
         return self.index.snapshot_entries()

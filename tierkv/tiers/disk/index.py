@@ -41,6 +41,7 @@ from tierkv.tiers.disk.schema import (
     time_key,
     time_of,
 )
+from tierkv.tiers.disk.tenant_rows import TenantRows
 from tierkv.tiers.disk.txn import TxnGate
 
 __all__ = ["EVICTION_ORDER", "Index", "MAP_GROW_ATTEMPTS", "Txn"]
@@ -69,8 +70,11 @@ class Index:
         self.counters = counters
         self.gate = TxnGate()
         self.db: dict[str, Any] = {}
+        self.tenants = TenantRows(self)
         self._owners = open_store(path, writer, lambda: self._open_env(map_nbytes, writer))
         self.policy = self._load_policy(policy, persist=writer)
+        if writer:
+            self.tenants.fill()
 
     # ---------------------------------------------------------------- opening
 
@@ -228,6 +232,7 @@ class Index:
         if parent is not None:
             txn.put(key, parent, db=self.db["parents"])
             txn.put(parent + key, b"", db=self.db["children"])
+        self.tenants.insert(txn, key, e)
         self._add_totals(txn, e.ns_digest, 1, e.footprint)
         self._add_segment(txn, e.seg_id, 1, e.footprint)
         if e.pin_until_s:
@@ -243,6 +248,7 @@ class Index:
         if parent is not None:
             txn.delete(key, db=self.db["parents"])
             txn.delete(bytes(parent) + key, db=self.db["children"])
+        self.tenants.remove(txn, key, e)  # (before the namespace's spec may go with its last block)
         self._add_totals(txn, e.ns_digest, -1, -e.footprint)
         if e.pin_until_s:
             self._add_pinned(txn, -1, -e.footprint)
@@ -255,6 +261,7 @@ class Index:
         table, row = new.time_row(key)
         txn.put(row, b"", db=self.db[table])
         txn.put(key, new.pack(), db=self.db["index"])
+        self.tenants.replace(txn, key, old, new)
         if bool(new.pin_until_s) != bool(old.pin_until_s):
             sign = 1 if new.pin_until_s else -1
             self._add_pinned(txn, sign, sign * new.footprint)
@@ -283,11 +290,15 @@ class Index:
             e, last_access_s=max(t, e.last_access_s), retain_s=max(retain_s, e.retain_s)
         )
         if pin_until_s > e.pin_until_s:
-            limit = self.policy.pin_limit_nbytes
-            pinned = self.pinned_nbytes(txn)
+            add = 0 if e.pin_until_s else e.footprint
             # A pin that adds no bytes is extended, unless pins hold more than the limit (a budget
-            # lowered since): then they end as they were asked, and none is extended.
-            if pinned + (0 if e.pin_until_s else e.footprint) <= limit:
+            # lowered since): then they end as they were asked, and none is extended. The same holds
+            # for the block's tenant and its pin quota.
+            fits = self.pinned_nbytes(txn) + add <= self.policy.pin_limit_nbytes
+            quota = self.tenants.pin_quota(txn, e.ns_digest) if fits else None
+            if quota is not None:
+                fits = self.tenants.pinned_nbytes(txn, quota[0]) + add <= quota[1]
+            if fits:
                 new.pin_until_s = pin_until_s
             else:
                 status = "pin_refused"
@@ -417,13 +428,16 @@ class Index:
             txn.put(digest, spec, db=self.db["namespaces"])
 
     def evict_over(self, txn: Txn, budget: int, now: float | None = None) -> list[Hole]:
-        """Evict blocks until the live bytes fit in ``budget``: least recently used first among those of
-        the store's own retention, then those a request asked to keep, the soonest to lapse first; never
-        a pinned block (pins fit in their own budget, a part of this one)."""
+        """Evict blocks until the live bytes fit in ``budget``: first from tenants above their quota
+        (``TenantRows.evict_over_quota``), then least recently used first among those of the store's own
+        retention, then those a request asked to keep, the soonest to lapse first; never a pinned block
+        (pins fit in their own budget, a part of this one)."""
         total = self.total_nbytes(txn)
         holes: list[Hole] = []
         if total > budget and now is not None:
             self.end_pins(txn, now)
+        if total > budget:
+            holes, total = self.tenants.evict_over_quota(txn, total, budget)
         for table in EVICTION_ORDER:
             cur = txn.cursor(db=self.db[table])
             while total > budget and cur.first():

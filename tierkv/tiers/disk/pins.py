@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from tierkv.errors import PinBudgetError
 from tierkv.keys import BlockChain
+from tierkv.tenancy import tenant_id
 from tierkv.tiers.disk.schema import Entry
 from tierkv.tiers.disk.segments import aligned
 from tierkv.units import format_size
@@ -35,7 +36,7 @@ def check_pin(disk: DiskTier, chain: BlockChain, count: int, record_nbytes: int)
     disk.check_retention()
     keys = [bytes(k) for k in chain.keys[:count]]
     asked = set(keys)
-    pending = [k for k in disk.times.pending_pins() if k not in asked]
+    pending = [k for k in disk.times.pending_pins() if k not in asked]  # (of every tenant)
     now = disk.clock()
     with disk.index.read() as txn:
         pinned = disk.index.live_pinned_nbytes(txn, now)
@@ -53,9 +54,33 @@ def check_pin(disk: DiskTier, chain: BlockChain, count: int, record_nbytes: int)
                 mine += add
             else:
                 theirs += add
+    tid = tenant_id(chain.ns.tenant_salt)
+    if tid is not None:  # a tenant hears of its own pins only, never of the store's (a side channel)
+        _check_tenant(disk, chain, tid, mine, limit - pinned - theirs)
+        return
     if mine and pinned + theirs + mine > limit:
         raise PinBudgetError(
             f"pin refused: it needs {format_size(mine)} more, and {format_size(pinned + theirs)} of the "
             f"{format_size(limit)} pin budget is pinned already (or on its way): pin a shorter prefix, "
             "wait for pins to end, or give the server a larger --pin-budget"
+        )
+
+
+def _check_tenant(disk: DiskTier, chain: BlockChain, tid: bytes, mine: int, store_room: int) -> None:
+    """A tenant's pin: within its pin quota (if it has one), and within the store's budget. Its own
+    pinned bytes count as in the index (pins that ended and were not swept yet too: conservative)."""
+    if not mine:
+        return
+    with disk.index.read() as txn:
+        q = disk.index.tenants.quotas(txn).get(tid)
+        own = disk.index.tenants.pinned_nbytes(txn, tid)
+    if q is not None and q.pin_nbytes is not None and own + mine > q.pin_nbytes:
+        raise PinBudgetError(
+            f"pin refused: it needs {format_size(mine)} more, and {format_size(own)} of your "
+            f"{format_size(q.pin_nbytes)} pin quota is pinned already: pin a shorter prefix or wait for "
+            "pins to end"
+        )
+    if mine > store_room:
+        raise PinBudgetError(
+            "pin refused: the store's pin budget is taken: pin a shorter prefix, or try again later"
         )

@@ -19,6 +19,7 @@ LMDB environment ``<dir>/index`` (named databases):
     namespaces  namespace digest -> spec JSON                (while the namespace has blocks)
     meta        format version, segment counter, the store's TTL / max-age / budget policy, and
                 ``pinned``: (blocks, nbytes) pinned (exact, updated in the same transactions)
+    tenants, tenant_time   usage and time rows per tenant (``tenant_rows.py``)
 
 Each entry has one row in exactly one of ``atime``, ``retained`` and ``pinned`` (``Entry.time_row``).
 
@@ -72,6 +73,8 @@ DBS = (
     "totals",
     "namespaces",
     "meta",
+    "tenants",
+    "tenant_time",
 )
 ENTRY_V1 = struct.Struct("<32sIQIdd")  # ns digest, seg_id, offset, nbytes, created_s, last_access_s
 ENTRY = struct.Struct("<32sIQIdddd")  # version 2, with a retention or a pin: ..., retain_s, pin_until_s

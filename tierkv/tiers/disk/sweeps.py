@@ -183,7 +183,20 @@ class Sweeps:
             freed[0] += Entry.unpack(raw).footprint if raw else 0
             return False
 
-        n = sum(self._sweep(table, stop, dry_run, progress) for table in EVICTION_ORDER)
+        n = 0
+        while not dry_run:  # tenants above their quota first (a dry run counts the store-wide order only)
+
+            def over_quota(txn: Txn) -> list[Hole]:
+                total = self.index.total_nbytes(txn)
+                return self.index.tenants.evict_over_quota(txn, total, budget, SWEEP_BATCH)[0]
+
+            holes = self.index.write(over_quota)
+            self.segments.release(holes)
+            n += len(holes)
+            freed[0] += sum(aligned(h[2]) for h in holes)
+            if len(holes) < SWEEP_BATCH:
+                break
+        n += sum(self._sweep(table, stop, dry_run, progress) for table in EVICTION_ORDER)
         self.counters.add("disk", "evictions", n)
         return SweepReport(evicted=n, freed_nbytes=freed[0])
 

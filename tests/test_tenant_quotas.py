@@ -1,0 +1,170 @@
+"""Tenant quotas in the store (a real LMDB disk tier, an injected clock): eviction takes from tenants
+above their quota first, pins stay within a tenant's pin quota, usage is counted per tenant."""
+
+import lmdb
+import pytest
+
+from tierkv import TieredStore
+from tierkv.errors import PinBudgetError
+from tierkv.retention import Retention
+from tierkv.tenancy import Quota, namespace_salt, tenant_id
+from tierkv.tiers.disk import DiskTier
+
+from helpers import make_kv
+
+RECORD = 4096  # one block of the test namespace's KV is one 4 KiB page on disk
+A_SALT, B_SALT, C_SALT = "a" * 32, "b" * 32, "c" * 32
+
+
+def _tenant(ns, secret: str):
+    salted = ns.with_salt(namespace_salt(secret, ""))
+    tid = tenant_id(salted.tenant_salt)
+    assert tid is not None
+    return salted, tid
+
+
+def _prompt(i: int) -> list[int]:
+    return [1000 * (i + 1) + t for t in range(64)]  # 4 blocks of 16 tokens
+
+
+def _open(path, now, **options) -> TieredStore:
+    return TieredStore.open(path, host_bytes=0, clock=lambda: now[0], **options)
+
+
+def _disk(store: TieredStore) -> DiskTier:
+    disk = store.tier("disk")
+    assert isinstance(disk, DiskTier)
+    return disk
+
+
+def _fill(store, now, ns, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        now[0] += 1
+        store.save(ns, _prompt(i), make_kv(ns, 64, seed=i))
+        store.flush()
+
+
+def _held(store, ns, first: int, count: int) -> int:
+    return sum(store.lookup(ns, _prompt(i)).num_tokens == 64 for i in range(first, first + count))
+
+
+@pytest.mark.parametrize("quotas", [True, False])
+def test_a_tenant_within_its_quota_keeps_its_blocks_when_another_fills_the_disk(tmp_path, ns, quotas) -> None:
+    """With quotas, the noisy tenant evicts only its own blocks; without (the control), the quiet
+    tenant's older blocks go first, by LRU."""
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    b, b_id = _tenant(ns, B_SALT)
+    with _open(tmp_path, now, disk_bytes=40 * RECORD) as store:
+        if quotas:
+            store.set_quotas(
+                {a_id: Quota("a", disk_nbytes=20 * RECORD), b_id: Quota("b", disk_nbytes=20 * RECORD)}
+            )
+        _fill(store, now, b, 0, 4)  # 16 blocks: within b's 20
+        _fill(store, now, a, 100, 40)  # 160 blocks into a 40-block budget
+        held_b = _held(store, b, 0, 4)
+        usage = {tid: u for tid, (u, _) in _disk(store).tenant_usage().items()}
+        assert sum(u[1] for u in usage.values()) <= 40 * RECORD
+        if quotas:
+            assert held_b == 4
+            assert usage[b_id][:2] == (16, 16 * RECORD)
+            assert _held(store, a, 136, 4) == 4  # a keeps its newest blocks in what is left
+        else:
+            assert held_b == 0
+
+
+def test_a_tenant_without_a_quota_is_evicted_before_one_within_its_quota(tmp_path, ns) -> None:
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    c, _ = _tenant(ns, C_SALT)  # named by no quota
+    with _open(tmp_path, now, disk_bytes=24 * RECORD) as store:
+        store.set_quotas({a_id: Quota("a", disk_nbytes=16 * RECORD)})
+        _fill(store, now, a, 0, 4)  # a's 16 blocks are the oldest
+        _fill(store, now, c, 100, 6)  # c writes 24 blocks
+        assert _held(store, a, 0, 4) == 4
+        assert _held(store, c, 104, 2) == 2  # c keeps its newest in the 8 blocks left
+
+
+def test_budget_sweeps_of_gc_take_from_tenants_over_their_quota_first(tmp_path, ns) -> None:
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    b, b_id = _tenant(ns, B_SALT)
+    with _open(tmp_path, now) as store:  # no budget while writing
+        store.set_quotas({a_id: Quota("a", disk_nbytes=8 * RECORD), b_id: Quota("b", disk_nbytes=8 * RECORD)})
+        _fill(store, now, b, 0, 2)  # 8 blocks, the oldest
+        _fill(store, now, a, 100, 6)  # 24 blocks
+        report = _disk(store).enforce_budget(16 * RECORD)
+        assert report.evicted == 16
+        assert _held(store, b, 0, 2) == 2
+        assert _held(store, a, 100, 6) == 2
+
+
+def test_a_tenant_pins_within_its_pin_quota_and_hears_only_of_its_own_pins(tmp_path, ns) -> None:
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    b, b_id = _tenant(ns, B_SALT)
+    with _open(tmp_path, now, disk_bytes=64 * RECORD, pin_bytes=16 * RECORD) as store:
+        store.set_quotas({a_id: Quota("a", pin_nbytes=6 * RECORD), b_id: Quota("b")})
+        for t in (a, b):
+            for i in range(3):
+                store.save(t, _prompt(i), make_kv(t, 64, seed=i))
+        store.flush()
+        store.check_pin(a, _prompt(0), 3600)
+        store.retain(a, _prompt(0), Retention(pin_s=3600))
+        store.flush()
+        with pytest.raises(PinBudgetError, match="your 24.0 KiB pin quota") as refused:
+            store.check_pin(a, _prompt(1), 3600)  # 4 + 4 > 6 blocks
+        assert "64.0 KiB" not in str(refused.value)  # the store's pin budget is not told
+        store.check_pin(a, _prompt(1), 3600, num_blocks=2)  # 4 + 2 fit
+        # a pin asked without the check (another process, say) is held to the quota when written
+        store.retain(a, _prompt(1), Retention(pin_s=3600))
+        store.flush()
+        usage = {tid: u for tid, (u, _) in _disk(store).tenant_usage().items()}
+        assert usage[a_id][2:] == (6, 6 * RECORD)
+        # b has no pin quota: the store's budget (16 blocks, 6 pinned) holds it, and it is told no more
+        for i in (0, 1):
+            store.check_pin(b, _prompt(i), 3600, num_blocks=4)
+            store.retain(b, _prompt(i), Retention(pin_s=3600))
+        store.flush()
+        with pytest.raises(PinBudgetError, match="the store's pin budget is taken") as refused:
+            store.check_pin(b, _prompt(2), 3600)
+        assert "KiB" not in str(refused.value)
+
+
+def test_stats_name_tenants_and_count_their_usage(tmp_path, ns) -> None:
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    with _open(tmp_path, now, disk_bytes=64 * RECORD) as store:
+        store.set_quotas({a_id: Quota("acme", disk_nbytes=32 * RECORD)})
+        _fill(store, now, a, 0, 2)
+        _fill(store, now, ns, 10, 1)  # a block of no tenant is in no tenant's row
+        rows = store.report()["tenants"]
+    assert rows == [
+        {
+            "tenant": "acme",
+            "blocks": 8,
+            "nbytes": 8 * RECORD,
+            "pinned_blocks": 0,
+            "pinned_nbytes": 0,
+            "disk_quota_nbytes": 32 * RECORD,
+            "pin_quota_nbytes": None,
+        }
+    ]
+    assert A_SALT not in repr(rows)
+
+
+def test_rows_of_blocks_stored_before_are_filled_when_a_writer_opens(tmp_path, ns) -> None:
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    with _open(tmp_path, now) as store:
+        _fill(store, now, a, 0, 3)
+        before = _disk(store).tenant_usage()
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=16, subdir=True)  # as a build without them left it
+    with env.begin(write=True) as txn:
+        for name in (b"tenants", b"tenant_time"):
+            txn.drop(env.open_db(name, txn=txn), delete=True)
+        txn.delete(b"tenant_rows", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with _open(tmp_path, now) as store:
+        assert _disk(store).tenant_usage() == before
+        assert before[a_id][0] == (12, 12 * RECORD, 0, 0)

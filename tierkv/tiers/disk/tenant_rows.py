@@ -1,0 +1,236 @@
+"""Tenants in the disk tier's index: exact usage per tenant, each tenant's blocks in time order, its
+quotas, and eviction that takes first from tenants above their quota.
+
+    tenants      tenant id (16) -> (blocks, nbytes, pinned blocks, pinned nbytes)   (exact: updated in
+                 the transactions that change the entries)
+    tenant_time  tenant id || class (1) || the entry's time row -> ""   (class 0: its ``atime`` row,
+                 1: its ``retained`` row; a pinned block has none, as it is never evicted)
+    meta         ``tenants``: the quotas (``tenancy.quotas_to_json``), as the server last set them;
+                 ``tenant_rows``: set once the rows of blocks stored before this build were filled
+
+A block's tenant is read off its namespace's salt (``tenancy.tenant_id``): every process of this build
+keeps the rows, whatever it was told. Blocks of no tenant (a server without API keys) have none.
+Rows a process of an older build failed to write or delete are tolerated: a row whose entry is gone or
+has moved is dropped when eviction meets it, and such a block is still evicted by the store-wide order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from typing import TYPE_CHECKING
+
+from tierkv.tenancy import TENANT_ID_NBYTES, Quota, quotas_from_json, quotas_to_json, tenant_id
+from tierkv.tiers.disk.schema import TIME, Entry, Hole
+
+if TYPE_CHECKING:
+    from tierkv.tiers.disk.index import Index, Txn
+
+__all__ = ["TENANT_TABLES", "TenantRows", "TenantUsage"]
+
+log = logging.getLogger("tierkv.disk")
+
+TENANT_TABLES = ("tenants", "tenant_time")
+TENANT_TOTALS = struct.Struct("<QQQQ")  # blocks, nbytes, pinned blocks, pinned nbytes
+CLASS = {"atime": b"\0", "retained": b"\1"}  # eviction takes every tenant's class 0 before any class 1
+QUOTAS = b"tenants"  # meta key
+FILLED = b"tenant_rows"  # meta key
+HEAD = TENANT_ID_NBYTES + 1  # tenant id || class
+
+TenantUsage = tuple[int, int, int, int]  # blocks, nbytes, pinned blocks, pinned nbytes
+
+
+class TenantRows:
+    def __init__(self, index: Index) -> None:
+        self.index = index
+        self._of: dict[bytes, bytes | None] = {}  # namespace digest -> tenant id (a namespace never changes)
+        self._quotas_raw: bytes | None = None
+        self._quotas: dict[bytes, Quota] = {}
+
+    def of(self, txn: Txn, ns: bytes) -> bytes | None:
+        """The tenant of a namespace (None: none, or its spec is not stored)."""
+        try:
+            return self._of[ns]
+        except KeyError:
+            pass
+        raw = txn.get(ns, db=self.index.db["namespaces"])
+        if raw is None:
+            return None
+        salt = json.loads(bytes(raw)).get("tenant_salt", "")
+        tid = tenant_id(salt) if isinstance(salt, str) else None
+        self._of[ns] = tid
+        return tid
+
+    # ---------------------------------------------------------------- row updates (inside Index.write)
+
+    def insert(self, txn: Txn, key: bytes, e: Entry) -> None:
+        tid = self.of(txn, e.ns_digest)
+        if tid is None:
+            return
+        row = _row(tid, key, e)
+        if row is not None:
+            txn.put(row, b"", db=self.index.db["tenant_time"])
+        pinned = 1 if e.pin_until_s else 0
+        self._add(txn, tid, (1, e.footprint, pinned, pinned * e.footprint))
+
+    def remove(self, txn: Txn, key: bytes, e: Entry) -> None:
+        """(Before the entry's namespace may lose its spec with its last block.)"""
+        tid = self.of(txn, e.ns_digest)
+        if tid is None:
+            return
+        row = _row(tid, key, e)
+        if row is not None:
+            txn.delete(row, db=self.index.db["tenant_time"])
+        pinned = 1 if e.pin_until_s else 0
+        self._add(txn, tid, (-1, -e.footprint, -pinned, -pinned * e.footprint))
+
+    def replace(self, txn: Txn, key: bytes, old: Entry, new: Entry) -> None:
+        tid = self.of(txn, old.ns_digest)
+        if tid is None:
+            return
+        db = self.index.db["tenant_time"]
+        row = _row(tid, key, old)
+        if row is not None:
+            txn.delete(row, db=db)
+        row = _row(tid, key, new)
+        if row is not None:
+            txn.put(row, b"", db=db)
+        if bool(new.pin_until_s) != bool(old.pin_until_s):
+            sign = 1 if new.pin_until_s else -1
+            self._add(txn, tid, (0, 0, sign, sign * new.footprint))
+
+    def _add(self, txn: Txn, tid: bytes, delta: TenantUsage) -> None:
+        db = self.index.db["tenants"]
+        raw = txn.get(tid, db=db)
+        now = TENANT_TOTALS.unpack(raw) if raw else (0, 0, 0, 0)
+        new = tuple(max(0, a + b) for a, b in zip(now, delta))
+        if new[0] == 0:
+            txn.delete(tid, db=db)
+        else:
+            txn.put(tid, TENANT_TOTALS.pack(*new), db=db)
+
+    # ---------------------------------------------------------------- quotas
+
+    def quotas(self, txn: Txn) -> dict[bytes, Quota]:
+        raw = txn.get(QUOTAS, db=self.index.db["meta"])
+        raw = bytes(raw) if raw is not None else None
+        if raw != self._quotas_raw:
+            try:
+                self._quotas = quotas_from_json(raw)
+            except (ValueError, TypeError) as exc:  # written by a later build, say: no quotas, logged
+                log.error("disk tier: the stored tenant quotas do not parse (%s): none applied", exc)
+                self._quotas = {}
+            self._quotas_raw = raw
+        return self._quotas
+
+    def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
+        """Store the quotas (the server's keys file): every process on the directory evicts by them."""
+        raw = quotas_to_json(quotas)
+
+        def put(txn: Txn) -> None:
+            if txn.get(QUOTAS, db=self.index.db["meta"]) != raw:
+                txn.put(QUOTAS, raw, db=self.index.db["meta"])
+
+        self.index.write(put)
+
+    def usage(self, txn: Txn) -> dict[bytes, TenantUsage]:
+        return {bytes(k): TENANT_TOTALS.unpack(v) for k, v in txn.cursor(db=self.index.db["tenants"])}
+
+    def pinned_nbytes(self, txn: Txn, tid: bytes) -> int:
+        raw = txn.get(tid, db=self.index.db["tenants"])
+        return TENANT_TOTALS.unpack(raw)[3] if raw else 0
+
+    def pin_quota(self, txn: Txn, ns: bytes) -> tuple[bytes, int] | None:
+        """(tenant, its pin quota) for a block of namespace ``ns``, if its tenant has one."""
+        tid = self.of(txn, ns)
+        q = self.quotas(txn).get(tid) if tid is not None else None
+        if tid is None or q is None or q.pin_nbytes is None:
+            return None
+        return tid, q.pin_nbytes
+
+    def evict_over_quota(
+        self, txn: Txn, total: int, budget: int, limit: int | None = None
+    ) -> tuple[list[Hole], int]:
+        """Evict while the live bytes exceed ``budget``, from tenants above their disk quota only (a
+        tenant without one is above it with any block): across them, every tenant's blocks of the
+        store's own retention before any kept by a request, the oldest first; never a pinned block.
+        Nothing when no tenant has a disk quota. At most ``limit`` blocks. Returns the holes and the live
+        bytes left."""
+        quotas = self.quotas(txn)
+        if total <= budget or not any(q.disk_nbytes is not None for q in quotas.values()):
+            return [], total
+        used = {tid: u[1] for tid, u in self.usage(txn).items()}
+        over = {tid for tid, n in used.items() if n > _disk_quota(quotas.get(tid))}
+        db = self.index.db["tenant_time"]
+        cur = txn.cursor(db=db)
+        holes: list[Hole] = []
+        while total > budget and over and (limit is None or len(holes) < limit):
+            oldest: bytes | None = None
+            for tid in list(over):
+                row = _first(cur, tid)
+                if row is None:  # nothing evictable left (all pinned)
+                    over.discard(tid)
+                elif oldest is None or row[TENANT_ID_NBYTES:] < oldest[TENANT_ID_NBYTES:]:
+                    oldest = row
+            if oldest is None:
+                break
+            tid, key = oldest[:TENANT_ID_NBYTES], oldest[HEAD + TIME.size :]
+            raw = txn.get(key, db=self.index.db["index"])
+            e = Entry.unpack(raw) if raw is not None else None
+            if e is None or _row(tid, key, e) != oldest:  # left by an older build: drop it
+                txn.delete(oldest, db=db)
+                continue
+            holes.append((*e.location, self.index.remove(txn, key, e)))
+            total -= e.footprint
+            used[tid] -= e.footprint
+            if used[tid] <= _disk_quota(quotas.get(tid)):
+                over.discard(tid)
+        return holes, total
+
+    # ---------------------------------------------------------------- stores written before these rows
+
+    def fill(self) -> None:
+        """Rows for the blocks of tenants stored before this build kept them (once per store; a writer
+        calls it at open). One transaction: a retry (the map grew) starts again from empty tables."""
+
+        def fill(txn: Txn) -> int:
+            meta = self.index.db["meta"]
+            if txn.get(FILLED, db=meta) is not None:
+                return -1
+            tenant_ns = {
+                bytes(ns) for ns, _ in txn.cursor(db=self.index.db["namespaces"]) if self.of(txn, bytes(ns))
+            }
+            n = 0
+            if tenant_ns:
+                for table in TENANT_TABLES:
+                    txn.drop(self.index.db[table], delete=False)
+                for k, v in txn.cursor(db=self.index.db["index"]):
+                    e = Entry.unpack(v)
+                    if e.ns_digest in tenant_ns:
+                        self.insert(txn, bytes(k), e)
+                        n += 1
+            txn.put(FILLED, b"1", db=meta)
+            return n
+
+        n = self.index.write(fill)
+        if n > 0:
+            log.info("disk tier: filled the tenant rows of %d blocks stored before", n)
+
+
+def _disk_quota(q: Quota | None) -> int:
+    return q.disk_nbytes if q is not None and q.disk_nbytes is not None else 0
+
+
+def _row(tid: bytes, key: bytes, e: Entry) -> bytes | None:
+    table, row = e.time_row(key)
+    cls = CLASS.get(table)
+    return None if cls is None else tid + cls + row
+
+
+def _first(cur: object, tid: bytes) -> bytes | None:
+    """The tenant's first row (class 0 before 1, then time order)."""
+    if not cur.set_range(tid):  # type: ignore[attr-defined]
+        return None
+    row = bytes(cur.key())  # type: ignore[attr-defined]
+    return row if row[:TENANT_ID_NBYTES] == tid else None
