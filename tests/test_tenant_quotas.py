@@ -63,7 +63,7 @@ def test_a_tenant_within_its_quota_keeps_its_blocks_when_another_fills_the_disk(
         _fill(store, now, b, 0, 4)  # 16 blocks: within b's 20
         _fill(store, now, a, 100, 40)  # 160 blocks into a 40-block budget
         held_b = _held(store, b, 0, 4)
-        usage = {tid: u for tid, (u, _) in _disk(store).tenant_usage().items()}
+        usage = {tid: u for tid, (u, _) in _disk(store).tenants().items()}
         assert sum(u[1] for u in usage.values()) <= 40 * RECORD
         if quotas:
             assert held_b == 4
@@ -119,7 +119,7 @@ def test_a_tenant_pins_within_its_pin_quota_and_hears_only_of_its_own_pins(tmp_p
         # a pin asked without the check (another process, say) is held to the quota when written
         store.retain(a, _prompt(1), Retention(pin_s=3600))
         store.flush()
-        usage = {tid: u for tid, (u, _) in _disk(store).tenant_usage().items()}
+        usage = {tid: u for tid, (u, _) in _disk(store).tenants().items()}
         assert usage[a_id][2:] == (6, 6 * RECORD)
         # b has no pin quota: the store's budget (16 blocks, 6 pinned) holds it, and it is told no more
         for i in (0, 1):
@@ -158,7 +158,7 @@ def test_rows_of_blocks_stored_before_are_filled_when_a_writer_opens(tmp_path, n
     a, a_id = _tenant(ns, A_SALT)
     with _open(tmp_path, now) as store:
         _fill(store, now, a, 0, 3)
-        before = _disk(store).tenant_usage()
+        before = _disk(store).tenants()
     env = lmdb.open(str(tmp_path / "index"), max_dbs=16, subdir=True)  # as a build without them left it
     with env.begin(write=True) as txn:
         for name in (b"tenants", b"tenant_time"):
@@ -166,5 +166,28 @@ def test_rows_of_blocks_stored_before_are_filled_when_a_writer_opens(tmp_path, n
         txn.delete(b"tenant_rows", db=env.open_db(b"meta", txn=txn))
     env.close()
     with _open(tmp_path, now) as store:
-        assert _disk(store).tenant_usage() == before
+        assert _disk(store).tenants() == before
         assert before[a_id][0] == (12, 12 * RECORD, 0, 0)
+
+
+@pytest.mark.parametrize("quotas", [True, False])
+def test_the_host_tier_takes_slots_from_tenants_above_their_quota_first(tmp_path, ns, quotas) -> None:
+    from tierkv.keys import BlockChain
+    from tierkv.layout import KVSpec
+
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    b, b_id = _tenant(ns, B_SALT)
+    slot = KVSpec.of(ns).block_nbytes
+    store = TieredStore.open(tmp_path, host_bytes=16 * slot, clock=lambda: now[0])
+    with store:
+        if quotas:
+            store.set_quotas({a_id: Quota("a", host_nbytes=8 * slot), b_id: Quota("b", host_nbytes=8 * slot)})
+        _fill(store, now, b, 0, 2)  # 8 blocks: b's quota
+        _fill(store, now, a, 100, 10)  # 40 blocks through a 16-slot host tier
+        host = store.tier("host")
+        held_b = sum(sum(host.contains(BlockChain.of(b, _prompt(i)).keys)) for i in range(2))
+        assert held_b == (8 if quotas else 0)
+        usage = store.tenant_usage()
+        assert usage[a_id]["host_nbytes"] == (8 if quotas else 16) * slot
+        assert usage[a_id]["disk_nbytes"] > 0  # (no disk budget: every block is there)

@@ -105,7 +105,7 @@ __all__ = ["AGE_BUCKETS_S", "store_stats"]
 def tenant_report(disk: DiskTier) -> list[dict[str, Any]]:
     """Usage and quotas per tenant (of API keys), by name: never a salt."""
     rows = []
-    for tid, ((blocks, nbytes, pinned_blocks, pinned_nbytes), q) in disk.tenant_usage().items():
+    for tid, ((blocks, nbytes, pinned_blocks, pinned_nbytes), q) in disk.tenants().items():
         rows.append(
             {
                 "tenant": q.name if q is not None else f"#{tid.hex()[:12]}",  # (one no keys file names now)

@@ -95,6 +95,13 @@ class Namespace:
         # Cached: the hot paths ask for it on every call (a frozen dataclass never changes).
         return NamespaceDigest(_blake(b"tierkv-namespace\0" + self.spec_bytes))
 
+    @functools.cached_property
+    def tenant_id(self) -> bytes | None:
+        """The tenant of API keys whose namespace this is (``tenancy.tenant_id``); None for none."""
+        from tierkv.tenancy import tenant_id
+
+        return tenant_id(self.tenant_salt)
+
     def with_salt(self, tenant_salt: str) -> Namespace:
         return dataclasses.replace(self, tenant_salt=tenant_salt)
 

@@ -70,7 +70,14 @@ class Promoter:
         above = self._above(i)
         try:  # never waits for the pool (a large save may hold it): then spread puts it later
             if above and all(
-                t.put(self.chain.keys[i], block, created_s=self.created_s.get(i), wait=False) is not None
+                t.put(
+                    self.chain.keys[i],
+                    block,
+                    created_s=self.created_s.get(i),
+                    wait=False,
+                    tenant=self.chain.ns.tenant_id,
+                )
+                is not None
                 for t in above
             ):
                 self.promoted.add(i)
@@ -97,6 +104,7 @@ class Promoter:
                         B,
                         [self.created_s.get(i) for i in ids],
                         wait=False,
+                        tenant=self.chain.ns.tenant_id,
                     )
                     held = [h and g for h, g in zip(held, got)]
                 self.promoted.update(i for i, h in zip(ids, held) if h)
@@ -145,7 +153,7 @@ def spread(
                 below = [i for i in below if i not in promoted]  # those were put as they came in
             if below and (tier.device == dest.device or tier.device.type == "cpu"):
                 for i, block in blocks_on(tier.device, dest, below, B):
-                    tier.put(chain.keys[i], block, created_s=created_s.get(i))
+                    tier.put(chain.keys[i], block, created_s=created_s.get(i), tenant=chain.ns.tenant_id)
             continue
         wanted = (
             [i for i, w in zip(below, tier.needs(chain, below)) if w] if below and not memory_only else []

@@ -230,6 +230,14 @@ class TieredStore:
         for tier in self.tiers:
             tier.set_quotas(quotas)
 
+    def tenant_usage(self) -> dict[bytes, dict[str, int]]:
+        """Per tenant id: ``disk_nbytes``, ``pinned_nbytes`` (disk) and ``host_nbytes``, where held."""
+        out: dict[bytes, dict[str, int]] = {}
+        for tier in self.tiers:
+            for tid, row in tier.tenant_usage().items():
+                out.setdefault(tid, {}).update(row)
+        return out
+
     def check_retention(self) -> None:
         """ConfigError unless the disk tier can keep blocks by retention and pins (a format-2 store:
         ``tierkv gc --upgrade`` marks a format-1 one); without a disk tier, nothing is kept by them."""

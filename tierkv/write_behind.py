@@ -103,10 +103,10 @@ class WriteBehind:
         keys = chain.keys[start:]
         for pool in self._device_pools(device):  # device copies, on the compute stream
             if stacked is not None:
-                pool.put_many(keys, stacked)
+                pool.put_many(keys, stacked, tenant=chain.ns.tenant_id)
             else:
                 for key, block in zip(keys, blocks):
-                    pool.put(key, block)
+                    pool.put(key, block, tenant=chain.ns.tenant_id)
         idx = list(range(start, start + len(blocks)))
         behind = [t for t in self.tiers if self._behind(t) and (isinstance(t, BlockPool) or not memory_only)]
         dests = self._dests(chain, idx, behind)
@@ -219,7 +219,7 @@ class WriteBehind:
                 return
             for pool in (t for t in p.dests if isinstance(t, BlockPool)):
                 hold = bool(records) and held is None and pool.can_hold()
-                slot = pool.put(key, block, hold=hold, created_s=p.created_s)
+                slot = pool.put(key, block, hold=hold, created_s=p.created_s, tenant=p.chain.ns.tenant_id)
                 if slot is not None and pool.device.type == "cpu":
                     kept = kept or pool
                 if hold and slot is not None:

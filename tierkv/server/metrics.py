@@ -76,7 +76,40 @@ class StoreCollector:
                 if field in stats.get(tier, {}):
                     gauge.add_metric([tier], stats[tier][field])
             yield gauge
+        yield from self._tenants(store)
         yield from gpu_metrics()
+
+    def _tenants(self, store: Any) -> Iterator[Any]:
+        """Usage and quotas per tenant of the keys file (labels are configured names, never client-chosen)."""
+        tenants = self.server.tenants
+        if tenants is None:
+            return
+        names = {tid: q.name for tid, q in tenants.quotas().items()}
+        used = GaugeMetricFamily(
+            "tierkv_tenant_bytes", "Bytes of the tenant's blocks in the tier", labels=["tenant", "tier"]
+        )
+        pinned = GaugeMetricFamily(
+            "tierkv_tenant_pinned_bytes", "Bytes the tenant has pinned", labels=["tenant"]
+        )
+        quota = GaugeMetricFamily(
+            "tierkv_tenant_quota_bytes",
+            "The tenant's quota in the tier (absent: none)",
+            labels=["tenant", "tier"],
+        )
+        usage = store.tenant_usage()
+        for tid, name in sorted(names.items(), key=lambda kv: kv[1]):
+            row = usage.get(tid, {})
+            for tier in ("host", "disk"):
+                if tier in store.tier_names:
+                    used.add_metric([name, tier], row.get(f"{tier}_nbytes", 0))
+            pinned.add_metric([name], row.get("pinned_nbytes", 0))
+            q = tenants.quotas()[tid]
+            for tier, limit in (("disk", q.disk_nbytes), ("host", q.host_nbytes), ("pin", q.pin_nbytes)):
+                if limit is not None:
+                    quota.add_metric([name, tier], limit)
+        yield used
+        yield pinned
+        yield quota
 
 
 def gpu_metrics() -> Iterator[Any]:

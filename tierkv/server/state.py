@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tierkv.errors import ConfigError
@@ -11,8 +13,12 @@ from tierkv.server.metrics import Metrics
 from tierkv.server.responses import JSON, error, unauthorized
 from tierkv.server.tenants import RESERVED, Tenants, namespace_salt
 from tierkv.store import TieredStore
+from tierkv.tenancy import Quota
 from tierkv.tiers.gpu import gpu_budget_nbytes
+from tierkv.units import format_size
 from tierkv.worker import CachedModel
+
+log = logging.getLogger("tierkv.server")
 
 
 class Unauthorized(Exception):
@@ -41,7 +47,22 @@ class Server:
         from tierkv.explain import MissLog
 
         self.misses = MissLog(debug_prompts=config.debug_prompts)
-        self.tenants = Tenants(config.api_keys) if config.api_keys else None
+        self.tenants = Tenants(config.api_keys, self._set_quotas) if config.api_keys else None
+
+    def _set_quotas(self, quotas: dict[bytes, Quota]) -> None:
+        if self.store is None:
+            return
+        self.store.set_quotas(quotas)
+        disk = self.store.tier("disk")
+        budget = disk.stats()["capacity_nbytes"] if disk is not None else 0
+        reserved = sum(q.disk_nbytes or 0 for q in quotas.values())
+        if budget and reserved > budget:
+            log.warning(
+                "api keys: the tenants' disk quotas (%s) add up to more than the disk budget (%s): a "
+                "tenant within its quota may lose blocks to another",
+                format_size(reserved),
+                format_size(budget),
+            )
 
     def request_salt(self, authorization: str | None, cache_salt: str | None) -> str | JSON:
         """``salt_of``, or the error response to send instead (401 without a valid key, 400 for a

@@ -28,8 +28,10 @@ import secrets
 import stat
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tomllib
 
@@ -38,7 +40,7 @@ from tierkv.tenancy import RESERVED, Quota, tenant_id
 from tierkv.tenancy import namespace_salt as _namespace_salt
 from tierkv.units import parse_size
 
-__all__ = ["RESERVED", "Tenant", "Tenants", "add_key", "key_hash", "namespace_salt"]
+__all__ = ["RESERVED", "Tenant", "Tenants", "add_key", "key_hash", "namespace_salt", "set_quotas"]
 
 log = logging.getLogger("tierkv.server")
 
@@ -126,12 +128,19 @@ class Tenants:
     """The keys file, reloaded when it changes (its size or modification time); a file that no longer
     parses keeps the last good table, and says so once."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_quotas: Callable[[dict[bytes, Quota]], None] | None = None,
+    ) -> None:
+        """``on_quotas``: told the tenants' quotas now and after every reload (the store evicts by them)."""
         self.path = Path(path)
         self._lock = threading.Lock()
         self._stamp = self._stat()
         self._by_hash = _load(self.path)  # at start: an error stops the server
+        self._on_quotas = on_quotas
         log.info("api keys: %d keys of %d tenants from %s", len(self._by_hash), len(self.names()), self.path)
+        self._tell_quotas()
 
     def _stat(self) -> tuple[int, ...] | None:
         try:
@@ -148,8 +157,15 @@ class Tenants:
     def quotas(self) -> dict[bytes, Quota]:
         """Every tenant's quotas by the id the store sees (a tenant without any: a Quota of its name
         alone, so that stats and metrics can name it)."""
-        self._reload()
         return {t.id: t.quota or Quota(t.name) for t in self._by_hash.values()}
+
+    def _tell_quotas(self) -> None:
+        if self._on_quotas is None:
+            return
+        try:
+            self._on_quotas(self.quotas())
+        except Exception:  # a store that cannot take them now (a full disk, say): the keys still work
+            log.exception("api keys: the tenants' quotas were not stored")
 
     def tenant(self, authorization: str | None) -> Tenant | None:
         """The tenant of an ``Authorization`` header's bearer key; None for none or an unknown one."""
@@ -178,27 +194,55 @@ class Tenants:
             try:
                 self._by_hash = _load(self.path)
                 log.info("api keys: reloaded %s (%d keys)", self.path, len(self._by_hash))
+                self._tell_quotas()
             except ConfigError as exc:
                 log.error("api keys: %s; the previous keys stay in use", exc)
 
 
 def add_key(path: str | os.PathLike[str], tenant: str) -> str:
     """Make a new API key for ``tenant`` (the tenant too, with a new secret salt, if it is new) and store
-    its hash in the keys file. Under a lock (concurrent runs lose no key), written whole to a new private
-    temporary file, checked, then renamed over the file (which keeps its mode; 0600 when new). Returns
-    the key: shown once, never stored."""
+    its hash in the keys file (``_rewrite``). Returns the key: shown once, never stored."""
+    key = KEY_PREFIX + secrets.token_hex(24)
+
+    def change(tenants: dict[str, Any]) -> None:
+        entry = tenants.setdefault(tenant, {"salt": secrets.token_hex(32), "keys": []})
+        entry["keys"] = [*entry.get("keys", []), key_hash(key)]
+
+    _rewrite(Path(path), tenant, change)
+    return key
+
+
+def set_quotas(path: str | os.PathLike[str], tenant: str, quotas: dict[str, str | None]) -> None:
+    """Set (a size) or remove (None) an existing tenant's ``disk_quota``, ``host_quota``, ``pin_quota``."""
+    unknown = set(quotas) - set(QUOTA_FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown quotas {sorted(unknown)}: expected {sorted(QUOTA_FIELDS)}")
+
+    def change(tenants: dict[str, Any]) -> None:
+        if tenant not in tenants:
+            raise ConfigError(f"no tenant {tenant!r} in {path}: `tierkv keys add {tenant}` makes it")
+        for field, size in quotas.items():
+            if size is None:
+                tenants[tenant].pop(field, None)
+            else:
+                tenants[tenant][field] = size
+
+    _rewrite(Path(path), tenant, change)
+
+
+def _rewrite(p: Path, tenant: str, change: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``change`` to the keys file's tenants: under a lock (concurrent runs lose nothing), written
+    whole to a new private temporary file, checked, then renamed over the file (which keeps its mode;
+    0600 when new) and the directory synced."""
     if not tenant or not all(c.isascii() and (c.isalnum() or c in "-_") for c in tenant):
         raise ConfigError(f"tenant names are letters, digits, '-' and '_': got {tenant!r}")
-    p = Path(path)
     with open(p.with_name(p.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = tomllib.loads(p.read_text()) if p.exists() else {}
         if p.exists():
             _load(p)  # a file that does not parse is not rewritten
         tenants = data.setdefault("tenants", {})
-        entry = tenants.setdefault(tenant, {"salt": secrets.token_hex(32), "keys": []})
-        key = KEY_PREFIX + secrets.token_hex(24)
-        entry["keys"] = [*entry.get("keys", []), key_hash(key)]
+        change(tenants)
         lines = []
         for name, t in tenants.items():  # every string a TOML basic string: JSON's quoting is valid TOML
             lines.append(f"[tenants.{json.dumps(name)}]")
@@ -225,4 +269,3 @@ def add_key(path: str | os.PathLike[str], tenant: str) -> str:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    return key

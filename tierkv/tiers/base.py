@@ -132,6 +132,10 @@ class Tier:
     def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
         """The tenants' quotas by tenant id (``tenancy.Quota``): a tier that evicts by them keeps them."""
 
+    def tenant_usage(self) -> dict[bytes, dict[str, int]]:
+        """Per tenant id, what it holds here (``<tier>_nbytes``, and more where the tier counts it)."""
+        return {}
+
     def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
         """Blocks ``idx`` were just served by faster tiers: refresh what this tier holds of them (a hit
         keeps a block alive everywhere) and return those it wants written (lost here, or newly admitted)."""

@@ -22,6 +22,7 @@ from tierkv import native
 from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
+from tierkv.tenancy import Quota
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.prefault import Populator, populate_in_background
 from tierkv.tiers.slot_copies import Slabs, copy_run, gather_run, index_tensor, slabs, upload_run
@@ -85,6 +86,11 @@ class BlockPool(Tier):
         # Blocks waiting for a slower tier (write-back, see write_behind.py): evicted only when no clean
         # block can make room (then the slower tier loses them, and the write-behind counts it).
         self._dirty: set[BlockKey] = set()
+        # Tenants (of API keys): whose block each slot holds, how many each holds, and their quotas in
+        # slots' bytes. A slot to take goes first to blocks of tenants above their quota.
+        self._tenant: dict[BlockKey, bytes] = {}
+        self._tenant_blocks: dict[bytes, int] = {}
+        self._quota_nbytes: dict[bytes, int] = {}
         self._lock = threading.Lock()
 
     def _allocate(self, slot_nbytes: int) -> None:
@@ -153,6 +159,13 @@ class BlockPool(Tier):
         self._atime.pop(key, None)
         self._ctime.pop(key, None)
         self._dirty.discard(key)
+        tenant = self._tenant.pop(key, None)
+        if tenant is not None:
+            left = self._tenant_blocks[tenant] - 1
+            if left:
+                self._tenant_blocks[tenant] = left
+            else:
+                del self._tenant_blocks[tenant]
 
     def created_s(self, key: BlockKey) -> float:
         """When the block was first saved (as its record says), for a rewrite that keeps its age."""
@@ -172,6 +185,7 @@ class BlockPool(Tier):
         hold: bool = False,
         created_s: float | None = None,
         wait: bool = True,
+        tenant: bytes | None = None,
     ) -> torch.Tensor | None:
         """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot.
 
@@ -189,7 +203,7 @@ class BlockPool(Tier):
             now = self.clock()
             slot = self._refresh(key, now, created_s)
             if slot is None:
-                slot = self._take_slot()
+                slot = self._take_slot(tenant)
                 if slot is None:
                     return None
                 # Copied under the lock: a block is ~1 MiB (tens of microseconds), and a reader must never
@@ -199,7 +213,7 @@ class BlockPool(Tier):
                 self._pool[slot].view(block.dtype).view(block.shape).copy_(
                     block, non_blocking=self.device.type == "cuda"
                 )
-                self._publish(key, slot, now, created_s)
+                self._publish(key, slot, now, created_s, tenant)
                 self.counters.add(self.name, "blocks_written")
                 self.counters.add(self.name, "bytes_written", nbytes)
             if hold:
@@ -208,7 +222,7 @@ class BlockPool(Tier):
         finally:
             self._lock.release()
 
-    def put_many(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> int:
+    def put_many(self, keys: Sequence[BlockKey], blocks: torch.Tensor, tenant: bytes | None = None) -> int:
         """``put`` for a contiguous stack of blocks ``[N, ...]``: the new ones land in one indexed copy (one
         kernel on a GPU) instead of one copy each. Returns how many were new; stops when no slot is free."""
         n_blocks = blocks.shape[0]
@@ -223,11 +237,11 @@ class BlockPool(Tier):
             for j, key in enumerate(keys):
                 if self._refresh(key, now, None) is not None:
                     continue
-                slot = self._take_slot()
+                slot = self._take_slot(tenant)
                 if slot is None:
                     break
                 self._ref(slot)  # until copied: a later block of this batch must not evict this one
-                self._publish(key, slot, now, None)
+                self._publish(key, slot, now, None, tenant)
                 picked.append(j)
                 slots.append(slot)
             if not slots:
@@ -252,6 +266,7 @@ class BlockPool(Tier):
         created_s: Sequence[float | None],
         *,
         wait: bool = True,
+        tenant: bytes | None = None,
     ) -> list[bool]:
         """``put`` of blocks ``positions`` of ``buf`` (a KV tensor ``[layers, 2, tokens, ...]``): for each key,
         whether the tier holds it now. From a CPU tensor whose slabs are contiguous, the new blocks are
@@ -261,7 +276,7 @@ class BlockPool(Tier):
         B = block_tokens
         if not (self.device.type == "cpu" and rows_scatterable(buf) and native.enabled() and keys):
             return [
-                self.put(k, buf[:, :, p * B : (p + 1) * B], created_s=c, wait=wait) is not None
+                self.put(k, buf[:, :, p * B : (p + 1) * B], created_s=c, wait=wait, tenant=tenant) is not None
                 if 0 <= p < buf.shape[2] // B
                 else False
                 for k, p, c in zip(keys, positions, created_s)
@@ -281,6 +296,7 @@ class BlockPool(Tier):
                 [created_s[j] for j in part],
                 nbytes,
                 wait,
+                tenant,
             )
             for j, g in zip(part, got):
                 held[j] = g
@@ -294,6 +310,7 @@ class BlockPool(Tier):
         created_s: Sequence[float | None],
         nbytes: int,
         wait: bool,
+        tenant: bytes | None,
     ) -> list[bool]:
         if not self._lock.acquire(blocking=wait):
             return [False] * len(keys)
@@ -308,7 +325,7 @@ class BlockPool(Tier):
                 for key, pos, created in zip(keys, positions, created_s):
                     slot = self._refresh(key, now, created)  # held already: recent again, not rewritten
                     if slot is None and key not in new:  # taken slots are in neither LRU nor free list
-                        slot = self._take_slot()
+                        slot = self._take_slot(tenant)
                         if slot is not None:
                             new[key] = (slot, pos, created)
                     held.append(slot is not None or key in new)
@@ -325,7 +342,7 @@ class BlockPool(Tier):
                     self._free.append(slot)
                 raise
             for key, (slot, _, created) in new.items():  # written: now a reader may find them
-                self._publish(key, slot, now, created)
+                self._publish(key, slot, now, created, tenant)
             self.counters.add(self.name, "blocks_written", len(new))
             self.counters.add(self.name, "bytes_written", len(new) * nbytes)
             return held
@@ -351,11 +368,16 @@ class BlockPool(Tier):
             self._lru.move_to_end(key)
         return slot
 
-    def _publish(self, key: BlockKey, slot: int, now: float, created_s: float | None) -> None:
+    def _publish(
+        self, key: BlockKey, slot: int, now: float, created_s: float | None, tenant: bytes | None = None
+    ) -> None:
         """A new block in ``slot``: from now on readers find it. Under the lock."""
         self._lru[key] = slot
         self._atime[key] = now
         self._ctime[key] = now if created_s is None else created_s
+        if tenant is not None:
+            self._tenant[key] = tenant
+            self._tenant_blocks[tenant] = self._tenant_blocks.get(tenant, 0) + 1
 
     def _ref(self, slot: int) -> None:
         self._held += self._refs[slot] == 0
@@ -386,10 +408,16 @@ class BlockPool(Tier):
         with self._lock:
             return self._pool is None or self._held < self.num_slots * MAX_HELD_FRACTION
 
-    def _take_slot(self) -> int | None:
+    def _take_slot(self, tenant: bytes | None) -> int | None:
+        """A free slot, else the slot of a block evicted for it (``tenant``: whose block it is for)."""
         if self._free:
             return self._free.pop()
-        victim = None
+        victim = self._over_quota_victim(tenant) if self._quota_nbytes else None
+        if victim is not None:
+            slot = self._lru.pop(victim)
+            self._forget(victim)
+            self.counters.add(self.name, "evictions")
+            return slot
         for key, slot in self._lru.items():  # least recently used first, clean before dirty
             if self._refs[slot] == 0:
                 if key not in self._dirty:
@@ -403,6 +431,41 @@ class BlockPool(Tier):
         self._forget(victim)
         self.counters.add(self.name, "evictions")
         return slot
+
+    def _over_quota_victim(self, tenant: bytes | None) -> BlockKey | None:
+        """The least recently used block (clean before dirty, none in use) of a tenant above its quota (a
+        tenant without one is above it with any block), ``tenant`` counted with the block it adds; None
+        if no tenant is. Under the lock."""
+        over = {
+            t
+            for t, n in self._tenant_blocks.items()
+            if (n + (t == tenant)) * self.slot_nbytes > self._quota_nbytes.get(t, 0)
+        }
+        if not over:
+            return None
+        victim = None
+        for key, slot in self._lru.items():
+            if self._refs[slot] == 0 and self._tenant.get(key) in over:
+                if key not in self._dirty:
+                    return key
+                if victim is None:
+                    victim = key
+        return victim
+
+    def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
+        """Tenants' quotas in this pool: ``host_nbytes`` for the host tier (a GPU pool takes none)."""
+        if self.device.type != "cpu":
+            return
+        with self._lock:
+            self._quota_nbytes = (
+                {t: q.host_nbytes or 0 for t, q in quotas.items()}
+                if any(q.host_nbytes is not None for q in quotas.values())
+                else {}  # no tenant has one: plain LRU
+            )
+
+    def tenant_usage(self) -> dict[bytes, dict[str, int]]:
+        with self._lock:
+            return {t: {f"{self.name}_nbytes": n * self.slot_nbytes} for t, n in self._tenant_blocks.items()}
 
     def mark_dirty(self, key: BlockKey) -> bool:
         """``key``'s block waits for a slower tier: evict clean blocks first. False if it is not here."""
@@ -516,7 +579,7 @@ class BlockPool(Tier):
     def write(self, block: BlockWrite) -> bool:
         spec = KVSpec.of(block.ns)
         kv = block.payload.view(spec.dtype).view(spec.block_shape)
-        if self.put(block.key, kv, created_s=block.created_s) is None:
+        if self.put(block.key, kv, created_s=block.created_s, tenant=block.ns.tenant_id) is None:
             return False  # the caller keeps what ``block.release`` frees (the Tier contract)
         block.done()
         return True

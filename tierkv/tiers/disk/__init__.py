@@ -359,7 +359,12 @@ class DiskTier(Tier):
         if not self.read_only:
             self.index.tenants.set_quotas(quotas)
 
-    def tenant_usage(self) -> dict[bytes, tuple[TenantUsage, Quota | None]]:
+    def tenant_usage(self) -> dict[bytes, dict[str, int]]:
+        with self.index.read() as txn:
+            usage = self.index.tenants.usage(txn)
+        return {tid: {"disk_nbytes": u[1], "pinned_nbytes": u[3]} for tid, u in usage.items()}
+
+    def tenants(self) -> dict[bytes, tuple[TenantUsage, Quota | None]]:
         """Per tenant id, its (blocks, nbytes, pinned blocks, pinned nbytes) here and its quotas."""
         with self.index.read() as txn:
             usage = self.index.tenants.usage(txn)
