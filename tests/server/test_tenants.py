@@ -115,11 +115,16 @@ def test_the_keys_file_is_written_safely_and_checked(tmp_path) -> None:
     assert tenants.tenant(f"Bearer {keys[0]}") is None
 
 
-@pytest.mark.parametrize("option", ["api_keys", "remote_secret_file"])
-def test_engine_vllm_refuses_what_it_would_ignore(option, monkeypatch, capsys) -> None:
+def test_engine_vllm_refuses_api_keys_and_passes_the_remote_secret_file_to_the_connector(
+    monkeypatch, capsys, tmp_path
+) -> None:
     from tierkv.integrations.vllm import serve
 
     monkeypatch.setattr(serve, "vllm_python", lambda: "/bin/true")
-    assert serve.serve_vllm({option: "/some/file", "model": "/nowhere"}) == 2
-    err = capsys.readouterr().err
-    assert f"--{option.replace('_', '-')} is not supported with --engine vllm" in err
+    assert serve.serve_vllm({"api_keys": "/some/file", "model": "/nowhere"}) == 2
+    assert "--api-keys is not supported with --engine vllm" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    extra = serve.connector_config({"remote": "redis://h:1", "remote_secret_file": "s.secret"})[
+        "kv_connector_extra_config"
+    ]
+    assert extra["remote_secret_file"] == str(tmp_path / "s.secret")  # a path for vLLM's workers

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tierkv import TieredStore
+from tierkv.errors import ConfigError
 from tierkv.tiers.remote import CircuitBreaker
 
 from helpers import REDIS_EPHEMERAL, ServerProcess, make_kv
@@ -320,3 +321,39 @@ def test_the_remote_tier_describes_itself_without_its_password() -> None:
     tier = RemoteTier.__new__(RemoteTier)
     tier.url = "redis://user:s3cr3t@cache.internal:6379/0"
     assert tier.describe() == "remote redis://***@cache.internal:6379/0"
+
+
+def test_the_vllm_connectors_store_signs_remote_records_with_its_secret_file(
+    tmp_path, ns, redis_server
+) -> None:
+    """``kv_connector_extra_config`` ``remote_secret_file`` (what ``tierkv serve --engine vllm
+    --remote-secret-file`` passes): the connector's store signs what it shares; a node without the secret
+    does not serve it, a node with it does."""
+    from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
+
+    secret_file = tmp_path / "remote.secret"
+    secret_file.write_text("x" * 40 + "\n")
+    options = ConnectorOptions.from_extra(
+        {
+            "cache_dir": str(tmp_path / "engine"),
+            "remote": redis_server.url,
+            "remote_secret_file": str(secret_file),
+            "host_bytes": 0,
+            "sweep_interval_s": 0,
+        }
+    )
+    store = shared_store(options)
+    try:
+        toks = list(range(48))
+        store.save(ns, toks, make_kv(ns, 48, seed=3))
+        store.flush()
+    finally:
+        release_store(store)
+    with TieredStore.open(None, host_bytes=0, remote=redis_server.url) as unsigned_node:
+        assert unsigned_node.restore(ns, toks)[0].num_tokens == 0
+    with TieredStore.open(None, host_bytes=0, remote=redis_server.url, remote_secrets=(b"x" * 40,)) as node:
+        hit, kv = node.restore(ns, toks)
+        assert hit.num_tokens == 48 and torch.equal(kv, make_kv(ns, 48, seed=3))
+    bad = ConnectorOptions.from_extra({"remote_secret_file": str(secret_file)})  # and no remote tier
+    with pytest.raises(ConfigError, match="no remote tier"):
+        bad.store_kwargs()

@@ -54,6 +54,7 @@ from tierkv.integrations.vllm import TierKVConnector  # noqa: E402
 from tierkv.keys import BlockChain  # noqa: E402
 from tierkv.layout import KVSpec  # noqa: E402
 from tierkv.store import TieredStore  # noqa: E402
+from tierkv.tenancy import namespace_salt  # noqa: E402
 
 B = 16  # vLLM's block size here (tokens per block, tierkv's block_tokens)
 NUM_BLOCKS = 64
@@ -405,6 +406,33 @@ def test_stored_blocks_are_offered_beyond_vllms_own_prefix_hit_leaving_one_token
     engine.run_to_completion()
     assert sorted(rid for rid, _, _ in finished) == ["A", "C", "D", "E"]
     assert {result for _, _, result in finished} == {(False, None)}
+    engine.assert_idle()
+
+
+def test_a_cache_salt_in_the_reserved_tenant_space_is_neither_loaded_nor_saved(engines) -> None:
+    """A bare vLLM's client may not name the space of a tenant of ``tierkv serve --api-keys`` sharing the
+    directory; an ordinary salt (the control) loads what is stored under it."""
+    engine = engines()
+    connector = engine.connector
+    side = connector._scheduler
+    assert side is not None
+    prompt = _tokens(7, 4 * B + 5)
+    for rid, salt in (("plain", "client-salt"), ("reserved", namespace_salt("s" * 32, ""))):
+        ns = side.ns.with_salt(salt)
+        side.store.save_blocks(
+            ns, BlockChain.of(ns, prompt[: 2 * B]), torch.randn(2, *KVSpec.of(ns).block_shape)
+        )
+        request = engine.add(rid, prompt, salt=salt)
+        expected = (0, False) if rid == "reserved" else (2 * B, False)
+        assert connector.get_num_new_matched_tokens(request, 0) == expected
+        out = engine.schedule()
+        meta = out.kv_connector_metadata
+        if rid == "reserved":
+            assert meta.loads == [] and meta.saves == []
+        else:
+            assert meta.loads and meta.saves
+        engine.finish_step(out)
+        engine.run_to_completion()
     engine.assert_idle()
 
 

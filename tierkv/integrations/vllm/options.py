@@ -43,6 +43,9 @@ class ConnectorOptions:
     ttl_s: float | None = 86400.0  # None: no TTL
     remote: str | None = None  # redis://host:port, a tier shared by several machines
     remote_admit_after: int = 1
+    # Secrets that sign the remote tier's records, one a line (the first signs; ``tierkv serve
+    # --remote-secret-file``): a record no secret verifies is a miss, never served
+    remote_secret_file: str | None = None
     sweep_interval_s: float = 300.0  # background expiry and budget sweeps; 0: none
     revision: str | None = None  # vouch for the weights: skip hashing the checkpoint files
     sync: bool = True  # fdatasync each disk batch (off only for tests and benchmarks)
@@ -92,8 +95,14 @@ class ConnectorOptions:
         return str(Path(self.cache_dir or _default_cache_dir()).expanduser())
 
     def store_kwargs(self) -> dict[str, Any]:
-        """``TieredStore.open``'s keywords."""
+        """``TieredStore.open``'s keywords (the secrets read from their file now: ConfigError if not)."""
+        from tierkv.server.config import read_secrets
+
+        secrets = read_secrets(self.remote_secret_file) if self.remote_secret_file else ()
+        if secrets and not self.remote:
+            raise ConfigError("tierkv connector option remote_secret_file: there is no remote tier to sign")
         return {
+            "remote_secrets": secrets,
             "host_bytes": self.host_bytes,
             "disk_bytes": self.disk_bytes,
             "ttl_s": self.ttl_s,

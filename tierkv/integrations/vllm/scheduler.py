@@ -28,6 +28,7 @@ from tierkv.integrations.vllm.options import ConnectorOptions, release_store, sh
 from tierkv.keys import BlockChain, Namespace
 from tierkv.retention import NO_CONTROL, CacheControl
 from tierkv.server.cache_control import CONTROL_FIELDS, control_from_params
+from tierkv.tenancy import RESERVED
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -97,6 +98,7 @@ class SchedulerSide:
         self._lookup_backoff_s = 0.0
         self._lookup_paused_until = 0.0
         self._reqs: dict[str, _Request] = {}
+        self._warned_reserved = False
         self._metrics = TierKVStats()
         self._forget: list[str] = []
         self.check_rate = options.self_check_rate if self_check else 0.0
@@ -142,6 +144,17 @@ class SchedulerSide:
                 return None
         if r is None and _eligible(request):
             salt = request.cache_salt or ""
+            if salt.startswith(RESERVED):
+                # The space of a tenant of ``tierkv serve --api-keys`` on the same directory: no client
+                # of a bare vLLM may name it (its hits would tell that tenant's prompts). Not cached.
+                if not self._warned_reserved:
+                    self._warned_reserved = True
+                    log.warning(
+                        "tierkv: requests whose cache_salt starts with %r are neither loaded nor saved "
+                        "(reserved for tenants of API keys; logged once)",
+                        RESERVED,
+                    )
+                return None
             ns = self.ns.with_salt(salt) if salt else self.ns
             prompt = list(request.prompt_token_ids)
             r = _Request(prompt, salt, BlockChain.of(ns, prompt))

@@ -9,7 +9,8 @@ with the same names); what maps:
     model                a Hugging Face directory, or ``smollm2`` (the converted built-in; the default).
                          ``tiny`` is the transformers engine's in-memory test model: not servable by vLLM
     host, port, dtype    as given ("auto" dtype: vLLM's choice); max_context -> --max-model-len
-    cache_dir, host_cache, disk_budget, ttl, remote, remote_admit_after, sweep_interval_s, revision
+    cache_dir, host_cache, disk_budget, ttl, remote, remote_admit_after, remote_secret_file,
+    sweep_interval_s, revision
                          the connector's options; no_cache: vLLM without the connector. The remote
                          URL goes to vLLM in $TIERKV_REMOTE_URL, not in its argv (which ps shows to
                          every user), and the exec line printed has any URL's credentials redacted
@@ -117,6 +118,7 @@ def connector_config(config: Any) -> dict[str, Any]:
         ("ttl", "ttl_s"),
         ("remote", "remote"),
         ("remote_admit_after", "remote_admit_after"),
+        ("remote_secret_file", "remote_secret_file"),
         ("sweep_interval_s", "sweep_interval_s"),
         ("revision", "revision"),
     ):
@@ -125,6 +127,8 @@ def connector_config(config: Any) -> dict[str, Any]:
             extra[theirs] = value
     if "remote" in extra:  # the URL itself travels in the environment (vllm_env): argv is public
         extra["remote"] = f"env:{REMOTE_ENV}"
+    if "remote_secret_file" in extra:  # a path (the secrets stay in the file), absolute for vLLM's workers
+        extra["remote_secret_file"] = os.path.abspath(extra["remote_secret_file"])
     given = config.get("disk_budget", 0) if isinstance(config, Mapping) else getattr(config, "disk_budget", 0)
     if given is None:  # --disk-budget none: left out, the connector would apply its default of 20 GiB
         extra["disk_bytes"] = None
@@ -193,7 +197,6 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
         return 2
     for option, why in (
         ("api_keys", "vLLM's server checks no tierkv API keys: tenants would share one cache space"),
-        ("remote_secret_file", "the connector does not sign remote records yet"),
     ):
         if _get(config_or_args, option):  # never ignored silently: each changes what is isolated
             print(
