@@ -95,6 +95,18 @@ def test_router_sends_same_prefix_requests_to_one_worker_and_survives_a_dead_wor
                 if round_:
                     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its KV was there
         assert len(set(first_worker.values())) == 2  # and the prefixes spread over both
+        # DELETE /v1/cache goes where the prompt is routed: the worker that holds its blocks
+        forget = urllib.request.Request(
+            url + "/v1/cache",
+            data=json.dumps(
+                {"messages": [{"role": "system", "content": systems[1]}], "shared": True}
+            ).encode(),
+            method="DELETE",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(forget, timeout=60) as r:
+            gone, worker = json.loads(r.read()), r.headers["x-tierkv-worker"]
+        assert worker == first_worker[1] and gone["removed_blocks"] > 0
         victim = a if a.url == first_worker[0] else b
         victim.stop()
         body = {

@@ -53,7 +53,7 @@ def test_tenants_share_no_block_whatever_salt_they_send(setup) -> None:
 
 
 def test_a_missing_or_unknown_key_is_401_and_health_needs_none(setup) -> None:
-    srv, _, _, _ = setup
+    srv, _, k, _ = setup
     with pytest.raises(openai.AuthenticationError) as err:
         srv.client(api_key="tk-not-a-key").completions.create(model="default", prompt=PROMPT, max_tokens=1)
     assert err.value.body["code"] == "invalid_api_key"
@@ -71,6 +71,14 @@ def test_a_missing_or_unknown_key_is_401_and_health_needs_none(setup) -> None:
         assert code == 401 and challenge == "Bearer"
     with urllib.request.urlopen(srv.url + "/health", timeout=10) as r:
         assert r.status == 200
+    with pytest.raises(urllib.error.HTTPError) as http:  # the models too, as OpenAI's API
+        urllib.request.urlopen(srv.url + "/v1/models", timeout=10)
+    code = http.value.code
+    http.value.close()
+    assert code == 401
+    models = urllib.request.Request(srv.url + "/v1/models", headers={"Authorization": f"Bearer {k['b']}"})
+    with urllib.request.urlopen(models, timeout=10) as r:
+        assert json.loads(r.read())["data"]
 
 
 def test_keys_added_while_the_server_runs_are_taken(setup) -> None:

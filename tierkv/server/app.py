@@ -20,7 +20,7 @@ from tierkv.server.admin import add_admin_routes
 from tierkv.server.cache_routes import add_cache_routes
 from tierkv.server.completions import add_completion_routes
 from tierkv.server.middleware import CountAndCatch
-from tierkv.server.responses import JSON, error
+from tierkv.server.responses import JSON, error, unauthorized
 from tierkv.server.state import Server
 
 log = logging.getLogger("tierkv.server")
@@ -80,7 +80,9 @@ def create_app(server: Server) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> JSON:
+    async def models(request: Request) -> JSON:
+        if server.tenants is not None and server.tenants.tenant(request.headers.get("authorization")) is None:
+            return unauthorized("a valid API key is needed: Authorization: Bearer <key>")
         return JSON(
             {
                 "object": "list",

@@ -163,13 +163,14 @@ def create_router_app(router: Router) -> Any:
         }
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         for w in router.ring.healthy:
-            r = await client.get(w + "/v1/models")
+            r = await client.get(w + "/v1/models", headers=auth)
             return Response(r.content, r.status_code, media_type="application/json")
         return error(503, "no healthy worker")
 
-    @app.post("/v1/{path:path}")
+    @app.api_route("/v1/{path:path}", methods=["POST", "DELETE"])  # (DELETE: /v1/cache, by prompt)
     async def proxy(path: str, request: Request) -> Response:
         raw = await request.body()
         try:
@@ -186,7 +187,7 @@ def create_router_app(router: Router) -> Any:
             router.routed[worker] += 1
             try:
                 upstream = await client.send(
-                    client.build_request("POST", f"{worker}/v1/{path}", content=raw, headers=headers),
+                    client.build_request(request.method, f"{worker}/v1/{path}", content=raw, headers=headers),
                     stream=True,
                 )
                 break
