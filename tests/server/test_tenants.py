@@ -123,14 +123,22 @@ def test_the_keys_file_is_written_safely_and_checked(tmp_path) -> None:
     assert tenants.tenant(f"Bearer {keys[0]}") is None
 
 
-def test_engine_vllm_refuses_api_keys_and_passes_the_remote_secret_file_to_the_connector(
+def test_engine_vllm_checks_the_keys_file_first_and_passes_the_remote_secret_file_to_the_connector(
     monkeypatch, capsys, tmp_path
 ) -> None:
     from tierkv.integrations.vllm import serve
 
     monkeypatch.setattr(serve, "vllm_python", lambda: "/bin/true")
-    assert serve.serve_vllm({"api_keys": "/some/file", "model": "/nowhere"}) == 2
-    assert "--api-keys is not supported with --engine vllm" in capsys.readouterr().err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    missing = tmp_path / "keys.toml"
+    assert serve.serve_vllm({"api_keys": str(missing), "model": str(model)}) == 2  # before vLLM starts
+    assert f"api keys file {missing}" in capsys.readouterr().err
+    assert serve.serve_vllm({"api_keys": str(missing), "model": str(model), "no_cache": True}) == 2
+    assert "--api-keys needs the cache" in capsys.readouterr().err
+    extra = serve.connector_config({"api_keys": str(missing)})["kv_connector_extra_config"]
+    assert extra["front"] is True  # the connector takes the front's reserved salts
     monkeypatch.chdir(tmp_path)
     extra = serve.connector_config({"remote": "redis://h:1", "remote_secret_file": "s.secret"})[
         "kv_connector_extra_config"

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -220,3 +221,107 @@ def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Pat
     # SIGTERM let the worker close its connector (flushing the write-behind), not a kill
     assert "tierkv connector (worker): loaded" in (tmp_path / "server.log").read_text()
     assert tierkv_cli("gc", "--check", "--cache-dir", str(cache))["corrupt"] == 0
+
+
+def _keys(path: Path, *args: str) -> str:
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "keys", *args, "--file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def _complete_as(port: int, key: str | None, **extra: object) -> tuple[int, dict]:
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **extra}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), headers
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.load(e)
+
+
+def test_api_keys_put_tenants_in_front_of_vllm(tmp_path: Path, model_dir: Path) -> None:
+    """``--api-keys`` through vLLM: a front checks keys and sets each request's cache_salt from its tenant,
+    so tenants share nothing in vLLM's prefix cache or in tierkv's tiers; the tenants' quotas reach the
+    connector's store; SIGTERM stops vLLM cleanly behind the front."""
+    keys, port, cache = tmp_path / "keys.toml", _free_port(), tmp_path / "cache"
+    acme, beta = _keys(keys, "add", "acme"), _keys(keys, "add", "beta")
+    _keys(keys, "quota", "beta", "--disk", "64MiB", "--pin", "8MiB")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierkv.integrations.vllm.serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--cache-dir",
+            str(cache),
+            "--host-cache",
+            "64MiB",
+            "--dtype",
+            "float32",
+            "--api-keys",
+            str(keys),
+            "--",
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp_path,
+    )
+
+    def up() -> bool:
+        assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        _wait("the server", up, 600)
+        status, out = _complete_as(port, None)
+        assert status == 401 and out["error"]["code"] == "invalid_api_key"
+        status, out = _complete_as(port, acme)
+        assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        text = out["choices"][0]["text"]
+        status, out = _complete_as(port, beta)  # the same prompt, another tenant: nothing of acme's
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert out["choices"][0]["text"] == text  # (the same model: the same answer)
+        status, out = _complete_as(port, beta, cache_salt="team-1")  # a subdivision of beta's own space
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        status, out = _complete_as(port, acme)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 640
+        _wait(
+            "the blocks on disk", lambda: tierkv_cli("stats", "--cache-dir", str(cache))["blocks"] >= 15, 60
+        )
+        tenants = {t["tenant"]: t for t in tierkv_cli("stats", "--cache-dir", str(cache))["tenants"]}
+        assert tenants["acme"]["blocks"] == 5 and tenants["beta"]["blocks"] == 10
+        assert tenants["beta"]["disk_quota_nbytes"] == 64 * 2**20
+        salts = [line.split('"')[1] for line in keys.read_text().splitlines() if line.startswith("salt")]
+        assert not any(s in (tmp_path / "server.log").read_text() for s in salts)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    assert server.returncode == 0, (tmp_path / "server.log").read_text()[-4000:]
+    assert "tierkv connector (worker): loaded" in (tmp_path / "server.log").read_text()

@@ -46,6 +46,9 @@ class ConnectorOptions:
     # Secrets that sign the remote tier's records, one a line (the first signs; ``tierkv serve
     # --remote-secret-file``): a record no secret verifies is a miss, never served
     remote_secret_file: str | None = None
+    # Behind ``tierkv serve --engine vllm --api-keys`` (front.py): a cache_salt of the reserved tenant
+    # space is the front's, not a client's
+    front: bool = False
     sweep_interval_s: float = 300.0  # background expiry and budget sweeps; 0: none
     revision: str | None = None  # vouch for the weights: skip hashing the checkpoint files
     sync: bool = True  # fdatasync each disk batch (off only for tests and benchmarks)
@@ -79,7 +82,7 @@ class ConnectorOptions:
                 if not 0.0 <= rate <= 1.0:  # NaN included
                     raise ConfigError(f"self_check_rate must be in 0..1, got {value!r}")
                 out[name] = rate
-            elif name == "sync":
+            elif name in ("sync", "front"):
                 out[name] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
             elif name == "remote" and str(value).startswith("env:"):
                 # "env:VAR": the URL (which may hold a password) from the environment, not from argv

@@ -99,6 +99,7 @@ class SchedulerSide:
         self._lookup_paused_until = 0.0
         self._reqs: dict[str, _Request] = {}
         self._warned_reserved = False
+        self.front = options.front
         self._metrics = TierKVStats()
         self._forget: list[str] = []
         self.check_rate = options.self_check_rate if self_check else 0.0
@@ -144,7 +145,7 @@ class SchedulerSide:
                 return None
         if r is None and _eligible(request):
             salt = request.cache_salt or ""
-            if salt.startswith(RESERVED):
+            if salt.startswith(RESERVED) and not self.front:
                 # The space of a tenant of ``tierkv serve --api-keys`` on the same directory: no client
                 # of a bare vLLM may name it (its hits would tell that tenant's prompts). Not cached.
                 if not self._warned_reserved:

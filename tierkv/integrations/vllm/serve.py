@@ -21,6 +21,9 @@ with the same names); what maps:
                          cleanly and the connector flushes what it was still writing (with vLLM's
                          default, 0, they are killed, and the last blocks handed to the store are lost)
 
+With ``api_keys`` (``--api-keys FILE``) vLLM runs on a private loopback port behind a front of tierkv's
+that checks keys and sets each request's ``cache_salt`` from its tenant (``front.py``).
+
 The usage of each response counts the prompt tokens served from a cache (vLLM's prefix cache and tierkv's
 loads) in ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``). Arguments
 after the options (``extra_args``) go to vLLM unchanged. Without vLLM importable: one line saying how to
@@ -127,6 +130,8 @@ def connector_config(config: Any) -> dict[str, Any]:
             extra[theirs] = value
     if "remote" in extra:  # the URL itself travels in the environment (vllm_env): argv is public
         extra["remote"] = f"env:{REMOTE_ENV}"
+    if _get(config, "api_keys"):  # behind the tenants' front: reserved cache_salts are the front's
+        extra["front"] = True
     if "remote_secret_file" in extra:  # a path (the secrets stay in the file), absolute for vLLM's workers
         extra["remote_secret_file"] = os.path.abspath(extra["remote_secret_file"])
     given = config.get("disk_budget", 0) if isinstance(config, Mapping) else getattr(config, "disk_budget", 0)
@@ -195,17 +200,19 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
     if python is None:
         print(f"tierkv: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    for option, why in (
-        ("api_keys", "vLLM's server checks no tierkv API keys: tenants would share one cache space"),
-    ):
-        if _get(config_or_args, option):  # never ignored silently: each changes what is isolated
-            print(
-                f"tierkv: --{option.replace('_', '-')} is not supported with --engine vllm: {why}",
-                file=sys.stderr,
-            )
-            return 2
+    if _get(config_or_args, "api_keys") and _get(config_or_args, "no_cache", False):
+        print(
+            "tierkv: --api-keys needs the cache (tenants are cache spaces): drop --no-cache", file=sys.stderr
+        )
+        return 2
     try:
         cmd = vllm_command(config_or_args, extra_args, python)
+        if _get(config_or_args, "api_keys"):  # vLLM checks no keys: a front of tierkv's does (front.py)
+            from tierkv.integrations.vllm.front import run_front
+            from tierkv.server.tenants import Tenants
+
+            Tenants(str(_get(config_or_args, "api_keys")))  # a bad keys file: one line now, not later
+            return run_front(config_or_args, extra_args, python)
     except ConfigError as exc:
         print(f"tierkv: {exc}", file=sys.stderr)
         return 2
@@ -243,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # From the environment by default: a URL with a password on the command line is visible in ps.
     p.add_argument("--remote", default=os.environ.get("TIERKV_REMOTE"), help="default: $TIERKV_REMOTE")
     p.add_argument("--remote-admit-after", type=int, default=1)
+    p.add_argument("--remote-secret-file", default=os.environ.get("TIERKV_REMOTE_SECRET_FILE"))
+    p.add_argument("--api-keys", help="a keys file (tierkv keys add): tenants, through a front (front.py)")
     p.add_argument("--sweep-interval", dest="sweep_interval_s", type=parse_duration, default=300.0)
     p.add_argument("--revision")
     p.add_argument("--no-cache", action="store_true")
