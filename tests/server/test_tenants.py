@@ -144,3 +144,95 @@ def test_engine_vllm_checks_the_keys_file_first_and_passes_the_remote_secret_fil
         "kv_connector_extra_config"
     ]
     assert extra["remote_secret_file"] == str(tmp_path / "s.secret")  # a path for vLLM's workers
+
+
+def _raw_post(app, path: str, body: bytes, headers: dict[str, str]) -> int:
+    """POST ``path`` to an ASGI app exactly as written (an HTTP client would remove dot segments first; a
+    raw request to uvicorn keeps them)."""
+    import asyncio
+
+    status: list[int] = []
+
+    async def run() -> None:
+        sent = False
+
+        async def receive() -> dict:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        await app(scope, receive, send)
+
+    asyncio.run(run())
+    return status[0]
+
+
+def test_the_vllm_front_salts_every_request_it_forwards_and_forwards_nothing_else(tmp_path) -> None:
+    """The front's routing (tierkv/integrations/vllm/front.py), against a recording upstream in place of
+    vLLM (tests/vllm/test_vllm_serve.py runs it in front of a real vLLM): only exact routes go through,
+    each with the tenant's salt and the engine's token, never the client's key."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from tierkv.integrations.vllm.front import create_front_app
+    from tierkv.server.tenants import Tenants, add_key, namespace_salt
+
+    keys = tmp_path / "keys.toml"
+    key = add_key(keys, "acme")
+    tenants = Tenants(keys)
+    seen: list[httpx.Request] = []
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'{"ok": true}'
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, headers={"content-type": "application/json"}, stream=Body())
+
+    app = create_front_app(tenants, httpx.MockTransport(upstream), "engine-token")
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    raw = json.dumps({"prompt": "x", "cache_salt": "raw"}).encode()
+    for path in (
+        "/v1/./completions",
+        "/v1/../v1/completions",
+        "/v1//completions",
+        "/v1/embeddings",
+        "/tokenize",
+    ):
+        assert _raw_post(app, path, raw, auth) in (307, 404, 405)
+    with TestClient(app, follow_redirects=False) as client:
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert client.post("/v1/completions", json={"cache_salt": 3}, headers=auth).status_code == 400
+        assert client.post("/v1/completions", json=["x"], headers=auth).status_code == 400
+        assert not seen  # none of those reached the engine
+        r = client.post("/v1/completions", json={"prompt": "x", "cache_salt": "team"}, headers=auth)
+        assert r.status_code == 200 and r.json() == {"ok": True}
+        assert client.get("/v1/models", headers=auth).status_code == 200
+        assert client.get("/v1/models").status_code == 401
+    sent = json.loads(seen[0].content)
+    tenant = tenants.tenant(f"Bearer {key}")
+    assert sent["cache_salt"] == namespace_salt(tenant, "team") and sent["prompt"] == "x"
+    assert seen[0].url.path == "/v1/completions" and seen[1].url.path == "/v1/models"
+    assert {r.headers["authorization"] for r in seen} == {"Bearer engine-token"}
+    assert len(seen) == 2

@@ -7,12 +7,14 @@ So with API keys, ``tierkv serve`` runs vLLM on a private loopback port and serv
 - the key's tenant sets the request's ``cache_salt`` (``tenancy.namespace_salt``: its derived salt, then
   the client's own ``cache_salt``, which only subdivides the tenant's space), so vLLM's own prefix cache
   and tierkv's namespaces are the tenant's;
-- the rest goes to vLLM unchanged and comes back streamed; ``/health`` and ``/metrics`` are vLLM's;
+- only ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (salted) and ``/v1/models`` are
+  served, each to vLLM's own route (never a path the client wrote); the answer comes back streamed;
+  ``/health`` and ``/metrics`` are vLLM's;
 - the tenants' quotas are written to the cache directory's index, where the connector's tiers evict by
   them (the connector is told ``front``: a ``cache_salt`` of the reserved tenant space is this front's).
 
-vLLM listens on 127.0.0.1 only; a user of the same machine who can reach that port can still send any
-``cache_salt`` (docs/security.md).
+vLLM listens on a Unix socket in a directory only this user can enter, and wants a token only the front
+has (``VLLM_API_KEY``): nobody else can send it a ``cache_salt`` of the reserved tenant space.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
+import shutil
 import signal
-import socket
 import subprocess
+import tempfile
+import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,20 +43,14 @@ from tierkv.server.responses import error, unauthorized
 from tierkv.server.tenants import Tenants, namespace_salt
 from tierkv.tenancy import Quota
 
-__all__ = ["MAX_CACHE_SALT", "SALTED_PATHS", "create_front_app", "run_front"]
+__all__ = ["MAX_CACHE_SALT", "SALTED_ROUTES", "QuotaWriter", "create_front_app", "run_front"]
 
 log = logging.getLogger("tierkv.front")
 
 MAX_CACHE_SALT = 128  # vLLM's limit on a cache_salt (entrypoints' validate_cache_salt)
-SALTED_PATHS = {"completions", "chat/completions", "responses"}  # the routes that take a cache_salt
+SALTED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # what the front serves
+MAX_BODY_NBYTES = 64 << 20
 STOP_WAIT_S = 60  # vLLM's own shutdown timeout (30 s, serve.py) and its workers' exit
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _as_mapping(config: Any) -> dict[str, Any]:
@@ -69,18 +69,60 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _store_quotas(cache_dir: str, quotas: dict[bytes, Quota]) -> None:
-    """The quotas into the cache directory's index (another process on it, as the design allows)."""
-    from tierkv.tiers.disk import DiskTier
+class QuotaWriter:
+    """Writes the tenants' quotas into the cache directory's index on a thread of its own (the keys file
+    is reloaded inside a request's handler: never the event loop's wait), the latest set winning."""
 
-    with DiskTier(cache_dir) as disk:
-        disk.set_quotas(quotas)
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir = cache_dir
+        self._lock = threading.Lock()
+        self._latest: dict[bytes, Quota] | None = None
+
+    def __call__(self, quotas: dict[bytes, Quota]) -> None:
+        with self._lock:
+            start = self._latest is None
+            self._latest = quotas
+        if start:
+            threading.Thread(target=self._run, name="tierkv-quotas", daemon=True).start()
+
+    def _run(self) -> None:
+        from tierkv.metrics import Counters
+        from tierkv.tiers.disk import DEFAULT_MAP_NBYTES
+        from tierkv.tiers.disk.index import Index
+
+        while True:
+            with self._lock:
+                quotas, self._latest = self._latest, None
+            if quotas is None:
+                return
+            try:  # only the index, as one more process on it (the design allows many)
+                index = Index(
+                    Path(self.cache_dir),
+                    map_nbytes=DEFAULT_MAP_NBYTES,
+                    writer=True,
+                    sync=True,
+                    policy=None,
+                    counters=Counters(),
+                )
+                try:
+                    index.tenants.set_quotas(quotas)
+                finally:
+                    index.close()
+            except Exception:
+                log.exception("the tenants' quotas were not stored in %s", self.cache_dir)
 
 
-def create_front_app(tenants: Any, upstream: str, child: subprocess.Popen[bytes] | None = None) -> Any:
-    """The front's ASGI app: ``tenants`` (``server.tenants.Tenants``) checks keys; ``upstream`` is vLLM's
-    URL; ``child`` its process (the front stops when it exits)."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+def create_front_app(
+    tenants: Any,
+    transport: httpx.AsyncBaseTransport,
+    token: str,
+    child: subprocess.Popen[bytes] | None = None,
+) -> Any:
+    """The front's ASGI app: ``tenants`` (``server.tenants.Tenants``) checks keys; ``transport`` reaches
+    vLLM, which wants ``token``; ``child`` is vLLM's process (the front stops when it exits)."""
+    client = httpx.AsyncClient(
+        transport=transport, base_url="http://vllm", timeout=httpx.Timeout(600.0, connect=5.0)
+    )
 
     async def watch_child() -> None:
         while child is not None:
@@ -99,11 +141,14 @@ def create_front_app(tenants: Any, upstream: str, child: subprocess.Popen[bytes]
 
     app = FastAPI(title="tierkv front", lifespan=lifespan)
 
-    async def forward(method: str, path: str, raw: bytes, content_type: str | None) -> Response:
-        headers = {"content-type": content_type} if content_type else {}
+    async def forward(method: str, route: str, raw: bytes = b"") -> Response:
+        """To vLLM's own route (a constant of this module, never the client's path), with vLLM's token."""
+        headers = {"authorization": f"Bearer {token}"}
+        if raw:
+            headers["content-type"] = "application/json"
         try:
             upstream_r = await client.send(
-                client.build_request(method, f"{upstream}/{path}", content=raw, headers=headers), stream=True
+                client.build_request(method, route, content=raw, headers=headers), stream=True
             )
         except httpx.ConnectError:
             return error(503, "the engine is not up yet (or has stopped): try again", "server_error")
@@ -126,42 +171,55 @@ def create_front_app(tenants: Any, upstream: str, child: subprocess.Popen[bytes]
 
     @app.get("/health")
     async def health() -> Response:
-        return await forward("GET", "health", b"", None)
+        return await forward("GET", "/health")
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return await forward("GET", "metrics", b"", None)
+        return await forward("GET", "/metrics")
 
-    @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
-    async def v1(path: str, request: Request) -> Response:
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if tenants.tenant(request.headers.get("authorization")) is None:
+            return unauthorized("a valid API key is needed: Authorization: Bearer <key>")
+        return await forward("GET", "/v1/models")
+
+    async def salted(route: str, request: Request) -> Response:
         tenant = tenants.tenant(request.headers.get("authorization"))
         if tenant is None:
             return unauthorized("a valid API key is needed: Authorization: Bearer <key>")
         raw = await request.body()
-        if request.method == "POST" and path.strip("/") in SALTED_PATHS:
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                return error(400, "the request body is not JSON")
-            if not isinstance(body, dict):
-                return error(400, "the request body must be a JSON object")
-            own = body.get("cache_salt")
-            if own is not None and not isinstance(own, str):
-                return error(400, "cache_salt must be a string", param="cache_salt")
-            salt = namespace_salt(tenant, own or "")
-            if len(salt) > MAX_CACHE_SALT:
-                room = MAX_CACHE_SALT - len(namespace_salt(tenant, ""))
-                return error(400, f"cache_salt: at most {room} characters with API keys", param="cache_salt")
-            body["cache_salt"] = salt
-            raw = json.dumps(body).encode()
-        return await forward(request.method, f"v1/{path}", raw, request.headers.get("content-type"))
+        if len(raw) > MAX_BODY_NBYTES:
+            return error(413, f"the request body is over {MAX_BODY_NBYTES // 2**20} MiB")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object")
+        own = body.get("cache_salt")
+        if own is not None and not isinstance(own, str):
+            return error(400, "cache_salt must be a string", param="cache_salt")
+        salt = namespace_salt(tenant, own or "")
+        if len(salt) > MAX_CACHE_SALT:
+            room = MAX_CACHE_SALT - len(namespace_salt(tenant, ""))
+            return error(400, f"cache_salt: at most {room} characters with API keys", param="cache_salt")
+        body["cache_salt"] = salt
+        return await forward("POST", route, json.dumps(body).encode())
+
+    for route in SALTED_ROUTES:  # exact routes only: any other path is a 404 here, never forwarded
+
+        async def endpoint(request: Request, route: str = route) -> Response:
+            return await salted(route, request)
+
+        app.add_api_route(route, endpoint, methods=["POST"])
 
     return app
 
 
 def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
-    """Run vLLM (``serve.vllm_command``) on a private port and the front on the public one, until a
-    signal or vLLM's exit; then stop vLLM (it flushes the connector's store). Returns vLLM's status."""
+    """Run vLLM (``serve.vllm_command``) on a Unix socket in a private directory, wanting a token only
+    this process knows, and the front on the public address, until a signal or vLLM's exit; then stop
+    vLLM (it flushes the connector's store). Returns vLLM's status."""
     import uvicorn
 
     from tierkv.integrations.vllm.serve import vllm_command, vllm_env
@@ -169,15 +227,19 @@ def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = _as_mapping(config)
     public_host, public_port = str(options.get("host") or "127.0.0.1"), int(options.get("port") or 8000)
-    private_port = _free_port()
-    cmd = vllm_command({**options, "host": "127.0.0.1", "port": private_port}, extra_args, python)
+    private = tempfile.mkdtemp(prefix="tierkv-front-")  # mode 0700: no other user reaches the socket
+    sock = os.path.join(private, "vllm.sock")
+    token = secrets.token_urlsafe(32)  # and no other process of this user without it (VLLM_API_KEY)
+    cmd = vllm_command(options, [*extra_args, "--uds", sock], python)  # (--uds: host and port unused)
     cache_dir = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
         "cache_dir"
     ]
-    log.info("starting vLLM on 127.0.0.1:%d behind the tenants' front", private_port)
+    log.info("starting vLLM on %s behind the tenants' front", sock)
     # (started before this process has threads of its own: preexec_fn runs between fork and exec)
-    child = subprocess.Popen(cmd, env={**os.environ, **vllm_env(options)}, preexec_fn=_die_with_parent)
-    tenants = Tenants(str(options["api_keys"]), lambda quotas: _store_quotas(cache_dir, quotas))
+    child = subprocess.Popen(
+        cmd, env={**os.environ, **vllm_env(options), "VLLM_API_KEY": token}, preexec_fn=_die_with_parent
+    )
+    tenants = Tenants(str(options["api_keys"]), QuotaWriter(cache_dir))
     # uvicorn stops on SIGTERM or SIGINT, then raises the signal again with the handlers it found: these
     # let the front go on to stop vLLM (the default ones would end the process and orphan it).
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -190,12 +252,8 @@ def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
             public_host,
             public_port,
         )
-        uvicorn.run(
-            create_front_app(tenants, f"http://127.0.0.1:{private_port}", child),
-            host=public_host,
-            port=public_port,
-            log_level="warning",
-        )
+        app = create_front_app(tenants, httpx.AsyncHTTPTransport(uds=sock), token, child)
+        uvicorn.run(app, host=public_host, port=public_port, log_level="warning")
     finally:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -205,4 +263,5 @@ def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
                 log.error("vLLM did not stop within %d s: killed", STOP_WAIT_S)
                 child.kill()
                 child.wait()
+        shutil.rmtree(private, ignore_errors=True)
     return child.returncode if child.returncode and child.returncode > 0 else 0
