@@ -79,8 +79,23 @@ def quotas_to_json(quotas: dict[bytes, Quota]) -> bytes:
 
 
 def quotas_from_json(raw: bytes | None) -> dict[bytes, Quota]:
+    """The stored quotas; ValueError for anything but what ``quotas_to_json`` writes (fields a later
+    build adds are ignored)."""
     if not raw:
         return {}
-    data: dict[str, Any] = json.loads(raw)
-    known = {f.name for f in dataclasses.fields(Quota)}
-    return {bytes.fromhex(h): Quota(**{k: v for k, v in q.items() if k in known}) for h, q in data.items()}
+    data: Any = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("not an object")
+    out: dict[bytes, Quota] = {}
+    for h, q in data.items():
+        tid = bytes.fromhex(h)
+        if len(tid) != TENANT_ID_NBYTES or not isinstance(q, dict) or not isinstance(q.get("name"), str):
+            raise ValueError(f"bad tenant entry {h!r}")
+        sizes = {}
+        for field in ("disk_nbytes", "host_nbytes", "pin_nbytes"):
+            v = q.get(field)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"tenant {h!r}: {field} {v!r}")
+            sizes[field] = v
+        out[tid] = Quota(q["name"], **sizes)
+    return out

@@ -468,6 +468,11 @@ class Index:
 
     # ---------------------------------------------------------------- queries
 
+    def has_quotas(self) -> bool:
+        """Whether a tenant has a disk quota here."""
+        with self.read() as txn:
+            return any(q.disk_nbytes is not None for q in self.tenants.quotas(txn).values())
+
     def total_nbytes(self, txn: Txn) -> int:
         return sum(TOTALS.unpack(v)[1] for _, v in txn.cursor(db=self.db["totals"]))
 

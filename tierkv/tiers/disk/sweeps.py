@@ -184,6 +184,12 @@ class Sweeps:
             return False
 
         n = 0
+        if not dry_run and self.index.has_quotas():
+            fixed = self.index.write(self.index.tenants.reconcile)
+            if fixed:
+                log.warning(
+                    "disk tier: the usage of %d tenants had drifted (an older build writing?): fixed", fixed
+                )
         while not dry_run:  # tenants above their quota first (a dry run counts the store-wide order only)
 
             def over_quota(txn: Txn) -> list[Hole]:

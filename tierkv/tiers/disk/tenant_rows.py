@@ -10,8 +10,9 @@ quotas, and eviction that takes first from tenants above their quota.
 
 A block's tenant is read off its namespace's salt (``tenancy.tenant_id``): every process of this build
 keeps the rows, whatever it was told. Blocks of no tenant (a server without API keys) have none.
-Rows a process of an older build failed to write or delete are tolerated: a row whose entry is gone or
-has moved is dropped when eviction meets it, and such a block is still evicted by the store-wide order.
+A process of an older build on the same directory keeps none of this: a row whose entry is gone or has
+moved is mended when eviction meets it; a block it stored has no row (it is evicted by the store-wide
+order only); the totals it moves are recomputed by ``reconcile`` (each budget sweep, with quotas).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from tierkv.tenancy import TENANT_ID_NBYTES, Quota, quotas_from_json, quotas_to_json, tenant_id
-from tierkv.tiers.disk.schema import TIME, Entry, Hole
+from tierkv.tiers.disk.schema import TIME, TOTALS, Entry, Hole
 
 if TYPE_CHECKING:
     from tierkv.tiers.disk.index import Index, Txn
@@ -37,6 +38,7 @@ CLASS = {"atime": b"\0", "retained": b"\1"}  # eviction takes every tenant's cla
 QUOTAS = b"tenants"  # meta key
 FILLED = b"tenant_rows"  # meta key
 HEAD = TENANT_ID_NBYTES + 1  # tenant id || class
+FILL_BATCH = 4096  # entries per transaction of ``fill``
 
 TenantUsage = tuple[int, int, int, int]  # blocks, nbytes, pinned blocks, pinned nbytes
 
@@ -45,8 +47,8 @@ class TenantRows:
     def __init__(self, index: Index) -> None:
         self.index = index
         self._of: dict[bytes, bytes | None] = {}  # namespace digest -> tenant id (a namespace never changes)
-        self._quotas_raw: bytes | None = None
-        self._quotas: dict[bytes, Quota] = {}
+        self._quotas: tuple[bytes | None, dict[bytes, Quota]] = (None, {})  # (stored JSON, parsed): one
+        # object, so that threads never pair one's JSON with another's parse
 
     def of(self, txn: Txn, ns: bytes) -> bytes | None:
         """The tenant of a namespace (None: none, or its spec is not stored)."""
@@ -113,16 +115,18 @@ class TenantRows:
     # ---------------------------------------------------------------- quotas
 
     def quotas(self, txn: Txn) -> dict[bytes, Quota]:
-        raw = txn.get(QUOTAS, db=self.index.db["meta"])
-        raw = bytes(raw) if raw is not None else None
-        if raw != self._quotas_raw:
-            try:
-                self._quotas = quotas_from_json(raw)
-            except (ValueError, TypeError) as exc:  # written by a later build, say: no quotas, logged
-                log.error("disk tier: the stored tenant quotas do not parse (%s): none applied", exc)
-                self._quotas = {}
-            self._quotas_raw = raw
-        return self._quotas
+        got = txn.get(QUOTAS, db=self.index.db["meta"])
+        raw = bytes(got) if got is not None else None
+        cached = self._quotas
+        if raw == cached[0]:
+            return cached[1]
+        try:
+            parsed = quotas_from_json(raw)
+        except Exception as exc:  # damaged, or a later build's: no quotas (plain LRU), logged
+            log.error("disk tier: the stored tenant quotas do not parse (%s): none applied", exc)
+            parsed = {}
+        self._quotas = (raw, parsed)
+        return parsed
 
     def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
         """Store the quotas (the server's keys file): every process on the directory evicts by them."""
@@ -178,8 +182,11 @@ class TenantRows:
             tid, key = oldest[:TENANT_ID_NBYTES], oldest[HEAD + TIME.size :]
             raw = txn.get(key, db=self.index.db["index"])
             e = Entry.unpack(raw) if raw is not None else None
-            if e is None or _row(tid, key, e) != oldest:  # left by an older build: drop it
+            if e is None or _row(tid, key, e) != oldest:  # stale (an older build's write): the right one
                 txn.delete(oldest, db=db)
+                right = _row(tid, key, e) if e is not None and self.of(txn, e.ns_digest) == tid else None
+                if right is not None:
+                    txn.put(right, b"", db=db)
                 continue
             holes.append((*e.location, self.index.remove(txn, key, e)))
             total -= e.footprint
@@ -188,34 +195,84 @@ class TenantRows:
                 over.discard(tid)
         return holes, total
 
-    # ---------------------------------------------------------------- stores written before these rows
+    # ---------------------------------------------------------------- repair
+
+    def reconcile(self, txn: Txn) -> int:
+        """Recompute every tenant's totals from what every build keeps exact (the namespaces' totals, the
+        pinned rows), and fix those that drifted (an older build writing beside this one). Returns how
+        many tenants were fixed. O(namespaces + pinned blocks)."""
+        db = self.index.db
+        want: dict[bytes, list[int]] = {}
+        for ns, v in txn.cursor(db=db["totals"]):
+            tid = self.of(txn, bytes(ns))
+            if tid is not None:
+                blocks, nbytes = TOTALS.unpack(v)
+                row = want.setdefault(tid, [0, 0, 0, 0])
+                row[0] += blocks
+                row[1] += nbytes
+        for tkey, _ in txn.cursor(db=db["pinned"]):
+            raw = txn.get(bytes(tkey[TIME.size :]), db=db["index"])
+            e = Entry.unpack(raw) if raw is not None else None
+            tid = self.of(txn, e.ns_digest) if e is not None else None
+            if e is not None and tid is not None:
+                row = want.setdefault(tid, [0, 0, 0, 0])
+                row[2] += 1
+                row[3] += e.footprint
+        have = self.usage(txn)
+        fixed = 0
+        for tid in have.keys() | want.keys():
+            new = tuple(want.get(tid, (0, 0, 0, 0)))
+            if have.get(tid, (0, 0, 0, 0)) != new:
+                fixed += 1
+                if new[0]:
+                    txn.put(tid, TENANT_TOTALS.pack(*new), db=db["tenants"])
+                else:
+                    txn.delete(tid, db=db["tenants"])
+        return fixed
 
     def fill(self) -> None:
-        """Rows for the blocks of tenants stored before this build kept them (once per store; a writer
-        calls it at open). One transaction: a retry (the map grew) starts again from empty tables."""
+        """Rows for the blocks of tenants stored before this build kept them, then exact totals (once per
+        store; a writer calls it at open). In batches of short transactions: rows other writers put
+        meanwhile are kept (a row is only added where it is missing), and the totals are recomputed at
+        the end (``reconcile``)."""
+        db = self.index.db
+        with self.index.read() as txn:
+            if txn.get(FILLED, db=db["meta"]) is not None:
+                return
+        last: bytes | None = None
+        added = 0
 
-        def fill(txn: Txn) -> int:
-            meta = self.index.db["meta"]
-            if txn.get(FILLED, db=meta) is not None:
-                return -1
-            tenant_ns = {
-                bytes(ns) for ns, _ in txn.cursor(db=self.index.db["namespaces"]) if self.of(txn, bytes(ns))
-            }
-            n = 0
-            if tenant_ns:
-                for table in TENANT_TABLES:
-                    txn.drop(self.index.db[table], delete=False)
-                for k, v in txn.cursor(db=self.index.db["index"]):
-                    e = Entry.unpack(v)
-                    if e.ns_digest in tenant_ns:
-                        self.insert(txn, bytes(k), e)
-                        n += 1
-            txn.put(FILLED, b"1", db=meta)
-            return n
+        def batch(txn: Txn) -> tuple[bytes | None, int]:
+            cur = txn.cursor(db=db["index"])
+            ok = cur.set_range(last + b"\0") if last is not None else cur.first()
+            n, at = 0, None
+            for _ in range(FILL_BATCH):
+                if not ok:
+                    return None, n
+                at = bytes(cur.key())
+                e = Entry.unpack(cur.value())
+                tid = self.of(txn, e.ns_digest)
+                row = _row(tid, at, e) if tid is not None else None
+                if row is not None and txn.get(row, db=db["tenant_time"]) is None:
+                    txn.put(row, b"", db=db["tenant_time"])
+                    n += 1
+                ok = cur.next()
+            return at, n
 
-        n = self.index.write(fill)
-        if n > 0:
-            log.info("disk tier: filled the tenant rows of %d blocks stored before", n)
+        while True:
+            last, n = self.index.write(batch)
+            added += n
+            if last is None:
+                break
+
+        def finish(txn: Txn) -> int:
+            fixed = self.reconcile(txn)
+            txn.put(FILLED, b"1", db=db["meta"])
+            return fixed
+
+        fixed = self.index.write(finish)
+        if added or fixed:
+            log.info("disk tier: tenant rows filled for %d blocks, totals of %d tenants fixed", added, fixed)
 
 
 def _disk_quota(q: Quota | None) -> int:
