@@ -245,3 +245,34 @@ def test_tenant_totals_stay_exact_through_every_kind_of_change_and_drift_is_repa
         assert not any(u[0] for u, _ in _disk(store).tenants().values())
         store.gc()
         exact()
+
+
+def test_the_host_tier_never_loses_a_block_waiting_for_the_disk_to_a_quota() -> None:
+    """A tenant above its host quota gives up its clean blocks first; its blocks still waiting for the
+    disk (dirty) are not taken for the quota while a clean block is anywhere."""
+    import torch
+
+    from tierkv.keys import BlockKey
+    from tierkv.tiers.host import HostTier
+
+    pool = HostTier(4 * 64, pin=False)
+    a_id, b_id = b"a" * 16, b"b" * 16
+    pool.set_quotas({a_id: Quota("a", host_nbytes=64), b_id: Quota("b", host_nbytes=3 * 64)})
+
+    def put(name: str, tenant: bytes) -> BlockKey:
+        key = BlockKey(name.encode().ljust(32, b"\0"))
+        assert pool.put(key, torch.zeros(64, dtype=torch.uint8), tenant=tenant) is not None
+        return key
+
+    a1, a2 = put("a1", a_id), put("a2", a_id)
+    assert pool.mark_dirty(a1) and pool.mark_dirty(a2)
+    b1, b2 = put("b1", b_id), put("b2", b_id)
+    b3 = put("b3", b_id)  # a is above its quota, but holds only dirty blocks: b's oldest clean one goes
+    assert pool.contains([a1, a2, b1, b2, b3]) == [True, True, False, True, True]
+    a3 = put("a3", a_id)  # a needs a slot: its own clean blocks are none; b's oldest clean one goes
+    pool.hold(a1)  # (a1 written: held by the writer, no longer dirty), then released clean
+    pool.release(pool.hold(a1))
+    a4 = put("a4", a_id)  # now a is above its quota with a clean block: its own oldest clean one goes
+    held = dict(zip(["a1", "a2", "a3", "a4", "b2", "b3"], pool.contains([a1, a2, a3, a4, b2, b3])))
+    assert held["a2"] and held["a4"] and held["b3"]
+    assert not held["b2"] and held["a1"] != held["a3"]  # b2 went for a3; then one of a's own clean blocks

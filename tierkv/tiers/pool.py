@@ -89,7 +89,7 @@ class BlockPool(Tier):
         # Tenants (of API keys): whose block each slot holds, how many each holds, and their quotas in
         # slots' bytes. A slot to take goes first to blocks of tenants above their quota.
         self._tenant: dict[BlockKey, bytes] = {}
-        self._tenant_blocks: dict[bytes, int] = {}
+        self._by_tenant: dict[bytes, OrderedDict[BlockKey, None]] = {}  # each tenant's keys, LRU first
         self._quota_nbytes: dict[bytes, int] = {}
         self._lock = threading.Lock()
 
@@ -161,11 +161,10 @@ class BlockPool(Tier):
         self._dirty.discard(key)
         tenant = self._tenant.pop(key, None)
         if tenant is not None:
-            left = self._tenant_blocks[tenant] - 1
-            if left:
-                self._tenant_blocks[tenant] = left
-            else:
-                del self._tenant_blocks[tenant]
+            keys = self._by_tenant[tenant]
+            del keys[key]
+            if not keys:
+                del self._by_tenant[tenant]
 
     def created_s(self, key: BlockKey) -> float:
         """When the block was first saved (as its record says), for a rewrite that keeps its age."""
@@ -365,7 +364,7 @@ class BlockPool(Tier):
         if slot is not None:
             self._atime[key] = now
             self._ctime.setdefault(key, now if created_s is None else created_s)
-            self._lru.move_to_end(key)
+            self._recent(key)
         return slot
 
     def _publish(
@@ -377,7 +376,7 @@ class BlockPool(Tier):
         self._ctime[key] = now if created_s is None else created_s
         if tenant is not None:
             self._tenant[key] = tenant
-            self._tenant_blocks[tenant] = self._tenant_blocks.get(tenant, 0) + 1
+            self._by_tenant.setdefault(tenant, OrderedDict())[key] = None
 
     def _ref(self, slot: int) -> None:
         self._held += self._refs[slot] == 0
@@ -432,25 +431,27 @@ class BlockPool(Tier):
         self.counters.add(self.name, "evictions")
         return slot
 
+    def _recent(self, key: BlockKey) -> None:
+        """``key`` was just used: the most recent, in the pool's order and its tenant's. Under the lock."""
+        self._lru.move_to_end(key)
+        tenant = self._tenant.get(key)
+        if tenant is not None:
+            self._by_tenant[tenant].move_to_end(key)
+
     def _over_quota_victim(self, tenant: bytes | None) -> BlockKey | None:
-        """The least recently used block (clean before dirty, none in use) of a tenant above its quota (a
-        tenant without one is above it with any block), ``tenant`` counted with the block it adds; None
-        if no tenant is. Under the lock."""
-        over = {
-            t
-            for t, n in self._tenant_blocks.items()
-            if (n + (t == tenant)) * self.slot_nbytes > self._quota_nbytes.get(t, 0)
+        """The least recently used clean block (none in use) of the tenant furthest above its quota (a
+        tenant without one is above it with any block; ``tenant`` counts with the block it adds); None if
+        none is, or they hold only blocks still waiting for a slower tier (never lost for a quota). Under
+        the lock: it walks the tenants above their quota only."""
+        excess = {
+            t: (len(keys) + (t == tenant)) * self.slot_nbytes - self._quota_nbytes.get(t, 0)
+            for t, keys in self._by_tenant.items()
         }
-        if not over:
-            return None
-        victim = None
-        for key, slot in self._lru.items():
-            if self._refs[slot] == 0 and self._tenant.get(key) in over:
-                if key not in self._dirty:
+        for t in sorted((t for t, x in excess.items() if x > 0), key=lambda t: -excess[t]):
+            for key in self._by_tenant[t]:
+                if self._refs[self._lru[key]] == 0 and key not in self._dirty:
                     return key
-                if victim is None:
-                    victim = key
-        return victim
+        return None
 
     def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
         """Tenants' quotas in this pool: ``host_nbytes`` for the host tier (a GPU pool takes none)."""
@@ -465,7 +466,10 @@ class BlockPool(Tier):
 
     def tenant_usage(self) -> dict[bytes, dict[str, int]]:
         with self._lock:
-            return {t: {f"{self.name}_nbytes": n * self.slot_nbytes} for t, n in self._tenant_blocks.items()}
+            return {
+                t: {f"{self.name}_nbytes": len(keys) * self.slot_nbytes}
+                for t, keys in self._by_tenant.items()
+            }
 
     def mark_dirty(self, key: BlockKey) -> bool:
         """``key``'s block waits for a slower tier: evict clean blocks first. False if it is not here."""
@@ -512,7 +516,7 @@ class BlockPool(Tier):
                     views.append(None)
                     continue
                 self._atime[key] = now
-                self._lru.move_to_end(key)
+                self._recent(key)
                 self._ref(slot)
                 views.append(self._pool[slot])
         try:
@@ -546,7 +550,7 @@ class BlockPool(Tier):
                 key = chain.keys[i]
                 if self._pool is not None and self._slot(key, now) is not None:
                     self._atime[key] = now
-                    self._lru.move_to_end(key)
+                    self._recent(key)
         return []
 
     def read_into(self, chain: BlockChain, first: int, count: int, target: Target) -> int:
