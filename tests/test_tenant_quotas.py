@@ -276,3 +276,27 @@ def test_the_host_tier_never_loses_a_block_waiting_for_the_disk_to_a_quota() -> 
     held = dict(zip(["a1", "a2", "a3", "a4", "b2", "b3"], pool.contains([a1, a2, a3, a4, b2, b3])))
     assert held["a2"] and held["a4"] and held["b3"]
     assert not held["b2"] and held["a1"] != held["a3"]  # b2 went for a3; then one of a's own clean blocks
+
+
+def test_pin_quotas_that_fit_the_budget_decide_a_tenants_pin_alone(tmp_path, ns) -> None:
+    """With every tenant's pin quota inside the pin budget, a tenant's pin is admitted on its own quota:
+    pins outside the tenants (a server without keys on the same directory) fill the budget, and the
+    tenant hears nothing of them; the writing transaction still holds the budget (counted)."""
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    b, b_id = _tenant(ns, B_SALT)
+    with _open(tmp_path, now, disk_bytes=64 * RECORD, pin_bytes=8 * RECORD) as store:
+        store.set_quotas({a_id: Quota("a", pin_nbytes=4 * RECORD), b_id: Quota("b", pin_nbytes=4 * RECORD)})
+        for t, i in ((ns, 0), (ns, 1), (a, 2)):
+            store.save(t, _prompt(i), make_kv(t, 64, seed=i))
+        store.flush()
+        for i in (0, 1):  # 8 blocks pinned by no tenant: the budget is full
+            store.check_pin(ns, _prompt(i), 60)
+            store.retain(ns, _prompt(i), Retention(pin_s=60))
+        store.flush()
+        store.check_pin(a, _prompt(2), 60)  # not refused: a's own quota has room
+        store.retain(a, _prompt(2), Retention(pin_s=60))
+        store.flush()
+        assert store.stats()["disk"]["pins_refused"] == 4  # the budget held where the pins were written
+        with pytest.raises(PinBudgetError, match="your 16.0 KiB pin quota"):
+            store.check_pin(a, _prompt(2) + _prompt(3), 60)  # 8 blocks: past a's own quota

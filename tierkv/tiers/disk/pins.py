@@ -72,15 +72,22 @@ def _check_tenant(disk: DiskTier, chain: BlockChain, tid: bytes, mine: int, stor
     if not mine:
         return
     with disk.index.read() as txn:
-        q = disk.index.tenants.quotas(txn).get(tid)
+        quotas = disk.index.tenants.quotas(txn)
         own = disk.index.tenants.pinned_nbytes(txn, tid)
+    q = quotas.get(tid)
     if q is not None and q.pin_nbytes is not None and own + mine > q.pin_nbytes:
         raise PinBudgetError(
             f"pin refused: it needs {format_size(mine)} more, and {format_size(own)} of your "
             f"{format_size(q.pin_nbytes)} pin quota is pinned already: pin a shorter prefix or wait for "
             "pins to end"
         )
-    if mine > store_room:
+    reserved = [x.pin_nbytes for x in quotas.values()]
+    if q is not None and q.pin_nbytes is not None and None not in reserved:
+        if sum(r for r in reserved if r is not None) <= disk.policy.pin_limit_nbytes:
+            # Every tenant's pins fit in the budget: decided on the tenant's own quota alone, so that the
+            # answer says nothing of the others' pins (the writing transaction still checks the budget).
+            return
+    if mine > store_room:  # one bit of the others' pins: what a shared budget cannot help telling
         raise PinBudgetError(
             "pin refused: the store's pin budget is taken: pin a shorter prefix, or try again later"
         )
