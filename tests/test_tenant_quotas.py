@@ -300,3 +300,21 @@ def test_pin_quotas_that_fit_the_budget_decide_a_tenants_pin_alone(tmp_path, ns)
         assert store.stats()["disk"]["pins_refused"] == 4  # the budget held where the pins were written
         with pytest.raises(PinBudgetError, match="your 16.0 KiB pin quota"):
             store.check_pin(a, _prompt(2) + _prompt(3), 60)  # 8 blocks: past a's own quota
+
+
+def test_a_process_never_told_the_quotas_adopts_those_stored_in_its_cache_directory(tmp_path, ns) -> None:
+    """As the vLLM connector's store does, behind the front that stores them: its host tier too."""
+    from tierkv.keys import BlockChain
+    from tierkv.layout import KVSpec
+
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    b, b_id = _tenant(ns, B_SALT)
+    slot = KVSpec.of(ns).block_nbytes
+    with TieredStore.open(tmp_path, host_bytes=0, clock=lambda: now[0]) as front:
+        front.set_quotas({a_id: Quota("a", host_nbytes=8 * slot), b_id: Quota("b", host_nbytes=8 * slot)})
+    with TieredStore.open(tmp_path, host_bytes=16 * slot, clock=lambda: now[0]) as store:
+        _fill(store, now, b, 0, 2)
+        _fill(store, now, a, 100, 10)
+        host = store.tier("host")
+        assert sum(sum(host.contains(BlockChain.of(b, _prompt(i)).keys)) for i in range(2)) == 8

@@ -36,6 +36,8 @@ from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
 from tierkv.write_behind import WriteBehind
 
+QUOTA_REFRESH_S = 10.0  # how often a process adopts the tenants' quotas another process stored
+
 if TYPE_CHECKING:
     from tierkv.removal import Forgotten
 
@@ -97,6 +99,7 @@ class TieredStore:
         self._stagers = Stagers()  # chunk buffers of restores into a GPU
         self.planner = RestorePlanner()  # restore or recompute, from measured read and prefill speeds
         self._lost_at_flush = 0  # blocks the record tiers had lost at the last flush
+        self._quotas_read_s = -QUOTA_REFRESH_S  # when the disk tier's stored quotas were last adopted
 
     @classmethod
     def open(cls, path: str | Any | None, **options: Any) -> TieredStore:
@@ -178,6 +181,8 @@ class TieredStore:
         self._check_kv(ns, kv, chain.num_tokens - kv_start)
         B = ns.block_tokens
         blocks = [kv[:, :, i * B - kv_start : (i + 1) * B - kv_start] for i in range(start_block, len(chain))]
+        if ns.tenant_id is not None:
+            self._adopt_quotas()
         return self.writes.save(chain, start_block, blocks, memory_only=memory_only)
 
     def save_blocks(
@@ -203,6 +208,8 @@ class TieredStore:
                 f"{blocks.shape[0]} blocks from block {start_block} do not end at the prompt's "
                 f"last full block ({len(chain)})"
             )
+        if ns.tenant_id is not None:
+            self._adopt_quotas()
         return self.writes.save(
             chain, start_block, list(blocks.unbind(0)), stacked=blocks, memory_only=memory_only
         )
@@ -229,6 +236,22 @@ class TieredStore:
         directory."""
         for tier in self.tiers:
             tier.set_quotas(quotas)
+
+    def _adopt_quotas(self) -> None:
+        """The quotas stored in the disk tier by another process (the front before vLLM, a server on the
+        same directory), for the memory tiers here too: read at most every ``QUOTA_REFRESH_S``, on a
+        tenant's save (one LMDB read)."""
+        now = time.monotonic()
+        if now - self._quotas_read_s < QUOTA_REFRESH_S:
+            return
+        self._quotas_read_s = now
+        disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+        if disk is None:
+            return
+        quotas = disk.stored_quotas()
+        for tier in self.tiers:
+            if isinstance(tier, BlockPool):
+                tier.set_quotas(quotas)
 
     def tenant_usage(self) -> dict[bytes, dict[str, int]]:
         """Per tenant id: ``disk_nbytes``, ``pinned_nbytes`` (disk) and ``host_nbytes``, where held."""

@@ -84,7 +84,7 @@ class StoreCollector:
         tenants = self.server.tenants
         if tenants is None:
             return
-        names = {tid: q.name for tid, q in tenants.quotas().items()}
+        quotas = tenants.quotas()  # (one reading: a reload may change them meanwhile)
         used = GaugeMetricFamily(
             "tierkv_tenant_bytes", "Bytes of the tenant's blocks in the tier", labels=["tenant", "tier"]
         )
@@ -97,13 +97,12 @@ class StoreCollector:
             labels=["tenant", "tier"],
         )
         usage = store.tenant_usage()
-        for tid, name in sorted(names.items(), key=lambda kv: kv[1]):
-            row = usage.get(tid, {})
+        for tid, q in sorted(quotas.items(), key=lambda kv: kv[1].name):
+            name, row = q.name, usage.get(tid, {})
             for tier in ("host", "disk"):
                 if tier in store.tier_names:
                     used.add_metric([name, tier], row.get(f"{tier}_nbytes", 0))
             pinned.add_metric([name], row.get("pinned_nbytes", 0))
-            q = tenants.quotas()[tid]
             for tier, limit in (("disk", q.disk_nbytes), ("host", q.host_nbytes), ("pin", q.pin_nbytes)):
                 if limit is not None:
                     quota.add_metric([name, tier], limit)

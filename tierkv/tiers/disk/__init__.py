@@ -359,6 +359,11 @@ class DiskTier(Tier):
         if not self.read_only:
             self.index.tenants.set_quotas(quotas)
 
+    def stored_quotas(self) -> dict[bytes, Quota]:
+        """The tenants' quotas as last stored here (by any process)."""
+        with self.index.read() as txn:
+            return dict(self.index.tenants.quotas(txn))
+
     def tenant_usage(self) -> dict[bytes, dict[str, int]]:
         with self.index.read() as txn:
             usage = self.index.tenants.usage(txn)
