@@ -34,10 +34,10 @@ def setup(tmp_path_factory):
 
 
 def _cached(srv, key: str, prompt: str = PROMPT, **extra) -> int:
-    client = srv.client(api_key=key)
-    r = client.completions.create(
-        model="default", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
-    )
+    with srv.client(api_key=key) as client:  # (closed: a socket left open warns when collected)
+        r = client.completions.create(
+            model="default", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
     return r.usage.prompt_tokens_details.cached_tokens
 
 
@@ -54,8 +54,8 @@ def test_tenants_share_no_block_whatever_salt_they_send(setup) -> None:
 
 def test_a_missing_or_unknown_key_is_401_and_health_needs_none(setup) -> None:
     srv, _, k, _ = setup
-    with pytest.raises(openai.AuthenticationError) as err:
-        srv.client(api_key="tk-not-a-key").completions.create(model="default", prompt=PROMPT, max_tokens=1)
+    with srv.client(api_key="tk-not-a-key") as client, pytest.raises(openai.AuthenticationError) as err:
+        client.completions.create(model="default", prompt=PROMPT, max_tokens=1)
     assert err.value.body["code"] == "invalid_api_key"
     for route in ("/v1/completions", "/v1/cache/prefetch"):  # no Authorization header at all
         req = urllib.request.Request(
