@@ -54,9 +54,8 @@ def _settled(srv) -> str:
 
 
 def _cached(srv, key: str, prompt: str) -> int:
-    r = srv.client(api_key=key).completions.create(
-        model="default", prompt=prompt, max_tokens=1, temperature=0
-    )
+    with srv.client(api_key=key) as client:  # (closed: a socket left open warns when collected)
+        r = client.completions.create(model="default", prompt=prompt, max_tokens=1, temperature=0)
     return r.usage.prompt_tokens_details.cached_tokens
 
 
