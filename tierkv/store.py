@@ -11,6 +11,7 @@ from above gets it back. Saves go to the write-behind (``write_behind.py``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
 from tierkv.write_behind import WriteBehind
+
+log = logging.getLogger("tierkv.store")
 
 QUOTA_REFRESH_S = 10.0  # how often a process adopts the tenants' quotas another process stored
 
@@ -248,7 +251,11 @@ class TieredStore:
         disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
         if disk is None:
             return
-        quotas = disk.stored_quotas()
+        try:
+            quotas = disk.stored_quotas()
+        except Exception as exc:  # (an LMDB read error): the quotas wait, the save goes on
+            log.warning("the tenants' quotas could not be read from the disk tier: %s", exc)
+            return
         for tier in self.tiers:
             if isinstance(tier, BlockPool):
                 tier.set_quotas(quotas)

@@ -136,20 +136,30 @@ class Tenants:
         """``on_quotas``: told the tenants' quotas now and after every reload (the store evicts by them)."""
         self.path = Path(path)
         self._lock = threading.Lock()
+        self._telling_lock = threading.Lock()
         self._stamp = self._stat()
         self._by_hash = _load(self.path)  # at start: an error stops the server
         self._on_quotas = on_quotas
+        self._telling = False  # a thread is telling on_quotas (under _lock)
+        self._untold: dict[bytes, Quota] | None = None  # what it is to tell next (the latest wins)
         log.info("api keys: %d keys of %d tenants from %s", len(self._by_hash), len(self.names()), self.path)
-        self._tell_quotas()
+        self._warn_mode()
+        if on_quotas is not None:
+            self._tell(self.quotas())  # at start, before the first request
 
     def _stat(self) -> tuple[int, ...] | None:
         try:
             st = self.path.stat()
         except OSError:
             return None
-        if st.st_mode & 0o077:
-            log.warning("api keys file %s can be read or written by other users (chmod 600 it)", self.path)
         return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+    def _warn_mode(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.path.stat().st_mode & 0o077:
+                log.warning(
+                    "api keys file %s can be read or written by other users (chmod 600 it)", self.path
+                )
 
     def names(self) -> set[str]:
         return {t.name for t in self._by_hash.values()}
@@ -159,13 +169,34 @@ class Tenants:
         alone, so that stats and metrics can name it)."""
         return {t.id: t.quota or Quota(t.name) for t in self._by_hash.values()}
 
-    def _tell_quotas(self) -> None:
-        if self._on_quotas is None:
-            return
+    def _tell(self, quotas: dict[bytes, Quota]) -> None:
+        assert self._on_quotas is not None
         try:
-            self._on_quotas(self.quotas())
+            self._on_quotas(quotas)
         except Exception:  # a store that cannot take them now (a full disk, say): the keys still work
             log.exception("api keys: the tenants' quotas were not stored")
+
+    def _tell_later(self) -> None:
+        """Tell ``on_quotas`` on a thread of its own, one at a time, the latest quotas winning: a reload
+        happens inside a request, and storing quotas waits for the index's write lock (never on the
+        server's event loop)."""
+        if self._on_quotas is None:
+            return
+        with self._telling_lock:
+            self._untold = self.quotas()
+            if self._telling:
+                return
+            self._telling = True
+        threading.Thread(target=self._telling_loop, name="tierkv-quotas", daemon=True).start()
+
+    def _telling_loop(self) -> None:
+        while True:
+            with self._telling_lock:
+                quotas, self._untold = self._untold, None
+                if quotas is None:
+                    self._telling = False
+                    return
+            self._tell(quotas)
 
     def tenant(self, authorization: str | None) -> Tenant | None:
         """The tenant of an ``Authorization`` header's bearer key; None for none or an unknown one."""
@@ -194,7 +225,8 @@ class Tenants:
             try:
                 self._by_hash = _load(self.path)
                 log.info("api keys: reloaded %s (%d keys)", self.path, len(self._by_hash))
-                self._tell_quotas()
+                self._warn_mode()
+                self._tell_later()
             except ConfigError as exc:
                 log.error("api keys: %s; the previous keys stay in use", exc)
 

@@ -13,8 +13,9 @@ So with API keys, ``tierkv serve`` runs vLLM on a private loopback port and serv
 - the tenants' quotas are written to the cache directory's index, where the connector's tiers evict by
   them (the connector is told ``front``: a ``cache_salt`` of the reserved tenant space is this front's).
 
-vLLM listens on a Unix socket in a directory only this user can enter, and wants a token only the front
-has (``VLLM_API_KEY``): nobody else can send it a ``cache_salt`` of the reserved tenant space.
+vLLM listens on a Unix socket in a directory only this user can enter (and wants a token on its ``/v1``
+routes, ``VLLM_API_KEY``): no other user can send it a ``cache_salt`` of the reserved tenant space.
+Processes of the same user are trusted, as with the cache directory itself.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -30,7 +32,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from tierkv.server.responses import error, unauthorized
 from tierkv.server.tenants import Tenants, namespace_salt
 from tierkv.tenancy import Quota
 
-__all__ = ["MAX_CACHE_SALT", "SALTED_ROUTES", "QuotaWriter", "create_front_app", "run_front"]
+__all__ = ["MAX_CACHE_SALT", "SALTED_ROUTES", "store_quotas", "create_front_app", "run_front"]
 
 log = logging.getLogger("tierkv.front")
 
@@ -51,6 +52,7 @@ MAX_CACHE_SALT = 128  # vLLM's limit on a cache_salt (entrypoints' validate_cach
 SALTED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # what the front serves
 MAX_BODY_NBYTES = 64 << 20
 STOP_WAIT_S = 60  # vLLM's own shutdown timeout (30 s, serve.py) and its workers' exit
+FRONT_DRAIN_S = 10  # requests in flight at a SIGTERM get this long before vLLM is stopped
 
 
 def _as_mapping(config: Any) -> dict[str, Any]:
@@ -69,47 +71,29 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class QuotaWriter:
-    """Writes the tenants' quotas into the cache directory's index on a thread of its own (the keys file
-    is reloaded inside a request's handler: never the event loop's wait), the latest set winning."""
+def store_quotas(cache_dir: str, quotas: dict[bytes, Quota]) -> None:
+    """The quotas into the cache directory's index, as one more process on it (the design allows many).
+    Called by ``Tenants`` on a thread of its own, one at a time."""
+    from tierkv.metrics import Counters
+    from tierkv.tiers.disk import DEFAULT_MAP_NBYTES
+    from tierkv.tiers.disk.index import Index
 
-    def __init__(self, cache_dir: str) -> None:
-        self.cache_dir = cache_dir
-        self._lock = threading.Lock()
-        self._latest: dict[bytes, Quota] | None = None
+    index = Index(
+        Path(cache_dir).expanduser(),
+        map_nbytes=DEFAULT_MAP_NBYTES,
+        writer=True,
+        sync=True,
+        policy=None,
+        counters=Counters(),
+    )
+    try:
+        index.tenants.set_quotas(quotas)
+    finally:
+        index.close()
 
-    def __call__(self, quotas: dict[bytes, Quota]) -> None:
-        with self._lock:
-            start = self._latest is None
-            self._latest = quotas
-        if start:
-            threading.Thread(target=self._run, name="tierkv-quotas", daemon=True).start()
 
-    def _run(self) -> None:
-        from tierkv.metrics import Counters
-        from tierkv.tiers.disk import DEFAULT_MAP_NBYTES
-        from tierkv.tiers.disk.index import Index
-
-        while True:
-            with self._lock:
-                quotas, self._latest = self._latest, None
-            if quotas is None:
-                return
-            try:  # only the index, as one more process on it (the design allows many)
-                index = Index(
-                    Path(self.cache_dir),
-                    map_nbytes=DEFAULT_MAP_NBYTES,
-                    writer=True,
-                    sync=True,
-                    policy=None,
-                    counters=Counters(),
-                )
-                try:
-                    index.tenants.set_quotas(quotas)
-                finally:
-                    index.close()
-            except Exception:
-                log.exception("the tenants' quotas were not stored in %s", self.cache_dir)
+def _dumps(body: Any) -> bytes:
+    return json.dumps(body).encode()
 
 
 def create_front_app(
@@ -121,7 +105,10 @@ def create_front_app(
     """The front's ASGI app: ``tenants`` (``server.tenants.Tenants``) checks keys; ``transport`` reaches
     vLLM, which wants ``token``; ``child`` is vLLM's process (the front stops when it exits)."""
     client = httpx.AsyncClient(
-        transport=transport, base_url="http://vllm", timeout=httpx.Timeout(600.0, connect=5.0)
+        transport=transport,
+        base_url="http://vllm",
+        timeout=httpx.Timeout(600.0, connect=5.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),  # as many as vLLM takes
     )
 
     async def watch_child() -> None:
@@ -139,7 +126,7 @@ def create_front_app(
         task.cancel()
         await client.aclose()
 
-    app = FastAPI(title="tierkv front", lifespan=lifespan)
+    app = FastAPI(title="tierkv front", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     async def forward(method: str, route: str, raw: bytes = b"") -> Response:
         """To vLLM's own route (a constant of this module, never the client's path), with vLLM's token."""
@@ -187,11 +174,21 @@ def create_front_app(
         tenant = tenants.tenant(request.headers.get("authorization"))
         if tenant is None:
             return unauthorized("a valid API key is needed: Authorization: Bearer <key>")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_NBYTES:
-            return error(413, f"the request body is over {MAX_BODY_NBYTES // 2**20} MiB")
+        too_big = error(413, f"the request body is over {MAX_BODY_NBYTES // 2**20} MiB")
         try:
-            body = json.loads(raw)
+            if int(request.headers.get("content-length") or 0) > MAX_BODY_NBYTES:
+                return too_big
+        except ValueError:
+            return error(400, "a bad Content-Length")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # (chunked bodies too: never more than the cap in memory)
+            size += len(chunk)
+            if size > MAX_BODY_NBYTES:
+                return too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:  # a large body is parsed off the event loop
+            body = json.loads(raw) if size < 1 << 20 else await asyncio.to_thread(json.loads, raw)
         except ValueError:
             return error(400, "the request body is not JSON")
         if not isinstance(body, dict):
@@ -204,7 +201,8 @@ def create_front_app(
             room = MAX_CACHE_SALT - len(namespace_salt(tenant, ""))
             return error(400, f"cache_salt: at most {room} characters with API keys", param="cache_salt")
         body["cache_salt"] = salt
-        return await forward("POST", route, json.dumps(body).encode())
+        out = json.dumps(body).encode() if size < 1 << 20 else await asyncio.to_thread(_dumps, body)
+        return await forward("POST", route, out)
 
     for route in SALTED_ROUTES:  # exact routes only: any other path is a 404 here, never forwarded
 
@@ -229,17 +227,20 @@ def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
     public_host, public_port = str(options.get("host") or "127.0.0.1"), int(options.get("port") or 8000)
     private = tempfile.mkdtemp(prefix="tierkv-front-")  # mode 0700: no other user reaches the socket
     sock = os.path.join(private, "vllm.sock")
-    token = secrets.token_urlsafe(32)  # and no other process of this user without it (VLLM_API_KEY)
+    token = secrets.token_urlsafe(32)  # (vLLM checks it on its /v1 routes only: the directory is the wall)
     cmd = vllm_command(options, [*extra_args, "--uds", sock], python)  # (--uds: host and port unused)
     cache_dir = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
         "cache_dir"
     ]
     log.info("starting vLLM on %s behind the tenants' front", sock)
     # (started before this process has threads of its own: preexec_fn runs between fork and exec)
-    child = subprocess.Popen(
-        cmd, env={**os.environ, **vllm_env(options), "VLLM_API_KEY": token}, preexec_fn=_die_with_parent
+    child = subprocess.Popen(  # its own session: a Ctrl-C at the terminal reaches the front only
+        cmd,
+        env={**os.environ, **vllm_env(options), "VLLM_API_KEY": token},
+        preexec_fn=_die_with_parent,
+        start_new_session=True,
     )
-    tenants = Tenants(str(options["api_keys"]), QuotaWriter(cache_dir))
+    tenants = Tenants(str(options["api_keys"]), functools.partial(store_quotas, cache_dir))
     # uvicorn stops on SIGTERM or SIGINT, then raises the signal again with the handlers it found: these
     # let the front go on to stop vLLM (the default ones would end the process and orphan it).
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -253,8 +254,17 @@ def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
             public_port,
         )
         app = create_front_app(tenants, httpx.AsyncHTTPTransport(uds=sock), token, child)
-        uvicorn.run(app, host=public_host, port=public_port, log_level="warning")
+        uvicorn.run(
+            app,
+            host=public_host,
+            port=public_port,
+            log_level="warning",
+            timeout_graceful_shutdown=FRONT_DRAIN_S,  # then vLLM, which flushes what the connector holds
+        )
     finally:
+        # A second signal while vLLM stops kills it (as an impatient operator means).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: child.kill())
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             try:
@@ -264,4 +274,5 @@ def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
                 child.kill()
                 child.wait()
         shutil.rmtree(private, ignore_errors=True)
-    return child.returncode if child.returncode and child.returncode > 0 else 0
+    rc = child.returncode
+    return 128 - rc if rc < 0 else rc  # killed by a signal: as a shell reports it (a supervisor restarts)

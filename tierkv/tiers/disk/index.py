@@ -469,9 +469,12 @@ class Index:
     # ---------------------------------------------------------------- queries
 
     def has_quotas(self) -> bool:
-        """Whether a tenant has a disk quota here."""
+        """Whether a tenant has a disk or pin quota here (then its totals matter)."""
         with self.read() as txn:
-            return any(q.disk_nbytes is not None for q in self.tenants.quotas(txn).values())
+            return any(
+                q.disk_nbytes is not None or q.pin_nbytes is not None
+                for q in self.tenants.quotas(txn).values()
+            )
 
     def total_nbytes(self, txn: Txn) -> int:
         return sum(TOTALS.unpack(v)[1] for _, v in txn.cursor(db=self.db["totals"]))

@@ -185,7 +185,7 @@ class Sweeps:
 
         n = 0
         if not dry_run and self.index.has_quotas():
-            fixed = self.index.write(self.index.tenants.reconcile)
+            fixed = self.index.tenants.reconcile()
             if fixed:
                 log.warning(
                     "disk tier: the usage of %d tenants had drifted (an older build writing?): fixed", fixed
@@ -200,7 +200,7 @@ class Sweeps:
             self.segments.release(holes)
             n += len(holes)
             freed[0] += sum(aligned(h[2]) for h in holes)
-            if len(holes) < SWEEP_BATCH:
+            if not holes:  # (a batch of mended rows alone goes round again)
                 break
         n += sum(self._sweep(table, stop, dry_run, progress) for table in EVICTION_ORDER)
         self.counters.add("disk", "evictions", n)

@@ -169,7 +169,9 @@ class TenantRows:
         db = self.index.db["tenant_time"]
         cur = txn.cursor(db=db)
         holes: list[Hole] = []
-        while total > budget and over and (limit is None or len(holes) < limit):
+        steps = 0  # evictions and mended rows: a batch's transaction stays bounded either way
+        while total > budget and over and (limit is None or steps < limit):
+            steps += 1
             oldest: bytes | None = None
             for tid in list(over):
                 row = _first(cur, tid)
@@ -197,38 +199,46 @@ class TenantRows:
 
     # ---------------------------------------------------------------- repair
 
-    def reconcile(self, txn: Txn) -> int:
+    def reconcile(self) -> int:
         """Recompute every tenant's totals from what every build keeps exact (the namespaces' totals, the
-        pinned rows), and fix those that drifted (an older build writing beside this one). Returns how
-        many tenants were fixed. O(namespaces + pinned blocks)."""
+        pinned rows) and fix those that drifted (an older build writing beside this one). Computed in a
+        read snapshot; what differed there is added to the totals in one short write (correct updates
+        since the snapshot moved both alike). Returns how many tenants were fixed. O(namespaces + pins)."""
         db = self.index.db
-        want: dict[bytes, list[int]] = {}
-        for ns, v in txn.cursor(db=db["totals"]):
-            tid = self.of(txn, bytes(ns))
-            if tid is not None:
-                blocks, nbytes = TOTALS.unpack(v)
-                row = want.setdefault(tid, [0, 0, 0, 0])
-                row[0] += blocks
-                row[1] += nbytes
-        for tkey, _ in txn.cursor(db=db["pinned"]):
-            raw = txn.get(bytes(tkey[TIME.size :]), db=db["index"])
-            e = Entry.unpack(raw) if raw is not None else None
-            tid = self.of(txn, e.ns_digest) if e is not None else None
-            if e is not None and tid is not None:
-                row = want.setdefault(tid, [0, 0, 0, 0])
-                row[2] += 1
-                row[3] += e.footprint
-        have = self.usage(txn)
-        fixed = 0
+        with self.index.read() as txn:
+            want: dict[bytes, list[int]] = {}
+            for ns, v in txn.cursor(db=db["totals"]):
+                tid = self.of(txn, bytes(ns))
+                if tid is not None:
+                    blocks, nbytes = TOTALS.unpack(v)
+                    row = want.setdefault(tid, [0, 0, 0, 0])
+                    row[0] += blocks
+                    row[1] += nbytes
+            for tkey, _ in txn.cursor(db=db["pinned"]):
+                key = bytes(tkey[TIME.size :])
+                raw = txn.get(key, db=db["index"])
+                e = Entry.unpack(raw) if raw is not None else None
+                if e is None or e.time_row(key) != ("pinned", bytes(tkey)):  # a stale row
+                    continue
+                tid = self.of(txn, e.ns_digest)
+                if tid is not None:
+                    row = want.setdefault(tid, [0, 0, 0, 0])
+                    row[2] += 1
+                    row[3] += e.footprint
+            have = self.usage(txn)
+        drift = {}
         for tid in have.keys() | want.keys():
-            new = tuple(want.get(tid, (0, 0, 0, 0)))
-            if have.get(tid, (0, 0, 0, 0)) != new:
-                fixed += 1
-                if new[0]:
-                    txn.put(tid, TENANT_TOTALS.pack(*new), db=db["tenants"])
-                else:
-                    txn.delete(tid, db=db["tenants"])
-        return fixed
+            w, h = want.get(tid, [0, 0, 0, 0]), have.get(tid, (0, 0, 0, 0))
+            if tuple(w) != tuple(h):
+                drift[tid] = tuple(a - b for a, b in zip(w, h))
+        if drift:
+
+            def fix(txn: Txn) -> None:
+                for tid, delta in drift.items():
+                    self._add(txn, tid, delta)  # type: ignore[arg-type]
+
+            self.index.write(fix)
+        return len(drift)
 
     def fill(self) -> None:
         """Rows for the blocks of tenants stored before this build kept them, then exact totals (once per
@@ -265,12 +275,8 @@ class TenantRows:
             if last is None:
                 break
 
-        def finish(txn: Txn) -> int:
-            fixed = self.reconcile(txn)
-            txn.put(FILLED, b"1", db=db["meta"])
-            return fixed
-
-        fixed = self.index.write(finish)
+        fixed = self.reconcile()
+        self.index.write(lambda txn: txn.put(FILLED, b"1", db=db["meta"]))
         if added or fixed:
             log.info("disk tier: tenant rows filled for %d blocks, totals of %d tenants fixed", added, fixed)
 
