@@ -147,6 +147,7 @@ def test_stats_name_tenants_and_count_their_usage(tmp_path, ns) -> None:
             "pinned_blocks": 0,
             "pinned_nbytes": 0,
             "disk_quota_nbytes": 32 * RECORD,
+            "host_quota_nbytes": None,
             "pin_quota_nbytes": None,
         }
     ]

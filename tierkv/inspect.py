@@ -114,6 +114,7 @@ def tenant_report(disk: DiskTier) -> list[dict[str, Any]]:
                 "pinned_blocks": pinned_blocks,
                 "pinned_nbytes": pinned_nbytes,
                 "disk_quota_nbytes": q.disk_nbytes if q is not None else None,
+                "host_quota_nbytes": q.host_nbytes if q is not None else None,
                 "pin_quota_nbytes": q.pin_nbytes if q is not None else None,
             }
         )

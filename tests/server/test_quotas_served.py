@@ -87,5 +87,11 @@ def test_a_noisy_tenant_evicts_only_its_own_blocks(tmp_path) -> None:
         assert _value(text, 'tierkv_tenant_bytes{tenant="acme",tier="disk"}') > 6 * 2**20  # room beyond it
         # a quota is not a cap (slots in use for writes may take a tenant past it for a while)
         assert _value(text, 'tierkv_tenant_bytes{tenant="beta",tier="host"}') > 0
+        # A quota changed while the server runs reaches it without a request
+        _cli("keys", "quota", "beta", "--file", str(keys), "--disk", "7MiB")
+        deadline = time.monotonic() + 15
+        while _value(_metrics(srv), 'tierkv_tenant_quota_bytes{tenant="beta",tier="disk"}') != 7 * 2**20:
+            assert time.monotonic() < deadline, "the changed quota did not reach the server"
+            time.sleep(0.5)
     finally:
         assert srv.stop() == 0

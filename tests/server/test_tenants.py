@@ -123,6 +123,39 @@ def test_the_keys_file_is_written_safely_and_checked(tmp_path) -> None:
     assert tenants.tenant(f"Bearer {keys[0]}") is None
 
 
+def test_keys_quota_list_and_revoke_from_the_shell(tmp_path) -> None:
+    path = tmp_path / "keys.toml"
+    acme = _key(path, "acme")
+    _key(path, "beta")
+    runner = CliRunner()
+
+    def keys(*args: str, stdin: str | None = None):  # noqa: ANN202
+        return runner.invoke(main, ["keys", *args, "--file", str(path)], input=stdin)
+
+    r = keys("quota", "acme", "--disk", "20XB")
+    assert r.exit_code == 2 and "--disk: '20XB' is not a size" in r.output and ".keys.toml." not in r.output
+    r = runner.invoke(
+        main, ["keys", "quota", "acme", "--file", str(tmp_path / "none.toml"), "--disk", "1MiB"]
+    )
+    assert r.exit_code == 2 and "does not exist" in r.output and "--file" in r.output
+    assert keys("quota", "nobody", "--disk", "1MiB").exit_code == 2
+    assert keys("quota", "acme", "--disk", "20GiB", "--pin", "1GiB").exit_code == 0
+    assert keys("quota", "acme", "--pin", "none").exit_code == 0
+    listed = json.loads(keys("list", "--json").stdout)
+    assert listed == [
+        {"tenant": "acme", "keys": 1, "disk_quota": "20GiB", "host_quota": None, "pin_quota": None},
+        {"tenant": "beta", "keys": 1, "disk_quota": None, "host_quota": None, "pin_quota": None},
+    ]
+    assert "salt" not in keys("list").stdout
+    r = keys("revoke", stdin=acme + "\n")
+    assert r.exit_code == 0 and "tenant 'acme'" in r.output
+    assert keys("revoke", stdin=acme).exit_code == 2  # gone already
+    from tierkv.server.tenants import Tenants
+
+    assert Tenants(path).tenant(f"Bearer {acme}") is None
+    assert (tmp_path / "keys.toml.lock").stat().st_mode & 0o077 == 0
+
+
 def test_engine_vllm_checks_the_keys_file_first_and_passes_the_remote_secret_file_to_the_connector(
     monkeypatch, capsys, tmp_path
 ) -> None:

@@ -7,7 +7,7 @@ server or a tokenizer at module level):
     tierkv.cli.serve    serve, route     the OpenAI-compatible server and the prefix-aware router
     tierkv.cli.prompts  explain, lint    the prompt tools
     tierkv.cli.cache    prefetch, forget a running server's cache, prompt by prompt
-    tierkv.cli.keys     keys add, quota  API keys and quotas of tenants, for serve --api-keys
+    tierkv.cli.keys     keys ...         API keys and quotas of tenants, for serve --api-keys
     tierkv.cli.bench    bench            the benchmarks of ``tierkv.bench``
 
 ``python -m tierkv.cli`` and the ``tierkv`` console script (``tierkv.cli:main``) are the same command.

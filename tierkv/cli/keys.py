@@ -1,6 +1,8 @@
-"""``tierkv keys add`` and ``tierkv keys quota``: API keys for ``tierkv serve --api-keys FILE``, one tenant's cache space each."""
+"""``tierkv keys add``, ``quota``, ``list`` and ``revoke``: API keys for ``tierkv serve --api-keys FILE``, one tenant's cache space each."""
 
 from __future__ import annotations
+
+import sys
 
 import click
 
@@ -60,3 +62,46 @@ def quota(tenant: str, path: str, disk: str | None, host: str | None, pin: str |
         fail(str(exc), 2)
     shown = ", ".join(f"{k.split('_')[0]} {v or 'none'}" for k, v in changes.items())
     click.echo(f"tierkv: tenant {tenant!r} in {path}: {shown}", err=True)
+
+
+@keys.command("list")
+@click.option("--file", "path", required=True, help="The keys file.")
+@click.option("--json", "as_json", is_flag=True, help="As JSON.")
+def list_(path: str, as_json: bool) -> None:
+    """Each tenant, how many keys it has and its quotas (never a salt or a key's hash)."""
+    import json
+
+    from tierkv.server.tenants import describe
+
+    try:
+        rows = describe(path)
+    except (ConfigError, OSError, ValueError) as exc:
+        fail(str(exc), 2)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        quotas = "  ".join(
+            f"{k.split('_')[0]} {r[k]}" for k in ("disk_quota", "host_quota", "pin_quota") if r[k]
+        )
+        click.echo(
+            f"{r['tenant']}  {r['keys']} key{'s' if r['keys'] != 1 else ''}"
+            + (f"  {quotas}" if quotas else "")
+        )
+
+
+@keys.command("revoke")
+@click.option("--file", "path", required=True, help="The keys file.")
+def revoke(path: str) -> None:
+    """Revoke the API key read from standard input (not an argument: every user sees those in ps), e.g.
+    `printf %s "$KEY" | tierkv keys revoke --file keys.toml`. A running server refuses it within seconds."""
+    from tierkv.server.tenants import revoke_key
+
+    key = sys.stdin.read().strip()
+    if not key:
+        fail("give the key on standard input", 2)
+    try:
+        tenant = revoke_key(path, key)
+    except (ConfigError, OSError, ValueError) as exc:
+        fail(str(exc), 2)
+    click.echo(f"tierkv: revoked a key of tenant {tenant!r} in {path}", err=True)

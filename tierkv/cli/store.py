@@ -59,7 +59,11 @@ def stats(cache_dir: str, as_json: bool) -> None:
     for t in report["tenants"]:
         quotas = "".join(
             f"   {what} quota {format_size(t[field])}"
-            for what, field in (("disk", "disk_quota_nbytes"), ("pin", "pin_quota_nbytes"))
+            for what, field in (
+                ("disk", "disk_quota_nbytes"),
+                ("host", "host_quota_nbytes"),
+                ("pin", "pin_quota_nbytes"),
+            )
             if t[field] is not None
         )
         click.echo(

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,10 +27,26 @@ from tierkv.server.state import Server
 log = logging.getLogger("tierkv.server")
 
 
+KEYS_CHECK_S = 2.0  # how often the keys file is looked at without requests (a stat)
+
+
+async def watch_keys(tenants: Any) -> None:
+    """Reload the keys file when it changes, requests or not (quotas reach the store and metrics)."""
+    while True:
+        await asyncio.sleep(KEYS_CHECK_S)
+        try:
+            tenants.refresh()
+        except Exception:  # (a file system error): the next look tries again
+            log.exception("api keys: looking at the keys file failed")
+
+
 def create_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watch = asyncio.create_task(watch_keys(server.tenants)) if server.tenants is not None else None
         yield
+        if watch is not None:
+            watch.cancel()
         # SIGTERM: uvicorn has stopped accepting and drained the open requests; finish and flush.
         await asyncio.to_thread(server.close)
         log.info("flushed the store; bye")

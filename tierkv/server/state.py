@@ -53,16 +53,19 @@ class Server:
         if self.store is None:
             return
         self.store.set_quotas(quotas)
-        disk = self.store.tier("disk")
-        budget = disk.stats()["capacity_nbytes"] if disk is not None else 0
-        reserved = sum(q.disk_nbytes or 0 for q in quotas.values())
-        if budget and reserved > budget:
-            log.warning(
-                "api keys: the tenants' disk quotas (%s) add up to more than the disk budget (%s): a "
-                "tenant within its quota may lose blocks to another",
-                format_size(reserved),
-                format_size(budget),
-            )
+        for tier_name, field in (("disk", "disk_nbytes"), ("host", "host_nbytes")):
+            tier = self.store.tier(tier_name)
+            size = tier.stats()["capacity_nbytes"] if tier is not None else 0
+            reserved = sum(getattr(q, field) or 0 for q in quotas.values())
+            if size and reserved > size:
+                log.warning(
+                    "api keys: the tenants' %s quotas (%s) add up to more than the %s tier (%s): a "
+                    "tenant within its quota may lose blocks to another",
+                    tier_name,
+                    format_size(reserved),
+                    tier_name,
+                    format_size(size),
+                )
 
     def request_salt(self, authorization: str | None, cache_salt: str | None) -> str | JSON:
         """``salt_of``, or the error response to send instead (401 without a valid key, 400 for a

@@ -40,7 +40,17 @@ from tierkv.tenancy import RESERVED, Quota, tenant_id
 from tierkv.tenancy import namespace_salt as _namespace_salt
 from tierkv.units import parse_size
 
-__all__ = ["RESERVED", "Tenant", "Tenants", "add_key", "key_hash", "namespace_salt", "set_quotas"]
+__all__ = [
+    "RESERVED",
+    "Tenant",
+    "Tenants",
+    "add_key",
+    "describe",
+    "key_hash",
+    "namespace_salt",
+    "revoke_key",
+    "set_quotas",
+]
 
 log = logging.getLogger("tierkv.server")
 
@@ -198,6 +208,10 @@ class Tenants:
                     return
             self._tell(quotas)
 
+    def refresh(self) -> None:
+        """Reload the file if it changed (a request does this too; a server also looks every few s)."""
+        self._reload()
+
     def tenant(self, authorization: str | None) -> Tenant | None:
         """The tenant of an ``Authorization`` header's bearer key; None for none or an unknown one."""
         self._reload()
@@ -224,11 +238,17 @@ class Tenants:
                 return
             try:
                 self._by_hash = _load(self.path)
-                log.info("api keys: reloaded %s (%d keys)", self.path, len(self._by_hash))
+                log.info(
+                    "api keys: reloaded %s (%d keys of %d tenants; quotas: %s)",
+                    self.path,
+                    len(self._by_hash),
+                    len(self.names()),
+                    _describe_quotas(self.quotas()),
+                )
                 self._warn_mode()
                 self._tell_later()
             except ConfigError as exc:
-                log.error("api keys: %s; the previous keys stay in use", exc)
+                log.error("%s; the previous keys stay in use", exc)
 
 
 def add_key(path: str | os.PathLike[str], tenant: str) -> str:
@@ -244,15 +264,71 @@ def add_key(path: str | os.PathLike[str], tenant: str) -> str:
     return key
 
 
+def _describe_quotas(quotas: dict[bytes, Quota]) -> str:
+    from tierkv.units import format_size
+
+    parts = []
+    for q in sorted(quotas.values(), key=lambda q: q.name):
+        sizes = [
+            f"{what} {format_size(n)}"
+            for what, n in (("disk", q.disk_nbytes), ("host", q.host_nbytes), ("pin", q.pin_nbytes))
+            if n is not None
+        ]
+        if sizes:
+            parts.append(f"{q.name} {', '.join(sizes)}")
+    return "; ".join(parts) or "none"
+
+
+def revoke_key(path: str | os.PathLike[str], key: str) -> str:
+    """Remove an API key from the keys file (a running server refuses it within seconds); returns its
+    tenant's name. ConfigError if no tenant has it."""
+    wanted = key_hash(key.strip())
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{path} does not exist")
+    owner = next((t.name for h, t in _load(p).items() if hmac.compare_digest(h, wanted)), None)
+    if owner is None:
+        raise ConfigError(f"no tenant in {path} has this key")
+
+    def change(tenants: dict[str, Any]) -> None:
+        tenants[owner]["keys"] = [k for k in tenants[owner]["keys"] if k != wanted]
+
+    _rewrite(p, owner, change)
+    return owner
+
+
+def describe(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Each tenant of the keys file: its name, how many keys, its quotas (never a salt or a hash)."""
+    data = tomllib.loads(Path(path).read_text())
+    _load(Path(path))
+    return [
+        {"tenant": name, "keys": len(t.get("keys", [])), **{f: t.get(f) for f in QUOTA_FIELDS}}
+        for name, t in data.get("tenants", {}).items()
+    ]
+
+
 def set_quotas(path: str | os.PathLike[str], tenant: str, quotas: dict[str, str | None]) -> None:
     """Set (a size) or remove (None) an existing tenant's ``disk_quota``, ``host_quota``, ``pin_quota``."""
     unknown = set(quotas) - set(QUOTA_FIELDS)
     if unknown:
         raise ConfigError(f"unknown quotas {sorted(unknown)}: expected {sorted(QUOTA_FIELDS)}")
+    for field, size in quotas.items():
+        if size is not None:
+            try:
+                if parse_size(size) < 0:
+                    raise ConfigError(size)
+            except ConfigError:
+                raise ConfigError(
+                    f"--{field.split('_')[0]}: {size!r} is not a size such as 20GiB (or none)"
+                ) from None
+    if not Path(path).exists():
+        raise ConfigError(f"{path} does not exist: `tierkv keys add {tenant} --file {path}` creates it")
 
     def change(tenants: dict[str, Any]) -> None:
         if tenant not in tenants:
-            raise ConfigError(f"no tenant {tenant!r} in {path}: `tierkv keys add {tenant}` makes it")
+            raise ConfigError(
+                f"no tenant {tenant!r} in {path}: `tierkv keys add {tenant} --file {path}` makes it"
+            )
         for field, size in quotas.items():
             if size is None:
                 tenants[tenant].pop(field, None)
@@ -268,7 +344,10 @@ def _rewrite(p: Path, tenant: str, change: Callable[[dict[str, Any]], None]) -> 
     0600 when new) and the directory synced."""
     if not tenant or not all(c.isascii() and (c.isalnum() or c in "-_") for c in tenant):
         raise ConfigError(f"tenant names are letters, digits, '-' and '_': got {tenant!r}")
-    with open(p.with_name(p.name + ".lock"), "a") as lock:
+    if not p.parent.is_dir():
+        raise ConfigError(f"{p.parent} is not a directory (for the keys file {p})")
+    lock_fd = os.open(p.with_name(p.name + ".lock"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(lock_fd, "a") as lock:  # (beside the file: it serialises writers of the file)
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = tomllib.loads(p.read_text()) if p.exists() else {}
         if p.exists():
@@ -290,7 +369,10 @@ def _rewrite(p: Path, tenant: str, change: Callable[[dict[str, Any]], None]) -> 
                 f.write("\n".join(lines))
                 f.flush()
                 os.fsync(f.fileno())
-            _load(Path(tmp))  # what was written parses, before it replaces anything
+            try:
+                _load(Path(tmp))  # what was written parses, before it replaces anything
+            except ConfigError as exc:  # named after the file the user gave, not the temporary one
+                raise ConfigError(str(exc).replace(tmp, str(p))) from None
             os.replace(tmp, p)
         except BaseException:
             with contextlib.suppress(OSError):

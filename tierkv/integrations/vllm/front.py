@@ -121,9 +121,12 @@ def create_front_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(watch_child())
+        from tierkv.server.app import watch_keys
+
+        tasks = [asyncio.create_task(watch_child()), asyncio.create_task(watch_keys(tenants))]
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         await client.aclose()
 
     app = FastAPI(title="tierkv front", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
