@@ -84,6 +84,7 @@ def _config(
         "sweep_interval_s": 0,
         "sync": False,
         "self_check_rate": 0,  # no sampled self-check: the loads planned here are exactly the hits
+        "lookup_wait_s": 5.0,  # lookups answer at once here (a slow one is its own test)
     }
     args = EngineArgs(
         model=str(model_dir),
@@ -433,6 +434,44 @@ def test_a_cache_salt_in_the_reserved_tenant_space_is_neither_loaded_nor_saved(e
             assert meta.loads and meta.saves
         engine.finish_step(out)
         engine.run_to_completion()
+    engine.assert_idle()
+
+
+def test_a_slow_lookup_never_holds_the_scheduler_and_its_request_loads_at_a_later_step(
+    engines, monkeypatch
+) -> None:
+    """A lookup that has not answered within ``lookup_wait_s`` (a cold index page, a remote tier) tells vLLM
+    to ask again: the step goes on without the request, and a later step schedules it with its load."""
+    import time
+
+    engine = engines()
+    connector = engine.connector
+    side = connector._scheduler
+    assert side is not None
+    prompt = _tokens(8, 4 * B + 5)
+    _store(connector, prompt, 4)
+    slow = side.store.lookup
+
+    def lookup(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(side.store, "lookup", lookup)
+    side.lookup_wait_s = 0.01
+    engine.add("S", prompt)
+    t0 = time.monotonic()
+    out = engine.schedule()
+    assert time.monotonic() - t0 < 0.4  # the scheduler did not wait for the lookup
+    assert "S" not in out.num_scheduled_tokens
+    engine.finish_step(out)
+    assert side.lookup_errors.get("deferred", 0) >= 1
+    time.sleep(0.6)
+    out = engine.schedule()
+    ids = engine.block_ids(out, "S")
+    assert out.num_scheduled_tokens == {"S": 5}
+    assert _spans(out.kv_connector_metadata.loads) == [("S", 0, ids[0:4], prompt[: 4 * B])]
+    engine.finish_step(out)
+    engine.run_to_completion()
     engine.assert_idle()
 
 

@@ -49,6 +49,9 @@ class ConnectorOptions:
     # Behind ``tierkv serve --engine vllm --api-keys`` (front.py): a cache_salt of the reserved tenant
     # space is the front's, not a client's
     front: bool = False
+    # How long vLLM's scheduler waits for a lookup before it is told "ask again at the next step" (the
+    # lookup goes on, on the connector's thread): a warm index answers in microseconds
+    lookup_wait_s: float = 0.005
     sweep_interval_s: float = 300.0  # background expiry and budget sweeps; 0: none
     revision: str | None = None  # vouch for the weights: skip hashing the checkpoint files
     sync: bool = True  # fdatasync each disk batch (off only for tests and benchmarks)
@@ -75,6 +78,8 @@ class ConnectorOptions:
                 out[name] = parse_duration(value) or None if value is not None else None  # 0 or None: none
             elif name == "sweep_interval_s":
                 out[name] = parse_duration(value or 0)
+            elif name == "lookup_wait_s":
+                out[name] = max(0.0, float(value))
             elif name == "remote_admit_after":
                 out[name] = int(value)
             elif name == "self_check_rate":

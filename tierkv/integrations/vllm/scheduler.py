@@ -13,6 +13,7 @@ the image), LoRA adapters and prompt embeddings.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import random
@@ -52,6 +53,12 @@ class _Request:
     check: tuple[int, int] | None = None  # a self-checked load's blocks, not yet recomputed by vLLM
     counted: bool = False  # its prompt tokens are in the metrics (once, however often it is rescheduled)
     control: CacheControl = NO_CONTROL  # what its kv_transfer_params asked of the cache
+    lookup: concurrent.futures.Future[Any] | None = None  # a lookup still running on the lookup thread
+    lookup_since: float = 0.0
+
+
+LOOKUP_GIVE_UP_S = 10.0  # a lookup still running after this counts as a miss (the request is computed)
+_LATER = object()  # a lookup that has not answered yet: vLLM is told to ask again
 
 
 # What a request must have for the connector to key it with certainty; a vLLM whose requests lack any of
@@ -99,6 +106,8 @@ class SchedulerSide:
         self._lookup_paused_until = 0.0
         self._reqs: dict[str, _Request] = {}
         self._warned_reserved = False
+        self._lookups: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first lookup
+        self.lookup_wait_s = options.lookup_wait_s
         self.front = options.front
         self._metrics = TierKVStats()
         self._forget: list[str] = []
@@ -183,7 +192,7 @@ class SchedulerSide:
             return NO_CONTROL
         return control
 
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.store is None or not self.load_enabled:
             if self.store is not None and (r := self._request(request)) is not None:
                 r.local_tokens = num_computed_tokens  # still tracked: its blocks are saved
@@ -192,7 +201,9 @@ class SchedulerSide:
         if r is None:
             return 0, False
         r.local_tokens, r.by_tier = num_computed_tokens, {}
-        hit = self._lookup(r)
+        hit = self._lookup_soon(r)
+        if hit is _LATER:
+            return None, False  # vLLM skips the request this step and asks again at the next
         if hit is None:
             return 0, False
         r.stored_blocks, r.by_tier = hit.num_blocks, hit.by_tier
@@ -205,6 +216,29 @@ class SchedulerSide:
         else:
             new = min(hit.num_blocks, (n - 1) // B) * B - num_computed_tokens
         return (new, False) if new > 0 else (0, False)
+
+    def _lookup_soon(self, r: _Request) -> Any:
+        """``_lookup`` without waiting on I/O in vLLM's scheduler: it runs on the connector's lookup
+        thread; an answer within ``lookup_wait_s`` (a warm index: microseconds) is used now; a lookup
+        still reading (a cold index page, a slow disk, a remote tier) answers ``_LATER``, and its result
+        is taken at a later step. One still running after ``LOOKUP_GIVE_UP_S`` is a miss."""
+        if r.lookup is None:
+            if self._lookups is None:
+                self._lookups = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-lookup")
+            r.lookup, r.lookup_since = self._lookups.submit(self._lookup, r), time.monotonic()
+            wait_s = self.lookup_wait_s
+        else:
+            wait_s = 0.0
+        try:
+            hit = r.lookup.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() - r.lookup_since < LOOKUP_GIVE_UP_S:
+                self.lookup_errors["deferred"] = self.lookup_errors.get("deferred", 0) + 1
+                return _LATER
+            self.lookup_errors["too_slow"] = self.lookup_errors.get("too_slow", 0) + 1
+            hit = None
+        r.lookup = None
+        return hit
 
     def _lookup(self, r: _Request) -> Any:
         """The store's lookup, or None: a lookup that fails (LMDB's reader table full, a store that cannot
@@ -365,6 +399,9 @@ class SchedulerSide:
             self._forget.append(request.request_id)
 
     def close(self) -> None:
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=True, cancel_futures=True)  # (before the store it reads goes)
+            self._lookups = None
         if self.store is not None:
             store, self.store = self.store, None
             release_store(store)
