@@ -3,6 +3,7 @@ its worker are separate processes there, sharing the store's directory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -154,50 +156,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Path, model_dir: Path) -> None:
-    port, cache = _free_port(), tmp_path / "cache"
+@contextlib.contextmanager
+def _serving(
+    tmp_path: Path, model_dir: Path, port: int, cache: Path, *options: str
+) -> Iterator[subprocess.Popen]:
+    """``python -m tierkv.integrations.vllm.serve`` on the test model, up (its ``/health`` answers), then
+    stopped with SIGTERM; its output in ``tmp_path / "server.log"``."""
     env = dict(
         os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false"
     )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierkv.integrations.vllm.serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+    ]
+    cmd += ["--cache-dir", str(cache), "--host-cache", "64MiB", "--dtype", "float32", *options]
+    cmd += ["--", "--enforce-eager", "--max-model-len", "2048"]
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tierkv.integrations.vllm.serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--cache-dir",
-            str(cache),
-            "--host-cache",
-            "64MiB",
-            "--disk-budget",
-            "1GiB",
-            "--dtype",
-            "float32",
-            "--",
-            "--enforce-eager",
-            "--max-model-len",
-            "2048",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=tmp_path,
-    )
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
 
     def up() -> bool:
         assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-            return True
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                return r.status == 200
         except OSError:
             return False
 
     try:
         _wait("the server", up, 600)
+        yield server
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Path, model_dir: Path) -> None:
+    port, cache = _free_port(), tmp_path / "cache"
+    with _serving(tmp_path, model_dir, port, cache, "--disk-budget", "1GiB"):
         cold, cached = _complete(port)
         assert cached == 0
         # The store is usable beside the running engine: stats sees the saved blocks once written behind.
@@ -210,14 +215,6 @@ def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Pat
         assert _post(port, "/reset_prefix_cache?reset_external=true")["success"]  # both forget
         text, cached = _complete(port)
         assert (text, cached) == (cold, 0)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
     # SIGTERM let the worker close its connector (flushing the write-behind), not a kill
     assert "tierkv connector (worker): loaded" in (tmp_path / "server.log").read_text()
     assert tierkv_cli("gc", "--check", "--cache-dir", str(cache))["corrupt"] == 0
@@ -255,46 +252,7 @@ def test_api_keys_put_tenants_in_front_of_vllm(tmp_path: Path, model_dir: Path) 
     keys, port, cache = tmp_path / "keys.toml", _free_port(), tmp_path / "cache"
     acme, beta = _keys(keys, "add", "acme"), _keys(keys, "add", "beta")
     _keys(keys, "quota", "beta", "--disk", "64MiB", "--pin", "8MiB")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tierkv.integrations.vllm.serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--cache-dir",
-            str(cache),
-            "--host-cache",
-            "64MiB",
-            "--dtype",
-            "float32",
-            "--api-keys",
-            str(keys),
-            "--",
-            "--enforce-eager",
-            "--max-model-len",
-            "2048",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=tmp_path,
-    )
-
-    def up() -> bool:
-        assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    try:
-        _wait("the server", up, 600)
+    with _serving(tmp_path, model_dir, port, cache, "--api-keys", str(keys)) as server:
         status, out = _complete_as(port, None)
         assert status == 401 and out["error"]["code"] == "invalid_api_key"
         status, out = _complete_as(port, acme)
@@ -315,13 +273,5 @@ def test_api_keys_put_tenants_in_front_of_vllm(tmp_path: Path, model_dir: Path) 
         assert tenants["beta"]["disk_quota_nbytes"] == 64 * 2**20
         salts = [line.split('"')[1] for line in keys.read_text().splitlines() if line.startswith("salt")]
         assert not any(s in (tmp_path / "server.log").read_text() for s in salts)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
     assert server.returncode == 0, (tmp_path / "server.log").read_text()[-4000:]
     assert "tierkv connector (worker): loaded" in (tmp_path / "server.log").read_text()
