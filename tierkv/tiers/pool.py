@@ -24,6 +24,7 @@ from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
 from tierkv.tenancy import Quota
 from tierkv.tiers.base import BlockWrite, Tier
+from tierkv.tiers.pool_tenants import PoolTenants
 from tierkv.tiers.prefault import Populator, populate_in_background
 from tierkv.tiers.slot_copies import Slabs, copy_run, gather_run, index_tensor, slabs, upload_run
 from tierkv.tiers.target import Target, rows_scatterable
@@ -88,9 +89,7 @@ class BlockPool(Tier):
         self._dirty: set[BlockKey] = set()
         # Tenants (of API keys): whose block each slot holds, how many each holds, and their quotas in
         # slots' bytes. A slot to take goes first to blocks of tenants above their quota.
-        self._tenant: dict[BlockKey, bytes] = {}
-        self._by_tenant: dict[bytes, OrderedDict[BlockKey, None]] = {}  # each tenant's keys, LRU first
-        self._quota_nbytes: dict[bytes, int] = {}
+        self._tenants = PoolTenants()  # whose block each slot holds, for tenant quotas
         self._lock = threading.Lock()
 
     def _allocate(self, slot_nbytes: int) -> None:
@@ -159,12 +158,7 @@ class BlockPool(Tier):
         self._atime.pop(key, None)
         self._ctime.pop(key, None)
         self._dirty.discard(key)
-        tenant = self._tenant.pop(key, None)
-        if tenant is not None:
-            keys = self._by_tenant[tenant]
-            del keys[key]
-            if not keys:
-                del self._by_tenant[tenant]
+        self._tenants.forget(key)
 
     def created_s(self, key: BlockKey) -> float:
         """When the block was first saved (as its record says), for a rewrite that keeps its age."""
@@ -375,8 +369,7 @@ class BlockPool(Tier):
         self._atime[key] = now
         self._ctime[key] = now if created_s is None else created_s
         if tenant is not None:
-            self._tenant[key] = tenant
-            self._by_tenant.setdefault(tenant, OrderedDict())[key] = None
+            self._tenants.add(key, tenant)
 
     def _ref(self, slot: int) -> None:
         self._held += self._refs[slot] == 0
@@ -411,7 +404,10 @@ class BlockPool(Tier):
         """A free slot, else the slot of a block evicted for it (``tenant``: whose block it is for)."""
         if self._free:
             return self._free.pop()
-        victim = self._over_quota_victim(tenant) if self._quota_nbytes else None
+        # For a quota: a clean block, none in use (a block waiting for a slower tier is never lost to one)
+        victim = self._tenants.victim(
+            tenant, self.slot_nbytes, lambda k: self._refs[self._lru[k]] == 0 and k not in self._dirty
+        )
         if victim is not None:
             slot = self._lru.pop(victim)
             self._forget(victim)
@@ -434,42 +430,18 @@ class BlockPool(Tier):
     def _recent(self, key: BlockKey) -> None:
         """``key`` was just used: the most recent, in the pool's order and its tenant's. Under the lock."""
         self._lru.move_to_end(key)
-        tenant = self._tenant.get(key)
-        if tenant is not None:
-            self._by_tenant[tenant].move_to_end(key)
-
-    def _over_quota_victim(self, tenant: bytes | None) -> BlockKey | None:
-        """The least recently used clean block (none in use) of the tenant furthest above its quota (a
-        tenant without one is above it with any block; ``tenant`` counts with the block it adds); None if
-        none is, or they hold only blocks still waiting for a slower tier (never lost for a quota). Under
-        the lock: it walks the tenants above their quota only."""
-        excess = {
-            t: (len(keys) + (t == tenant)) * self.slot_nbytes - self._quota_nbytes.get(t, 0)
-            for t, keys in self._by_tenant.items()
-        }
-        for t in sorted((t for t, x in excess.items() if x > 0), key=lambda t: -excess[t]):
-            for key in self._by_tenant[t]:
-                if self._refs[self._lru[key]] == 0 and key not in self._dirty:
-                    return key
-        return None
+        self._tenants.recent(key)
 
     def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
         """Tenants' quotas in this pool: ``host_nbytes`` for the host tier (a GPU pool takes none)."""
         if self.device.type != "cpu":
             return
         with self._lock:
-            self._quota_nbytes = (
-                {t: q.host_nbytes or 0 for t, q in quotas.items()}
-                if any(q.host_nbytes is not None for q in quotas.values())
-                else {}  # no tenant has one: plain LRU
-            )
+            self._tenants.set_quotas(quotas)
 
     def tenant_usage(self) -> dict[bytes, dict[str, int]]:
         with self._lock:
-            return {
-                t: {f"{self.name}_nbytes": len(keys) * self.slot_nbytes}
-                for t, keys in self._by_tenant.items()
-            }
+            return {t: {f"{self.name}_nbytes": n} for t, n in self._tenants.usage(self.slot_nbytes).items()}
 
     def mark_dirty(self, key: BlockKey) -> bool:
         """``key``'s block waits for a slower tier: evict clean blocks first. False if it is not here."""
