@@ -152,6 +152,15 @@ def test_stats_name_tenants_and_count_their_usage(tmp_path, ns) -> None:
         }
     ]
     assert A_SALT not in repr(rows)
+    from click.testing import CliRunner
+
+    from tierkv.cli import main
+
+    text = CliRunner().invoke(main, ["stats", "--cache-dir", str(tmp_path)]).output
+    assert "tenant     acme   8 blocks" in text and "disk quota 128.0 KiB" in text
+    assert "no tenant  4 blocks" in text  # the namespace of no tenant's blocks
+    assert text.count(" tenant acme") == 1  # its namespace line names it
+    assert A_SALT not in text
 
 
 def test_rows_of_blocks_stored_before_are_filled_when_a_writer_opens(tmp_path, ns) -> None:

@@ -25,12 +25,14 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
     now = disk.clock() if now is None else now
     policy = disk.policy
     namespaces = disk.namespaces()
+    quotas = disk.stored_quotas()
     per_ns: dict[bytes, dict[str, Any]] = {}
     for digest, (blocks, nbytes) in disk.totals().items():
         ns = namespaces.get(digest)
         per_ns[digest] = {
             "digest": digest.hex(),
             "model_id": ns.model_id if ns else None,
+            "tenant": _tenant_name(ns.tenant_id, quotas) if ns and ns.tenant_id else None,
             "spec": ns.to_json() if ns else None,
             "blocks": blocks,
             "nbytes": nbytes,
@@ -108,7 +110,7 @@ def tenant_report(disk: DiskTier) -> list[dict[str, Any]]:
     for tid, ((blocks, nbytes, pinned_blocks, pinned_nbytes), q) in disk.tenants().items():
         rows.append(
             {
-                "tenant": q.name if q is not None else f"#{tid.hex()[:12]}",  # (one no keys file names now)
+                "tenant": _tenant_name(tid, {tid: q} if q is not None else {}),
                 "blocks": blocks,
                 "nbytes": nbytes,
                 "pinned_blocks": pinned_blocks,
@@ -119,3 +121,9 @@ def tenant_report(disk: DiskTier) -> list[dict[str, Any]]:
             }
         )
     return sorted(rows, key=lambda r: (-r["nbytes"], r["tenant"]))
+
+
+def _tenant_name(tid: bytes, quotas: dict[bytes, Any]) -> str:
+    """A tenant's name as the keys file gives it; ``#<id>`` for one no keys file names now."""
+    q = quotas.get(tid)
+    return q.name if q is not None else f"#{tid.hex()[:12]}"

@@ -70,6 +70,11 @@ def stats(cache_dir: str, as_json: bool) -> None:
             f"tenant     {t['tenant']}   {t['blocks']} blocks {format_size(t['nbytes'])}   pinned "
             f"{t['pinned_blocks']} blocks {format_size(t['pinned_nbytes'])}{quotas}"
         )
+    if report["tenants"]:  # what no tenant holds (a server without keys on the same directory)
+        rest = report["blocks"] - sum(t["blocks"] for t in report["tenants"])
+        rest_nbytes = report["live_nbytes"] - sum(t["nbytes"] for t in report["tenants"])
+        if rest > 0:
+            click.echo(f"no tenant  {rest} blocks {format_size(max(0, rest_nbytes))}")
     for g in report["gpus"]:
         click.echo(
             f"gpu {g['index']}      {g['name']}   memory {format_size(g['memory_used_nbytes'])} of "
@@ -84,6 +89,7 @@ def stats(cache_dir: str, as_json: bool) -> None:
             f"{spec.get('dtype', '?')} block {spec.get('block_tokens', '?')}"
             # a salt may be a tenant's secret: never printed, only a digest of it to tell them apart
             + (f" salted #{_digest(spec['tenant_salt'])}" if spec.get("tenant_salt") else "")
+            + (f" tenant {ns['tenant']}" if ns.get("tenant") else "")
         )
 
         def age(t: float | None) -> str:
