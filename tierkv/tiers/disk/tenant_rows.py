@@ -39,6 +39,7 @@ QUOTAS = b"tenants"  # meta key
 FILLED = b"tenant_rows"  # meta key
 HEAD = TENANT_ID_NBYTES + 1  # tenant id || class
 FILL_BATCH = 4096  # entries per transaction of ``fill``
+MAX_CACHED_NAMESPACES = 1 << 16  # namespace -> tenant answers kept per process
 
 TenantUsage = tuple[int, int, int, int]  # blocks, nbytes, pinned blocks, pinned nbytes
 
@@ -61,6 +62,8 @@ class TenantRows:
             return None
         salt = json.loads(bytes(raw)).get("tenant_salt", "")
         tid = tenant_id(salt) if isinstance(salt, str) else None
+        if len(self._of) >= MAX_CACHED_NAMESPACES:  # clients choose cache_salts: bounded, re-read after
+            self._of.clear()
         self._of[ns] = tid
         return tid
 
