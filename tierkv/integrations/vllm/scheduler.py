@@ -402,6 +402,8 @@ class SchedulerSide:
         if self._lookups is not None:
             self._lookups.shutdown(wait=True, cancel_futures=True)  # (before the store it reads goes)
             self._lookups = None
+        if self.lookup_errors:  # deferred (slow) lookups, give-ups, failures by kind, since start
+            log.info("tierkv connector (scheduler): lookups not answered at once: %s", self.lookup_errors)
         if self.store is not None:
             store, self.store = self.store, None
             release_store(store)
