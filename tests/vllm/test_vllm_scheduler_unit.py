@@ -463,6 +463,7 @@ def test_a_slow_lookup_never_holds_the_scheduler_and_its_request_loads_at_a_late
     out = engine.schedule()
     assert time.monotonic() - t0 < 0.4  # the scheduler did not wait for the lookup
     assert "S" not in out.num_scheduled_tokens
+    assert side._metrics.reduce().get("tierkv_connector_lookups:deferred", 0) >= 1  # on /metrics
     engine.finish_step(out)
     assert side.lookup_errors.get("deferred", 0) >= 1
     time.sleep(0.6)

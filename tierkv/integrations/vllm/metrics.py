@@ -179,6 +179,11 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
             documentation="Prompt tokens by where their KV came from (vllm: vLLM's own prefix cache)",
             labelnames=base + ["source"],
         )
+        self._counters["tierkv_connector_lookups"] = self._counter_cls(
+            name="tierkv_connector_lookups",
+            documentation="Lookups not answered within lookup_wait_s: deferred to a later step, or given up",
+            labelnames=base + ["outcome"],
+        )
         self._counters["tierkv_tier_hit_tokens"] = self._counter_cls(
             name="tierkv_tier_hit_tokens",
             documentation="Prompt tokens served from the tier",

@@ -232,10 +232,11 @@ class SchedulerSide:
         try:
             hit = r.lookup.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
-            if time.monotonic() - r.lookup_since < LOOKUP_GIVE_UP_S:
-                self.lookup_errors["deferred"] = self.lookup_errors.get("deferred", 0) + 1
+            outcome = "deferred" if time.monotonic() - r.lookup_since < LOOKUP_GIVE_UP_S else "given_up"
+            self.lookup_errors[outcome] = self.lookup_errors.get(outcome, 0) + 1
+            self._metrics.count("tierkv_connector_lookups", (outcome,), 1)
+            if outcome == "deferred":
                 return _LATER
-            self.lookup_errors["too_slow"] = self.lookup_errors.get("too_slow", 0) + 1
             hit = None
         r.lookup = None
         return hit
