@@ -11,7 +11,6 @@ from above gets it back. Saves go to the write-behind (``write_behind.py``).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from tierkv.metrics import COUNTER_NAMES, Counters
 from tierkv.planner import RestorePlanner
 from tierkv.retention import Retention
 from tierkv.spread import promoter, runs_of, spread
-from tierkv.tenancy import Quota
+from tierkv.store_tenants import QUOTA_REFRESH_S, TenantQuotas
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.writer import FLUSH_TIMEOUT_S
@@ -36,10 +35,6 @@ from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
 from tierkv.write_behind import WriteBehind
-
-log = logging.getLogger("tierkv.store")
-
-QUOTA_REFRESH_S = 10.0  # how often a process adopts the tenants' quotas another process stored
 
 if TYPE_CHECKING:
     from tierkv.removal import Forgotten
@@ -73,7 +68,7 @@ def _model_key(ns: Namespace) -> str:
     return f"{ns.model_id}@{ns.revision}/{ns.dtype}/{ns.num_layers}x{ns.num_kv_heads}x{ns.head_dim}"
 
 
-class TieredStore:
+class TieredStore(TenantQuotas):
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -232,41 +227,6 @@ class TieredStore:
         spec = KVSpec.of(ns)
         record_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes + spec.block_nbytes
         self._durable().check_pin(chain, count, record_nbytes)
-
-    def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
-        """The tenants' quotas, by tenant id (``tenancy``): the tiers that hold blocks of several tenants
-        evict from those above their quota first; the disk tier stores them for every process on its
-        directory."""
-        for tier in self.tiers:
-            tier.set_quotas(quotas)
-
-    def _adopt_quotas(self) -> None:
-        """The quotas stored in the disk tier by another process (the front before vLLM, a server on the
-        same directory), for the memory tiers here too: read at most every ``QUOTA_REFRESH_S``, on a
-        tenant's save (one LMDB read)."""
-        now = time.monotonic()
-        if now - self._quotas_read_s < QUOTA_REFRESH_S:
-            return
-        self._quotas_read_s = now
-        disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
-        if disk is None:
-            return
-        try:
-            quotas = disk.stored_quotas()
-        except Exception as exc:  # (an LMDB read error): the quotas wait, the save goes on
-            log.warning("the tenants' quotas could not be read from the disk tier: %s", exc)
-            return
-        for tier in self.tiers:
-            if isinstance(tier, BlockPool):
-                tier.set_quotas(quotas)
-
-    def tenant_usage(self) -> dict[bytes, dict[str, int]]:
-        """Per tenant id: ``disk_nbytes``, ``pinned_nbytes`` (disk) and ``host_nbytes``, where held."""
-        out: dict[bytes, dict[str, int]] = {}
-        for tier in self.tiers:
-            for tid, row in tier.tenant_usage().items():
-                out.setdefault(tid, {}).update(row)
-        return out
 
     def check_retention(self) -> None:
         """ConfigError unless the disk tier can keep blocks by retention and pins (a format-2 store:

@@ -87,9 +87,9 @@ class BlockPool(Tier):
         # Blocks waiting for a slower tier (write-back, see write_behind.py): evicted only when no clean
         # block can make room (then the slower tier loses them, and the write-behind counts it).
         self._dirty: set[BlockKey] = set()
-        # Tenants (of API keys): whose block each slot holds, how many each holds, and their quotas in
-        # slots' bytes. A slot to take goes first to blocks of tenants above their quota.
-        self._tenants = PoolTenants()  # whose block each slot holds, for tenant quotas
+        # Whose block each slot holds, and the tenants' quotas: a slot to take goes first to a block of a
+        # tenant above its quota.
+        self._tenants = PoolTenants()
         self._lock = threading.Lock()
 
     def _allocate(self, slot_nbytes: int) -> None:
@@ -405,21 +405,21 @@ class BlockPool(Tier):
         if self._free:
             return self._free.pop()
         # For a quota: a clean block, none in use (a block waiting for a slower tier is never lost to one)
-        victim = self._tenants.victim(
-            tenant, self.slot_nbytes, lambda k: self._refs[self._lru[k]] == 0 and k not in self._dirty
+        victim = (
+            self._tenants.victim(
+                tenant, self.slot_nbytes, lambda k: self._refs[self._lru[k]] == 0 and k not in self._dirty
+            )
+            if self._tenants.quota_nbytes
+            else None
         )
-        if victim is not None:
-            slot = self._lru.pop(victim)
-            self._forget(victim)
-            self.counters.add(self.name, "evictions")
-            return slot
-        for key, slot in self._lru.items():  # least recently used first, clean before dirty
-            if self._refs[slot] == 0:
-                if key not in self._dirty:
-                    victim = key
-                    break
-                if victim is None:
-                    victim = key
+        if victim is None:
+            for key, slot in self._lru.items():  # least recently used first, clean before dirty
+                if self._refs[slot] == 0:
+                    if key not in self._dirty:
+                        victim = key
+                        break
+                    if victim is None:
+                        victim = key
         if victim is None:
             return None
         slot = self._lru.pop(victim)

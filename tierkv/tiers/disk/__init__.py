@@ -365,9 +365,11 @@ class DiskTier(Tier):
             return dict(self.index.tenants.quotas(txn))
 
     def tenant_usage(self) -> dict[bytes, dict[str, int]]:
-        with self.index.read() as txn:
-            usage = self.index.tenants.usage(txn)
-        return {tid: {"disk_nbytes": u[1], "pinned_nbytes": u[3]} for tid, u in usage.items()}
+        return {
+            tid: {"disk_nbytes": u[1], "pinned_nbytes": u[3]}
+            for tid, (u, _) in self.tenants().items()
+            if u[0]
+        }
 
     def tenants(self) -> dict[bytes, tuple[TenantUsage, Quota | None]]:
         """Per tenant id, its (blocks, nbytes, pinned blocks, pinned nbytes) here and its quotas."""

@@ -190,17 +190,17 @@ class Sweeps:
                 log.warning(
                     "disk tier: the usage of %d tenants had drifted (an older build writing?): fixed", fixed
                 )
+
+        def over_quota(txn: Txn) -> list[Hole]:
+            total = self.index.total_nbytes(txn)
+            return self.index.tenants.evict_over_quota(txn, total, budget, SWEEP_BATCH)[0]
+
         while not dry_run:  # tenants above their quota first (a dry run counts the store-wide order only)
-
-            def over_quota(txn: Txn) -> list[Hole]:
-                total = self.index.total_nbytes(txn)
-                return self.index.tenants.evict_over_quota(txn, total, budget, SWEEP_BATCH)[0]
-
             holes = self.index.write(over_quota)
             self.segments.release(holes)
             n += len(holes)
             freed[0] += sum(aligned(h[2]) for h in holes)
-            if not holes:  # (a batch of mended rows alone goes round again)
+            if not holes:  # none above its quota (or a batch that only mended rows: the next sweep goes on)
                 break
         n += sum(self._sweep(table, stop, dry_run, progress) for table in EVICTION_ORDER)
         self.counters.add("disk", "evictions", n)
