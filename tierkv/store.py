@@ -33,7 +33,7 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.writer import FLUSH_TIMEOUT_S
 from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.pool import BlockPool
-from tierkv.tiers.target import Stagers
+from tierkv.tiers.target import Sink, Stagers
 from tierkv.write_behind import WriteBehind
 
 if TYPE_CHECKING:
@@ -287,13 +287,16 @@ class TieredStore(TenantQuotas):
         self,
         ns: Namespace,
         token_ids: Tokens,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | Sink | None = None,
         *,
         start_block: int = 0,
         memory_only: bool = False,
         plan: bool = True,
     ) -> tuple[Hit, torch.Tensor | None]:
         """Like ``load``, with the ``Hit`` (tokens per tier, restore time).
+
+        ``out`` may be a ``Sink`` (an engine's pages, ``tiers.target``): the blocks are handed to it as they
+        are restored, and no tensor is returned.
 
         ``start_block`` > 0: the caller holds blocks ``0..start_block-1`` already (an engine's own prefix
         cache); they are neither probed nor read, and ``out``'s rows for them are left as they are. The
@@ -307,9 +310,13 @@ class TieredStore(TenantQuotas):
         chain = _chain(ns, token_ids)
         B = ns.block_tokens
         by_tier = dict.fromkeys(self.tier_names, 0)
-        if out is not None:
+        if isinstance(out, torch.Tensor):
             self._check_kv(ns, out, 0)
             chain = chain.prefix(out.shape[2] // B)
+        elif out is not None:
+            if out.spec != KVSpec.of(ns):
+                raise ConfigError(f"the sink holds {out.spec}, not the namespace's {KVSpec.of(ns)}")
+            chain = chain.prefix(out.num_blocks)
         if not 0 <= start_block <= len(chain):
             raise ConfigError(f"start_block {start_block} must be in 0..{len(chain)} (the prompt's blocks)")
         if start_block and out is None:
@@ -334,7 +341,7 @@ class TieredStore(TenantQuotas):
         chain: BlockChain,
         start_block: int,
         usable: int,
-        out: torch.Tensor | None,
+        out: torch.Tensor | Sink | None,
         by_tier: dict[str, int],
         t0: float,
         memory_only: bool = False,
@@ -400,7 +407,8 @@ class TieredStore(TenantQuotas):
             if tokens:
                 self.counters.add(name, "hit_blocks", tokens // B)
                 self.counters.add(name, "hit_tokens", tokens)
-        return Hit(n * B, by_tier, n, time.perf_counter() - t0), (dest[:, :, : n * B] if n else None)
+        kv = dest[:, :, : n * B] if isinstance(dest, torch.Tensor) and n else None
+        return Hit(n * B, by_tier, n, time.perf_counter() - t0), kv
 
     def prefetch(self, ns: Namespace, token_ids: Tokens, *, chunk_nbytes: int = 64 << 20) -> tuple[Hit, Hit]:
         """Bring the prompt's longest cached prefix into the CPU memory tier from the slower ones, computing

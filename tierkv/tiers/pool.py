@@ -531,17 +531,31 @@ class BlockPool(Tier):
         views = target.hold(self.read(keys))
         n = next((j for j, v in enumerate(views) if v is None), len(views))
         dest, spec = target.dest, target.spec
-        if n and dest.device.type == "cuda" and self.device.type == "cpu":
+        if (
+            n
+            and target.sink is not None
+            and self.device.type == "cpu"
+            and spec.block_nbytes == self.slot_nbytes
+        ):
+            target.sink.put_slots(views[:n], range(first, first + n))
+        elif n and target.sink is not None:  # a GPU pool: through a canonical copy of each block
+            target.sink.put_rows(
+                torch.cat([views[j].view(spec.dtype).view(spec.block_shape).cpu() for j in range(n)], dim=2),
+                range(n),
+                range(first, first + n),
+            )
+        elif n and dest is not None and dest.device.type == "cuda" and self.device.type == "cpu":
             upload_run(dest, views[:n], first, spec)
         elif (
             n
             and self.device.type == "cpu"
             and spec.block_nbytes == self.slot_nbytes  # the native copy reads a whole slot per block
+            and dest is not None
             and rows_scatterable(dest)
             and native.enabled()
         ):
             copy_run(dest, views[:n], first, spec)
-        else:  # the reference, and any other device or layout
+        elif n:  # the reference, and any other device or layout
             for j in range(n):
                 target.block(first + j).copy_(
                     views[j].view(spec.dtype).view(spec.block_shape), non_blocking=True

@@ -4,6 +4,10 @@ A destination is ``[layers, 2, tokens, kv_heads, head_dim]`` on any device. Reco
 fill CPU memory whose every (layer, k/v) slab is contiguous: a CPU destination is filled in place
 (records scattered straight into it); any other goes through two chunk buffers (pinned for a GPU):
 records are read into one while the other is uploaded. Memory pools copy slots straight in.
+
+A destination may also be a ``Sink``, an engine's own memory that is no KV tensor (vLLM's pages): record
+tiers then fill a small chunk buffer that the sink copies out of while it is still in cache, and memory
+pools hand it their slots, so restored KV is copied once into place.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -26,6 +30,8 @@ log = logging.getLogger("tierkv.store")
 
 __all__ = [
     "RESTORE_CHUNK_NBYTES",
+    "SINK_CHUNK_NBYTES",
+    "Sink",
     "Stagers",
     "Target",
     "as_tensor",
@@ -37,10 +43,31 @@ __all__ = [
 # Record-tier blocks restored into a GPU are read and uploaded in chunks of this many bytes: the upload of
 # one chunk overlaps the read of the next.
 RESTORE_CHUNK_NBYTES = 32 << 20
+# Record-tier blocks restored into a CPU sink: small enough that the sink's copy reads what the read just
+# wrote while it is still in the last-level cache.
+SINK_CHUNK_NBYTES = 8 << 20
 
 # fill(buffer, first, count, base): put blocks first..first+count-1 into ``buffer`` (block i at block
 # position i - base, every slab contiguous) and verify them; returns how many leading blocks are exact.
 Fill = Callable[[torch.Tensor, int, int, int], int]
+
+
+class Sink(Protocol):
+    """A restore's destination that is not one KV tensor: blocks ``0..num_blocks-1`` of the prompt, each
+    handed over as soon as it is restored (``Target.fill``, ``BlockPool.read_into``)."""
+
+    spec: KVSpec
+    num_blocks: int
+
+    def put_rows(self, kv: torch.Tensor, positions: Sequence[int], blocks: Sequence[int]) -> None:
+        """Blocks ``blocks`` from block ``positions`` of ``kv`` (CPU, every (layer, k/v) slab contiguous)."""
+
+    def put_slots(self, slots: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
+        """Blocks ``blocks`` from canonical blocks (``[layers, 2, block_tokens, kv_heads, head_dim]``,
+        contiguous CPU memory: a memory tier's slots)."""
+
+    def block(self, i: int) -> torch.Tensor:
+        """A copy of block ``i`` as restored (canonical, on CPU): for the tiers written back after it."""
 
 
 def as_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -75,10 +102,11 @@ class _Stager:
     """Two chunk buffers (pinned for a GPU, allocated once): records are read into one while the other is
     uploaded to the destination, asynchronously on a GPU. Each holds ``blocks`` blocks."""
 
-    def __init__(self, spec: KVSpec, pin: bool) -> None:
+    def __init__(self, spec: KVSpec, pin: bool, chunk_nbytes: int = RESTORE_CHUNK_NBYTES) -> None:
         self.spec = spec
         self.pin = pin
-        self.blocks = max(1, RESTORE_CHUNK_NBYTES // spec.block_nbytes)
+        self.chunk_nbytes = chunk_nbytes
+        self.blocks = max(1, chunk_nbytes // spec.block_nbytes)
         t0 = time.perf_counter()
         self.buffers = [
             torch.empty(spec.shape(self.blocks * spec.block_tokens), dtype=spec.dtype, pin_memory=pin)
@@ -125,7 +153,7 @@ class Stagers:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def target(self, dest: torch.Tensor, spec: KVSpec) -> Iterator[Target]:
+    def target(self, dest: torch.Tensor | Sink, spec: KVSpec) -> Iterator[Target]:
         """A ``Target`` over ``dest`` for one restore; on exit every queued copy into ``dest`` is done and
         the memory the tiers held for it (slots being copied from) is let go."""
         with contextlib.ExitStack() as held:
@@ -134,18 +162,19 @@ class Stagers:
                 yield target
             finally:
                 try:
-                    wait_for_copies(dest)  # before the slots and the chunk buffers are let go
+                    if isinstance(dest, torch.Tensor):  # a sink's copies are done when its calls return
+                        wait_for_copies(dest)  # before the slots and the chunk buffers are let go
                 finally:  # a device error in the wait must not block every later chunked restore
                     if target.locked:
                         self._lock.release()
 
-    def _acquire(self, spec: KVSpec, pin: bool) -> _Stager:
+    def _acquire(self, spec: KVSpec, pin: bool, chunk_nbytes: int = RESTORE_CHUNK_NBYTES) -> _Stager:
         self._lock.acquire()
         try:
             stager = self._stager
-            if stager is None or stager.spec != spec or stager.pin != pin:
+            if stager is None or (stager.spec, stager.pin, stager.chunk_nbytes) != (spec, pin, chunk_nbytes):
                 self._stager = None  # the old pair is let go before the new one is allocated
-                stager = self._stager = _Stager(spec, pin)
+                stager = self._stager = _Stager(spec, pin, chunk_nbytes)
         except BaseException:  # memory short: this restore fails, the next one may try again
             self._lock.release()
             raise
@@ -157,12 +186,13 @@ class Target:
 
     def __init__(
         self,
-        dest: torch.Tensor,
+        dest: torch.Tensor | Sink,
         spec: KVSpec,
         held: contextlib.ExitStack,
-        acquire: Callable[[KVSpec, bool], _Stager],
+        acquire: Callable[[KVSpec, bool, int], _Stager],
     ) -> None:
-        self.dest = dest
+        self.sink: Sink | None = None if isinstance(dest, torch.Tensor) else dest
+        self.dest: torch.Tensor | None = dest if isinstance(dest, torch.Tensor) else None
         self.spec = spec
         self.created_s: dict[int, float] = {}  # block index -> creation time, where the source knows it
         self._held = held
@@ -190,6 +220,10 @@ class Target:
                 self.on_verified(i, buf[:, :, (i - base) * B : (i - base + 1) * B])
 
     def block(self, i: int) -> torch.Tensor:
+        """Block ``i`` as restored: a view of the destination tensor, or a sink's copy."""
+        if self.sink is not None:
+            return self.sink.block(i)
+        assert self.dest is not None
         B = self.spec.block_tokens
         return self.dest[:, :, i * B : (i + 1) * B]
 
@@ -204,10 +238,14 @@ class Target:
         Returns how many leading blocks ``fill`` verified (blocks past them are unspecified in ``dest``)."""
         if count <= 0:
             return 0
-        if rows_scatterable(self.dest):
+        if self.dest is not None and rows_scatterable(self.dest):
             return fill(self.dest, first, count, 0)
         if self._stager is None:
-            self._stager = self._acquire(self.spec, self.dest.device.type == "cuda")
+            if self.sink is not None:
+                self._stager = self._acquire(self.spec, False, SINK_CHUNK_NBYTES)
+            else:
+                assert self.dest is not None
+                self._stager = self._acquire(self.spec, self.dest.device.type == "cuda", RESTORE_CHUNK_NBYTES)
             self.locked = True
         stager = self._stager
         done = 0
@@ -215,7 +253,11 @@ class Target:
             n = min(stager.blocks, count - done)
             k = stager.acquire()
             got = fill(stager.buffers[k], first + done, n, first + done)
-            stager.upload(k, self.dest, first + done, got)
+            if self.sink is not None:
+                self.sink.put_rows(stager.buffers[k], range(got), range(first + done, first + done + got))
+            else:
+                assert self.dest is not None
+                stager.upload(k, self.dest, first + done, got)
             done += got
             if got < n:
                 break

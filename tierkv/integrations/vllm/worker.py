@@ -32,6 +32,7 @@ from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorke
 from tierkv.integrations.vllm.metrics import StoreDeltas, TierKVStats
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
+from tierkv.integrations.vllm.paged import PagedCaches, PagedSink
 from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
 
@@ -62,6 +63,7 @@ class WorkerSide:
         self.options = options
         self.store: Any = None
         self.layout: PagedLayout | None = None
+        self.paged: PagedCaches | None = None  # native copies into and out of the pages, where usable
         self.caches: list[torch.Tensor] = []
         self.epoch = ""
         self.ranks = RankGroup()
@@ -72,6 +74,8 @@ class WorkerSide:
         self._save_buffer: torch.Tensor | None = None
         self._load_buffer: torch.Tensor | None = None
         self._moved = False  # blocks loaded or saved since the last metrics payload
+        # tier -> [KV bytes read into vLLM's pages, seconds], of the loads served by that tier alone
+        self.load_rates: dict[str, list[float]] = {}
         self.stats = {
             "load_blocks": 0,
             "load_failed_blocks": 0,
@@ -135,6 +139,8 @@ class WorkerSide:
                 device=self.caches[0].device,
                 like=self.caches[0],
             )
+            paged = PagedCaches(self.layout, self.caches)
+            self.paged = paged if paged.usable else None
             # The memory tiers now, while vLLM starts (their pages are populated behind), not on the
             # first request's save or load.
             try:
@@ -142,11 +148,14 @@ class WorkerSide:
             except (RuntimeError, MemoryError) as exc:  # then on first use, as before
                 log.warning("tierkv: could not reserve the memory tiers now: %s", exc)
             log.info(
-                "tierkv connector (worker): %d layers, %s, layout learned from %s in %.3f s",
+                "tierkv connector (worker): %d layers, %s, layout learned from %s in %.3f s; %s",
                 len(names),
                 self.ns.revision.rsplit("+", 2)[-2],
                 type(impl).__name__,
                 time.perf_counter() - t0,
+                "restores and saves copy natively into and out of the pages"
+                if self.paged is not None
+                else "restores go through a buffer (no native paged copy here)",
             )
         except (UnsupportedLayout, KeyError, AttributeError, TypeError, RuntimeError) as exc:
             self.off = f"{type(exc).__name__}: {exc}"
@@ -203,7 +212,9 @@ class WorkerSide:
         t0 = time.perf_counter()
         B = self.ns.block_tokens
         chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
-        out = self._buffer("load", self.spec.shape(span.end * B), grow_dim=2)
+        sink = PagedSink(self.paged, self.spec, span.first, ids) if self.paged is not None else None
+        # Into the pages as restored (one copy), else into a buffer scattered below.
+        out = sink if sink is not None else self._buffer("load", self.spec.shape(span.end * B), grow_dim=2)
         try:
             hit, kv = self.store.restore(chain.ns, chain.prefix(span.end), out=out, start_block=span.first)
         except Exception:  # the store failed (not a bad block: those end the prefix quietly)
@@ -212,7 +223,7 @@ class WorkerSide:
         got = max(0, min(hit.num_blocks if hit is not None else 0, span.end) - span.first)
         if hit is not None:
             self.stats["read_blocks"] += sum(hit.by_tier.values()) // B
-        if got and kv is not None:
+        if got and kv is not None and sink is None:
             try:
                 self.layout.scatter(
                     kv, self.caches, torch.tensor(ids[:got], dtype=torch.long), span.first * B
@@ -230,14 +241,32 @@ class WorkerSide:
                 log.exception("tierkv: extending the retention of %s failed", span.req_id)
         if got and span.check:
             try:
+                if kv is None:  # restored into the pages: the copy comes back out of them
+                    kv = self._restored_rows(span, got)
                 self._keep_for_check(span, kv, got)
             except Exception:  # an optional check must never fail the step (a copy that cannot be made)
                 log.exception("tierkv self-check: keeping a copy of %s's restored blocks failed", span.req_id)
         if got < len(ids):
             self._fail(span, got)
         self.stats["load_blocks"] += got
-        self.stats["load_s"] += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats["load_s"] += elapsed
+        used = [tier for tier, tokens in (hit.by_tier.items() if hit is not None else ()) if tokens]
+        if got and len(used) == 1:  # the load's rate, by the one tier it read (mixed loads are not rated)
+            rate = self.load_rates.setdefault(used[0], [0, 0.0])
+            rate[0] += hit.by_tier[used[0]] // B * self.spec.block_nbytes
+            rate[1] += elapsed
         self._moved = True
+
+    def _restored_rows(self, span: BlockSpan, got: int) -> torch.Tensor:
+        """The ``got`` blocks a load put into the pages, token-major as ``restore`` fills a buffer (rows of
+        the blocks before ``span.first`` left empty)."""
+        assert self.layout is not None
+        B = self.ns.block_tokens
+        blocks = self.layout.gather(self.caches, torch.tensor(span.block_ids[:got], dtype=torch.long))
+        kv = torch.empty(self.spec.shape((span.first + got) * B), dtype=self.spec.dtype)
+        kv[:, :, span.first * B :] = blocks.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)
+        return kv
 
     def _retain(self, chain: BlockChain, span: BlockSpan) -> None:
         """The retention (and pins) the span's request asked for, on its blocks up to the span's end."""
@@ -363,7 +392,10 @@ class WorkerSide:
         assert self.layout is not None
         try:  # the gather too (a buffer that cannot be allocated): a failed save is never a failed step
             blocks = self._buffer("save", (n, *self.spec.block_shape), grow_dim=0)
-            self.layout.gather(self.caches, torch.tensor(span.block_ids, dtype=torch.long), out=blocks)
+            if self.paged is not None:
+                self.paged.gather(span.block_ids, out=blocks)
+            else:
+                self.layout.gather(self.caches, torch.tensor(span.block_ids, dtype=torch.long), out=blocks)
             chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
             memory_only = span.control is not None and span.control.memory_only
             self.store.save_blocks(chain.ns, chain, blocks, start_block=span.first, memory_only=memory_only)
@@ -405,4 +437,13 @@ class WorkerSide:
                 self.stats["check_blocks"],
                 self.stats["check_mismatch_blocks"],
             )
+            for tier, (nbytes, seconds) in sorted(self.load_rates.items()):
+                log.info(
+                    "tierkv connector (worker): loads from %s alone: %.1f MiB into vLLM's pages in %.3f s "
+                    "(%.2f GB/s, lookup and verification included)",
+                    tier,
+                    nbytes / 2**20,
+                    seconds,
+                    nbytes / seconds / 1e9 if seconds else 0.0,
+                )
             release_store(store)
