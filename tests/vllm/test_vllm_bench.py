@@ -1,5 +1,6 @@
-"""``tierkv bench --engine vllm`` runs for real: five vLLM servers (cold, tierkv saving and loading after a
-restart, ExampleConnector saving and loading), one short prompt length, one prompt each."""
+"""``tierkv bench --engine vllm`` runs for real: six vLLM servers (cold, tierkv saving and loading after a
+restart, once more loading through a buffer, ExampleConnector saving and loading), one short prompt
+length, one prompt each; and the load itself, timed in each connector."""
 
 from __future__ import annotations
 
@@ -30,3 +31,14 @@ def test_the_vllm_benchmark_measures_every_column(tmp_path: Path, model_dir: Pat
     assert row["example_disk_cold"]["cached"] == row["example_warm"]["cached"] == 256
     assert "Example disk / tierkv disk" in (folder / "README.md").read_text()
     assert "tierkv connector (worker): loaded" in (folder / "vllm-tierkv-load.log").read_text()
+    assert "copy natively into and out of the pages" in (folder / "vllm-tierkv-load.log").read_text()
+    assert "through a buffer" in (folder / "vllm-tierkv-load-buffer.log").read_text()
+    # the load itself: 256 tokens of 4 layers x K, V x 2 KV heads x 64 dims in float32 into the pages
+    kv_nbytes = 256 * 4 * 2 * 2 * 64 * 4
+    for column in ("tierkv_disk_cold", "tierkv_host", "tierkv_disk_cold_buffer", "tierkv_host_buffer"):
+        assert row[column]["cached"] == 256 and row[column]["load_s"] > 0, column
+        assert abs(row[column]["load_gbps"] * 1e9 * row[column]["load_s"] - kv_nbytes) < 1e-3 * kv_nbytes
+    for column in ("example_disk_cold", "example_warm"):  # timed around ExampleConnector's start_load_kv
+        assert row[column]["load_s"] > 0, column
+    assert res["limits"]["memcpy_gbps"] > 0 and res["limits"]["disk_read_gbps"] > 0
+    assert "tierkv host / memcpy" in (folder / "README.md").read_text()

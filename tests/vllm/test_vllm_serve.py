@@ -127,6 +127,8 @@ def _check_metrics(port: int) -> None:
     assert total("tierkv_prompt_tokens_total") == 2 * 700
     assert total("tierkv_tier_hit_tokens_total") == 640
     assert total("tierkv_connector_loaded_blocks_total") == 5
+    # 5 blocks of 128 tokens, each token 4 layers x K, V x 2 KV heads x 64 dims in float32
+    assert total("tierkv_connector_loaded_bytes_total") == 5 * 128 * 4 * 2 * 2 * 64 * 4
     assert total("tierkv_connector_saved_blocks_total") >= 5
     assert total("tierkv_tier_written_bytes_total", tier="disk") > 0
     assert total("tierkv_tier_used_bytes", tier="host") > 0

@@ -52,6 +52,12 @@ COLUMNS = {
     "example_warm": "ExampleConnector (warm page cache)",
 }
 COLD_COLUMNS = ("cold", "tierkv_saving", "example_saving")  # each prompt computed
+# The loads again through a buffer and torch's copies (TIERKV_PAGED_COPY=0: the connector's path before
+# its native copy into the pages), for the load table's before and after in one run.
+BUFFER_COLUMNS = {
+    "tierkv_disk_cold_buffer": "tierkv disk, through a buffer",
+    "tierkv_host_buffer": "tierkv host, through a buffer",
+}
 HEALTH_TIMEOUT_S = 900.0
 
 
@@ -155,6 +161,7 @@ def run(
     model_dir, served = _model({"model": model})
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = int(model_config["vocab_size"])
+    token_nbytes = _token_nbytes(model_config, 4 if not _cuda() else 2)
     context = int(model_config.get("max_position_embeddings", 4096))
     if max(lengths) >= context:
         raise ConfigError(f"--lengths: {max(lengths)} tokens do not fit the model's context ({context})")
@@ -178,7 +185,8 @@ def run(
 
     def server(name: str, cmd: list[str]) -> VllmServer:
         t0 = time.perf_counter()
-        s = VllmServer(cmd, env, (log_dir or base) / f"vllm-{name}.log")
+        own = dict(env, TIERKV_PAGED_COPY="0") if name.endswith("-buffer") else env
+        s = VllmServer(cmd, own, (log_dir or base) / f"vllm-{name}.log")
         startup_s[name] = time.perf_counter() - t0
         # vLLM's first request pays one-time costs (6.5 s here); a prompt of its own, saved by nobody
         s.complete(served, _prompt(f"warmup-{name}", 256, 0, vocab))
@@ -191,14 +199,20 @@ def run(
         vllm_args,
         python,
     )
-    example_cfg = {
-        "kv_connector": "ExampleConnector",
+    example_cfg = {  # ExampleConnector with its load timed (``timed_example``)
+        "kv_connector": "TimedExampleConnector",
+        "kv_connector_module_path": "tierkv.bench.timed_example",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(example_store)},
     }
+    example_loads = base / "example-loads.jsonl"
+    example_loads.unlink(missing_ok=True)
+    env["TIERKV_BENCH_LOAD_LOG"] = str(example_loads)
     with_example = [*plain, "--kv-transfer-config", json.dumps(example_cfg)]
     startup_s: dict[str, float] = {}
-    calls: dict[str, dict[int, list[dict[str, Any]]]] = {c: {n: [] for n in lengths} for c in COLUMNS}
+    calls: dict[str, dict[int, list[dict[str, Any]]]] = {
+        c: {n: [] for n in lengths} for c in (*COLUMNS, *BUFFER_COLUMNS)
+    }
     saved = {n: [_prompt("saved", n, i, vocab) for i in range(runs)] for n in lengths}
 
     def each(column: str, s: VllmServer, prompts: dict[int, list[list[int]]]) -> None:
@@ -207,12 +221,26 @@ def run(
                 calls[column][n].append(s.complete(served, p))
             progress(f"{column} {n}: {statistics.median(c['ttft_s'] for c in calls[column][n]):.3f} s")
 
+    def timed(s: VllmServer, p: list[int]) -> dict[str, Any]:
+        """A request with its load: the seconds and KV bytes the connector's load took (tierkv's counters on
+        /metrics; ExampleConnector's log, whose bytes are its tokens' KV)."""
+        before, lines = _load_counters(s.url), _lines(example_loads)
+        call = s.complete(served, p)
+        after, logged = _load_counters(s.url), _lines(example_loads)[len(lines) :]
+        if after:
+            call["load_s"] = after["load_s"] - before.get("load_s", 0.0)
+            call["load_nbytes"] = after["load_nbytes"] - before.get("load_nbytes", 0.0)
+        elif logged:
+            call["load_s"] = sum(e["s"] for e in logged)
+            call["load_nbytes"] = sum(e["tokens"] for e in logged) * token_nbytes
+        return call
+
     def loads(disk: str, warm: str) -> Callable[[VllmServer], None]:
         def run_loads(s: VllmServer) -> None:
             for n in lengths:  # first from disk (cold page cache), then the same prompt again
                 for p in saved[n]:
-                    calls[disk][n].append(s.complete(served, p))
-                    calls[warm][n].append(s.complete(served, p))
+                    calls[disk][n].append(timed(s, p))
+                    calls[warm][n].append(timed(s, p))
             progress(f"{disk}, {warm} done")
 
         return run_loads
@@ -222,6 +250,12 @@ def run(
         ("cold", plain, None, lambda s: each("cold", s, cold)),
         ("tierkv-save", with_tierkv, None, lambda s: each("tierkv_saving", s, saved)),
         ("tierkv-load", with_tierkv, tierkv_cache, loads("tierkv_disk_cold", "tierkv_host")),
+        (
+            "tierkv-load-buffer",
+            with_tierkv,
+            tierkv_cache,
+            loads("tierkv_disk_cold_buffer", "tierkv_host_buffer"),
+        ),
         ("example-save", with_example, None, lambda s: each("example_saving", s, saved)),
         ("example-load", with_example, example_store, loads("example_disk_cold", "example_warm")),
     ]
@@ -240,10 +274,11 @@ def run(
             errors[name] = f"{type(exc).__name__}: {exc}"[:500]
             progress(f"{name} failed: {errors[name]} (log: vllm-{name}.log)")
 
+    limits = _limits(base, max(lengths) * token_nbytes, progress)
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"tokens": n}
-        for column in COLUMNS:
+        for column in (*COLUMNS, *BUFFER_COLUMNS):
             cs = calls[column][n]
             if len(cs) < runs:  # its engine failed
                 continue
@@ -252,9 +287,15 @@ def run(
                 "all_s": [c["ttft_s"] for c in cs],
                 "cached": min(c["cached"] for c in cs),
             }
+            timed_calls = [c for c in cs if c.get("load_s")]
+            if len(timed_calls) == len(cs):  # the load itself: seconds and KV bytes per second into the pages
+                row[column]["load_s"] = statistics.median(c["load_s"] for c in cs)
+                row[column]["load_all_s"] = [c["load_s"] for c in cs]
+                row[column]["load_gbps"] = statistics.median(c["load_nbytes"] / c["load_s"] / 1e9 for c in cs)
         # the saved prompts' first token: computed, loaded by tierkv from disk and host, by ExampleConnector
         row["same_first_token"] = all(
-            len({calls[c][n][i]["text"] for c in COLUMNS if c != "cold" and c in row}) == 1
+            len({calls[c][n][i]["text"] for c in (*COLUMNS, *BUFFER_COLUMNS) if c != "cold" and c in row})
+            == 1
             for i in range(runs)
         )
         rows.append(row)
@@ -271,9 +312,77 @@ def run(
             "kv_space_gib": kv_space_gib,
         },
         "startup_s": startup_s,
+        "limits": limits,
         "errors": errors,
         "rows": rows,
     }
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _token_nbytes(model_config: dict[str, Any], itemsize: int) -> int:
+    """One token's KV in bytes (every layer's K and V)."""
+    heads = int(model_config["num_attention_heads"])
+    kv_heads = int(model_config.get("num_key_value_heads", heads))
+    head_dim = int(model_config.get("head_dim") or model_config["hidden_size"] // heads)
+    return int(model_config["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize
+
+
+def _load_counters(url: str) -> dict[str, float]:
+    """tierkv's connector load counters on vLLM's /metrics (empty without tierkv)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    names = {"tierkv_connector_load_seconds": "load_s", "tierkv_connector_loaded_bytes": "load_nbytes"}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        key = names.get(name.split("{")[0].removesuffix("_total"))
+        if key and not line.startswith("#"):
+            out[key] = out.get(key, 0.0) + float(value.split()[-1] if " " in value else value)
+    return out
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _limits(base: Path, nbytes: int, progress: Callable[[str], None]) -> dict[str, float]:
+    """In the same run as the loads: memcpy (torch ``copy_`` of the largest prompt's KV into a preallocated
+    tensor, median of 5) and the disk's best raw sequential read over a file of at least 256 MiB."""
+    import torch
+
+    from tierkv.bench.disk_limits import sequential_read_limit
+
+    n = max(nbytes, 64 << 20)
+    src, dst = torch.ones(n // 4, dtype=torch.float32), torch.empty(n // 4, dtype=torch.float32)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    memcpy = n / statistics.median(times) / 1e9
+    path = base / "disk-limit.bin"
+    size = max(n, 256 << 20)
+    with open(path, "wb") as f:
+        chunk = os.urandom(8 << 20)
+        for _ in range(size // len(chunk)):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        disk = sequential_read_limit(path, size, 3) / 1e9
+    finally:
+        path.unlink(missing_ok=True)
+    progress(f"limits: memcpy {memcpy:.2f} GB/s, disk sequential read {disk:.2f} GB/s")
+    return {"memcpy_gbps": memcpy, "disk_read_gbps": disk}
 
 
 def _cell(column: dict[str, Any] | None, *, with_cached: bool) -> str:
@@ -312,4 +421,68 @@ def markdown(res: dict[str, Any]) -> str:
         "vLLM start-up: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["startup_s"].items()) + ".",
         *(f"- {name} failed: {err}" for name, err in res.get("errors", {}).items()),
     ]
-    return "\n".join(head + md_table(header, "r" * len(header), table) + note)
+    return "\n".join(head + md_table(header, "r" * len(header), table) + note + _load_table(res))
+
+
+LOAD_COLUMNS = (
+    "tierkv_disk_cold",
+    "tierkv_host",
+    "tierkv_disk_cold_buffer",
+    "tierkv_host_buffer",
+    "example_disk_cold",
+    "example_warm",
+)
+
+
+def _load_table(res: dict[str, Any]) -> list[str]:
+    """The load itself: its median seconds and KV bytes per second into vLLM's pages, against memcpy and
+    the disk's read limit measured in the same run, and tierkv's load time against ExampleConnector's."""
+    limits = res.get("limits")
+    rows = [r for r in res["rows"] if any("load_s" in r.get(c, {}) for c in LOAD_COLUMNS)]
+    if not limits or not rows:
+        return []
+    memcpy, disk = limits["memcpy_gbps"], limits["disk_read_gbps"]
+
+    def cell(c: dict[str, Any] | None) -> str:
+        if c is None or "load_s" not in c:
+            return "-"
+        return f"{c['load_s'] * 1e3:.0f} ms, {c['load_gbps']:.2f} GB/s"
+
+    def ratio(a: float | None, b: float | None, fmt: str = "{:.2f}") -> str:
+        return fmt.format(a / b) if a and b else "-"
+
+    table = []
+    for r in rows:
+        get = {c: r.get(c, {}) for c in LOAD_COLUMNS}
+        table.append(
+            [
+                r["tokens"],
+                *(cell(r.get(c)) for c in LOAD_COLUMNS),
+                ratio(get["tierkv_host"].get("load_gbps"), memcpy),
+                ratio(get["tierkv_disk_cold"].get("load_gbps"), disk),
+                ratio(get["tierkv_disk_cold"].get("load_s"), get["example_disk_cold"].get("load_s")),
+                ratio(get["tierkv_host"].get("load_s"), get["example_warm"].get("load_s")),
+            ]
+        )
+    header = [
+        "tokens",
+        "tierkv disk load",
+        "tierkv host load",
+        "tierkv disk, via buffer",
+        "tierkv host, via buffer",
+        "Example cold load",
+        "Example warm load",
+        "tierkv host / memcpy",
+        "tierkv disk / disk limit",
+        "load time tierkv / Example, cold",
+        "warm",
+    ]
+    return [
+        "",
+        "",
+        "The load itself, medians (tierkv: its connector's load time and bytes on /metrics, lookup and "
+        "verification included; ExampleConnector: timed around its `start_load_kv`). In the same run: "
+        f"memcpy {memcpy:.2f} GB/s (torch `copy_`), the disk's best raw sequential read {disk:.2f} GB/s.",
+        "",
+        *md_table(header, "r" * len(header), table),
+    ]

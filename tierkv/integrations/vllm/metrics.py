@@ -49,6 +49,12 @@ WORKER_COUNTERS = {
         "",
         "Blocks not saved: computed from a block whose load failed on some rank",
     ),
+    "load_nbytes": (
+        "tierkv_connector_loaded_bytes",
+        None,
+        "",
+        "KV bytes loaded into vLLM's pages (every rank)",
+    ),
     "load_s": (
         "tierkv_connector_load_seconds",
         None,

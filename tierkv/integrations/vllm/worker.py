@@ -21,6 +21,7 @@ restore is one read of contiguous records per run of blocks.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -81,6 +82,7 @@ class WorkerSide:
             "load_failed_blocks": 0,
             "read_blocks": 0,  # blocks the store read (not those vLLM held already)
             "load_s": 0.0,
+            "load_nbytes": 0,  # KV bytes put into vLLM's pages
             "save_blocks": 0,
             "save_s": 0.0,
             "unsound_save_blocks": 0,  # not saved: computed from a block whose load failed on some rank
@@ -140,7 +142,8 @@ class WorkerSide:
                 like=self.caches[0],
             )
             paged = PagedCaches(self.layout, self.caches)
-            self.paged = paged if paged.usable else None
+            # TIERKV_PAGED_COPY=0: the buffer and torch copies instead (to compare the two)
+            self.paged = paged if paged.usable and os.environ.get("TIERKV_PAGED_COPY", "1") != "0" else None
             # The memory tiers now, while vLLM starts (their pages are populated behind), not on the
             # first request's save or load.
             try:
@@ -249,6 +252,7 @@ class WorkerSide:
         if got < len(ids):
             self._fail(span, got)
         self.stats["load_blocks"] += got
+        self.stats["load_nbytes"] += got * self.spec.block_nbytes
         elapsed = time.perf_counter() - t0
         self.stats["load_s"] += elapsed
         used = [tier for tier, tokens in (hit.by_tier.items() if hit is not None else ()) if tokens]
