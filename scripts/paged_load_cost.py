@@ -106,11 +106,13 @@ def main() -> None:
         for _ in range(args.runs):
             for name, fn in (("sink", via_sink), ("buffer", via_buffer)):
                 with TieredStore.open(d, host_bytes=2 * nbytes) as store:
+                    store.reserve(ns, restores_into_cpu=name == "sink")  # as the connector does
                     drop_page_cache(files)
                     times.setdefault(f"disk cold, {name}", []).append(fn(store))
                     # the first restore promoted every block into the host tier
                     times.setdefault(f"host, {name}", []).append(fn(store))
                 with TieredStore.open(d, host_bytes=0) as store:  # the page cache holds the records now
+                    store.reserve(ns, restores_into_cpu=name == "sink")
                     times.setdefault(f"disk warm, {name}", []).append(fn(store))
                 assert all(torch.equal(a, b) for a, b in zip(ref, caches)), name
                 for c in caches:

@@ -94,7 +94,7 @@ class TieredStore(TenantQuotas):
             staging_nbytes=staging_nbytes,
             staging_wait_s=staging_wait_s,
         )
-        self._stagers = Stagers()  # chunk buffers of restores into a GPU
+        self._stagers = Stagers()  # chunk buffers of restores into a GPU or a sink
         self.planner = RestorePlanner()  # restore or recompute, from measured read and prefill speeds
         self._lost_at_flush = 0  # blocks the record tiers had lost at the last flush
         self._quotas_read_s = -QUOTA_REFRESH_S  # when the disk tier's stored quotas were last adopted
@@ -487,11 +487,15 @@ class TieredStore(TenantQuotas):
         out["live"] = self.stats()
         return out
 
-    def reserve(self, ns: Namespace) -> None:
-        """Allocate (and pre-fault) the memory tiers for ``ns``'s blocks now, not on the first request."""
+    def reserve(self, ns: Namespace, *, restores_into_cpu: bool = False) -> None:
+        """Allocate (and pre-fault) the memory tiers for ``ns``'s blocks now, not on the first request;
+        ``restores_into_cpu``: also the chunk buffers of restores from a record tier into anything but a
+        CPU tensor with contiguous slabs (an engine's CPU pages, through a ``Sink``)."""
         for tier in self.tiers:
             if isinstance(tier, BlockPool):
                 tier.reserve(KVSpec.of(ns).block_nbytes)
+        if restores_into_cpu and any(not t.memory for t in self.tiers):
+            self._stagers.reserve(KVSpec.of(ns))
 
     def describe(self) -> list[str]:
         """One phrase per tier, fastest first, for a start-up log line."""
@@ -533,6 +537,7 @@ class TieredStore(TenantQuotas):
 
     def close(self) -> None:
         self.writes.close()
+        self._stagers.close()
         for tier in reversed(self.tiers):
             tier.close()
 

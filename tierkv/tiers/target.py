@@ -6,12 +6,13 @@ fill CPU memory whose every (layer, k/v) slab is contiguous: a CPU destination i
 records are read into one while the other is uploaded. Memory pools copy slots straight in.
 
 A destination may also be a ``Sink``, an engine's own memory that is no KV tensor (vLLM's pages): record
-tiers then fill a small chunk buffer that the sink copies out of while it is still in cache, and memory
-pools hand it their slots, so restored KV is copied once into place.
+tiers then fill the chunk buffers, the sink copying one into place (on a thread: its copy releases the
+GIL) while the next is read, and memory pools hand it their slots, so restored KV is copied once.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -30,7 +31,6 @@ log = logging.getLogger("tierkv.store")
 
 __all__ = [
     "RESTORE_CHUNK_NBYTES",
-    "SINK_CHUNK_NBYTES",
     "Sink",
     "Stagers",
     "Target",
@@ -43,9 +43,6 @@ __all__ = [
 # Record-tier blocks restored into a GPU are read and uploaded in chunks of this many bytes: the upload of
 # one chunk overlaps the read of the next.
 RESTORE_CHUNK_NBYTES = 32 << 20
-# Record-tier blocks restored into a CPU sink: small enough that the sink's copy reads what the read just
-# wrote while it is still in the last-level cache.
-SINK_CHUNK_NBYTES = 8 << 20
 
 # fill(buffer, first, count, base): put blocks first..first+count-1 into ``buffer`` (block i at block
 # position i - base, every slab contiguous) and verify them; returns how many leading blocks are exact.
@@ -112,6 +109,9 @@ class _Stager:
             torch.empty(spec.shape(self.blocks * spec.block_tokens), dtype=spec.dtype, pin_memory=pin)
             for _ in range(2)
         ]
+        if not pin:  # faulted in now (pinned memory is): not a page fault per 4 KiB in the first restore
+            for buf in self.buffers:
+                buf.view(torch.uint8).fill_(0)
         log.info(
             "restore staging: 2 x %d blocks (%.1f MiB%s) in %.2f s",
             self.blocks,
@@ -151,13 +151,31 @@ class Stagers:
     def __init__(self) -> None:
         self._stager: _Stager | None = None
         self._lock = threading.Lock()
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # a sink's copies, made on need
+
+    def copier(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One thread for sinks' copies out of the chunk buffers (used under the stager's lock)."""
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-sink")
+        return self._copier
+
+    def reserve(self, spec: KVSpec) -> None:
+        """The CPU chunk buffers for ``spec`` now (faulted in), not on the first restore that needs them."""
+        self._acquire(spec, False, RESTORE_CHUNK_NBYTES)
+        self._lock.release()
+        self.copier()
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
 
     @contextlib.contextmanager
     def target(self, dest: torch.Tensor | Sink, spec: KVSpec) -> Iterator[Target]:
         """A ``Target`` over ``dest`` for one restore; on exit every queued copy into ``dest`` is done and
         the memory the tiers held for it (slots being copied from) is let go."""
         with contextlib.ExitStack() as held:
-            target = Target(dest, spec, held, self._acquire)
+            target = Target(dest, spec, held, self._acquire, self.copier)
             try:
                 yield target
             finally:
@@ -190,6 +208,7 @@ class Target:
         spec: KVSpec,
         held: contextlib.ExitStack,
         acquire: Callable[[KVSpec, bool, int], _Stager],
+        copier: Callable[[], concurrent.futures.Executor] | None = None,
     ) -> None:
         self.sink: Sink | None = None if isinstance(dest, torch.Tensor) else dest
         self.dest: torch.Tensor | None = dest if isinstance(dest, torch.Tensor) else None
@@ -197,6 +216,7 @@ class Target:
         self.created_s: dict[int, float] = {}  # block index -> creation time, where the source knows it
         self._held = held
         self._acquire = acquire
+        self._copier = copier
         self._stager: _Stager | None = None
         self.locked = False
         # Called with (block index, its KV on CPU) for each block a source read and verified, on the
@@ -241,24 +261,35 @@ class Target:
         if self.dest is not None and rows_scatterable(self.dest):
             return fill(self.dest, first, count, 0)
         if self._stager is None:
-            if self.sink is not None:
-                self._stager = self._acquire(self.spec, False, SINK_CHUNK_NBYTES)
-            else:
-                assert self.dest is not None
-                self._stager = self._acquire(self.spec, self.dest.device.type == "cuda", RESTORE_CHUNK_NBYTES)
+            on_gpu = self.dest is not None and self.dest.device.type == "cuda"
+            self._stager = self._acquire(self.spec, on_gpu, RESTORE_CHUNK_NBYTES)
             self.locked = True
         stager = self._stager
         done = 0
-        while done < count:
-            n = min(stager.blocks, count - done)
-            k = stager.acquire()
-            got = fill(stager.buffers[k], first + done, n, first + done)
-            if self.sink is not None:
-                self.sink.put_rows(stager.buffers[k], range(got), range(first + done, first + done + got))
-            else:
-                assert self.dest is not None
-                stager.upload(k, self.dest, first + done, got)
-            done += got
-            if got < n:
-                break
+        copying: concurrent.futures.Future[None] | None = None  # a sink's copy out of the other buffer
+        try:
+            while done < count:
+                n = min(stager.blocks, count - done)
+                k = stager.acquire()
+                got = fill(stager.buffers[k], first + done, n, first + done)
+                if self.sink is not None:
+                    if copying is not None:  # the other buffer's copy, before this one's starts
+                        copying.result()
+                    blocks = range(first + done, first + done + got)
+                    if self._copier is not None and got:
+                        copying = self._copier().submit(
+                            self.sink.put_rows, stager.buffers[k], range(got), blocks
+                        )
+                    else:
+                        copying = None
+                        self.sink.put_rows(stager.buffers[k], range(got), blocks)
+                else:
+                    assert self.dest is not None
+                    stager.upload(k, self.dest, first + done, got)
+                done += got
+                if got < n:
+                    break
+        finally:
+            if copying is not None:  # raises the copy's error, if any: the restore fails whole
+                copying.result()
         return done
