@@ -1135,7 +1135,7 @@ typedef struct {
 } paged_t;
 
 /* K stored head_dim-major (vLLM-CPU): per (kernel block, head) a transpose; typed, the inner loop runs
- * along the canonical chunk's contiguous head_dim. */
+ * along the tokens, contiguous in the page when s[2] == 1 (strided by heads x head_dim in the chunk). */
 #define TRANSPOSED(T)                                                                                   \
     for (int64_t h = 0; h < H; h++) {                                                                   \
         T *pg = (T *)(page + (s[0] + b * s[1] + h * s[3]) * isz);                                       \
@@ -1191,20 +1191,20 @@ static void *paged_worker(void *arg) {
 
 PyDoc_STRVAR(copy_paged_doc,
     "copy_paged(pages, page_nbytes, num_pages, strides, kernel_blocks, kernel_tokens, heads, head_dim,\n"
-    "           itemsize, ids, where, rows, row_nbytes, threads, gather) -> None\n\n"
+    "           itemsize, ids, mode, where, rows, row_nbytes, threads, gather) -> None\n\n"
     "pages: int64 addresses of each layer's paged cache (num_pages pages of page_nbytes); strides: int64\n"
     "[2, 5], per K and V the element offset and the kernel block, token, head and dim strides in a page;\n"
-    "ids: int64 [n], each block's page; rows: int64 addresses of a KV tensor's (layer, k/v) slabs (each\n"
-    "row_nbytes) with where: int64 [n] the blocks' positions in them, or rows empty and where the blocks'\n"
-    "addresses (slots of 2 x layers canonical chunks). Canonical blocks into the pages, or with gather, the\n"
-    "pages into the canonical blocks.");
+    "ids: int64 [n], each block's page. Mode 0 (slabs): rows, int64 addresses of a KV tensor's (layer, k/v)\n"
+    "slabs (each row_nbytes), and where, int64 [n], the blocks' positions in them; mode 1 (slots): rows\n"
+    "empty and where the blocks' addresses (each 2 x layers canonical chunks). Canonical blocks into the\n"
+    "pages, or with gather, the pages into the canonical blocks.");
 
 static PyObject *copy_paged(PyObject *self, PyObject *args) {
     PyObject *o_pages, *o_st, *o_ids, *o_where, *o_rows;
     long long page_nbytes, num_pages, kb, kt, H, D, isz, row_nbytes;
-    int threads, gather;
-    if (!PyArg_ParseTuple(args, "OLLOLLLLLOOOLip", &o_pages, &page_nbytes, &num_pages, &o_st, &kb, &kt, &H, &D,
-                          &isz, &o_ids, &o_where, &o_rows, &row_nbytes, &threads, &gather))
+    int threads, gather, mode;
+    if (!PyArg_ParseTuple(args, "OLLOLLLLLOiOOLip", &o_pages, &page_nbytes, &num_pages, &o_st, &kb, &kt, &H, &D,
+                          &isz, &o_ids, &mode, &o_where, &o_rows, &row_nbytes, &threads, &gather))
         return NULL;
     Py_buffer pages = {0}, st = {0}, ids = {0}, where = {0}, rows = {0};
     PyObject *result = NULL;
@@ -1213,11 +1213,20 @@ static PyObject *copy_paged(PyObject *self, PyObject *args) {
         get_buffer(o_rows, &rows, 0, "rows"))
         goto done;
     int64_t layers = pages.len / 8, n = ids.len / 8;
-    int64_t chunk = kb * kt * H * D * isz;
+    /* Sizes below 2^20, a page below 2^40 bytes (strides within it), a cache below 2^62 bytes: no product
+     * below, nor a page's address offset, can overflow. */
+    const int64_t LIM = 1 << 20;
     if (pages.len % 8 || ids.len % 8 || where.len != ids.len || st.len != 10 * 8 || layers < 1 || kb < 1 ||
-        kt < 1 || H < 1 || D < 1 || (isz != 2 && isz != 4) || page_nbytes < 2 * chunk || num_pages < 1 ||
-        (rows.len && (rows.len != 16 * layers || row_nbytes < chunk))) {
+        kt < 1 || H < 1 || D < 1 || kb > LIM || kt > LIM || H > LIM || D > LIM || (isz != 2 && isz != 4) ||
+        num_pages < 1 || page_nbytes < 1 || page_nbytes > (1ll << 40) || num_pages > (1ll << 62) / page_nbytes ||
+        (rows.len && rows.len != 16 * layers) ||
+        (mode != 0 && mode != 1) || (mode == 0) != (rows.len != 0)) {
         PyErr_SetString(PyExc_ValueError, "copy_paged: bad shapes");
+        goto done;
+    }
+    int64_t chunk = kb * kt * H * D * isz; /* < 2^43: each factor is below 2^20, the pairs checked next */
+    if (kb * kt > LIM || H * D > LIM || chunk > page_nbytes / 2 || (rows.len && row_nbytes < chunk)) {
+        PyErr_SetString(PyExc_ValueError, "copy_paged: a block does not fit its page or its slabs");
         goto done;
     }
     paged_t c = {pages.buf, ids.buf, where.buf, rows.len ? rows.buf : NULL, layers, n, page_nbytes, chunk, isz};
@@ -1227,13 +1236,13 @@ static PyObject *copy_paged(PyObject *self, PyObject *args) {
         const int64_t size[4] = {kb, kt, H, D};
         for (int d = 0; d < 5; d++) {
             c.st[kv][d] = sv[5 * kv + d];
-            if (c.st[kv][d] < 0) {
-                PyErr_SetString(PyExc_ValueError, "copy_paged: negative stride");
+            if (c.st[kv][d] < 0 || c.st[kv][d] > page_nbytes) {
+                PyErr_SetString(PyExc_ValueError, "copy_paged: a stride outside the page");
                 goto done;
             }
             if (d) last += (size[d - 1] - 1) * c.st[kv][d];
         }
-        if ((last + 1) * isz > page_nbytes) {
+        if (last >= page_nbytes / isz) { /* last < 2^62: strides <= 2^40, sizes < 2^20 */
             PyErr_SetString(PyExc_ValueError, "copy_paged: the strides reach past the page");
             goto done;
         }

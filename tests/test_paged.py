@@ -8,6 +8,7 @@ The layouts are learned by ``probe`` from writers that stand for vLLM's backends
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,7 +93,59 @@ def test_native_paged_copies_refuse_what_lies_outside() -> None:
         paged.put_rows(kv, [0], [-1])
     with pytest.raises(ValueError, match="position 2 outside"):
         paged.put_rows(kv, [2], [0])
+    with pytest.raises(ValueError, match="out must be"):  # a buffer too small for the blocks asked
+        paged.gather([0, 1], torch.empty(1, L, 2, B, H, D))
+    with pytest.raises(ValueError, match="rows"):  # another dtype than the pages'
+        paged.put_rows(kv.to(torch.bfloat16), [0], [0])
+    with pytest.raises(ValueError, match="slot"):
+        paged.put_slots([torch.zeros(8)], [0])
+    # the native checks themselves: sizes and strides whose products would overflow are refused
+    nat, cells = native.module(), page.numel
+    huge = np.array([[0, 1 << 62, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=np.int64)
+    addrs = np.array([c.data_ptr() for c in paged.caches], dtype=np.int64)
+    one = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="stride outside"):
+        nat.copy_paged(
+            addrs,
+            cells * 4,
+            4,
+            huge,
+            5,
+            B // 5 or 1,
+            H,
+            D,
+            4,
+            one,
+            1,
+            one,
+            np.zeros(0, np.int64),
+            0,
+            1,
+            False,
+        )
+    with pytest.raises(ValueError, match="bad shapes"):  # a mode that disagrees with the rows given
+        nat.copy_paged(
+            addrs,
+            cells * 4,
+            4,
+            paged._strides,
+            1,
+            B,
+            H,
+            D,
+            4,
+            one,
+            0,
+            one,
+            np.zeros(0, np.int64),
+            0,
+            1,
+            False,
+        )
     assert not PagedCaches(layout, [c[:, :, :, :D] for c in caches_for(page, 4, torch.float32)]).usable
+    mixed = caches_for(page, 4, torch.float32)
+    mixed[1] = mixed[1].view(torch.int32)  # same bytes, another dtype: not one cache
+    assert not PagedCaches(layout, mixed).usable
     with native.use(False):
         assert not PagedCaches(layout, caches_for(page, 4, torch.float32)).usable
 

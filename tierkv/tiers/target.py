@@ -99,11 +99,10 @@ class _Stager:
     """Two chunk buffers (pinned for a GPU, allocated once): records are read into one while the other is
     uploaded to the destination, asynchronously on a GPU. Each holds ``blocks`` blocks."""
 
-    def __init__(self, spec: KVSpec, pin: bool, chunk_nbytes: int = RESTORE_CHUNK_NBYTES) -> None:
+    def __init__(self, spec: KVSpec, pin: bool) -> None:
         self.spec = spec
         self.pin = pin
-        self.chunk_nbytes = chunk_nbytes
-        self.blocks = max(1, chunk_nbytes // spec.block_nbytes)
+        self.blocks = max(1, RESTORE_CHUNK_NBYTES // spec.block_nbytes)
         t0 = time.perf_counter()
         self.buffers = [
             torch.empty(spec.shape(self.blocks * spec.block_tokens), dtype=spec.dtype, pin_memory=pin)
@@ -152,23 +151,31 @@ class Stagers:
         self._stager: _Stager | None = None
         self._lock = threading.Lock()
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # a sink's copies, made on need
+        self._closed = False
 
     def copier(self) -> concurrent.futures.ThreadPoolExecutor:
-        """One thread for sinks' copies out of the chunk buffers (used under the stager's lock)."""
+        """One thread for sinks' copies out of the chunk buffers; call it holding the stager (``_lock``)."""
+        if self._closed:
+            raise RuntimeError("the store is closed")
         if self._copier is None:
             self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-sink")
         return self._copier
 
     def reserve(self, spec: KVSpec) -> None:
-        """The CPU chunk buffers for ``spec`` now (faulted in), not on the first restore that needs them."""
-        self._acquire(spec, False, RESTORE_CHUNK_NBYTES)
-        self._lock.release()
-        self.copier()
+        """The CPU chunk buffers for ``spec`` and the sinks' copier now (the buffers faulted in), not on
+        the first restore that needs them."""
+        self._acquire(spec, False)
+        try:
+            self.copier()
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-            self._copier = None
+        with self._lock:  # after any restore using the copier
+            self._closed = True
+            copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.shutdown(wait=True)
 
     @contextlib.contextmanager
     def target(self, dest: torch.Tensor | Sink, spec: KVSpec) -> Iterator[Target]:
@@ -186,13 +193,13 @@ class Stagers:
                     if target.locked:
                         self._lock.release()
 
-    def _acquire(self, spec: KVSpec, pin: bool, chunk_nbytes: int = RESTORE_CHUNK_NBYTES) -> _Stager:
+    def _acquire(self, spec: KVSpec, pin: bool) -> _Stager:
         self._lock.acquire()
         try:
             stager = self._stager
-            if stager is None or (stager.spec, stager.pin, stager.chunk_nbytes) != (spec, pin, chunk_nbytes):
+            if stager is None or stager.spec != spec or stager.pin != pin:
                 self._stager = None  # the old pair is let go before the new one is allocated
-                stager = self._stager = _Stager(spec, pin, chunk_nbytes)
+                stager = self._stager = _Stager(spec, pin)
         except BaseException:  # memory short: this restore fails, the next one may try again
             self._lock.release()
             raise
@@ -207,7 +214,7 @@ class Target:
         dest: torch.Tensor | Sink,
         spec: KVSpec,
         held: contextlib.ExitStack,
-        acquire: Callable[[KVSpec, bool, int], _Stager],
+        acquire: Callable[[KVSpec, bool], _Stager],
         copier: Callable[[], concurrent.futures.Executor] | None = None,
     ) -> None:
         self.sink: Sink | None = None if isinstance(dest, torch.Tensor) else dest
@@ -262,7 +269,7 @@ class Target:
             return fill(self.dest, first, count, 0)
         if self._stager is None:
             on_gpu = self.dest is not None and self.dest.device.type == "cuda"
-            self._stager = self._acquire(self.spec, on_gpu, RESTORE_CHUNK_NBYTES)
+            self._stager = self._acquire(self.spec, on_gpu)
             self.locked = True
         stager = self._stager
         done = 0

@@ -18,10 +18,12 @@ from tierkv import native
 from tierkv.integrations.vllm.layout import PagedLayout
 from tierkv.layout import KVSpec
 from tierkv.tiers.slot_copies import COPY_THREADS
+from tierkv.tiers.target import rows_scatterable
 
 __all__ = ["PagedCaches", "PagedSink"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_SLABS, _SLOTS = 0, 1  # copy_paged's modes: blocks at positions of a tensor's slabs, or whole blocks
 
 
 class PagedCaches:
@@ -39,7 +41,9 @@ class PagedCaches:
             and first.device.type == "cpu"
             and first.element_size() in (2, 4)
             and all(
-                c.is_contiguous() and c.numel() * c.element_size() == self.num_pages * self.page_nbytes
+                c.is_contiguous()
+                and (c.shape, c.dtype, c.device) == (first.shape, first.dtype, first.device)
+                and c.numel() * c.element_size() == self.num_pages * self.page_nbytes
                 for c in self.caches
             )
         )
@@ -48,9 +52,19 @@ class PagedCaches:
             self._pages = np.array([c.data_ptr() for c in self.caches], dtype=np.int64)
             self._strides = np.array(layout.strides, dtype=np.int64).reshape(2, 5)
         self.itemsize = first.element_size()
+        self.dtype = first.dtype
+        L, H, D, B = len(self.caches), layout.num_kv_heads, layout.head_dim, layout.block_tokens
+        self.block_shape = (L, 2, B, H, D)
+        self.block_nbytes = L * 2 * B * H * D * self.itemsize
 
     def _copy(
-        self, ids: Sequence[int], where: np.ndarray, rows: np.ndarray, row_nbytes: int, gather: bool
+        self,
+        ids: Sequence[int],
+        mode: int,
+        where: np.ndarray,
+        rows: np.ndarray,
+        row_nbytes: int,
+        gather: bool,
     ) -> None:
         p = self.layout.page
         native.module().copy_paged(
@@ -64,6 +78,7 @@ class PagedCaches:
             self.layout.head_dim,
             self.itemsize,
             np.asarray(ids, dtype=np.int64),
+            mode,
             where,
             rows,
             row_nbytes,
@@ -74,20 +89,32 @@ class PagedCaches:
     def put_rows(self, kv: torch.Tensor, positions: Sequence[int], ids: Sequence[int]) -> None:
         """Blocks at block ``positions`` of ``kv`` (CPU ``[layers, 2, tokens, kv_heads, head_dim]``, every
         (layer, k/v) slab contiguous) into pages ``ids``."""
-        self._copy(ids, np.asarray(positions, dtype=np.int64), *_slabs(kv), gather=False)
+        if kv.dtype != self.dtype or tuple(kv.shape[:2]) != self.block_shape[:2] or not rows_scatterable(kv):
+            raise ValueError(f"kv {list(kv.shape)} of {kv.dtype} is not this cache's rows")
+        self._copy(ids, _SLABS, np.asarray(positions, dtype=np.int64), *_slabs(kv), gather=False)
 
     def put_slots(self, slots: Sequence[torch.Tensor], ids: Sequence[int]) -> None:
         """Whole canonical blocks (memory-tier slots, ``[layers, 2, block_tokens, kv_heads, head_dim]``
         contiguous) into pages ``ids``."""
-        self._copy(ids, np.array([s.data_ptr() for s in slots], dtype=np.int64), _EMPTY, 0, gather=False)
+        if any(s.device.type != "cpu" or s.numel() * s.element_size() < self.block_nbytes for s in slots):
+            raise ValueError("a slot is smaller than a block or not in CPU memory")
+        addrs = np.array([s.data_ptr() for s in slots], dtype=np.int64)
+        self._copy(ids, _SLOTS, addrs, _EMPTY, 0, gather=False)
 
     def gather(self, ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
         """Pages ``ids`` into ``out`` (``[n, layers, 2, block_tokens, kv_heads, head_dim]``, contiguous), as
         ``PagedLayout.gather`` does."""
-        assert out.is_contiguous() and out.device.type == "cpu"
-        block_nbytes = out[0].numel() * out.element_size() if len(ids) else 0
-        where = out.data_ptr() + block_nbytes * np.arange(len(ids), dtype=np.int64)
-        self._copy(ids, where, _EMPTY, 0, gather=True)
+        if (
+            not out.is_contiguous()
+            or out.device.type != "cpu"
+            or out.dtype != self.dtype
+            or tuple(out.shape) != (len(ids), *self.block_shape)
+        ):
+            raise ValueError(
+                f"out must be [{len(ids)}, {', '.join(map(str, self.block_shape))}] of {self.dtype}"
+            )
+        where = out.data_ptr() + self.block_nbytes * np.arange(len(ids), dtype=np.int64)
+        self._copy(ids, _SLOTS, where, _EMPTY, 0, gather=True)
         return out
 
 

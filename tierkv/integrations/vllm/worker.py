@@ -223,6 +223,7 @@ class WorkerSide:
         except Exception:  # the store failed (not a bad block: those end the prefix quietly)
             log.exception("tierkv: restoring %s failed; its blocks are recomputed", span.req_id)
             hit, kv = None, None
+        read_s = time.perf_counter() - t0  # the load's rate counts the restore alone
         got = max(0, min(hit.num_blocks if hit is not None else 0, span.end) - span.first)
         if hit is not None:
             self.stats["read_blocks"] += sum(hit.by_tier.values()) // B
@@ -244,8 +245,6 @@ class WorkerSide:
                 log.exception("tierkv: extending the retention of %s failed", span.req_id)
         if got and span.check:
             try:
-                if kv is None:  # restored into the pages: the copy comes back out of them
-                    kv = self._restored_rows(span, got)
                 self._keep_for_check(span, kv, got)
             except Exception:  # an optional check must never fail the step (a copy that cannot be made)
                 log.exception("tierkv self-check: keeping a copy of %s's restored blocks failed", span.req_id)
@@ -253,24 +252,13 @@ class WorkerSide:
             self._fail(span, got)
         self.stats["load_blocks"] += got
         self.stats["load_nbytes"] += got * self.spec.block_nbytes
-        elapsed = time.perf_counter() - t0
-        self.stats["load_s"] += elapsed
+        self.stats["load_s"] += time.perf_counter() - t0
         used = [tier for tier, tokens in (hit.by_tier.items() if hit is not None else ()) if tokens]
         if got and len(used) == 1:  # the load's rate, by the one tier it read (mixed loads are not rated)
             rate = self.load_rates.setdefault(used[0], [0, 0.0])
             rate[0] += hit.by_tier[used[0]] // B * self.spec.block_nbytes
-            rate[1] += elapsed
+            rate[1] += read_s
         self._moved = True
-
-    def _restored_rows(self, span: BlockSpan, got: int) -> torch.Tensor:
-        """The ``got`` blocks a load put into the pages, token-major as ``restore`` fills a buffer (rows of
-        the blocks before ``span.first`` left empty)."""
-        assert self.layout is not None
-        B = self.ns.block_tokens
-        blocks = self.layout.gather(self.caches, torch.tensor(span.block_ids[:got], dtype=torch.long))
-        kv = torch.empty(self.spec.shape((span.first + got) * B), dtype=self.spec.dtype)
-        kv[:, :, span.first * B :] = blocks.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)
-        return kv
 
     def _retain(self, chain: BlockChain, span: BlockSpan) -> None:
         """The retention (and pins) the span's request asked for, on its blocks up to the span's end."""
@@ -299,15 +287,21 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ the sampled self-check
 
-    def _keep_for_check(self, span: BlockSpan, kv: torch.Tensor, got: int) -> None:
-        """Keep a copy of what was restored, and have vLLM recompute it (reported as a load error, the blocks
-        are recomputed from the first one; they are not tainted: what was restored is in them)."""
+    def _keep_for_check(self, span: BlockSpan, kv: torch.Tensor | None, got: int) -> None:
+        """Keep a copy of what was restored (``kv``, or the pages it was restored into), and have vLLM
+        recompute it (reported as a load error, the blocks are recomputed from the first one; they are not
+        tainted: what was restored is in them)."""
         B = self.ns.block_tokens
         nbytes = got * self.spec.block_nbytes
         if sum(t.numel() * t.element_size() for _, t in self._checks.values()) + nbytes > MAX_CHECK_NBYTES:
             return
-        rows = kv[:, :, span.first * B : (span.first + got) * B]  # [layers, 2, got * B, H, D]
-        blocks = rows.unflatten(2, (got, B)).permute(2, 0, 1, 3, 4, 5).to("cpu", copy=True).contiguous()
+        if kv is None:  # restored into the pages: read back out of them by the reference gather
+            assert self.layout is not None
+            ids = torch.tensor(span.block_ids[:got], dtype=torch.long)
+            blocks = self.layout.gather(self.caches, ids).to("cpu", copy=True)
+        else:
+            rows = kv[:, :, span.first * B : (span.first + got) * B]  # [layers, 2, got * B, H, D]
+            blocks = rows.unflatten(2, (got, B)).permute(2, 0, 1, 3, 4, 5).to("cpu", copy=True).contiguous()
         self._checks[span.req_id] = (span.first, blocks)
         self._errors.update(span.block_ids[:got])
         # Tainted like a failed load until vLLM recomputed them: what this step's forward computes from
