@@ -38,7 +38,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define ABI 7 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 8 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run: hashed, written and sent to the disk in chunks this size */
@@ -53,6 +53,43 @@
 
 /* Per-record outcome, as read_run returns it. */
 enum { ST_OK = 0, ST_BAD = 1, ST_MEDIA = 2, ST_PYTHON = 3, ST_TRANSIENT = 4 };
+
+/* ------------------------------------------------------------------ the threads' CPUs */
+/* An engine may pin each of its threads to one core (vLLM-CPU does), and a thread inherits its creator's
+ * pin: the helper threads of a call made on the model's thread would all share that one core. With a set
+ * given (set_work_cpus: every CPU the process's threads may use), each helper thread gets it instead. */
+static cpu_set_t work_cpus;
+static atomic_int have_work_cpus;
+
+static int start_thread(pthread_t *tid, void *(*fn)(void *), void *arg) {
+    int err = pthread_create(tid, NULL, fn, arg);
+    if (err == 0 && atomic_load(&have_work_cpus)) pthread_setaffinity_np(*tid, sizeof work_cpus, &work_cpus);
+    return err;
+}
+
+static PyObject *set_work_cpus(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "set_work_cpus: a sequence of CPU numbers");
+    if (!seq) return NULL;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long cpu = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (cpu == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (cpu < 0 || cpu >= CPU_SETSIZE) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_ValueError, "set_work_cpus: CPU %ld out of range", cpu);
+        }
+        CPU_SET((int)cpu, &set);
+    }
+    Py_DECREF(seq);
+    if (n) work_cpus = set; /* set once, at import, before any call spawns threads */
+    atomic_store(&have_work_cpus, n > 0);
+    Py_RETURN_NONE;
+}
 
 /* ------------------------------------------------------------------ xxh3 from libxxhash */
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
@@ -550,7 +587,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     pthread_t tids[MAX_THREADS];
     int started = 0;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[started], NULL, worker, &r) != 0) break;
+        if (start_thread(&tids[started], worker, &r) != 0) break;
         started++;
     }
     if (r.ngroups) worker(&r); /* the calling thread reads too */
@@ -980,7 +1017,7 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     if (!err && !own) err = ENOMEM;
     /* one chunk fewer than there are: the writer seals the first itself while the sealers start */
     for (int t = 0; !err && t < MAX_SEALERS && t < cpus && t + 1 < sl.nchunks; t++) {
-        if (pthread_create(&tids[started], NULL, sealer, &sl) != 0) break;
+        if (start_thread(&tids[started], sealer, &sl) != 0) break;
         started++;
     }
     for (int c = 0; !err && c < sl.nchunks; c++) {
@@ -1107,7 +1144,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     pthread_t tids[MAX_THREADS];
     int started = 0;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[started], NULL, copy_worker, &c) != 0) break;
+        if (start_thread(&tids[started], copy_worker, &c) != 0) break;
         started++;
     }
     copy_worker(&c); /* the calling thread copies too */
@@ -1266,7 +1303,7 @@ static PyObject *copy_paged(PyObject *self, PyObject *args) {
     pthread_t tids[MAX_THREADS];
     int started = 0;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[started], NULL, paged_worker, &c) != 0) break;
+        if (start_thread(&tids[started], paged_worker, &c) != 0) break;
         started++;
     }
     paged_worker(&c);
@@ -1330,6 +1367,7 @@ static PyMethodDef methods[] = {
     {"write_run", write_run, METH_VARARGS, write_run_doc},
     {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {"copy_paged", copy_paged, METH_VARARGS, copy_paged_doc},
+    {"set_work_cpus", set_work_cpus, METH_O, "set_work_cpus(cpus): the CPUs every helper thread runs on."},
     {"xxh3_64", py_xxh3, METH_O, "xxh3-64 of a buffer, as libxxhash computes it (tests compare it with xxhash's)."},
     {"inject_fault", inject_fault, METH_VARARGS,
      "inject_fault(dev, ino, start, end, errno, writes=False): reads (or writes) of that range fail."},
@@ -1355,7 +1393,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
-    PyObject *all = Py_BuildValue("[ssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "xxh3_64", "inject_fault",
+    PyObject *all = Py_BuildValue("[sssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
                                   "clear_faults", "trace_writes", "can_leave_idle",
                                   "why_unavailable");
     if (!all || PyModule_AddObject(m, "__all__", all) != 0) {

@@ -213,3 +213,36 @@ def test_a_bad_record_ends_the_restore_and_its_pages_are_not_written(tmp_path, n
         ref = caches_for(page, 8, torch.float32)
         layout.scatter(kv[:, :, : 3 * B], ref, torch.tensor(ids[:3]))
         assert all(torch.equal(a, b) for a, b in zip(ref, caches))  # pages 0, 1, 2 never written
+
+
+def test_tierkv_threads_leave_the_pin_of_the_engine_thread_that_started_them() -> None:
+    """vLLM-CPU pins its worker's threads one core each (every thread but one OpenMP thread to core 0), and a
+    thread inherits its creator's pin: tierkv's threads spread over every CPU the process's threads use."""
+    from helpers import run_python
+
+    r = run_python(
+        """
+        import os, threading
+        every = os.sched_getaffinity(0)
+        if len(every) < 2:
+            print("one cpu"); raise SystemExit
+        ready, done = threading.Event(), threading.Event()
+        def omp_thread():  # as vLLM's second OpenMP thread: pinned to another core
+            os.sched_setaffinity(0, {max(every)}); ready.set(); done.wait()
+        threading.Thread(target=omp_thread).start()
+        ready.wait()
+        os.sched_setaffinity(0, {min(every)})  # the model's thread, pinned
+        from tierkv import native
+        from tierkv.cpus import process_cpus, spread_here
+        assert process_cpus() == every, (process_cpus(), every)
+        seen = []
+        t = threading.Thread(target=lambda: (spread_here(), seen.append(os.sched_getaffinity(0))))
+        t.start(); t.join()
+        assert seen == [every] and os.sched_getaffinity(0) == {min(every)}, seen  # the engine's pin is kept
+        native.module().set_work_cpus(sorted(every))
+        done.set()
+        print("spread")
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() in ("spread", "one cpu")

@@ -18,7 +18,7 @@ __all__ = ["READ_THREADS", "describe", "enabled", "module", "reason", "use"]
 # Reads in flight per restore: an NVMe device needs a deep queue, a virtual disk at least several.
 READ_THREADS = 8
 
-ABI = 7  # native/records.c's: a build of another version (stale, in place) is not used
+ABI = 8  # native/records.c's: a build of another version (stale, in place) is not used
 
 _module: ModuleType | None = None
 _why: str | None
@@ -46,6 +46,10 @@ def _check(mod: ModuleType) -> str | None:
 
 if _why is None and _module is not None:
     _why = _check(_module)
+if _why is None and _module is not None:  # helper threads on every CPU of the process (``tierkv.cpus``)
+    from tierkv.cpus import process_cpus
+
+    _module.set_work_cpus(sorted(process_cpus()))
 if _why is None and os.environ.get("TIERKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
     _why = f"off by TIERKV_NATIVE={os.environ['TIERKV_NATIVE']}"
 _forced: bool | None = None

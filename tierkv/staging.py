@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tierkv.cpus import spread_here
 from tierkv.metrics import Counters
 
 __all__ = ["IllegalTransition", "SlotState", "StagingRing"]
@@ -227,6 +228,7 @@ class StagingRing:
             self._cv.notify_all()
 
     def _drain_loop(self) -> None:
+        spread_here()
         while True:
             with self._cv:
                 while not (self._order and self._issued[self._order[0]]):

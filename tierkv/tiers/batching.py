@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from tierkv.cpus import spread_here
+
 log = logging.getLogger("tierkv.batching")
 
 __all__ = ["BatchQueue"]
@@ -75,6 +77,7 @@ class BatchQueue(Generic[T]):
         return not self.thread.is_alive()
 
     def _loop(self) -> None:
+        spread_here()
         if self._on_start is not None:
             self._on_start()
         while True:

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from tierkv.cpus import spread_here
 from tierkv.priority import background_priority, normal_priority
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def _populate(start: int, end: int, name: str, pool: torch.Tensor, stop: threadi
     fn = _madvise()
     if fn is None:
         return
+    spread_here()
     background_priority()
     t0 = time.perf_counter()
     addr = start

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from tierkv import codec
+from tierkv.cpus import spread_here
 from tierkv.keys import BlockChain
 from tierkv.layout import KVSpec
 
@@ -158,7 +159,9 @@ class Stagers:
         if self._closed:
             raise RuntimeError("the store is closed")
         if self._copier is None:
-            self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-sink")
+            self._copier = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tierkv-sink", initializer=spread_here
+            )
         return self._copier
 
     def reserve(self, spec: KVSpec) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tierkv.cpus import spread_here
 from tierkv.metrics import Counters
 from tierkv.tiers.disk.files import ALIGN, TransientReadError, aligned, media_or_raise
 
@@ -100,7 +101,9 @@ class SegmentDir:
         self._fds_lock = threading.Lock()
         self._in_use: dict[int, int] = {}  # fd -> reads using it now
         self._retired: set[int] = set()  # out of the cache, closed when their last read ends
-        self._pool = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="tierkv-read")
+        self._pool = ThreadPoolExecutor(
+            max_workers=read_threads, thread_name_prefix="tierkv-read", initializer=spread_here
+        )
         self._buf: mmap.mmap | None = None  # reused: fresh large buffers cost a page fault per 4 KiB
         self.read_lock = threading.Lock()  # held by callers of ``read`` while they use its views
         self._direct_ok = True  # until the file system refuses an O_DIRECT open

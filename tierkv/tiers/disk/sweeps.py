@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from tierkv.codec import check_stored
+from tierkv.cpus import spread_here
 from tierkv.errors import RecordError
 from tierkv.keys import BlockKey
 from tierkv.metrics import Counters
@@ -374,6 +375,7 @@ class Sweeper:
         self._thread.start()
 
     def _loop(self, interval_s: float) -> None:
+        spread_here()
         background_priority()
         counters = self._sweeps.counters
         while not self._stop.wait(interval_s):
