@@ -79,15 +79,16 @@ static PyObject *set_work_cpus(PyObject *self, PyObject *arg) {
             Py_DECREF(seq);
             return NULL;
         }
-        if (cpu < 0 || cpu >= CPU_SETSIZE) {
-            Py_DECREF(seq);
-            return PyErr_Format(PyExc_ValueError, "set_work_cpus: CPU %ld out of range", cpu);
-        }
-        CPU_SET((int)cpu, &set);
+        if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET((int)cpu, &set); /* beyond a cpu_set_t: not spread to */
     }
     Py_DECREF(seq);
-    if (n) work_cpus = set; /* set once, at import, before any call spawns threads */
-    atomic_store(&have_work_cpus, n > 0);
+    /* Set at import and again in a forked child or when an engine has pinned its threads, before any call
+     * spawns helpers (tierkv.cpus): off while the set is written, so no helper reads it half-written. */
+    atomic_store(&have_work_cpus, 0);
+    if (CPU_COUNT(&set)) {
+        work_cpus = set;
+        atomic_store(&have_work_cpus, 1);
+    }
     Py_RETURN_NONE;
 }
 

@@ -15,7 +15,7 @@ import functools
 import os
 from pathlib import Path
 
-__all__ = ["process_cpus", "spread_here"]
+__all__ = ["process_cpus", "refresh", "spread_here"]
 
 
 def _parse(text: str) -> set[int]:
@@ -58,3 +58,17 @@ def spread_here() -> None:
             os.sched_setaffinity(0, cpus)
     except OSError:  # not allowed (a cpuset changed since): keep the inherited pin
         pass
+
+
+def refresh() -> None:
+    """Take the CPUs again and hand them to the native module: in a forked child (the parent's threads
+    are not its own), and once an engine has pinned its threads (vLLM pins them before it registers its
+    KV caches; a set taken before could include a core it keeps for other work)."""
+    process_cpus.cache_clear()
+    from tierkv import native
+
+    native.spread_helpers()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=process_cpus.cache_clear)

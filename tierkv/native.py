@@ -46,10 +46,24 @@ def _check(mod: ModuleType) -> str | None:
 
 if _why is None and _module is not None:
     _why = _check(_module)
-if _why is None and _module is not None:  # helper threads on every CPU of the process (``tierkv.cpus``)
+
+
+def spread_helpers() -> None:
+    """Have the native helper threads run on every CPU of the process (``tierkv.cpus``), not on the pin
+    of the thread that calls in; where that cannot be done, they keep their creator's."""
     from tierkv.cpus import process_cpus
 
-    _module.set_work_cpus(sorted(process_cpus()))
+    if _module is not None and hasattr(_module, "set_work_cpus"):
+        try:
+            _module.set_work_cpus(sorted(process_cpus()))
+        except (ValueError, TypeError, OSError):
+            pass
+
+
+if _why is None:
+    spread_helpers()
+    if hasattr(os, "register_at_fork"):  # a forked child takes its own threads' CPUs
+        os.register_at_fork(after_in_child=spread_helpers)
 if _why is None and os.environ.get("TIERKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
     _why = f"off by TIERKV_NATIVE={os.environ['TIERKV_NATIVE']}"
 _forced: bool | None = None

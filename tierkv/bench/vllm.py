@@ -199,9 +199,9 @@ def run(
         vllm_args,
         python,
     )
-    example_cfg = {  # ExampleConnector with its load timed (``timed_example``)
+    example_cfg = {  # ExampleConnector with its load timed (``integrations.vllm.timed_example``)
         "kv_connector": "TimedExampleConnector",
-        "kv_connector_module_path": "tierkv.bench.timed_example",
+        "kv_connector_module_path": "tierkv.integrations.vllm.timed_example",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(example_store)},
     }

@@ -177,6 +177,7 @@ class Stagers:
         with self._lock:  # after any restore using the copier
             self._closed = True
             copier, self._copier = self._copier, None
+            self._stager = None  # its buffers (pinned, for a GPU) go with the store
         if copier is not None:
             copier.shutdown(wait=True)
 

@@ -21,6 +21,7 @@ import time
 import uuid
 from typing import Any
 
+from tierkv.cpus import spread_here
 from tierkv.errors import ConfigError, PinBudgetError
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.metrics import TierKVStats
@@ -224,7 +225,9 @@ class SchedulerSide:
         is taken at a later step. One still running after ``LOOKUP_GIVE_UP_S`` is a miss."""
         if r.lookup is None:
             if self._lookups is None:
-                self._lookups = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-lookup")
+                self._lookups = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tierkv-lookup", initializer=spread_here
+                )
             r.lookup, r.lookup_since = self._lookups.submit(self._lookup, r), time.monotonic()
             wait_s = self.lookup_wait_s
         else:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tierkv.cpus import refresh as refresh_cpus
 from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, RanksDisagree, tp_group
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
@@ -141,6 +142,7 @@ class WorkerSide:
                 device=self.caches[0].device,
                 like=self.caches[0],
             )
+            refresh_cpus()  # vLLM has pinned its threads by now: take the CPUs they use
             paged = PagedCaches(self.layout, self.caches)
             # TIERKV_PAGED_COPY=0: the buffer and torch copies instead (to compare the two)
             self.paged = paged if paged.usable and os.environ.get("TIERKV_PAGED_COPY", "1") != "0" else None
