@@ -351,6 +351,27 @@ def test_populating_runs_at_nice_19_paced_and_holds_the_mmap_lock_at_normal_prio
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the caller's own thread is left as it was
 
 
+def test_a_pool_reserved_to_populate_now_is_resident_when_reserve_returns(monkeypatch) -> None:
+    """An engine's connector populates its host tier while the engine starts, at full speed and normal
+    priority (behind, paced at nice 19, it crawled through vLLM's first prefills)."""
+    import tierkv.tiers.prefault as prefault
+
+    pauses: list[float] = []
+    monkeypatch.setattr(prefault, "_pause", lambda stop, s: pauses.append(s))
+    pool = BlockPool(128 << 20, name="host")
+    before = _rss_nbytes()
+    pool.reserve(4096, populate_now=True)
+    assert pool._prefault is not None and not pool._prefault.thread.is_alive()
+    if prefault._madvise() is not None:
+        assert _rss_nbytes() - before > 100 << 20  # faulted in before reserve returned
+    assert pauses == []  # unpaced
+    again = BlockPool(16 << 20, name="host")
+    again.reserve(4096)  # the default: behind, paced
+    assert again._prefault is not None
+    again._prefault.join(60)
+    assert pauses or prefault._madvise() is None
+
+
 def test_a_fresh_host_pool_is_not_zeroed_on_the_first_put(monkeypatch) -> None:
     def no_zero(self: torch.Tensor) -> torch.Tensor:
         raise AssertionError("the pool was zeroed on the request path")

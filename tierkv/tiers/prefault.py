@@ -61,11 +61,11 @@ class Populator:
     """The populating thread of one pool; ``stop`` ends it between two calls (a pool being closed: a
     daemon thread still running when the interpreter exits is killed wherever it is)."""
 
-    def __init__(self, start: int, end: int, name: str, pool: torch.Tensor) -> None:
+    def __init__(self, start: int, end: int, name: str, pool: torch.Tensor, paced: bool = True) -> None:
         self._stop = threading.Event()
         self.thread = threading.Thread(
             target=_populate,
-            args=(start, end, name, pool, self._stop),
+            args=(start, end, name, pool, self._stop, paced),
             name=f"tierkv-{name}-prefault",
             daemon=True,
         )
@@ -79,13 +79,17 @@ class Populator:
         self.thread.join(timeout_s)
 
 
-def _populate(start: int, end: int, name: str, pool: torch.Tensor, stop: threading.Event) -> None:
-    """``pool`` is only held: its memory stays mapped while the thread works on its addresses."""
+def _populate(
+    start: int, end: int, name: str, pool: torch.Tensor, stop: threading.Event, paced: bool = True
+) -> None:
+    """``pool`` is only held: its memory stays mapped while the thread works on its addresses. Unpaced: at
+    normal priority and without pauses (a caller waiting for it, before any request)."""
     fn = _madvise()
     if fn is None:
         return
     spread_here()
-    background_priority()
+    if paced:
+        background_priority()
     t0 = time.perf_counter()
     addr = start
     while addr < end and not stop.is_set():
@@ -100,14 +104,16 @@ def _populate(start: int, end: int, name: str, pool: torch.Tensor, stop: threadi
                 "%s tier: no MADV_POPULATE_WRITE (%s); pages fault on first use", name, os.strerror(err)
             )
             return
-        _pause(stop, call_s)  # paced: at most half a core
+        if paced:
+            _pause(stop, call_s)  # at most half a core
         addr += n
     log.debug("%s tier: %.1f MiB populated in %.2f s", name, (end - start) / 2**20, time.perf_counter() - t0)
 
 
-def populate_in_background(pool: torch.Tensor, name: str) -> Populator | None:
+def populate_in_background(pool: torch.Tensor, name: str, paced: bool = True) -> Populator | None:
     """Start populating ``pool``'s pages (a CPU tensor, not pinned: pinned memory is populated by its
-    allocator); returns its populator, or None when there is nothing to do."""
+    allocator); returns its populator, or None when there is nothing to do. ``paced=False``: as fast as
+    it can, for a caller that waits for it (``join``)."""
     if pool.device.type != "cpu" or pool.is_pinned():
         return None
     page = mmap.PAGESIZE
@@ -115,4 +121,4 @@ def populate_in_background(pool: torch.Tensor, name: str) -> Populator | None:
     end = (pool.data_ptr() + pool.numel() * pool.element_size()) // page * page
     if end <= start:
         return None
-    return Populator(start, end, name, pool)
+    return Populator(start, end, name, pool, paced)

@@ -149,7 +149,8 @@ class WorkerSide:
             # The memory tiers now, while vLLM starts (their pages are populated behind), not on the
             # first request's save or load.
             try:
-                self.store.reserve(self.ns, restores_into_cpu=self.paged is not None)
+                # populated now, while vLLM starts: behind, it would crawl through the first prefills
+                self.store.reserve(self.ns, restores_into_cpu=self.paged is not None, populate_now=True)
             except (RuntimeError, MemoryError) as exc:  # then on first use, as before
                 log.warning("tierkv: could not reserve the memory tiers now: %s", exc)
             log.info(
