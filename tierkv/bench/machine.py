@@ -6,6 +6,7 @@ import os
 import platform
 import re
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +71,25 @@ def drop_page_cache(paths: list[Path]) -> str:
         return "fadvise(DONTNEED)"
 
 
+def memcpy_bps(nbytes: int, runs: int = 5) -> float:
+    """Bytes per second of torch ``copy_`` of ``nbytes`` into a preallocated tensor (the benchmarks'
+    memcpy baseline): the median of ``runs`` after one untimed copy."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     """Median and spread of repeated measurements."""
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-__all__ = ["describe", "drop_page_cache", "summary", "tag"]
+__all__ = ["describe", "drop_page_cache", "memcpy_bps", "summary", "tag"]

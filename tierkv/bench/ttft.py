@@ -25,7 +25,7 @@ import torch
 
 from tierkv import TieredStore
 from tierkv.bench.disk_limits import sequential_read_limit
-from tierkv.bench.machine import drop_page_cache, summary
+from tierkv.bench.machine import drop_page_cache, memcpy_bps, summary
 from tierkv.default_model import DEFAULT_MODEL_ID, ByteTokenizer, build_default_model
 from tierkv.worker import CachedModel
 
@@ -44,21 +44,14 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def _bandwidths(base: Path, nbytes: int) -> dict[str, float]:
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        t.append(time.perf_counter() - t0)
+    memcpy = memcpy_bps(nbytes)
     path = base / "bw.bin"
     with open(path, "wb") as f:
         f.write(os.urandom(nbytes))
         f.flush()
         os.fsync(f.fileno())
     buf = mmap.mmap(-1, nbytes)
-    out = {"memcpy": nbytes / summary(t)["median"]}
+    out = {"memcpy": memcpy}
     # The disk's limit: the best raw sequential read, any pattern (as in the tiers benchmark).
     out["disk_read_limit"] = sequential_read_limit(path, nbytes // (8 << 20) * (8 << 20) or nbytes, 3)
     for mode in ("page_cache",):

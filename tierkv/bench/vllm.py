@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tierkv.bench import vllm_loads
 from tierkv.bench.machine import drop_page_cache
 from tierkv.bench.serving import free_port
 from tierkv.bench.table import md_table
@@ -161,7 +162,7 @@ def run(
     model_dir, served = _model({"model": model})
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = int(model_config["vocab_size"])
-    token_nbytes = _token_nbytes(model_config, 4 if not _cuda() else 2)
+    token_nbytes = vllm_loads.token_nbytes(model_config, 4 if not vllm_loads.on_cuda() else 2)
     context = int(model_config.get("max_position_embeddings", 4096))
     if max(lengths) >= context:
         raise ConfigError(f"--lengths: {max(lengths)} tokens do not fit the model's context ({context})")
@@ -224,9 +225,9 @@ def run(
     def timed(s: VllmServer, p: list[int]) -> dict[str, Any]:
         """A request with its load: the seconds and KV bytes the connector's load took (tierkv's counters on
         /metrics; ExampleConnector's log, whose bytes are its tokens' KV)."""
-        before, lines = _load_counters(s.url), _lines(example_loads)
+        before, lines = vllm_loads.load_counters(s.url), vllm_loads.logged_loads(example_loads)
         call = s.complete(served, p)
-        after, logged = _load_counters(s.url), _lines(example_loads)[len(lines) :]
+        after, logged = vllm_loads.load_counters(s.url), vllm_loads.logged_loads(example_loads)[len(lines) :]
         if after:
             call["load_s"] = after["load_s"] - before.get("load_s", 0.0)
             call["load_nbytes"] = after["load_nbytes"] - before.get("load_nbytes", 0.0)
@@ -274,7 +275,7 @@ def run(
             errors[name] = f"{type(exc).__name__}: {exc}"[:500]
             progress(f"{name} failed: {errors[name]} (log: vllm-{name}.log)")
 
-    limits = _limits(base, max(lengths) * token_nbytes, progress)
+    limits = vllm_loads.limits(base, max(lengths) * token_nbytes, progress)
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"tokens": n}
@@ -318,73 +319,6 @@ def run(
     }
 
 
-def _cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _token_nbytes(model_config: dict[str, Any], itemsize: int) -> int:
-    """One token's KV in bytes (every layer's K and V)."""
-    heads = int(model_config["num_attention_heads"])
-    kv_heads = int(model_config.get("num_key_value_heads", heads))
-    head_dim = int(model_config.get("head_dim") or model_config["hidden_size"] // heads)
-    return int(model_config["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize
-
-
-def _load_counters(url: str) -> dict[str, float]:
-    """tierkv's connector load counters on vLLM's /metrics (empty without tierkv)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    names = {"tierkv_connector_load_seconds": "load_s", "tierkv_connector_loaded_bytes": "load_nbytes"}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        key = names.get(name.split("{")[0].removesuffix("_total"))
-        if key and not line.startswith("#"):
-            out[key] = out.get(key, 0.0) + float(value.split()[-1] if " " in value else value)
-    return out
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def _limits(base: Path, nbytes: int, progress: Callable[[str], None]) -> dict[str, float]:
-    """In the same run as the loads: memcpy (torch ``copy_`` of the largest prompt's KV into a preallocated
-    tensor, median of 5) and the disk's best raw sequential read over a file of at least 256 MiB."""
-    import torch
-
-    from tierkv.bench.disk_limits import sequential_read_limit
-
-    n = max(nbytes, 64 << 20)
-    src, dst = torch.ones(n // 4, dtype=torch.float32), torch.empty(n // 4, dtype=torch.float32)
-    dst.copy_(src)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    memcpy = n / statistics.median(times) / 1e9
-    path = base / "disk-limit.bin"
-    size = max(n, 256 << 20)
-    with open(path, "wb") as f:
-        chunk = os.urandom(8 << 20)
-        for _ in range(size // len(chunk)):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        disk = sequential_read_limit(path, size, 3) / 1e9
-    finally:
-        path.unlink(missing_ok=True)
-    progress(f"limits: memcpy {memcpy:.2f} GB/s, disk sequential read {disk:.2f} GB/s")
-    return {"memcpy_gbps": memcpy, "disk_read_gbps": disk}
-
-
 def _cell(column: dict[str, Any] | None, *, with_cached: bool) -> str:
     if column is None:
         return "failed"
@@ -421,75 +355,4 @@ def markdown(res: dict[str, Any]) -> str:
         "vLLM start-up: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["startup_s"].items()) + ".",
         *(f"- {name} failed: {err}" for name, err in res.get("errors", {}).items()),
     ]
-    return "\n".join(head + md_table(header, "r" * len(header), table) + note + _load_table(res))
-
-
-LOAD_COLUMNS = (
-    "tierkv_disk_cold",
-    "tierkv_host",
-    "tierkv_disk_cold_buffer",
-    "tierkv_host_buffer",
-    "example_disk_cold",
-    "example_warm",
-)
-
-
-def _load_table(res: dict[str, Any]) -> list[str]:
-    """The load itself: its median seconds and KV bytes per second into vLLM's pages, against memcpy and
-    the disk's read limit measured in the same run, and tierkv's load time against ExampleConnector's."""
-    rows = [r for r in res["rows"] if any("load_s" in r.get(c, {}) for c in LOAD_COLUMNS)]
-    # a row from another run (docs.vllm_rows) carries that run's limits
-    rows = [r for r in rows if r.get("limits") or res.get("limits")]
-    if not rows:
-        return []
-
-    def cell(c: dict[str, Any] | None) -> str:
-        if c is None or "load_s" not in c:
-            return "-"
-        return f"{c['load_s'] * 1e3:.0f} ms, {c['load_gbps']:.2f} GB/s"
-
-    def ratio(a: float | None, b: float | None, fmt: str = "{:.2f}") -> str:
-        return fmt.format(a / b) if a and b else "-"
-
-    table = []
-    limits_seen = []
-    for r in rows:
-        limits = r.get("limits") or res["limits"]
-        memcpy, disk = limits["memcpy_gbps"], limits["disk_read_gbps"]
-        if (memcpy, disk) not in limits_seen:
-            limits_seen.append((memcpy, disk))
-        get = {c: r.get(c, {}) for c in LOAD_COLUMNS}
-        table.append(
-            [
-                r["tokens"],
-                *(cell(r.get(c)) for c in LOAD_COLUMNS),
-                ratio(get["tierkv_host"].get("load_gbps"), memcpy),
-                ratio(get["tierkv_disk_cold"].get("load_gbps"), disk),
-                ratio(get["tierkv_disk_cold"].get("load_s"), get["example_disk_cold"].get("load_s")),
-                ratio(get["tierkv_host"].get("load_s"), get["example_warm"].get("load_s")),
-            ]
-        )
-    header = [
-        "tokens",
-        "tierkv disk load",
-        "tierkv host load",
-        "tierkv disk, via buffer",
-        "tierkv host, via buffer",
-        "Example cold load",
-        "Example warm load",
-        "tierkv host / memcpy",
-        "tierkv disk / disk limit",
-        "load time tierkv / Example, cold",
-        "warm",
-    ]
-    return [
-        "",
-        "",
-        "The load itself, medians (tierkv: its connector's load time and bytes on /metrics, lookup and "
-        "verification included; ExampleConnector: timed around its `start_load_kv`). In the same run as "
-        "each row: memcpy (torch `copy_`) and the disk's best raw sequential read, "
-        + "; ".join(f"{m:.2f} and {d:.2f} GB/s" for m, d in limits_seen)
-        + ".",
-        "",
-        *md_table(header, "r" * len(header), table),
-    ]
+    return "\n".join(head + md_table(header, "r" * len(header), table) + note + vllm_loads.load_table(res))
