@@ -23,7 +23,23 @@ cmdclass = {}
 if os.environ.get("TIERKV_BUILD_CUDA") == "1":
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
+    from setuptools.command.build_ext import build_ext
+
+    class Build(BuildExtension):
+        """torch's build for the CUDA extension only: with ninja it compiles every source with the C++
+        compiler, and records.c is C (C11 atomics), so the native module takes setuptools' own build."""
+
+        def build_extensions(self) -> None:
+            every = self.extensions
+            try:
+                self.extensions = [e for e in every if e.name == "tierkv._native"]
+                build_ext.build_extensions(self)
+                self.extensions = [e for e in every if e.name != "tierkv._native"]
+                super().build_extensions()
+            finally:
+                self.extensions = every
+
     ext_modules.append(CUDAExtension("tierkv._cuda_ext", ["cuda_ext/gather_scatter.cu"]))
-    cmdclass = {"build_ext": BuildExtension}
+    cmdclass = {"build_ext": Build}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)
