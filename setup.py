@@ -14,16 +14,22 @@ ext_modules = [
     Extension(
         "tierkv._native",
         ["native/records.c"],
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
+        extra_compile_args=[
+            "-O2",
+            "-std=gnu11",
+            "-Wall",
+            "-Wextra",
+            "-Wno-unused-parameter",
+            "-Wno-missing-field-initializers",
+        ],
         libraries=["dl", "pthread"],
         optional=os.environ.get("TIERKV_REQUIRE_NATIVE") != "1",
     )
 ]
 cmdclass = {}
 if os.environ.get("TIERKV_BUILD_CUDA") == "1":
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
-
     from setuptools.command.build_ext import build_ext
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     class Build(BuildExtension):
         """torch's build for the CUDA extension only: with ninja it compiles every source with the C++

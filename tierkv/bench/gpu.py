@@ -232,7 +232,9 @@ def _show_gather(g: dict[str, Any]) -> None:
 
 
 def _show_ttft(rows: list[dict[str, Any]]) -> None:
-    print("tokens  cold ms  gpu ms  host ms  disk(warm) ms  disk(cold, restart) ms  save overhead (goal <= 3%)")
+    print(
+        "tokens  cold ms  gpu ms  host ms  disk(warm) ms  disk(cold, restart) ms  save overhead (goal <= 3%)"
+    )
     for row in rows:
         print(
             f"{row['tokens']:6d}  {row['cold_ms']:7.1f}  {row['gpu_ms']:6.1f}  {row['host_ms']:7.1f}  "
