@@ -157,3 +157,21 @@ def test_a_failed_copy_frees_its_slot_and_is_never_handed_on() -> None:
     ring.flush()
     assert got == ["fine", "fine too"]
     ring.close()
+
+
+def test_a_full_ring_drops_the_rest_of_a_call_after_one_wait() -> None:
+    """A save into a full ring waits once, not once per block: the model thread's stall is bounded by
+    ``wait_s`` per save, and the blocks after the first dropped one are dropped with it (a lookup of the
+    prompt stops at the hole, so they could never be hit)."""
+    release = threading.Event()
+    ring = StagingRing(2, 64, on_ready=lambda slot, meta: release.wait(10), wait_s=0.2)
+    blocks = [torch.full((4,), float(i)) for i in range(22)]
+    t0 = time.monotonic()
+    accepted = ring.submit_many(blocks, list(range(22)))
+    waited_s = time.monotonic() - t0
+    assert accepted == [True, True] + [False] * 20
+    assert ring.counters.snapshot()["staging"]["dropped_saves"] == 20
+    assert 0.2 <= waited_s < 2.0  # one wait_s; a wait per dropped block would be 4 s
+    release.set()
+    ring.flush()
+    ring.close()
