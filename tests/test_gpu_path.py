@@ -329,3 +329,21 @@ def test_host_runs_uploaded_block_major_land_in_place(ns) -> None:
         and not dest[:, :, :16].any()
         and not dest[:, :, 64:].any()
     )
+
+
+def test_gpu_tier_runs_land_in_place_with_one_gather(ns) -> None:
+    """The GPU tier's restore of a run of slots (one gather, one strided copy), on CPU: slots wider than a
+    block (only the block's bytes are read), blocks out of slot order, the rest of the destination kept."""
+    from tierkv.tiers.slot_copies import device_run
+
+    spec = KVSpec.of(ns)
+    kv = make_kv(ns, 80, seed=17)
+    blocks = [kv[:, :, i * 16 : (i + 1) * 16].contiguous().view(-1).view(torch.uint8) for i in range(5)]
+    pool = torch.zeros((6, spec.block_nbytes + 64), dtype=torch.uint8)
+    for slot, b in zip((4, 0, 5, 2), blocks[1:]):
+        pool[slot, : spec.block_nbytes] = b
+    dest = torch.full(spec.shape(80), 7.0, dtype=spec.dtype)
+    device_run(dest, [pool[s] for s in (4, 0, 5, 2)], 1, spec)
+    assert torch.equal(dest[:, :, 16:80], kv[:, :, 16:80])
+    assert bool((dest[:, :, :16] == 7.0).all())
+

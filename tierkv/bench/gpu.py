@@ -122,7 +122,7 @@ def restore_h2d(nbytes: int = 1 << 30) -> dict[str, float]:
     }
 
 
-def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
+def ttft_1b(lengths: tuple[int, ...] = (4096, 16384), profile: bool = False) -> list[dict[str, Any]]:
     import tempfile
 
     from tierkv import TieredStore
@@ -143,10 +143,15 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
     model = build_default_model(torch.bfloat16, **cfg).cuda()
     tok = ByteTokenizer()
 
-    def timed_prefill(row: dict[str, Any], name: str, prefill: Any, repeat: int = 3) -> Any:
-        """``row[name_ms]`` the median prefill, with its restore and forward parts; returns the last."""
+    def timed_prefill(
+        row: dict[str, Any], name: str, prefill: Any, repeat: int = 3, between: Any = None
+    ) -> Any:
+        """``row[name_ms]`` the median prefill, with its restore and forward parts; returns the last.
+        ``between``: called before each prefill, untimed."""
         total, parts, res = [], [], None
         for k in range(repeat + 1):
+            if between is not None:
+                between()
             t0 = time.perf_counter()
             res = prefill()
             torch.cuda.synchronize()
@@ -170,13 +175,23 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
                 timed_prefill(row, "cold", lambda cm=cm, ids=ids: cm.prefill(ids, use_cache=False))
                 # Saving during a prefill: cache on, no hit (a new prompt each time) against cache off,
                 # back to back (the worst case: the host and disk tiers absorb KV slower than this makes it).
-                fresh = iter([torch.randint(3, 259, (L + 1,)).tolist() for _ in range(4)])
+                fresh = iter([torch.randint(3, 259, (L + 1,)).tolist() for _ in range(8)])
                 timed_prefill(row, "save", lambda cm=cm, fresh=fresh: cm.prefill(next(fresh)))
                 row["save_overhead"] = row["save_ms"] / row["cold_ms"] - 1
+                # The same with the previous save's write-behind finished first: the save's own cost,
+                # without the background work of the one before.
+                timed_prefill(
+                    row,
+                    "save_spaced",
+                    lambda cm=cm, fresh=fresh: cm.prefill(next(fresh)),
+                    between=store.flush,
+                )
+                if profile:  # where the model thread's time goes in one more such prefill
+                    _profiled(lambda cm=cm, L=L: cm.prefill(torch.randint(3, 259, (L + 1,)).tolist()))
                 store.flush()
                 snap = store.stats()
                 row["save_dropped_blocks"] = snap.get("staging", {}).get("dropped_saves", 0)
-                row["save_blocks"] = 4 * (L // 64)
+                row["save_blocks"] = 8 * (L // 64)
                 cm.prefill(ids)
                 store.flush()
                 res = timed_prefill(row, "gpu", lambda cm=cm, ids=ids: cm.prefill(ids))
@@ -212,6 +227,21 @@ def ttft_1b(lengths: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
             row["disk_cold_GBps"] = kv_nbytes / first_s / 1e9
         rows.append(row)
     return rows
+
+
+def _profiled(fn: Any) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(18)
+    print(text.getvalue()[:5000])
 
 
 def save_drain(nbytes: int = 1 << 30) -> dict[str, float]:
@@ -302,7 +332,7 @@ def _show_ttft(rows: list[dict[str, Any]]) -> None:
             f"{row['tokens']:6d}  "
             + "  ".join(
                 f"{k} {row[k + '_ms']:.1f} ({row[k + '_restore_ms']:.1f}+{row[k + '_forward_ms']:.1f})"
-                for k in ("cold", "save", "gpu", "host", "disk_warm")
+                for k in ("cold", "save", "save_spaced", "gpu", "host", "disk_warm")
             )
             + f"  restart: open {row['restart_open_ms']:.0f} wrap {row['restart_wrap_ms']:.0f}"
             + f"  save dropped {row['save_dropped_blocks']} of {row['save_blocks']} blocks"
@@ -321,7 +351,11 @@ def _show_ttft(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results/gpu")
+    ap.add_argument("--only", default="ring,restore,gather,ttft,drain,disk", help="comma-separated parts")
+    ap.add_argument("--lengths", default="4096,16384", help="ttft: prompt lengths")
+    ap.add_argument("--profile", action="store_true", help="ttft: profile one saving prefill")
     args = ap.parse_args()
+    lengths = tuple(int(x) for x in args.lengths.split(","))
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: nothing to measure")
     import dataclasses
@@ -337,10 +371,12 @@ def main() -> None:
         ("ring", ring_vs_torch, _show_ring),
         ("restore", restore_h2d, _show_restore),
         ("gather", gather_vs_loop, _show_gather),
-        ("ttft", ttft_1b, _show_ttft),
+        ("ttft", lambda: ttft_1b(lengths, args.profile), _show_ttft),
         ("drain", save_drain, _show_drain),
         ("disk", disk_read_limit, _show_disk),
     ):
+        if name not in args.only.split(","):
+            continue
         try:
             res[name] = part()
             show(res[name])

@@ -26,7 +26,7 @@ from tierkv.tenancy import Quota
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.pool_tenants import PoolTenants
 from tierkv.tiers.prefault import Populator, populate_in_background
-from tierkv.tiers.slot_copies import Slabs, copy_run, gather_run, index_tensor, slabs, upload_run
+from tierkv.tiers.slot_copies import Slabs, copy_run, device_run, gather_run, index_tensor, slabs, upload_run
 from tierkv.tiers.target import Target, rows_scatterable
 from tierkv.units import format_size
 
@@ -556,6 +556,8 @@ class BlockPool(Tier):
             )
         elif n and dest is not None and dest.device.type == "cuda" and self.device.type == "cpu":
             upload_run(dest, views[:n], first, spec)
+        elif n and dest is not None and dest.device == self.device and self.device.type == "cuda":
+            device_run(dest, views[:n], first, spec)
         elif (
             n
             and self.device.type == "cpu"

@@ -16,7 +16,7 @@ import torch
 from tierkv import native
 from tierkv.layout import KVSpec
 
-__all__ = ["COPY_THREADS", "Slabs", "copy_run", "gather_run", "index_tensor", "slabs", "upload_run"]
+__all__ = ["COPY_THREADS", "Slabs", "copy_run", "device_run", "gather_run", "index_tensor", "slabs", "upload_run"]
 
 # Threads of a native copy (memory-bound: a few saturate a socket's bandwidth).
 COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
@@ -68,6 +68,14 @@ def upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, sp
     for j, slot in enumerate(slots):
         run[j].copy_(slot.view(spec.dtype).view(spec.block_shape), non_blocking=True)
     dest[:, :, first * B : (first + n) * B].copy_(run.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(n * B)))
+
+
+def device_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
+    """Blocks ``first..`` of ``dest`` from slots on its own device (the GPU tier): one gather of the slots
+    and one strided copy into place, instead of a copy (a launch) per block."""
+    n, B = len(slots), spec.block_tokens
+    run = torch.stack([s[: spec.block_nbytes] for s in slots]).view(spec.dtype).view(n, *spec.block_shape)
+    dest[:, :, first * B : (first + n) * B].unflatten(2, (n, B)).copy_(run.permute(1, 2, 0, 3, 4, 5))
 
 
 def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
