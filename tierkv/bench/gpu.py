@@ -354,8 +354,18 @@ def main() -> None:
     ap.add_argument("--only", default="ring,restore,gather,ttft,drain,disk", help="comma-separated parts")
     ap.add_argument("--lengths", default="4096,16384", help="ttft: prompt lengths")
     ap.add_argument("--profile", action="store_true", help="ttft: profile one saving prefill")
+    ap.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="Python's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets "
+        "a thread running Python keep it (the model thread against the write-behind's threads)",
+    )
     args = ap.parse_args()
     lengths = tuple(int(x) for x in args.lengths.split(","))
+    if args.switch_interval_ms is not None:
+        import sys
+
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: nothing to measure")
     import dataclasses
@@ -365,6 +375,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    res["switch_interval_ms"] = __import__("sys").getswitchinterval() * 1e3
     print(f"device {res['device']}, torch {res['torch']}")
     # Each part on its own: one that fails (the first run on a new machine) must not lose the others.
     for name, part, show in (
