@@ -276,7 +276,9 @@ class CachedModel:
         logits, cache = self._forward(token_ids[n:], cache)
         observe = chain is not None and len(token_ids) - n >= B  # a block or more: a measure of speed
         if observe and logits.is_cuda:
-            torch.cuda.synchronize(logits.device)  # the forward's kernels, not their launches
+            # The forward's kernels, not their launches, and only the compute stream's: a device-wide
+            # sync would also wait for the staging ring's copies of earlier saves on its side stream.
+            torch.cuda.current_stream(logits.device).synchronize()
         t2 = time.perf_counter()
         if observe:
             assert self.store is not None
