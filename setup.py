@@ -1,5 +1,6 @@
 """Builds the native record reader and writer (``native/records.c`` -> ``tierkv._native``), and on request
-the optional CUDA extension (``TIERKV_BUILD_CUDA=1 pip install -e .``).
+the optional CUDA extension (``TIERKV_BUILD_CUDA=1 pip install -e . --no-build-isolation``: setup
+imports torch).
 
 The native module is optional: where no C compiler is found the install goes on without it and tierkv
 uses its Python data path (``tierkv stats`` and the server's start-up line say which one runs). A plain
@@ -36,6 +37,7 @@ if os.environ.get("TIERKV_BUILD_CUDA") == "1":
         compiler, and records.c is C (C11 atomics), so the native module takes setuptools' own build."""
 
         def build_extensions(self) -> None:
+            # The native module first: torch's build_extensions patches the compiler for what follows.
             every = self.extensions
             try:
                 self.extensions = [e for e in every if e.name == "tierkv._native"]

@@ -5,6 +5,8 @@ synchronous copies, the chunked staging-and-upload restore into a tensor records
 The tests marked ``gpu`` repeat the essential ones on CUDA; they are skipped without it.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -331,19 +333,23 @@ def test_host_runs_uploaded_block_major_land_in_place(ns) -> None:
     )
 
 
-def test_gpu_tier_runs_land_in_place_with_one_gather(ns) -> None:
-    """The GPU tier's restore of a run of slots (one gather, one strided copy), on CPU: slots wider than a
-    block (only the block's bytes are read), blocks out of slot order, the rest of the destination kept."""
-    from tierkv.tiers.slot_copies import device_run
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_tier_runs_land_in_place_with_one_gather(ns, monkeypatch, dtype) -> None:
+    """The GPU tier's restore of a run of slots (one gather, one strided copy per piece), on CPU: slots
+    wider than a block (only the block's bytes are read), blocks out of slot order, runs cut into pieces,
+    the rest of the destination kept."""
+    from tierkv.tiers import slot_copies
 
+    ns = dataclasses.replace(ns, dtype=dtype)
     spec = KVSpec.of(ns)
     kv = make_kv(ns, 80, seed=17)
     blocks = [kv[:, :, i * 16 : (i + 1) * 16].contiguous().view(-1).view(torch.uint8) for i in range(5)]
     pool = torch.zeros((6, spec.block_nbytes + 64), dtype=torch.uint8)
     for slot, b in zip((4, 0, 5, 2), blocks[1:]):
         pool[slot, : spec.block_nbytes] = b
-    dest = torch.full(spec.shape(80), 7.0, dtype=spec.dtype)
-    device_run(dest, [pool[s] for s in (4, 0, 5, 2)], 1, spec)
-    assert torch.equal(dest[:, :, 16:80], kv[:, :, 16:80])
-    assert bool((dest[:, :, :16] == 7.0).all())
-
+    for piece_nbytes in (64 << 20, spec.block_nbytes, 3 * spec.block_nbytes):  # one piece, 1 block, 3 + 1
+        monkeypatch.setattr(slot_copies, "DEVICE_RUN_NBYTES", piece_nbytes)
+        dest = torch.full(spec.shape(80), 7.0, dtype=spec.dtype)
+        slot_copies.device_run(dest, [pool[s] for s in (4, 0, 5, 2)], 1, spec)
+        assert torch.equal(dest[:, :, 16:80], kv[:, :, 16:80])
+        assert bool((dest[:, :, :16] == 7.0).all())

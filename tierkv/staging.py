@@ -11,9 +11,8 @@ thread waits for the oldest slot's event and hands the slot to ``on_ready`` (whi
 the host tier, the disk queue), then frees it. When every slot is busy, a block the caller will not write
 again (``keep_reference``: model KV) waits in a queue bounded by ``pending_nbytes`` and is copied when a
 slot frees, so the inference thread does not wait for the drain; past that bound, or for other blocks,
-``submit`` waits at most ``wait_s`` and then drops the block (a future miss, counted), and with it the
-rest of the call: one wait per call, and no lookup of the prompt reaches past the hole. Slots drain in
-submission order.
+``submit`` waits at most ``wait_s`` in all per call and then drops each block that finds no room (a
+future miss, counted). Slots drain in submission order.
 
 Without CUDA the same class runs on CPU tensors: plain memory, synchronous copies, no events, so every
 path runs in CI. An illegal transition raises with the slot's current state.
@@ -122,9 +121,10 @@ class StagingRing:
     def submit_many(
         self, blocks: Sequence[torch.Tensor], metas: Sequence[Any], *, keep_reference: bool = False
     ) -> list[bool]:
-        """``submit`` for several blocks of one device, in a prompt's order: one fence, one lock round and
-        one batch of copies with one completion event, instead of one each. The first block that finds no
-        room within ``wait_s`` is dropped with every block after it. Returns, per block, whether it was
+        """``submit`` for several blocks of one device: one fence, one lock round and
+        one batch of copies with one completion event, instead of one each. The call waits for room at most
+        ``wait_s`` in all (a drain that frees a slot now and then must not make each block wait anew);
+        past that, a block that finds no room at once is dropped. Returns, per block, whether it was
         accepted."""
         for block in blocks:
             if block.numel() * block.element_size() > self.slots.shape[1]:
@@ -138,6 +138,7 @@ class StagingRing:
             ready.record(torch.cuda.current_stream(blocks[0].device))
         accepted = [False] * len(blocks)
         n = 0
+        deadline: float | None = None
         while n < len(blocks):
             batch: list[tuple[int, torch.Tensor]] = []
             with self._cv:
@@ -157,7 +158,8 @@ class StagingRing:
             self._issue(batch, ready)  # before any wait: the drain thread needs these to free slots
             if n == len(blocks) or self._closed:
                 break
-            deadline = time.monotonic() + self.wait_s  # block n found no room: wait a little, then drop it
+            if deadline is None:  # one wait per call: a save of 256 blocks once waited for each
+                deadline = time.monotonic() + self.wait_s
             nbytes = blocks[n].numel() * blocks[n].element_size()
             with self._cv:
                 while (
@@ -166,12 +168,9 @@ class StagingRing:
                     and not (keep_reference and self._pending_held + nbytes <= self.pending_nbytes)
                 ):
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        # The rest of the call too, at once: one wait per call, not per block (a save
-                        # of 256 blocks into a full ring once cost the model thread 256 waits), and the
-                        # blocks after a hole are blocks no lookup of this prompt reaches.
-                        self.counters.add("staging", "dropped_saves", len(blocks) - n)
-                        n = len(blocks)
+                    if remaining <= 0:  # past the call's deadline: block n is dropped, the next ones
+                        self.counters.add("staging", "dropped_saves")  # get in only where room is now
+                        n += 1
                         break
                     self._cv.wait(remaining)
         return accepted

@@ -428,3 +428,37 @@ def test_closing_a_pool_stops_populating_its_pages() -> None:
         pytest.skip("no populating thread here")
     pool.close()
     assert not populator.thread.is_alive()
+
+
+def test_concurrent_puts_copy_outside_the_lock_and_leak_no_slot(monkeypatch) -> None:
+    """A put copies its block outside the pool's lock (a reader or the disk writer releasing a slot must
+    not wait behind a large copy) and publishes it only once complete: a reader during the copy finds no
+    block, and two threads putting the same key leave one slot for it, the other slot free again."""
+    import threading
+
+    host = HostTier(4 * 128, pin=False)
+    host.put(_key(9), _block(9.0))  # allocates the pool
+    in_copy, go_on = threading.Event(), threading.Event()
+    real_copy = torch.Tensor.copy_
+
+    def slow_copy(self, src, *args, **kwargs):
+        if threading.current_thread().name == "slow-put":
+            in_copy.set()
+            assert go_on.wait(5)
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", slow_copy)
+    slow = threading.Thread(target=lambda: host.put(_key(1), _block(1.0)), name="slow-put")
+    slow.start()
+    assert in_copy.wait(5)
+    assert host.contains([_key(1), _key(9)]) == [False, True]  # the lock is free; nothing half-written
+    assert host.put(_key(1), _block(1.0)) is not None  # the same key from another thread, meanwhile
+    go_on.set()
+    slow.join()
+    monkeypatch.undo()
+    assert host.contains([_key(1)]) == [True] and len(host) == 2
+    with host.read([_key(1)]) as views:
+        assert torch.equal(views[0].view(torch.float32).view(2, 2, 4, 1, 2), _block(1.0))
+    for i in range(2, 4):  # every other slot is free again: two more blocks fit without an eviction
+        assert host.put(_key(i), _block(float(i))) is not None
+    assert len(host) == 4 and host.counters.snapshot()["host"]["evictions"] == 0

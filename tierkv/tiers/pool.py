@@ -205,25 +205,49 @@ class BlockPool(Tier):
             assert self._pool is not None
             now = self.clock()
             slot = self._refresh(key, now, created_s)
+            if slot is not None:
+                if hold:
+                    self._ref(slot)
+                return self._pool[slot]
+            slot = self._take_slot(tenant)
             if slot is None:
-                slot = self._take_slot(tenant)
-                if slot is None:
-                    return None
-                # Copied under the lock: a block is ~1 MiB (tens of microseconds), and a reader must never
-                # see a half-written slot. On a GPU the copy is queued on the caller's stream, which is the
-                # stream that later reads the slot (stream order keeps it consistent); a host slot is
-                # complete when put returns (the disk writer reads it from another thread).
-                self._pool[slot].view(block.dtype).view(block.shape).copy_(
-                    block, non_blocking=self.device.type == "cuda"
-                )
-                self._publish(key, slot, now, created_s, tenant)
-                self.counters.add(self.name, "blocks_written")
-                self.counters.add(self.name, "bytes_written", nbytes)
-            if hold:
-                self._ref(slot)
-            return self._pool[slot]
+                return None
+            self._ref(slot)  # claimed: neither free nor published, so no one else takes, finds or evicts it
         finally:
             self._lock.release()
+        # Copied outside the lock: a 2 MiB block into pages not yet faulted in takes a millisecond or more,
+        # and the disk writer releasing the slots it wrote (or a reader) must not wait behind it. Published
+        # only once complete, so no reader sees a half-written slot. On a GPU the copy is queued on the
+        # caller's stream, which is the stream that later reads the slot (stream order keeps it
+        # consistent); a host slot is complete when put returns (the disk writer reads it from another
+        # thread).
+        try:
+            self._pool[slot].view(block.dtype).view(block.shape).copy_(
+                block, non_blocking=self.device.type == "cuda"
+            )
+        except BaseException:
+            with self._lock:
+                self._unclaim(slot)
+            raise
+        with self._lock:
+            if self._slot(key, now) is not None:  # another thread put the same block meanwhile: theirs stays
+                self._unclaim(slot)
+                slot = self._lru[key]
+                if hold:
+                    self._ref(slot)
+                return self._pool[slot]
+            self._publish(key, slot, now, created_s, tenant)
+            self.counters.add(self.name, "blocks_written")
+            self.counters.add(self.name, "bytes_written", nbytes)
+            if not hold:
+                self._unref(slot)
+            return self._pool[slot]
+
+    def _unclaim(self, slot: int) -> None:
+        """Give back a slot ``put`` claimed but did not publish. Under the lock."""
+        self._unref(slot)
+        if self._refs[slot] == 0 and slot not in self._free:
+            self._free.append(slot)
 
     def put_many(self, keys: Sequence[BlockKey], blocks: torch.Tensor, tenant: bytes | None = None) -> int:
         """``put`` for a contiguous stack of blocks ``[N, ...]``: the new ones land in one indexed copy (one

@@ -16,7 +16,16 @@ import torch
 from tierkv import native
 from tierkv.layout import KVSpec
 
-__all__ = ["COPY_THREADS", "Slabs", "copy_run", "device_run", "gather_run", "index_tensor", "slabs", "upload_run"]
+__all__ = [
+    "COPY_THREADS",
+    "Slabs",
+    "copy_run",
+    "device_run",
+    "gather_run",
+    "index_tensor",
+    "slabs",
+    "upload_run",
+]
 
 # Threads of a native copy (memory-bound: a few saturate a socket's bandwidth).
 COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
@@ -70,12 +79,19 @@ def upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, sp
     dest[:, :, first * B : (first + n) * B].copy_(run.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(n * B)))
 
 
+DEVICE_RUN_NBYTES = 64 << 20  # the gather's temporary, per piece: a restore must not need its own size
+
+
 def device_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
-    """Blocks ``first..`` of ``dest`` from slots on its own device (the GPU tier): one gather of the slots
-    and one strided copy into place, instead of a copy (a launch) per block."""
-    n, B = len(slots), spec.block_tokens
-    run = torch.stack([s[: spec.block_nbytes] for s in slots]).view(spec.dtype).view(n, *spec.block_shape)
-    dest[:, :, first * B : (first + n) * B].unflatten(2, (n, B)).copy_(run.permute(1, 2, 0, 3, 4, 5))
+    """Blocks ``first..`` of ``dest`` from slots on its own device (the GPU tier): per piece of up to
+    ``DEVICE_RUN_NBYTES``, one gather of the slots and one strided copy into place, instead of a copy (a
+    launch) per block."""
+    B, step = spec.block_tokens, max(1, DEVICE_RUN_NBYTES // spec.block_nbytes)
+    for lo in range(0, len(slots), step):
+        part = slots[lo : lo + step]
+        n, at = len(part), first + lo
+        run = torch.stack([s[: spec.block_nbytes] for s in part]).view(spec.dtype).view(n, *spec.block_shape)
+        dest[:, :, at * B : (at + n) * B].unflatten(2, (n, B)).copy_(run.permute(1, 2, 0, 3, 4, 5))
 
 
 def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
