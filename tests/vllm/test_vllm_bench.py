@@ -42,3 +42,28 @@ def test_the_vllm_benchmark_measures_every_column(tmp_path: Path, model_dir: Pat
         assert row[column]["load_s"] > 0, column
     assert res["limits"]["memcpy_gbps"] > 0 and res["limits"]["disk_read_gbps"] > 0
     assert "tierkv host / memcpy" in (folder / "README.md").read_text()
+
+
+def test_the_sessions_benchmarks_offloading_config_is_what_vllm_reads() -> None:
+    """On a GPU node the sessions benchmark also runs vLLM's own OffloadingConnector (CUDA only, so not
+    here): its two configurations must name the spec, the tier type and the keys the installed vLLM reads,
+    checked against vLLM's own registries and constructor (a renamed key would fail only on the GPU)."""
+    import inspect
+
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from tierkv.bench.sessions import offload_config
+
+    cpu = offload_config(1 << 30, None)
+    assert cpu["kv_connector"] == "OffloadingConnector"
+    assert OffloadingSpecFactory.get_spec_cls(cpu["kv_connector_extra_config"]) is CPUOffloadingSpec
+    assert '"cpu_bytes_to_use"' in inspect.getsource(CPUOffloadingSpec)
+    tiered = offload_config(1 << 30, Path("/nonexistent/fs-tier"))["kv_connector_extra_config"]
+    assert OffloadingSpecFactory.get_spec_cls(tiered) is TieringOffloadingSpec
+    (fs,) = tiered["secondary_tiers"]
+    tier_cls = SecondaryTierFactory.get_tier_class(fs)
+    params = inspect.signature(tier_cls.__init__).parameters
+    assert all(k in params for k in fs if k != "type"), (tier_cls, list(params))

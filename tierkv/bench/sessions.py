@@ -13,6 +13,12 @@ Systems (each one server, in turn, on the same machine):
     vllm+example  the same with vLLM's ExampleConnector (safetensors files, every prompt saved whole)
     tierkv        ``tierkv serve`` (its transformers engine, one request at a time), same tiers
 
+and on a GPU node also vLLM's own offloading (``OffloadingConnector``; it runs on CUDA, ROCm and XPU
+only), the anchor a vLLM user tries first (``GPU_SYSTEMS``):
+
+    vllm+offload     its CPU tier, ``host_bytes`` of pinned memory (lost on a restart)
+    vllm+offload-fs  the same with its file-system tier behind (``TieringOffloadingSpec``, type ``fs``)
+
 Reported per system and round: TTFT p50/p90/p99 at the client (request to first streamed token,
 queueing included), inter-token latency, prompt tokens and requests per second (the round's wall time),
 and where the prompt tokens' KV came from: the counters each server exports on ``/metrics`` (vLLM's
@@ -38,9 +44,10 @@ from tierkv.bench.machine import drop_page_cache
 from tierkv.bench.table import md_table
 from tierkv.bench.workloads import _text
 
-__all__ = ["SYSTEMS", "Workload", "later", "markdown", "run"]
+__all__ = ["GPU_SYSTEMS", "SYSTEMS", "Workload", "later", "markdown", "offload_config", "run"]
 
 SYSTEMS = ("vllm", "vllm+tierkv", "vllm+example", "tierkv")
+GPU_SYSTEMS = ("vllm+offload", "vllm+offload-fs")
 ANSWER = "Noted. The cached prefix is restored from the fastest tier that holds it; the rest is computed."
 
 
@@ -175,12 +182,14 @@ def _system_servers(
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     dtype = "auto" if torch.cuda.is_available() else "float32"  # CPUs without AVX-512 BF16 emulate bf16
     common = {"model": model, "max_context": max_context, "dtype": dtype}
-    # vLLM's pool held to pool_tokens (its CPU blocks are 128 tokens) so that the sessions outgrow it
+    # vLLM's pool held to pool_tokens so that the sessions outgrow it: its CPU blocks are 128 tokens, and a
+    # GPU's (16 by default) are made so too, for the same pool and the same blocks as tierkv's
     args = [
         "--num-gpu-blocks-override",
         str(max(2, pool_tokens // 128)),
         "--max-num-batched-tokens",
         str(max_context),
+        *(["--block-size", "128"] if torch.cuda.is_available() else []),
     ]
     vdir, edir = base / "vllm-tierkv-cache", base / "vllm-example-store"
     plain = vllm_command({**common, "no_cache": True}, args, python)
@@ -193,16 +202,32 @@ def _system_servers(
         "kv_connector_extra_config": {"shared_storage_path": str(edir)},
     }
     with_example = [*plain, "--kv-transfer-config", json.dumps(example)]
-    for name, cmd, folder in (
+    systems: list[tuple[str, list[str], Path | None]] = [
         ("vllm", plain, None),
         ("vllm+tierkv", with_tierkv, vdir),
         ("vllm+example", with_example, edir),
-    ):
+    ]
+    if torch.cuda.is_available():  # vLLM's own offloading runs on GPUs only
+        fdir = base / "vllm-offload-fs"
+        for name, fs_dir in (("vllm+offload", None), ("vllm+offload-fs", fdir)):
+            cfg = offload_config(host_bytes, fs_dir)
+            systems.append((name, [*plain, "--kv-transfer-config", json.dumps(cfg)], fs_dir))
+    for name, cmd, folder in systems:
         out[name] = (
             functools.partial(VllmServer, cmd, env, log_dir / f"sessions-{name.replace('+', '-')}.log"),
             folder,
         )
     return out
+
+
+def offload_config(cpu_bytes: int, fs_dir: Path | None) -> dict[str, Any]:
+    """vLLM 0.32's ``OffloadingConnector``: its CPU tier of ``cpu_bytes``, and with ``fs_dir`` its
+    file-system tier behind it (``vllm/v1/kv_offload/tiering/fs``)."""
+    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes}
+    if fs_dir is not None:
+        extra["spec_name"] = "TieringOffloadingSpec"
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": str(fs_dir)}]
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 def run(

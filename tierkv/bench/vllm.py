@@ -212,7 +212,7 @@ def run(
     with_example = [*plain, "--kv-transfer-config", json.dumps(example_cfg)]
     startup_s: dict[str, float] = {}
     calls: dict[str, dict[int, list[dict[str, Any]]]] = {
-        c: {n: [] for n in lengths} for c in (*COLUMNS, *BUFFER_COLUMNS)
+        c: {n: [] for n in lengths} for c in (*COLUMNS, *BUFFER_COLUMNS, "warm_up")
     }
     saved = {n: [_prompt("saved", n, i, vocab) for i in range(runs)] for n in lengths}
 
@@ -247,7 +247,11 @@ def run(
         return run_loads
 
     cold = {n: [_prompt("cold", n, i, vocab) for i in range(runs)] for n in lengths}
+    warmup = {n: [_prompt("warm-up", n, 0, vocab)] for n in lengths}
     phases: list[tuple[str, list[str], Path | None, Callable[[VllmServer], None]]] = [
+        # Untimed: the first server's prefills ran about 2x slower than every later one's in each run
+        # since 2026-12-01 (whatever the first one warms up), which made the cold column incomparable.
+        ("warm-up", plain, None, lambda s: each("warm_up", s, warmup)),
         ("cold", plain, None, lambda s: each("cold", s, cold)),
         ("tierkv-save", with_tierkv, None, lambda s: each("tierkv_saving", s, saved)),
         ("tierkv-load", with_tierkv, tierkv_cache, loads("tierkv_disk_cold", "tierkv_host")),

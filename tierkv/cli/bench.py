@@ -256,6 +256,15 @@ def _failed_children(logs: Path, most: int = 2) -> str:
     return "".join(quoted[:most])
 
 
+def _gpu_sessions() -> tuple[str, ...]:
+    """vLLM's own offloading joins the sessions benchmark where it runs: on a GPU."""
+    import torch
+
+    from tierkv.bench import sessions
+
+    return sessions.GPU_SYSTEMS if torch.cuda.is_available() else ()
+
+
 def _part_runners(
     quick: bool, model: str, config_name: str | None, runs: int | None
 ) -> dict[str, Callable[[Path], Any]]:
@@ -352,7 +361,7 @@ def _part_runners(
             base,
             python=python,
             model=model,
-            systems=("tierkv",) if embedded else sessions.SYSTEMS,
+            systems=("tierkv",) if embedded else sessions.SYSTEMS + _gpu_sessions(),
             progress=lambda line: click.echo(line, err=True),
             **small,  # type: ignore[arg-type]
         )
