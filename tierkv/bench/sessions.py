@@ -176,10 +176,16 @@ def _system_servers(
         return out
     import torch
 
-    from tierkv.bench.vllm import VllmServer
+    from tierkv.bench.vllm import SAME_CPUS_ENV, VllmServer
     from tierkv.integrations.vllm.serve import vllm_command
 
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        **SAME_CPUS_ENV,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     dtype = "auto" if torch.cuda.is_available() else "float32"  # CPUs without AVX-512 BF16 emulate bf16
     common = {"model": model, "max_context": max_context, "dtype": dtype}
     # vLLM's pool held to pool_tokens so that the sessions outgrow it: its CPU blocks are 128 tokens, and a

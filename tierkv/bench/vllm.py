@@ -39,9 +39,15 @@ from tierkv.bench.serving import free_port
 from tierkv.bench.table import md_table
 from tierkv.errors import ConfigError
 
-__all__ = ["COLUMNS", "LENGTHS", "markdown", "run"]
+__all__ = ["COLUMNS", "LENGTHS", "SAME_CPUS_ENV", "markdown", "run"]
 
 LENGTHS = (1024, 2048, 4096, 8064)  # 8K: SmolLM2's context is 8192 tokens
+
+# vLLM-CPU reserves one core for its other processes, and one more when a KV connector is configured
+# (vllm/utils/ompmultiprocessing.py, for NIXL); on a machine with no more cores than that, it reserves
+# none. So on 2 cores a server without a connector computed on one core and a server with any connector
+# on two: every "cold" column before 2026-12-04 was about 2x too slow. Every server gets the same cores.
+SAME_CPUS_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 COLUMNS = {
     "cold": "cold prefill",
@@ -179,6 +185,7 @@ def run(
     vllm_args = ["--no-enable-prefix-caching", "--max-num-batched-tokens", str(max_len)]
     env = dict(
         os.environ,
+        **SAME_CPUS_ENV,
         VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
@@ -212,7 +219,7 @@ def run(
     with_example = [*plain, "--kv-transfer-config", json.dumps(example_cfg)]
     startup_s: dict[str, float] = {}
     calls: dict[str, dict[int, list[dict[str, Any]]]] = {
-        c: {n: [] for n in lengths} for c in (*COLUMNS, *BUFFER_COLUMNS, "warm_up")
+        c: {n: [] for n in lengths} for c in (*COLUMNS, *BUFFER_COLUMNS)
     }
     saved = {n: [_prompt("saved", n, i, vocab) for i in range(runs)] for n in lengths}
 
@@ -247,11 +254,7 @@ def run(
         return run_loads
 
     cold = {n: [_prompt("cold", n, i, vocab) for i in range(runs)] for n in lengths}
-    warmup = {n: [_prompt("warm-up", n, 0, vocab)] for n in lengths}
     phases: list[tuple[str, list[str], Path | None, Callable[[VllmServer], None]]] = [
-        # Untimed: the first server's prefills ran about 2x slower than every later one's in each run
-        # since 2026-12-01 (whatever the first one warms up), which made the cold column incomparable.
-        ("warm-up", plain, None, lambda s: each("warm_up", s, warmup)),
         ("cold", plain, None, lambda s: each("cold", s, cold)),
         ("tierkv-save", with_tierkv, None, lambda s: each("tierkv_saving", s, saved)),
         ("tierkv-load", with_tierkv, tierkv_cache, loads("tierkv_disk_cold", "tierkv_host")),
