@@ -88,11 +88,11 @@ def gather_vs_loop(
     }
 
 
-def restore_h2d(nbytes: int = 1 << 30) -> dict[str, float]:
-    """Host-tier hits restored into device memory (pinned slots, DMA) against torch's pinned H2D copy."""
-    from tierkv import Namespace, TieredStore
+def _bench_ns() -> Any:
+    """The 1B-class model's KV layout (16 layers, 8 KV heads of 64, bf16): 32 KiB per token."""
+    from tierkv import Namespace
 
-    ns = Namespace(
+    return Namespace(
         model_id="bench",
         revision="r",
         dtype="bfloat16",
@@ -101,6 +101,13 @@ def restore_h2d(nbytes: int = 1 << 30) -> dict[str, float]:
         head_dim=64,
         block_tokens=64,
     )
+
+
+def restore_h2d(nbytes: int = 1 << 30) -> dict[str, float]:
+    """Host-tier hits restored into device memory (pinned slots, DMA) against torch's pinned H2D copy."""
+    from tierkv import TieredStore
+
+    ns = _bench_ns()
     tokens = nbytes // (16 * 2 * 8 * 64 * 2)
     ids = list(range(tokens))
     kv = torch.randn(16, 2, tokens, 8, 64, dtype=torch.bfloat16)
@@ -249,17 +256,9 @@ def save_drain(nbytes: int = 1 << 30) -> dict[str, float]:
     device blocks (returns once the copies are queued), then ``flush`` (every block kept)."""
     import tempfile
 
-    from tierkv import Namespace, TieredStore
+    from tierkv import TieredStore
 
-    ns = Namespace(
-        model_id="bench",
-        revision="r",
-        dtype="bfloat16",
-        num_layers=16,
-        num_kv_heads=8,
-        head_dim=64,
-        block_tokens=64,
-    )
+    ns = _bench_ns()
     nblocks = nbytes // (16 * 2 * 64 * 8 * 64 * 2)
     blocks = torch.randn(nblocks, 16, 2, 64, 8, 64, device="cuda").to(torch.bfloat16)
     out: dict[str, float] = {}
