@@ -265,3 +265,22 @@ def test_bench_sessions_serves_later_rounds_from_the_tiers_and_a_restart_from_di
     assert all(r["lost_blocks"] == 0 and r["requests"] == 3 for r in (one, two, after))
     assert 0 < one["ttft_p50_s"] <= one["ttft_p90_s"] <= one["ttft_p99_s"]
     assert "needs vLLM" not in json.dumps(res["sessions"]["errors"])  # tiny: tierkv serve alone, asked
+
+
+def test_the_sessions_plot_is_drawn_from_the_sessions_results(tmp_path) -> None:
+    """TTFT by round, the computed share by round and the CDF, from each system's rounds and restart."""
+    pytest.importorskip("matplotlib")
+    from tierkv.bench import report
+
+    def rnd(ttfts: list[float], computed: float) -> dict:
+        return {
+            "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
+            "ttft_p90_s": max(ttfts),
+            "ttft_s": ttfts,
+            "prompt_tokens": 1000,
+            "sources": {"computed": computed, "disk": 1000 - computed},
+        }
+
+    system = {"rounds": [rnd([3.0, 4.0], 900), rnd([1.0, 1.5], 100)], "after_restart": rnd([1.2, 1.4], 120)}
+    files = report._plots(tmp_path, {"sessions": {"systems": {"a": system, "b": system}}})
+    assert files == [tmp_path / "sessions.png"] and files[0].stat().st_size > 1000

@@ -196,7 +196,49 @@ def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         files.append(out_dir / "bandwidth.png")
         fig.savefig(files[-1], dpi=110)
         plt.close(fig)
+    if results.get("sessions") and not is_failure(results["sessions"]) and results["sessions"]["systems"]:
+        files.append(_sessions_plot(plt, out_dir, results["sessions"]))
     return files
+
+
+def _sessions_plot(plt: Any, out_dir: Path, res: dict[str, Any]) -> Path:
+    """The sessions benchmark: TTFT by round (p50 solid, p90 dashed), the share of prompt tokens computed
+    by round (the rest came from a cache), and the TTFT CDF of the rounds after the first."""
+    fig, (by_round, computed, cdf) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name, sys_res in res["systems"].items():
+        rounds = [*sys_res["rounds"], sys_res["after_restart"]]
+        x = list(range(1, len(rounds) + 1))
+        (line,) = by_round.plot(x, [r["ttft_p50_s"] for r in rounds], "-o", label=name)
+        by_round.plot(x, [r["ttft_p90_s"] for r in rounds], "--", color=line.get_color())
+        share = [r["sources"].get("computed", 0.0) / max(1.0, r["prompt_tokens"]) for r in rounds]
+        computed.plot(x, [100 * v for v in share], "-o", color=line.get_color(), label=name)
+        later = sorted(t for r in sys_res["rounds"][1:] for t in r["ttft_s"])
+        if later:
+            cdf.step(later, [(i + 1) / len(later) for i in range(len(later))], where="post", label=name)
+    last = len(next(iter(res["systems"].values()))["rounds"]) + 1
+    for ax in (by_round, computed):
+        ax.set_xticks(range(1, last + 1), [*map(str, range(1, last)), f"{last}\n(restarted)"])
+        ax.grid(True, alpha=0.3)
+    by_round.set(
+        xlabel="round", ylabel="TTFT (s), p50 solid, p90 dashed", ylim=(0, None), title="TTFT by round"
+    )
+    computed.set(
+        xlabel="round", ylabel="prompt tokens computed (%)", ylim=(0, 100), title="Computed, not reused"
+    )
+    cdf.set(
+        xlabel="TTFT (s)",
+        ylabel="fraction of requests",
+        xlim=(0, None),
+        title="TTFT CDF, rounds after the first",
+    )
+    cdf.grid(True, alpha=0.3)
+    for ax in (by_round, computed, cdf):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "sessions.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 __all__ = ["QUICK_WARNING", "failure", "failure_markdown", "is_failure", "parts_markdown", "write"]
