@@ -462,3 +462,31 @@ def test_concurrent_puts_copy_outside_the_lock_and_leak_no_slot(monkeypatch) -> 
     for i in range(2, 4):  # every other slot is free again: two more blocks fit without an eviction
         assert host.put(_key(i), _block(float(i))) is not None
     assert len(host) == 4 and host.counters.snapshot()["host"]["evictions"] == 0
+
+
+def test_a_populate_call_interrupted_by_a_signal_is_retried(monkeypatch) -> None:
+    """MADV_POPULATE_WRITE returns EINTR when a signal arrives (EAGAIN when the kernel asks to come back):
+    the chunk is asked again, not the whole pool given up (its pages would then fault on the request
+    path)."""
+    import ctypes
+    import errno
+
+    import tierkv.tiers.prefault as prefault
+
+    calls: list[tuple[int, int]] = []
+
+    def flaky_madvise(addr, n, advice) -> int:
+        calls.append((addr.value, n.value))
+        if len(calls) in (1, 3):  # the first chunk's first try, and the second chunk's
+            ctypes.set_errno(errno.EINTR if len(calls) == 1 else errno.EAGAIN)
+            return -1
+        return 0
+
+    monkeypatch.setattr(prefault, "_madvise", lambda: flaky_madvise)
+    pool = torch.empty(3 * prefault.CHUNK_NBYTES, dtype=torch.uint8)
+    populator = prefault.populate_in_background(pool, "host", paced=False)
+    assert populator is not None
+    populator.join(10)
+    ok = [c for i, c in enumerate(calls) if i not in (0, 2)]  # the calls that populated
+    assert len(calls) == 5 and calls[0] == calls[1] and calls[2] == calls[3]  # each failed chunk again
+    assert len({addr for addr, _ in ok}) == 3 and sum(n for _, n in ok) > 2 * prefault.CHUNK_NBYTES

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import mmap
 import os
@@ -38,6 +39,7 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h
 # One madvise call: it holds the process's mmap lock (read), so keep it short (about 2 ms of CPU): an
 # allocator waiting to map memory must not wait long for it.
 CHUNK_NBYTES = 4 << 20
+MAX_RETRIES = 100  # EINTR or EAGAIN from one populate call, per pool: then its pages fault on first use
 
 
 def _madvise() -> object | None:
@@ -91,13 +93,16 @@ def _populate(
     if paced:
         background_priority()
     t0 = time.perf_counter()
-    addr = start
+    addr, retries = start, 0
     while addr < end and not stop.is_set():
         n = min(CHUNK_NBYTES, end - addr)
         with normal_priority():
             call_s = time.perf_counter()
             rc = fn(ctypes.c_void_p(addr), ctypes.c_size_t(n), MADV_POPULATE_WRITE)  # type: ignore[operator]
             call_s = time.perf_counter() - call_s
+        if rc != 0 and ctypes.get_errno() in (errno.EINTR, errno.EAGAIN) and retries < MAX_RETRIES:
+            retries += 1  # a signal arrived, or the kernel asked to come back: the same chunk again
+            continue
         if rc != 0:
             err = ctypes.get_errno()
             log.debug(
