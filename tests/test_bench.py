@@ -268,19 +268,28 @@ def test_bench_sessions_serves_later_rounds_from_the_tiers_and_a_restart_from_di
 
 
 def test_the_sessions_plot_is_drawn_from_the_sessions_results(tmp_path) -> None:
-    """TTFT by round, the computed share by round and the CDF, from each system's rounds and restart."""
+    """TTFT by round, the computed share by round and the CDF, from each system's rounds and restart.
+    Drawn in a child process, as the benchmark does: matplotlib stays out of the test process."""
+    import subprocess
+    import sys
+
     pytest.importorskip("matplotlib")
-    from tierkv.bench import report
+    script = """
+import json, sys
+from pathlib import Path
+from tierkv.bench import report
 
-    def rnd(ttfts: list[float], computed: float) -> dict:
-        return {
-            "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
-            "ttft_p90_s": max(ttfts),
-            "ttft_s": ttfts,
-            "prompt_tokens": 1000,
-            "sources": {"computed": computed, "disk": 1000 - computed},
-        }
+def rnd(ttfts, computed):
+    return {"ttft_p50_s": sorted(ttfts)[len(ttfts) // 2], "ttft_p90_s": max(ttfts), "ttft_s": ttfts,
+            "prompt_tokens": 1000, "sources": {"computed": computed, "disk": 1000 - computed}}
 
-    system = {"rounds": [rnd([3.0, 4.0], 900), rnd([1.0, 1.5], 100)], "after_restart": rnd([1.2, 1.4], 120)}
-    files = report._plots(tmp_path, {"sessions": {"systems": {"a": system, "b": system}}})
-    assert files == [tmp_path / "sessions.png"] and files[0].stat().st_size > 1000
+system = {"rounds": [rnd([3.0, 4.0], 900), rnd([1.0, 1.5], 100)], "after_restart": rnd([1.2, 1.4], 120)}
+files = report._plots(Path(sys.argv[1]), {"sessions": {"systems": {"a": system, "b": system}}})
+print(json.dumps([str(f) for f in files]))
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [str(tmp_path / "sessions.png")]
+    assert (tmp_path / "sessions.png").stat().st_size > 1000
