@@ -97,7 +97,7 @@ def test_a_save_of_cpu_blocks_reaches_host_and_disk(ns, host, disk, counters, ch
         wb.close()
 
 
-def _stall(disk: DiskTier, ns, key: bytes = bytes(32)) -> threading.Event:
+def _stall(disk: DiskTier, ns) -> threading.Event:
     """Hold the disk writer thread inside a batch until the returned event is set: what is queued next
     is encoded only after that (the writer encodes records on its own thread)."""
     gate = threading.Event()
@@ -108,7 +108,7 @@ def _stall(disk: DiskTier, ns, key: bytes = bytes(32)) -> threading.Event:
         gate.wait(60)
         return [b"an unrelated record"]
 
-    assert disk.put(ns.digest, key, record, 32, time.time())
+    assert disk.put(ns.digest, bytes(32), record, 32, time.time())
     assert entered.wait(60)
     return gate
 
@@ -312,54 +312,3 @@ def test_a_dirty_block_that_must_leave_the_host_tier_is_counted_lost_and_flush_s
         assert (
             lost == stats["writeback_lost_blocks"] + stats["dropped_saves"] == 120 - stats["blocks_written"]
         )
-
-
-def test_private_copies_are_reused_only_once_every_writer_released_them(ns, disk, counters) -> None:
-    """Without a host tier, saves copy into recycled buffers: a buffer goes back for reuse only when the
-    disk writer is done with it, so saves made while earlier ones are still queued (the writer held in a
-    batch) keep their own bytes, and later saves reuse the released buffers."""
-    wb = _wb([disk], counters, None)
-    gate = _stall(disk, ns)
-    chains, kvs = [], []
-    try:
-        for p in range(3):  # all queued behind the stalled batch: no buffer can have come back yet
-            toks = [p * 1000 + t for t in range(N * ns.block_tokens)]
-            chains.append(BlockChain.of(ns, toks))
-            kvs.append(make_kv(ns, len(toks), seed=20 + p))
-            assert wb.save(chains[-1], 0, _blocks(ns, kvs[-1])) == N
-        assert wb.copies.free_nbytes == 0
-        gate.set()
-        _flush(wb, disk)
-        block_nbytes = KVSpec.of(ns).block_nbytes
-        assert wb.copies.free_nbytes == 3 * N * block_nbytes  # every copy back, once written
-        kept = {b.data_ptr() for bufs in wb.copies._free.values() for b in bufs}
-        toks = [9000 + t for t in range(N * ns.block_tokens)]
-        chains.append(BlockChain.of(ns, toks))
-        kvs.append(make_kv(ns, len(toks), seed=30))
-        gate = _stall(disk, ns, key=b"\1" * 32)  # another key: the first is stored now
-        assert wb.save(chains[-1], 0, _blocks(ns, kvs[-1])) == N
-        reused = kept - {b.data_ptr() for bufs in wb.copies._free.values() for b in bufs}
-        assert len(reused) == N  # this save copied into released buffers, not fresh ones
-        gate.set()
-        _flush(wb, disk)
-        for chain, kv in zip(chains, kvs):
-            assert torch.equal(_read(disk, chain, N), kv)
-    finally:
-        gate.set()
-        wb.close()
-
-
-def test_private_copies_keep_at_most_their_bound() -> None:
-    from tierkv.private_copies import PrivateCopies
-
-    copies = PrivateCopies(keep_nbytes=3 * 1024)
-    block = torch.arange(256, dtype=torch.float32)[::1]  # 1 KiB
-    made = [copies.copy(block, users=2) for _ in range(5)]
-    for buf, _ in made:
-        assert torch.equal(buf.view(torch.float32), block)
-    for _, release in made:
-        release()
-    assert copies.free_nbytes == 0  # each has a second user still
-    for _, release in made:
-        release()
-    assert copies.free_nbytes == 3 * 1024  # two of the five freed: past the bound

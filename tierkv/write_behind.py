@@ -33,7 +33,6 @@ from tierkv.generations import FENCE_WAIT_S, Generations
 from tierkv.keys import BlockChain, BlockKey
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
-from tierkv.private_copies import PrivateCopies
 from tierkv.staging import StagingRing
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.pool import BlockPool
@@ -85,7 +84,6 @@ class WriteBehind:
         # the save and the pool), oldest first; ``refill`` queues them as room comes back.
         self._backlog: dict[Tier, collections.OrderedDict[BlockKey, tuple[_Pending, BlockPool]]] = {}
         self._backlog_lock = threading.Lock()
-        self.copies = PrivateCopies()  # a block's private copy for the record tiers, when no pool holds it
 
     def save(
         self,
@@ -231,17 +229,18 @@ class WriteBehind:
         if not records:
             return
         # Without a held slot the writers share one private copy: the caller may reuse ``block`` at once.
-        release: Callable[[], None] | None = None
         if held is not None:
             payload = held[1]
-            release = functools.partial(held[0].release, held[1])
             for _ in records[1:]:  # one reference per writer, all taken before the first may release its own
                 held[0].retain(held[1])
-        elif owned:
-            payload = block.view(-1).view(torch.uint8)
         else:
-            payload, release = self.copies.copy(block, len(records))
+            payload = (
+                (block if owned else block.clone(memory_format=torch.contiguous_format))
+                .view(-1)
+                .view(torch.uint8)
+            )
         for tier in records:
+            release = functools.partial(held[0].release, held[1]) if held is not None else None
             write = self._block_write(p, payload, release, live)
             ok = tier.try_write(write) if tier.writes_back else tier.write(write)
             if not ok:
