@@ -1,6 +1,6 @@
-"""``tierkv bench --engine vllm`` runs for real: six vLLM servers (cold, tierkv saving and loading after a
-restart, once more loading through a buffer, ExampleConnector saving and loading), one short prompt
-length, one prompt each; and the load itself, timed in each connector."""
+"""``tierkv bench --engine vllm`` runs for real: eight vLLM servers (cold, tierkv saving and loading after a
+restart, once more loading through a buffer, ExampleConnector saving and loading, tierkv saving and cold
+again), one short prompt length, one prompt each; and the load itself, timed in each connector."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def test_the_vllm_benchmark_measures_every_column(tmp_path: Path, model_dir: Pat
     (row,) = res["rows"]
     assert row["tokens"] == 300 and row["same_first_token"]
     assert row["cold"]["cached"] == row["tierkv_saving"]["cached"] == row["example_saving"]["cached"] == 0
+    # cold and saving: a server at the start and another at the end of the run, one prompt each
+    assert len(row["cold"]["all_s"]) == len(row["tierkv_saving"]["all_s"]) == 2
+    assert (folder / "vllm-cold-again.log").exists() and (folder / "vllm-tierkv-save-again.log").exists()
+    assert "tierkv on, saving / cold prefill" in (folder / "README.md").read_text()
     # 300 tokens: two whole blocks of 128, the last token always computed
     assert row["tierkv_disk_cold"]["cached"] == row["tierkv_host"]["cached"] == 256
     assert row["example_disk_cold"]["cached"] == row["example_warm"]["cached"] == 256

@@ -254,6 +254,10 @@ def run(
         return run_loads
 
     cold = {n: [_prompt("cold", n, i, vocab) for i in range(runs)] for n in lengths}
+    # Cold prefills with and without tierkv saving, once at the start and again (reversed) at the end, each
+    # time in a new server: one server's prompts spread by +-8% here, and a server's speed drifts.
+    cold_b = {n: [_prompt("cold-b", n, i, vocab) for i in range(runs)] for n in lengths}
+    saved_b = {n: [_prompt("saved-b", n, i, vocab) for i in range(runs)] for n in lengths}
     phases: list[tuple[str, list[str], Path | None, Callable[[VllmServer], None]]] = [
         ("cold", plain, None, lambda s: each("cold", s, cold)),
         ("tierkv-save", with_tierkv, None, lambda s: each("tierkv_saving", s, saved)),
@@ -266,6 +270,8 @@ def run(
         ),
         ("example-save", with_example, None, lambda s: each("example_saving", s, saved)),
         ("example-load", with_example, example_store, loads("example_disk_cold", "example_warm")),
+        ("tierkv-save-again", with_tierkv, None, lambda s: each("tierkv_saving", s, saved_b)),
+        ("cold-again", plain, None, lambda s: each("cold", s, cold_b)),
     ]
     errors: dict[str, str] = {}
     drop_method = ""
@@ -352,6 +358,18 @@ def markdown(res: dict[str, Any]) -> str:
         vs_example = f"{example / disk:.1f}x" if example and disk else "-"
         table.append([r["tokens"], *cells, vs_cold, vs_example])
     same = all(r["same_first_token"] for r in res["rows"])
+    saving = [
+        f"- {r['tokens']} tokens: "
+        + "; ".join(
+            f"{COLUMNS[c]} / cold prefill {r[c]['ttft_s'] / r['cold']['ttft_s']:.2f} "
+            f"({min(r[c]['all_s']):.2f}-{max(r[c]['all_s']):.2f} s against "
+            f"{min(r['cold']['all_s']):.2f}-{max(r['cold']['all_s']):.2f} s)"
+            for c in ("tierkv_saving", "example_saving")
+            if c in r
+        )
+        for r in res["rows"]
+        if "cold" in r and "all_s" in r["cold"]
+    ]
     note = [
         "",
         "In brackets: the tokens vLLM counted as cached (the least of the prompts). 'vs cold' divides the "
@@ -361,5 +379,17 @@ def markdown(res: dict[str, Any]) -> str:
         f"saved prompt the same computed and loaded (each connector, each tier): {'yes' if same else 'NO'}. "
         "vLLM start-up: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["startup_s"].items()) + ".",
         *(f"- {name} failed: {err}" for name, err in res.get("errors", {}).items()),
+        *(
+            [
+                "",
+                "The cost of saving: the median cold prefill with the connector saving over the median "
+                "without a connector (each prompt computed; tierkv's and the plain server's prompts from two "
+                "servers each, the first and the last of the run):",
+                "",
+                *saving,
+            ]
+            if saving
+            else []
+        ),
     ]
     return "\n".join(head + md_table(header, "r" * len(header), table) + note + vllm_loads.load_table(res))
