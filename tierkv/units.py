@@ -1,12 +1,14 @@
-"""Parse and print human sizes (``512MB``, ``20GiB``) and durations (``90s``, ``24h``, ``7d``)."""
+"""Parse and print human sizes (``512MB``, ``20GiB``) and durations (``90s``, ``24h``, ``7d``); read on/off
+environment variables."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from tierkv.errors import ConfigError
 
-__all__ = ["format_duration", "format_size", "parse_duration", "parse_size"]
+__all__ = ["env_flag", "format_duration", "format_size", "parse_duration", "parse_size"]
 
 _SIZE_UNITS = {
     "": 1,
@@ -61,3 +63,13 @@ def format_duration(seconds: float) -> str:
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
     return f"{seconds:.0f}s"
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable (1, true, yes, on / 0, false, no, off); ``default`` if unset or other."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return default

@@ -1,5 +1,5 @@
-"""``tierkv bench --engine vllm`` runs for real: eight vLLM servers (cold, tierkv saving and loading after a
-restart, once more loading through a buffer, ExampleConnector saving and loading, tierkv saving and cold
+"""``tierkv bench --engine vllm`` runs for real: nine vLLM servers (cold, tierkv saving and loading after a
+restart, once more through a buffer and with buffered reads, ExampleConnector saving and loading, tierkv saving and cold
 again), one short prompt length, one prompt each; and the load itself, timed in each connector."""
 
 from __future__ import annotations
@@ -39,7 +39,15 @@ def test_the_vllm_benchmark_measures_every_column(tmp_path: Path, model_dir: Pat
     assert "through a buffer" in (folder / "vllm-tierkv-load-buffer.log").read_text()
     # the load itself: 256 tokens of 4 layers x K, V x 2 KV heads x 64 dims in float32 into the pages
     kv_nbytes = 256 * 4 * 2 * 2 * 64 * 4
-    for column in ("tierkv_disk_cold", "tierkv_host", "tierkv_disk_cold_buffer", "tierkv_host_buffer"):
+    assert "reads O_DIRECT where uncached" in (folder / "vllm-tierkv-load.log").read_text()
+    assert "reads buffered with readahead" in (folder / "vllm-tierkv-load-buffered-reads.log").read_text()
+    for column in (
+        "tierkv_disk_cold",
+        "tierkv_host",
+        "tierkv_disk_cold_buffer",
+        "tierkv_host_buffer",
+        "tierkv_disk_cold_buffered_reads",
+    ):
         assert row[column]["cached"] == 256 and row[column]["load_s"] > 0, column
         assert abs(row[column]["load_gbps"] * 1e9 * row[column]["load_s"] - kv_nbytes) < 1e-3 * kv_nbytes
     for column in ("example_disk_cold", "example_warm"):  # timed around ExampleConnector's start_load_kv

@@ -64,6 +64,9 @@ COLD_COLUMNS = ("cold", "tierkv_saving", "example_saving")  # each prompt comput
 BUFFER_COLUMNS = {
     "tierkv_disk_cold_buffer": "tierkv disk, through a buffer",
     "tierkv_host_buffer": "tierkv host, through a buffer",
+    # and with the disk read buffered (TIERKV_DIRECT_READS=0: the connector's default before 2026-12-04)
+    "tierkv_disk_cold_buffered_reads": "tierkv disk, buffered reads",
+    "tierkv_host_buffered_reads": "tierkv host, after buffered reads",
 }
 HEALTH_TIMEOUT_S = 900.0
 
@@ -194,6 +197,8 @@ def run(
     def server(name: str, cmd: list[str]) -> VllmServer:
         t0 = time.perf_counter()
         own = dict(env, TIERKV_PAGED_COPY="0") if name.endswith("-buffer") else env
+        if name.endswith("-buffered-reads"):
+            own = dict(env, TIERKV_DIRECT_READS="0")
         s = VllmServer(cmd, own, (log_dir or base) / f"vllm-{name}.log")
         startup_s[name] = time.perf_counter() - t0
         # vLLM's first request pays one-time costs (6.5 s here); a prompt of its own, saved by nobody
@@ -267,6 +272,12 @@ def run(
             with_tierkv,
             tierkv_cache,
             loads("tierkv_disk_cold_buffer", "tierkv_host_buffer"),
+        ),
+        (
+            "tierkv-load-buffered-reads",
+            with_tierkv,
+            tierkv_cache,
+            loads("tierkv_disk_cold_buffered_reads", "tierkv_host_buffered_reads"),
         ),
         ("example-save", with_example, None, lambda s: each("example_saving", s, saved)),
         ("example-load", with_example, example_store, loads("example_disk_cold", "example_warm")),

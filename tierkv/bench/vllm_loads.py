@@ -80,6 +80,7 @@ LOAD_COLUMNS = (
     "tierkv_host",
     "tierkv_disk_cold_buffer",
     "tierkv_host_buffer",
+    "tierkv_disk_cold_buffered_reads",
     "example_disk_cold",
     "example_warm",
 )
@@ -126,6 +127,7 @@ def load_table(res: dict[str, Any]) -> list[str]:
         "tierkv host load",
         "tierkv disk, via buffer",
         "tierkv host, via buffer",
+        "tierkv disk, buffered reads",
         "Example cold load",
         "Example warm load",
         "tierkv host / memcpy",

@@ -119,7 +119,8 @@ EXIT_STATUS = (
     default="transformers",
     show_default=True,
     help="vllm: TTFT through vLLM's OpenAI server, servers in turn: cold, tierkv saving, tierkv "
-    "loading after a restart (disk, then host; again through a buffer), ExampleConnector saving and "
+    "loading after a restart (disk, then host; again through a buffer, and with buffered reads), "
+    "ExampleConnector saving and "
     "loading, tierkv saving and cold again (saving's cost from two servers each); --model "
     "smollm2 or a Hugging Face directory (default smollm2), --runs prompts per length (default 3, "
     "quick 1). About 45 minutes on 2 CPU cores. Needs vLLM (scripts/setup.sh vllm, then "

@@ -45,7 +45,7 @@ from tierkv.tiers.disk.writer import (
     Record,
     Writer,
 )
-from tierkv.units import format_size
+from tierkv.units import env_flag, format_size
 
 if TYPE_CHECKING:
     from tierkv.tiers.target import Target
@@ -55,16 +55,6 @@ log = logging.getLogger("tierkv.disk")
 __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "STORE_FORMAT_VERSION", "DiskTier", "Entry", "Policy", "SweepReport"]
 
 DEFAULT_MAP_NBYTES = 1 << 30  # the index only (about 200 B per block); a sparse file, grown when full
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    """An on/off environment variable (1, true, yes, on / 0, false, no, off); ``default`` if unset or other."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return default
 
 
 class DiskTier(Tier):
@@ -105,9 +95,9 @@ class DiskTier(Tier):
             self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy, counters=self.counters
         )
         if direct_reads is None:
-            direct_reads = _env_flag("TIERKV_DIRECT_READS", False)
+            direct_reads = env_flag("TIERKV_DIRECT_READS", False)
         if direct_writes is None:
-            direct_writes = _env_flag("TIERKV_DIRECT_WRITES", True)
+            direct_writes = env_flag("TIERKV_DIRECT_WRITES", True)
         self.segments = SegmentDir(
             self.path / "segments",
             read_threads=read_threads,
