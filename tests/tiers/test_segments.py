@@ -224,3 +224,32 @@ def test_remove_stale_temp_files_removes_only_old_unlocked_ones(segdir) -> None:
     assert not old.exists() and fresh.exists() and old_locked.exists() and segdir.file(4).exists()
     assert segdir.remove_stale_temp_files(min_age_s=1) == 2  # past the age, once nobody holds them
     assert not fresh.exists() and not old_locked.exists() and segdir.file(4).exists()
+
+
+def test_readv_returns_only_once_every_read_ended_even_after_one_failed(segdir, monkeypatch) -> None:
+    """One group's transient error (no descriptors, say) makes the restore a miss; it must not leave
+    another group still writing into the caller's buffer (which the next restore may take) or still
+    calling ``after`` (a promotion behind a purge's fence, which waits only for the restore)."""
+    import threading
+
+    from tierkv.tiers.disk.files import TransientReadError
+
+    (a,) = _write(segdir, 1, [[os.urandom(64)]])
+    (b,) = _write(segdir, 2, [[os.urandom(64)]])
+    ended = threading.Event()
+    real = SegmentDir._readv_one
+
+    def readv_one(self, seg_id, offset, views, sequential):
+        if seg_id == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        time.sleep(0.3)  # the other group, still reading when the first fails
+        got = real(self, seg_id, offset, views, sequential)
+        ended.set()
+        return got
+
+    monkeypatch.setattr(SegmentDir, "_readv_one", readv_one)
+    dest = [bytearray(64), bytearray(64)]
+    requests = [(1, a, 64, [memoryview(dest[0])]), (2, b, 64, [memoryview(dest[1])])]
+    with pytest.raises(TransientReadError):
+        segdir.readv(requests, lambda i: True)
+    assert ended.is_set()  # the slow group ended before readv raised

@@ -92,8 +92,12 @@ class ConnectorOptions:
                 if not 0.0 <= rate <= 1.0:  # NaN included
                     raise ConfigError(f"self_check_rate must be in 0..1, got {value!r}")
                 out[name] = rate
+            elif name == "direct_reads" and value is None:
+                out[name] = None  # the default: on unless TIERKV_DIRECT_READS=0
             elif name in ("sync", "front", "direct_reads"):
-                out[name] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+                out[name] = (
+                    value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+                )
             elif name == "remote" and str(value).startswith("env:"):
                 # "env:VAR": the URL (which may hold a password) from the environment, not from argv
                 if not (url := os.environ.get(str(value)[4:])):

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from tierkv.cpus import spread_here
@@ -401,7 +401,13 @@ class SegmentDir:
         if len(groups) == 1:
             read_group(groups[0])
         else:
-            list(self._pool.map(read_group, groups))
+            # Every group ends before this returns, even after one raised: a read still running once the
+            # restore gave up would write into a buffer the next restore takes, or promote a block behind
+            # a purge's fence (which waits only for the restore).
+            futures = [self._pool.submit(read_group, g) for g in groups]
+            wait(futures)
+            for future in futures:
+                future.result()  # the first error, now that none is running
         return ok
 
     def _readv_one(self, seg_id: int, offset: int, views: list[memoryview], sequential: bool) -> bool:
