@@ -1,6 +1,7 @@
-"""``tierkv bench --engine vllm`` runs for real: nine vLLM servers (cold, tierkv saving and loading after a
-restart, once more through a buffer and with buffered reads, ExampleConnector saving and loading, tierkv saving and cold
-again), one short prompt length, one prompt each; and the load itself, timed in each connector."""
+"""``tierkv bench --engine vllm`` runs for real: nine vLLM servers (cold, tierkv saving, tierkv loading
+after a restart, once more through a buffer and once with buffered reads, ExampleConnector saving and
+loading, tierkv saving and cold again), one short prompt length, one prompt each; and the load itself,
+timed in each connector."""
 
 from __future__ import annotations
 
