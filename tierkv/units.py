@@ -8,7 +8,7 @@ import re
 
 from tierkv.errors import ConfigError
 
-__all__ = ["env_flag", "format_duration", "format_size", "parse_duration", "parse_size"]
+__all__ = ["env_flag", "format_duration", "format_size", "parse_duration", "parse_flag", "parse_size"]
 
 _SIZE_UNITS = {
     "": 1,
@@ -65,11 +65,17 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def env_flag(name: str, default: bool) -> bool:
-    """An on/off environment variable (1, true, yes, on / 0, false, no, off); ``default`` if unset or other."""
-    value = os.environ.get(name, "").strip().lower()
+def parse_flag(text: str) -> bool | None:
+    """On (1, true, yes, on) or off (0, false, no, off), any case; None for anything else."""
+    value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    return default
+    return None
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable (``parse_flag``); ``default`` if unset or other."""
+    flag = parse_flag(os.environ.get(name, ""))
+    return default if flag is None else flag

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.units import env_flag, parse_duration, parse_size
+from tierkv.units import env_flag, parse_duration, parse_flag, parse_size
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -95,9 +95,7 @@ class ConnectorOptions:
             elif name == "direct_reads" and value is None:
                 out[name] = None  # the default: on unless TIERKV_DIRECT_READS=0
             elif name in ("sync", "front", "direct_reads"):
-                out[name] = (
-                    value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
-                )
+                out[name] = value if isinstance(value, bool) else parse_flag(str(value)) is True
             elif name == "remote" and str(value).startswith("env:"):
                 # "env:VAR": the URL (which may hold a password) from the environment, not from argv
                 if not (url := os.environ.get(str(value)[4:])):
