@@ -211,6 +211,63 @@ def test_purge_waits_for_a_restore_in_progress_and_drops_what_it_promoted(tmp_pa
         _nothing_anywhere(store, ns, [toks])
 
 
+@pytest.mark.parametrize("removal", ["purge", "invalidate"])
+def test_a_restore_the_fence_gave_up_waiting_for_promotes_nothing_it_removed(
+    tmp_path, ns, monkeypatch, data_path, removal: str
+) -> None:
+    """A restore stuck between reading its blocks and promoting them, past ``FENCE_WAIT_S``: the purge (or
+    invalidation) goes on without it; when the restore resumes it still returns the KV it read, but puts
+    none of it back into the host tier (checked as a block is published), nor writes it back."""
+    import tierkv.generations
+    import tierkv.store
+
+    toks = list(range(4 * B))
+    kv = make_kv(ns, 4 * B)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    monkeypatch.setattr(tierkv.generations, "FENCE_WAIT_S", 0.2)
+    stalled, go_on = threading.Event(), threading.Event()
+
+    class Stalled:
+        """The restore's promoter, held before it copies anything."""
+
+        def __init__(self, promote) -> None:
+            self.promote = promote
+
+        def __call__(self, i, block) -> None:
+            stalled.set()
+            go_on.wait(30)
+            self.promote(i, block)
+
+        def run(self, buf, idx, base) -> None:
+            stalled.set()
+            go_on.wait(30)
+            self.promote.run(buf, idx, base)
+
+    real = tierkv.store.promoter
+    monkeypatch.setattr(tierkv.store, "promoter", lambda *a: None if (p := real(*a)) is None else Stalled(p))
+    with TieredStore.open(tmp_path, host_bytes=2**22) as store:
+        result: list[object] = []
+        restore = threading.Thread(target=lambda: result.append(store.restore(ns, toks)))
+        restore.start()
+        try:
+            assert stalled.wait(30)
+            if removal == "purge":
+                store.purge(purge_all=True)  # gives up waiting for the restore after 0.2 s
+            else:
+                assert store.invalidate(ns, toks, range(4)) == 4
+        finally:
+            go_on.set()
+            restore.join(30)
+        hit, got = result[0]
+        assert hit.num_tokens == 4 * B and torch.equal(got, kv)  # what it read is still the right KV
+        store.flush()
+        _nothing_anywhere(store, ns, [toks])
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        _nothing_anywhere(store, ns, [toks])
+
+
 def test_invalidate_removes_blocks_from_every_tier_and_cancels_their_pending_writes(
     tmp_path, ns, monkeypatch
 ) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 
@@ -89,6 +90,13 @@ class Generations:
         with self._cv:
             return gen >= max(self._all, self._named.get(ns, 0), self._named.get(key, 0))
 
+    def liveness(self, ns: bytes) -> Callable[[bytes], bool]:
+        """``live`` for blocks of ``ns`` handed on now, by key: a memory tier checks it as it publishes a
+        block, so a restore still copying after a fence gave up waiting for it (``FENCE_WAIT_S``) cannot
+        bring back what the purge removed."""
+        gen = self.current
+        return functools.partial(self.live, ns, gen=gen)
+
     def usable(self, chain: BlockChain) -> int:
         """How many leading blocks of ``chain`` no fence in progress names."""
         with self._cv:
@@ -131,7 +139,7 @@ class Generations:
             while any(g < gen for g in self._readers):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("a purge waited %.0f s for restores begun before it; going on", FENCE_WAIT_S)
+                    log.warning("a purge waited %.1f s for restores begun before it; going on", FENCE_WAIT_S)
                     break
                 self._cv.wait(left)
         try:

@@ -9,12 +9,13 @@ spread     what is left once the reads are done: blocks not promoted into the me
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from tierkv.keys import BlockChain
+from tierkv.keys import BlockChain, BlockKey
 from tierkv.tiers.base import Tier
 from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Sink
@@ -66,9 +67,11 @@ class Promoter:
         start: int,
         created_s: dict[int, float],
         promoted: set[int],
+        live: Callable[[BlockKey], bool],
     ) -> None:
         self.pools, self.chain, self.src, self.start = pools, chain, src, start
         self.created_s, self.promoted = created_s, promoted
+        self.live = live  # the restore's generation: a block purged since it began is not promoted
 
     def __call__(self, i: int, block: torch.Tensor) -> None:
         above = self._above(i)
@@ -80,6 +83,7 @@ class Promoter:
                     created_s=self.created_s.get(i),
                     wait=False,
                     tenant=self.chain.ns.tenant_id,
+                    live=functools.partial(self.live, self.chain.keys[i]),
                 )
                 is not None
                 for t in above
@@ -109,6 +113,7 @@ class Promoter:
                         [self.created_s.get(i) for i in ids],
                         wait=False,
                         tenant=self.chain.ns.tenant_id,
+                        live=self.live,
                     )
                     held = [h and g for h, g in zip(held, got)]
                 self.promoted.update(i for i, h in zip(ids, held) if h)
@@ -127,10 +132,11 @@ def promoter(
     start: int,
     created_s: dict[int, float],
     promoted: set[int],
+    live: Callable[[BlockKey], bool],
 ) -> Promoter | None:
     """The restore's promoter into the CPU memory tiers, or None when there are none."""
     pools = [(j, t) for j, t in enumerate(tiers) if isinstance(t, BlockPool) and t.device.type == "cpu"]
-    return Promoter(pools, chain, src, start, created_s, promoted) if pools else None
+    return Promoter(pools, chain, src, start, created_s, promoted, live) if pools else None
 
 
 def spread(
@@ -148,6 +154,7 @@ def spread(
     now, so the next request hits there; record tiers behind, unless ``memory_only``); slower tiers
     refresh the blocks served from above and get back those they lost."""
     B = chain.ns.block_tokens
+    live = writes.gens.liveness(chain.ns.digest)  # on the restore's thread: of its generation
     wants: dict[Tier, list[int]] = {}
     for j, tier in enumerate(tiers):
         below = [start + i for i, k in enumerate(src) if k > j]  # read from a slower tier
@@ -158,7 +165,13 @@ def spread(
             on = dest.device if isinstance(dest, torch.Tensor) else torch.device("cpu")
             if below and (tier.device == on or tier.device.type == "cpu"):
                 for i, block in blocks_on(tier.device, dest, below, B):
-                    tier.put(chain.keys[i], block, created_s=created_s.get(i), tenant=chain.ns.tenant_id)
+                    tier.put(
+                        chain.keys[i],
+                        block,
+                        created_s=created_s.get(i),
+                        tenant=chain.ns.tenant_id,
+                        live=functools.partial(live, chain.keys[i]),
+                    )
             continue
         wanted = (
             [i for i, w in zip(below, tier.needs(chain, below)) if w] if below and not memory_only else []

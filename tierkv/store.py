@@ -373,7 +373,8 @@ class TieredStore(TenantQuotas):
         # promoted into them from the slower tiers cannot evict what this restore still has to read.
         order = sorted(runs, key=lambda run: not self.tiers[run[0]].memory)
         with self._stagers.target(dest, spec) as target:
-            promote = promoter(self.tiers, chain, src, start_block, target.created_s, promoted)
+            live = self.writes.gens.liveness(ns.digest)  # of this restore's generation
+            promote = promoter(self.tiers, chain, src, start_block, target.created_s, promoted, live)
             if promote is not None:
                 target.on_verified, target.on_verified_run = promote, promote.run
             for k, first, end in order:

@@ -10,6 +10,7 @@ invalidation) while its slot is held is gone at once, its slot freed when the la
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -189,12 +190,14 @@ class BlockPool(Tier):
         created_s: float | None = None,
         wait: bool = True,
         tenant: bytes | None = None,
+        live: Callable[[], bool] | None = None,
     ) -> torch.Tensor | None:
         """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot.
 
         None when the tier is off, the block is of another size than the slots, or every slot is in use;
         without ``wait``, also when another thread holds the pool (a reading thread promoting a block
-        must not stall its reads behind a large save).
+        must not stall its reads behind a large save); and when ``live()`` is False as it would be
+        published (purged meanwhile: checked under the lock a purge clears the pool with).
         """
         nbytes = block.numel() * block.element_size()
         if not self._lock.acquire(blocking=wait):
@@ -230,6 +233,9 @@ class BlockPool(Tier):
                 self._unclaim(slot)
             raise
         with self._lock:
+            if live is not None and not live():
+                self._unclaim(slot)
+                return None
             if self._slot(key, now) is not None:  # another thread put the same block meanwhile: theirs stays
                 self._unclaim(slot)
                 slot = self._lru[key]
@@ -294,16 +300,26 @@ class BlockPool(Tier):
         *,
         wait: bool = True,
         tenant: bytes | None = None,
+        live: Callable[[BlockKey], bool] | None = None,
     ) -> list[bool]:
         """``put`` of blocks ``positions`` of ``buf`` (a KV tensor ``[layers, 2, tokens, ...]``): for each key,
         whether the tier holds it now. From a CPU tensor whose slabs are contiguous, the new blocks are
         gathered into their slots natively, a sub-run of at most ``PUT_RUN_NBYTES`` per hold of the lock
         (the GIL released), and a key is published only once its slot is written; else, and as the
-        reference, one ``put`` each. A position outside ``buf`` is not held."""
+        reference, one ``put`` each. A position outside ``buf`` is not held, nor a key ``live(key)`` says
+        was purged (checked under the lock, as in ``put``)."""
         B = block_tokens
         if not (self.device.type == "cpu" and rows_scatterable(buf) and native.enabled() and keys):
             return [
-                self.put(k, buf[:, :, p * B : (p + 1) * B], created_s=c, wait=wait, tenant=tenant) is not None
+                self.put(
+                    k,
+                    buf[:, :, p * B : (p + 1) * B],
+                    created_s=c,
+                    wait=wait,
+                    tenant=tenant,
+                    live=None if live is None else functools.partial(live, k),
+                )
+                is not None
                 if 0 <= p < buf.shape[2] // B
                 else False
                 for k, p, c in zip(keys, positions, created_s)
@@ -324,6 +340,7 @@ class BlockPool(Tier):
                 nbytes,
                 wait,
                 tenant,
+                live,
             )
             for j, g in zip(part, got):
                 held[j] = g
@@ -338,6 +355,7 @@ class BlockPool(Tier):
         nbytes: int,
         wait: bool,
         tenant: bytes | None,
+        live: Callable[[BlockKey], bool] | None,
     ) -> list[bool]:
         if not self._lock.acquire(blocking=wait):
             return [False] * len(keys)
@@ -350,6 +368,9 @@ class BlockPool(Tier):
             new: dict[BlockKey, tuple[int, int, float | None]] = {}  # key -> (slot, position, created)
             try:
                 for key, pos, created in zip(keys, positions, created_s):
+                    if live is not None and not live(key):  # purged since it was read: not brought back
+                        held.append(False)
+                        continue
                     slot = self._refresh(key, now, created)  # held already: recent again, not rewritten
                     if slot is None and key not in new:  # taken slots are in neither LRU nor free list
                         slot = self._take_slot(tenant)
@@ -605,7 +626,10 @@ class BlockPool(Tier):
     def write(self, block: BlockWrite) -> bool:
         spec = KVSpec.of(block.ns)
         kv = block.payload.view(spec.dtype).view(spec.block_shape)
-        if self.put(block.key, kv, created_s=block.created_s, tenant=block.ns.tenant_id) is None:
+        if (
+            self.put(block.key, kv, created_s=block.created_s, tenant=block.ns.tenant_id, live=block.live)
+            is None
+        ):
             return False  # the caller keeps what ``block.release`` frees (the Tier contract)
         block.done()
         return True
