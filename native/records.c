@@ -37,6 +37,9 @@
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <immintrin.h> /* SSE2 only: the x86-64 baseline */
+#endif
 
 #define ABI 8 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
@@ -1173,11 +1176,14 @@ typedef struct {
 } paged_t;
 
 /* K stored head_dim-major (vLLM-CPU): per (kernel block, head) a transpose; typed, the inner loop runs
- * along the tokens, contiguous in the page when s[2] == 1 (strided by heads x head_dim in the chunk). */
+ * along the tokens, contiguous in the page when s[2] == 1 (strided by heads x head_dim in the chunk). The
+ * reference for the vectorised float32 scatter below, and the path for every other case. */
 #define TRANSPOSED(T)                                                                                   \
     for (int64_t h = 0; h < H; h++) {                                                                   \
         T *pg = (T *)(page + (s[0] + b * s[1] + h * s[3]) * isz);                                       \
         T *cn = (T *)(chunk + (b * c->kt * H + h) * D * isz);                                           \
+        if (!c->gather && isz == 4 && s[2] == 1 && k_scatter_f32((float *)pg, (const float *)cn, c->kt, H * D, D, s[4])) \
+            continue;                                                                                   \
         for (int64_t d = 0; d < D; d++) {                                                               \
             T *pd = pg + d * s[4], *qd = cn + d;                                                        \
             if (c->gather)                                                                              \
@@ -1186,6 +1192,50 @@ typedef struct {
                 for (int64_t t = 0; t < c->kt; t++) pd[t * s[2]] = qd[t * H * D];                       \
         }                                                                                               \
     }
+
+/* A load writes far more than the caches hold, into pages nobody reads until the next forward: where the
+ * page's rows are 16-byte aligned, its stores stream past the cache (a plain store first reads each line
+ * from memory). Measured on this path (SmolLM2's K and V chunks, one thread, out of cache): K 5.3 -> 9.3
+ * GB/s, V 12.9 -> 20 GB/s, against memcpy's 12.9. A thread ends its stores with a fence (paged_worker). */
+#if defined(__SSE2__)
+/* K of one (kernel block, head), float32, canonical [kt][H x D] -> page rows [D][row]: 4 x 4 transposes.
+ * 0 when the shape does not suit them (the caller then takes the scalar loop). */
+static int k_scatter_f32(float *pg, const float *cn, int64_t kt, int64_t HD, int64_t D, int64_t row) {
+    if (kt % 4 || D % 4) return 0;
+#define K_SCATTER(STORE)                                                                                \
+    for (int64_t d = 0; d < D; d += 4)                                                                  \
+        for (int64_t t = 0; t < kt; t += 4) {                                                           \
+            const float *q = cn + t * HD + d;                                                           \
+            __m128 r0 = _mm_loadu_ps(q), r1 = _mm_loadu_ps(q + HD), r2 = _mm_loadu_ps(q + 2 * HD),      \
+                   r3 = _mm_loadu_ps(q + 3 * HD);                                                       \
+            _MM_TRANSPOSE4_PS(r0, r1, r2, r3);                                                          \
+            float *p = pg + d * row + t;                                                                \
+            STORE(p, r0), STORE(p + row, r1), STORE(p + 2 * row, r2), STORE(p + 3 * row, r3);           \
+        }
+    if ((uintptr_t)pg % 16 == 0 && row % 4 == 0) {
+        K_SCATTER(_mm_stream_ps);
+    } else {
+        K_SCATTER(_mm_storeu_ps);
+    }
+#undef K_SCATTER
+    return 1;
+}
+
+/* n bytes to dst, streamed past the cache where dst and n are 16-byte multiples (else memcpy). */
+static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) {
+    if ((uintptr_t)dst % 16 || n % 16) {
+        memcpy(dst, src, n);
+        return;
+    }
+    for (size_t i = 0; i < n; i += 16)
+        _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+}
+#define STORE_FENCE() _mm_sfence()
+#else
+static int k_scatter_f32(float *pg, const float *cn, int64_t kt, int64_t HD, int64_t D, int64_t row) { return 0; }
+static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) { memcpy(dst, src, n); }
+#define STORE_FENCE() ((void)0)
+#endif
 
 static void paged_one(const paged_t *c, uint8_t *page, uint8_t *const chunks[2]) {
     const int64_t H = c->H, D = c->D, isz = c->isz;
@@ -1199,7 +1249,7 @@ static void paged_one(const paged_t *c, uint8_t *page, uint8_t *const chunks[2])
                         uint8_t *p = page + (s[0] + b * s[1] + t * s[2] + h * s[3]) * isz;
                         uint8_t *q = chunk + (((b * c->kt + t) * H + h) * D) * isz;
                         if (c->gather) memcpy(q, p, (size_t)(D * isz));
-                        else memcpy(p, q, (size_t)(D * isz));
+                        else put_streamed(p, q, (size_t)(D * isz));
                     }
             } else if (isz == 4) {
                 TRANSPOSED(uint32_t);
@@ -1214,7 +1264,10 @@ static void *paged_worker(void *arg) {
     paged_t *c = arg;
     for (;;) {
         int64_t item = atomic_fetch_add(&c->next, 1);
-        if (item >= c->n * c->layers) return NULL;
+        if (item >= c->n * c->layers) {
+            STORE_FENCE(); /* streamed stores are weakly ordered: visible before the join says done */
+            return NULL;
+        }
         int64_t j = item / c->layers, layer = item % c->layers;
         uint8_t *page = (uint8_t *)(intptr_t)c->pages[layer] + c->ids[j] * c->page_nbytes;
         uint8_t *chunks[2];

@@ -83,6 +83,41 @@ def test_native_paged_copies_match_the_torch_reference(writer: str, dtype: torch
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ref, again))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("writer", ["side_by_side", "k_transposed"])
+@pytest.mark.parametrize(
+    ("block_tokens", "head_dim", "offset"),
+    [(16, 8, 0), (16, 8, 1), (6, 8, 0), (16, 6, 0), (16, 6, 3)],
+    ids=["aligned", "misaligned", "tokens-not-by-4", "head-dim-not-by-4", "both-odd-misaligned"],
+)
+def test_native_paged_loads_match_the_reference_whatever_the_alignment_and_shape(
+    writer: str, dtype: torch.dtype, block_tokens: int, head_dim: int, offset: int
+) -> None:
+    """The load's vectorised, streamed stores (float32 K transposed 4 x 4; K and V runs of 16-byte
+    multiples) and their fallbacks (pages not 16-byte aligned: ``offset`` elements into the allocation;
+    tokens or head_dim not multiples of 4) write exactly what the torch reference writes."""
+    write, _ = WRITERS[writer]
+    page = PageShape(1, H, block_tokens, 2 * head_dim)
+    layout = probe(write, block_tokens=block_tokens, num_kv_heads=H, head_dim=head_dim, page=page, dtype=dtype)
+
+    def caches(num_pages: int) -> list[torch.Tensor]:
+        n = num_pages * H * block_tokens * 2 * head_dim
+        return [torch.zeros(n + offset, dtype=dtype)[offset:].view(num_pages, *page.dims[1:]) for _ in range(L)]
+
+    ref, got = caches(7), caches(7)
+    paged = PagedCaches(layout, got)
+    assert paged.usable and (got[0].data_ptr() % 16 != 0) == (offset * got[0].element_size() % 16 != 0)
+    ids = [5, 0, 1, 6, 3]
+    kv = torch.randn(L, 2, len(ids) * block_tokens, H, head_dim).to(dtype)
+    layout.scatter(kv, ref, torch.tensor(ids), first_token=0)
+    paged.put_rows(kv, range(len(ids)), ids)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ref, got))
+    blocks = layout.gather(ref, torch.tensor(ids))
+    again = caches(7)
+    PagedCaches(layout, again).put_slots([blocks[j] for j in range(len(ids))], ids)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ref, again))
+
+
 def test_native_paged_copies_refuse_what_lies_outside() -> None:
     layout, page = layout_for("k_transposed", torch.float32)
     paged = PagedCaches(layout, caches_for(page, 4, torch.float32))
