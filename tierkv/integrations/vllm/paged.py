@@ -17,7 +17,7 @@ import torch
 from tierkv import native
 from tierkv.integrations.vllm.layout import PagedLayout
 from tierkv.layout import KVSpec
-from tierkv.tiers.slot_copies import COPY_THREADS
+from tierkv.tiers.slot_copies import copy_threads
 from tierkv.tiers.target import rows_scatterable
 
 __all__ = ["PagedCaches", "PagedSink"]
@@ -82,7 +82,7 @@ class PagedCaches:
             where,
             rows,
             row_nbytes,
-            COPY_THREADS,
+            copy_threads(),
             gather,
         )
 

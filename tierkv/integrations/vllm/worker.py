@@ -37,6 +37,7 @@ from tierkv.integrations.vllm.options import ConnectorOptions, release_store, sh
 from tierkv.integrations.vllm.paged import PagedCaches, PagedSink
 from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
+from tierkv.tiers.slot_copies import copy_on_caller_only
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -143,6 +144,8 @@ class WorkerSide:
                 like=self.caches[0],
             )
             refresh_cpus()  # vLLM has pinned its threads by now: take the CPUs they use
+            if self.caches[0].device.type == "cpu":  # every core runs one of the model's OpenMP threads
+                copy_on_caller_only()
             paged = PagedCaches(self.layout, self.caches)
             # TIERKV_PAGED_COPY=0: the buffer and torch copies instead (to compare the two)
             self.paged = paged if paged.usable and os.environ.get("TIERKV_PAGED_COPY", "1") != "0" else None
