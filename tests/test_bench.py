@@ -263,6 +263,8 @@ def test_bench_sessions_serves_later_rounds_from_the_tiers_and_a_restart_from_di
     after = s["after_restart"]
     assert after["round"] == 3 and after["sources"].get("disk", 0) > 0.5 * after["prompt_tokens"]
     assert all(r["lost_blocks"] == 0 and r["requests"] == 3 for r in (one, two, after))
+    # the server's restore seconds, from its /metrics: some in the round served from the host tier
+    assert two["kv_load_s"] is not None and 0 < two["kv_load_s"] < two["wall_s"]
     assert 0 < one["ttft_p50_s"] <= one["ttft_p90_s"] <= one["ttft_p99_s"]
     assert "needs vLLM" not in json.dumps(res["sessions"]["errors"])  # tiny: tierkv serve alone, asked
 

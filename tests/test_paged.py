@@ -98,11 +98,15 @@ def test_native_paged_loads_match_the_reference_whatever_the_alignment_and_shape
     tokens or head_dim not multiples of 4) write exactly what the torch reference writes."""
     write, _ = WRITERS[writer]
     page = PageShape(1, H, block_tokens, 2 * head_dim)
-    layout = probe(write, block_tokens=block_tokens, num_kv_heads=H, head_dim=head_dim, page=page, dtype=dtype)
+    layout = probe(
+        write, block_tokens=block_tokens, num_kv_heads=H, head_dim=head_dim, page=page, dtype=dtype
+    )
 
     def caches(num_pages: int) -> list[torch.Tensor]:
         n = num_pages * H * block_tokens * 2 * head_dim
-        return [torch.zeros(n + offset, dtype=dtype)[offset:].view(num_pages, *page.dims[1:]) for _ in range(L)]
+        return [
+            torch.zeros(n + offset, dtype=dtype)[offset:].view(num_pages, *page.dims[1:]) for _ in range(L)
+        ]
 
     ref, got = caches(7), caches(7)
     paged = PagedCaches(layout, got)

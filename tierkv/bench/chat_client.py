@@ -59,7 +59,8 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|Na
 
 def scrape(url: str) -> dict[str, float]:
     """The counters of ``url``/metrics we report, summed over their labels (``tierkv_prompt_tokens`` kept
-    by ``source``): where prompt tokens came from, vLLM's prefix cache hits, and blocks lost for the disk."""
+    by ``source``): where prompt tokens came from, vLLM's prefix cache hits, blocks lost for the disk, and
+    the seconds spent loading and saving KV."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
@@ -76,6 +77,10 @@ def scrape(url: str) -> dict[str, float]:
             key = name
         elif name in ("tierkv_tier_dropped_saves", "tierkv_tier_writeback_lost_blocks"):
             key = "lost_blocks"  # saves no tier took, blocks evicted from the host tier before the disk had them
+        elif name in ("tierkv_connector_load_seconds", "tierkv_restore_seconds_sum"):
+            key = "kv_load_s"  # the engine's time restoring cached KV (vLLM: on the model's thread)
+        elif name == "tierkv_connector_save_seconds":
+            key = "kv_save_s"
         else:
             continue
         out[key] = out.get(key, 0.0) + value

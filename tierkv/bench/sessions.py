@@ -116,6 +116,10 @@ def _round_stats(
         "requests_per_s": len(calls) / wall_s,
         "sources": sources,
         "lost_blocks": delta.get("lost_blocks", 0.0),
+        # The engine's seconds loading and saving KV (tierkv's counters; None without them): what of the
+        # round's wall time the cache itself cost, beside computing what it did not hold.
+        "kv_load_s": delta.get("kv_load_s") if "kv_load_s" in after else None,
+        "kv_save_s": delta.get("kv_save_s") if "kv_save_s" in after else None,
         "ttft_s": ttfts,
     }
 
@@ -359,13 +363,21 @@ def later(res: dict[str, Any], name: str, key: str) -> float | None:
     raise KeyError(key)
 
 
+def _seconds(s: float | None, wall_s: float) -> str:
+    """Seconds and their share of the round's wall time; blank where the server does not count them."""
+    return "" if s is None else f"{s:.2f} ({100 * s / wall_s:.0f}%)"
+
+
 def markdown(res: dict[str, Any]) -> str:
     c = res["config"]
     lines = [
         f"{c['users']} users x {c['rounds']} rounds, {c['concurrency']} requests at a time, {c['answer_tokens']} "
         f"tokens per answer, model {c['model']}; vLLM's KV pool {c['vllm_pool_tokens']:,} tokens; tierkv's host "
         f"tier {c['host_bytes'] / 2**20:.0f} MiB, then disk. Prompts grow from ~{c['request_chars_by_round'][0]:,.0f} "
-        f"to ~{c['request_chars_by_round'][-1]:,.0f} characters. TTFT at the client, queueing included.",
+        f"to ~{c['request_chars_by_round'][-1]:,.0f} characters. TTFT at the client, queueing included. "
+        "KV load s, KV save s: the server's seconds loading and saving KV over the round (tierkv's counters: "
+        "the connector's on vLLM's model thread, `tierkv serve`'s restores) and their share of the round's "
+        "wall time.",
         "",
     ]
     rows = []
@@ -387,6 +399,8 @@ def markdown(res: dict[str, Any]) -> str:
                     f"{r['prompt_tokens_per_s']:,.0f}",
                     f"{r['requests_per_s']:.2f}",
                     where,
+                    _seconds(r.get("kv_load_s"), r["wall_s"]),
+                    _seconds(r.get("kv_save_s"), r["wall_s"]),
                     f"{r['lost_blocks']:.0f}",
                 ]
             )
@@ -400,9 +414,11 @@ def markdown(res: dict[str, Any]) -> str:
         "prompt tok/s",
         "req/s",
         "prompt tokens from",
+        "KV load s",
+        "KV save s",
         "lost blocks",
     ]
-    lines += md_table(head, "llrrrrrrlr", rows)
+    lines += md_table(head, "llrrrrrrlrrr", rows)
     if "vllm" in res["systems"]:
         lines += ["", "Against vLLM alone, over the rounds after the first:", ""]
         ratio_rows = []
