@@ -211,13 +211,14 @@ def test_purge_waits_for_a_restore_in_progress_and_drops_what_it_promoted(tmp_pa
         _nothing_anywhere(store, ns, [toks])
 
 
-@pytest.mark.parametrize("removal", ["purge", "invalidate"])
+@pytest.mark.parametrize("removal", ["purge", "invalidate", "invalidate-first-two"])
 def test_a_restore_the_fence_gave_up_waiting_for_promotes_nothing_it_removed(
     tmp_path, ns, monkeypatch, data_path, removal: str
 ) -> None:
     """A restore stuck between reading its blocks and promoting them, past ``FENCE_WAIT_S``: the purge (or
     invalidation) goes on without it; when the restore resumes it still returns the KV it read, but puts
-    none of it back into the host tier (checked as a block is published), nor writes it back."""
+    none of what was removed back into the host tier (checked as a block is published), nor writes it
+    back; the blocks an invalidation left alone are still promoted."""
     import tierkv.generations
     import tierkv.store
 
@@ -255,17 +256,25 @@ def test_a_restore_the_fence_gave_up_waiting_for_promotes_nothing_it_removed(
             assert stalled.wait(30)
             if removal == "purge":
                 store.purge(purge_all=True)  # gives up waiting for the restore after 0.2 s
-            else:
+            elif removal == "invalidate":
                 assert store.invalidate(ns, toks, range(4)) == 4
+            else:
+                assert store.invalidate(ns, toks, [0, 1]) == 2
         finally:
             go_on.set()
             restore.join(30)
         hit, got = result[0]
         assert hit.num_tokens == 4 * B and torch.equal(got, kv)  # what it read is still the right KV
         store.flush()
-        _nothing_anywhere(store, ns, [toks])
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        _nothing_anywhere(store, ns, [toks])
+        if removal != "invalidate-first-two":
+            _nothing_anywhere(store, ns, [toks])
+        else:
+            chain = BlockChain.of(ns, toks)
+            assert store.tier("host").probe(chain, range(4)) == [False, False, True, True]
+            assert store.tier("disk").probe(chain, range(4)) == [False, False, True, True]
+    if removal != "invalidate-first-two":
+        with TieredStore.open(tmp_path, host_bytes=0) as store:
+            _nothing_anywhere(store, ns, [toks])
 
 
 def test_invalidate_removes_blocks_from_every_tier_and_cancels_their_pending_writes(

@@ -93,7 +93,8 @@ class Generations:
     def liveness(self, ns: bytes) -> Callable[[bytes], bool]:
         """``live`` for blocks of ``ns`` handed on now, by key: a memory tier checks it as it publishes a
         block, so a restore still copying after a fence gave up waiting for it (``FENCE_WAIT_S``) cannot
-        bring back what the purge removed."""
+        bring back what the purge removed. Of the generation ``current`` says: inside ``reading``, on the
+        restore's thread, the restore's own (what it read may be purged since)."""
         gen = self.current
         return functools.partial(self.live, ns, gen=gen)
 

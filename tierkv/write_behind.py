@@ -101,12 +101,13 @@ class WriteBehind:
         self.gens.saw(chain.ns.digest)
         device = blocks[0].device
         keys = chain.keys[start:]
+        live = self.gens.liveness(chain.ns.digest)  # a purge racing this save: not published after it
         for pool in self._device_pools(device):  # device copies, on the compute stream
             if stacked is not None:
-                pool.put_many(keys, stacked, tenant=chain.ns.tenant_id)
+                pool.put_many(keys, stacked, tenant=chain.ns.tenant_id, live=live)
             else:
                 for key, block in zip(keys, blocks):
-                    pool.put(key, block, tenant=chain.ns.tenant_id)
+                    pool.put(key, block, tenant=chain.ns.tenant_id, live=functools.partial(live, key))
         idx = list(range(start, start + len(blocks)))
         behind = [t for t in self.tiers if self._behind(t) and (isinstance(t, BlockPool) or not memory_only)]
         dests = self._dests(chain, idx, behind)

@@ -84,6 +84,22 @@ def test_put_many_writes_new_blocks_in_one_indexed_copy_and_touches_known_ones()
     )
 
 
+def test_a_block_purged_while_it_is_copied_in_is_not_published_and_its_slot_comes_back() -> None:
+    """``live`` is asked again under the lock as the block would be published (a purge may have cleared
+    the pool while it was copied in): then it is refused, nobody finds it, and its slot is free again."""
+    host = HostTier(2 * 128, pin=False)
+    answers = iter([True, False])  # live when put starts, purged by the time it would publish
+    assert host.put(_key(1), _block(1), live=lambda: next(answers)) is None
+    assert host.contains([_key(1)]) == [False]
+    assert host.put(_key(2), _block(2)) is not None and host.put(_key(3), _block(3)) is not None
+    assert host.contains([_key(2), _key(3)]) == [True, True]  # both slots usable: none leaked
+    assert host.put(_key(4), _block(4), live=lambda: False) is None  # purged before: not even copied
+    assert host.contains([_key(2), _key(3), _key(4)]) == [True, True, False]  # nothing evicted for it
+    stack = torch.stack([_block(v) for v in (5, 6)])
+    assert host.put_many([_key(5), _key(6)], stack, live=lambda k: k != _key(5)) == 1
+    assert host.contains([_key(5), _key(6)]) == [False, True]
+
+
 def test_put_many_stops_when_every_slot_is_referenced() -> None:
     host = HostTier(2 * 128, pin=False)
     held = host.put(_key(0), _block(0), hold=True)

@@ -200,6 +200,8 @@ class BlockPool(Tier):
         published (purged meanwhile: checked under the lock a purge clears the pool with).
         """
         nbytes = block.numel() * block.element_size()
+        if live is not None and not live():  # purged already: no slot, no copy
+            return None
         if not self._lock.acquire(blocking=wait):
             return None
         try:
@@ -233,11 +235,12 @@ class BlockPool(Tier):
                 self._unclaim(slot)
             raise
         with self._lock:
-            if live is not None and not live():
+            refused = live is not None and not live()
+            if refused or self._slot(key, now) is not None:  # purged, or put by another thread meanwhile
+                self._settle_copy()
                 self._unclaim(slot)
-                return None
-            if self._slot(key, now) is not None:  # another thread put the same block meanwhile: theirs stays
-                self._unclaim(slot)
+                if refused:
+                    return None
                 slot = self._lru[key]
                 if hold:
                     self._ref(slot)
@@ -249,15 +252,28 @@ class BlockPool(Tier):
                 self._unref(slot)
             return self._pool[slot]
 
+    def _settle_copy(self) -> None:
+        """Before a slot with a copy queued into it goes back: on a GPU the copy runs on the caller's
+        stream, and the next taker may write the slot from another (rare: a purge or a duplicate put)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _unclaim(self, slot: int) -> None:
         """Give back a slot ``put`` claimed but did not publish. Under the lock."""
         self._unref(slot)
         if self._refs[slot] == 0 and slot not in self._free:
             self._free.append(slot)
 
-    def put_many(self, keys: Sequence[BlockKey], blocks: torch.Tensor, tenant: bytes | None = None) -> int:
+    def put_many(
+        self,
+        keys: Sequence[BlockKey],
+        blocks: torch.Tensor,
+        tenant: bytes | None = None,
+        live: Callable[[BlockKey], bool] | None = None,
+    ) -> int:
         """``put`` for a contiguous stack of blocks ``[N, ...]``: the new ones land in one indexed copy (one
-        kernel on a GPU) instead of one copy each. Returns how many were new; stops when no slot is free."""
+        kernel on a GPU) instead of one copy each. Returns how many were new; stops when no slot is free.
+        A key ``live(key)`` says was purged is skipped (checked under the lock, as in ``put``)."""
         n_blocks = blocks.shape[0]
         nbytes = blocks[0].numel() * blocks.element_size() if n_blocks else 0
         with self._lock:
@@ -268,6 +284,8 @@ class BlockPool(Tier):
             picked, slots = [], []
             now = self.clock()
             for j, key in enumerate(keys):
+                if live is not None and not live(key):
+                    continue
                 if self._refresh(key, now, None) is not None:
                     continue
                 slot = self._take_slot(tenant)
