@@ -1182,7 +1182,9 @@ typedef struct {
     for (int64_t h = 0; h < H; h++) {                                                                   \
         T *pg = (T *)(page + (s[0] + b * s[1] + h * s[3]) * isz);                                       \
         T *cn = (T *)(chunk + (b * c->kt * H + h) * D * isz);                                           \
-        if (!c->gather && isz == 4 && s[2] == 1 && k_scatter_f32((float *)pg, (const float *)cn, c->kt, H * D, D, s[4])) \
+        if (!c->gather && s[2] == 1 &&                                                                  \
+            (isz == 4 ? k_scatter_f32((float *)pg, (const float *)cn, c->kt, H * D, D, s[4])             \
+                      : k_scatter_u16((uint16_t *)pg, (const uint16_t *)cn, c->kt, H * D, D, s[4])))     \
             continue;                                                                                   \
         for (int64_t d = 0; d < D; d++) {                                                               \
             T *pd = pg + d * s[4], *qd = cn + d;                                                        \
@@ -1221,6 +1223,42 @@ static int k_scatter_f32(float *pg, const float *cn, int64_t kt, int64_t HD, int
     return 1;
 }
 
+/* The same for 16-bit K (bfloat16, float16): 8 x 8 transposes of 16-bit lanes. */
+static int k_scatter_u16(uint16_t *pg, const uint16_t *cn, int64_t kt, int64_t HD, int64_t D, int64_t row) {
+    if (kt % 8 || D % 8) return 0;
+#define K_SCATTER16(STORE)                                                                              \
+    for (int64_t d = 0; d < D; d += 8)                                                                  \
+        for (int64_t t = 0; t < kt; t += 8) {                                                           \
+            const uint16_t *q = cn + t * HD + d;                                                        \
+            __m128i a[8], u[8];                                                                         \
+            for (int i = 0; i < 8; i++) a[i] = _mm_loadu_si128((const __m128i *)(q + i * HD));         \
+            for (int i = 0; i < 4; i++) { /* pairs of rows interleaved: low then high halves */         \
+                u[i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);                                      \
+                u[i + 4] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);                                  \
+            }                                                                                           \
+            __m128i v0 = _mm_unpacklo_epi32(u[0], u[1]), v1 = _mm_unpackhi_epi32(u[0], u[1]),           \
+                    v2 = _mm_unpacklo_epi32(u[4], u[5]), v3 = _mm_unpackhi_epi32(u[4], u[5]),           \
+                    v4 = _mm_unpacklo_epi32(u[2], u[3]), v5 = _mm_unpackhi_epi32(u[2], u[3]),           \
+                    v6 = _mm_unpacklo_epi32(u[6], u[7]), v7 = _mm_unpackhi_epi32(u[6], u[7]);           \
+            uint16_t *p = pg + d * row + t;                                                             \
+            STORE((__m128i *)p, _mm_unpacklo_epi64(v0, v4));                                            \
+            STORE((__m128i *)(p + row), _mm_unpackhi_epi64(v0, v4));                                    \
+            STORE((__m128i *)(p + 2 * row), _mm_unpacklo_epi64(v1, v5));                                \
+            STORE((__m128i *)(p + 3 * row), _mm_unpackhi_epi64(v1, v5));                                \
+            STORE((__m128i *)(p + 4 * row), _mm_unpacklo_epi64(v2, v6));                                \
+            STORE((__m128i *)(p + 5 * row), _mm_unpackhi_epi64(v2, v6));                                \
+            STORE((__m128i *)(p + 6 * row), _mm_unpacklo_epi64(v3, v7));                                \
+            STORE((__m128i *)(p + 7 * row), _mm_unpackhi_epi64(v3, v7));                                \
+        }
+    if ((uintptr_t)pg % 16 == 0 && row % 8 == 0) {
+        K_SCATTER16(_mm_stream_si128);
+    } else {
+        K_SCATTER16(_mm_storeu_si128);
+    }
+#undef K_SCATTER16
+    return 1;
+}
+
 /* n bytes to dst, streamed past the cache where dst and n are 16-byte multiples (else memcpy). */
 static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) {
     if ((uintptr_t)dst % 16 || n % 16) {
@@ -1233,6 +1271,7 @@ static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) {
 #define STORE_FENCE() _mm_sfence()
 #else
 static int k_scatter_f32(float *pg, const float *cn, int64_t kt, int64_t HD, int64_t D, int64_t row) { return 0; }
+static int k_scatter_u16(uint16_t *pg, const uint16_t *cn, int64_t kt, int64_t HD, int64_t D, int64_t row) { return 0; }
 static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) { memcpy(dst, src, n); }
 #define STORE_FENCE() ((void)0)
 #endif
