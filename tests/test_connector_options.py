@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tierkv import native
 from tierkv.integrations.vllm.options import ConnectorOptions
@@ -36,3 +37,35 @@ def test_a_plain_store_still_reads_buffered_by_default(tmp_path, monkeypatch, va
         if native.enabled():
             assert "reads buffered with readahead" in store._durable().read_path()
     assert ConnectorOptions.from_extra({"direct_reads": value}).direct_reads is False
+
+
+def test_the_data_path_line_says_so_when_the_file_system_refuses_o_direct(tmp_path, monkeypatch) -> None:
+    """Asked for O_DIRECT where the file system refuses it (tmpfs before Linux 6.6, some network file
+    systems: the probe says so, simulated here), the store reads and writes buffered, its start-up line
+    says that rather than the O_DIRECT it was asked for, and its KV is served as usual. The probe itself,
+    on this disk: it takes O_DIRECT and leaves no file behind."""
+    from tierkv import Namespace
+    from tierkv.tiers.disk import segments
+    from tierkv.tiers.disk.files import accepts_direct_io
+
+    from helpers import make_kv
+
+    if not native.enabled():
+        pytest.skip("the data path line names the native reader")
+    assert accepts_direct_io(tmp_path) is True and not list(tmp_path.iterdir())
+    monkeypatch.setattr(segments, "accepts_direct_io", lambda folder: False)
+    ns = Namespace(model_id="m", revision="r", dtype="float32", num_layers=2, num_kv_heads=1, head_dim=8,
+                   block_tokens=16)  # fmt: skip
+    toks = list(range(64))
+    kv = make_kv(ns, 64)
+    kwargs = {"host_bytes": 0, "direct_reads": True, "direct_writes": True}
+    with TieredStore.open(tmp_path / "cache", **kwargs) as store:
+        line = store._durable().read_path()
+        assert "reads buffered: this file system refuses O_DIRECT" in line, line
+        assert "writes buffered: this file system refuses O_DIRECT" in line, line
+        store.save(ns, toks, kv)
+        store.flush()
+    with TieredStore.open(tmp_path / "cache", **kwargs) as store:
+        hit, got = store.restore(ns, toks)
+        assert hit.num_tokens == 64 and got is not None and torch.equal(got, kv)
+        assert store.stats()["disk"]["read_direct_nbytes"] == 0

@@ -404,8 +404,13 @@ class DiskTier(Tier):
         """Which reader serves this tier: native (O_DIRECT or buffered) or Python, and why."""
         if not native.enabled():
             return native.describe()
-        how = "O_DIRECT where uncached" if self.segments.direct_reads else "buffered with readahead"
-        writes = "O_DIRECT" if self.segments.direct_writes else "buffered"
+        seg = self.segments
+        refused = "buffered: this file system refuses O_DIRECT"
+        if seg.direct_reads:
+            how = "O_DIRECT where uncached" if seg.direct_ok else refused
+        else:
+            how = "buffered with readahead"
+        writes = ("O_DIRECT" if seg.direct_ok else refused) if seg.direct_writes else "buffered"
         return f"native (reads {how}, {native.READ_THREADS} in flight; writes {writes}, sealed and synced natively)"
 
     # ---------------------------------------------------------------- writes

@@ -59,7 +59,7 @@ class SegmentWriter:
         # Only where a page is ALIGN: records are padded to ALIGN, and a larger page could hold the end of
         # one record and the start of the next, cached by a reader before the O_DIRECT write of the next.
         self.direct_fd: int | None = None
-        if segments.direct_writes and native.enabled() and mmap.PAGESIZE == ALIGN:
+        if segments.direct_writes and segments.direct_ok and native.enabled() and mmap.PAGESIZE == ALIGN:
             try:
                 self.direct_fd = os.open(final, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
             except OSError as exc:  # written buffered, as without O_DIRECT

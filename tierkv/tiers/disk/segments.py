@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tierkv.cpus import spread_here
 from tierkv.metrics import Counters
-from tierkv.tiers.disk.files import ALIGN, TransientReadError, aligned, media_or_raise
+from tierkv.tiers.disk.files import ALIGN, TransientReadError, accepts_direct_io, aligned, media_or_raise
 
 __all__ = [
     "ALIGN",
@@ -106,8 +106,15 @@ class SegmentDir:
         )
         self._buf: mmap.mmap | None = None  # reused: fresh large buffers cost a page fault per 4 KiB
         self.read_lock = threading.Lock()  # held by callers of ``read`` while they use its views
-        self._direct_ok = True  # until the file system refuses an O_DIRECT open
+        # Until the file system refuses an O_DIRECT open; probed now when asked for, so the start-up line
+        # says which reads it will really do.
+        self._direct_ok = not (direct_reads or direct_writes) or accepts_direct_io(path) is not False
         self._pad = memoryview(bytearray(ALIGN))  # sink for the padding between records (content unused)
+
+    @property
+    def direct_ok(self) -> bool:
+        """False once this file system refused O_DIRECT (probed at start, or at an open since)."""
+        return self._direct_ok
 
     def file(self, seg_id: int) -> Path:
         return self.path / f"{seg_id:010d}.seg"
