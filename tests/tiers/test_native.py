@@ -499,3 +499,44 @@ def test_tierkv_native_off_in_words_turns_the_native_path_off_and_says_so(value:
     assert r.returncode == 0, r.stderr  # a bad nice value is a warning, not a crash at import
     assert r.stdout.strip() == f"False python (off by TIERKV_NATIVE={value}) 19"
     assert "TIERKV_BACKGROUND_NICE='lots' is not a nice value" in r.stderr
+
+
+def test_o_direct_reads_beside_a_writer_appending_to_the_same_segment(tmp_path) -> None:
+    """O_DIRECT reads of records in the segment a writer is still appending to (flushed records read
+    while later ones are written behind them, the page cache dropped before each pass): every restore
+    is the KV that was saved, bit for bit, and read from the disk, not from the page cache."""
+    import threading
+    import time
+
+    n_tokens = 2 * BIG.block_tokens  # 4 MiB a prompt
+
+    def toks(i: int) -> list[int]:
+        return list(range(i * 100_000, i * 100_000 + n_tokens))
+
+    kvs = {i: make_kv(BIG, n_tokens, seed=i) for i in range(20)}
+    with TieredStore.open(tmp_path, host_bytes=0, direct_reads=True) as store:
+        store.save(BIG, toks(0), kvs[0])
+        store.flush()
+        flushed = [0]
+
+        def writer() -> None:
+            for i in range(1, 20):
+                store.save(BIG, toks(i), kvs[i])
+                store.flush()
+                flushed.append(i)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        checked = 0
+        try:
+            while t.is_alive() or checked < 4:
+                _uncache(tmp_path)
+                for i in {0, *flushed[-2:]}:
+                    hit, got = store.restore(BIG, toks(i))
+                    assert hit.num_tokens == n_tokens and got is not None and torch.equal(got, kvs[i]), i
+                    checked += 1
+                time.sleep(0.001)
+        finally:
+            t.join(60)
+        segments = {p.name for p in tmp_path.glob("**/*.seg")}
+        assert checked >= 4 and store.stats()["disk"]["read_direct_nbytes"] > 0, (checked, segments)
