@@ -234,6 +234,33 @@ def test_serve_engine_vllm_keeps_the_remote_password_out_of_its_output_and_argv(
     assert r.returncode == 0 and "TIERKV_REMOTE_URL" not in env, r.stderr
 
 
+def test_serve_engine_vllm_leaves_room_for_the_host_tier_in_vllm_cpus_kv_pool(tmp_path, monkeypatch) -> None:
+    """vLLM-CPU's own KV pool takes most of the RAM (19.97 of 23.54 GiB here), and with tierkv's 2 GiB host
+    tier beside it the kernel killed vLLM's worker at start-up (a new user's first try): unless the caller
+    sets VLLM_CPU_KVCACHE_SPACE, serve sets it to half the RAM less the host tier and 2 GiB, and says so."""
+    from tierkv.integrations.vllm.serve import cpu_kv_space_gib, vllm_env
+
+    assert cpu_kv_space_gib(int(23.54 * 2**30), 2 << 30) == 7
+    assert cpu_kv_space_gib(int(23.54 * 2**30), 8 << 30) == 1  # never below 1 GiB
+    assert cpu_kv_space_gib(512 << 30, 64 << 30) == 190
+    assert vllm_env({"host_cache": "8GiB"}, {}) == {
+        "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_space_gib(_ram(), 8 << 30))
+    }
+    assert vllm_env({"host_cache": "0"}, {}) == {"VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_space_gib(_ram(), 0))}
+    assert vllm_env({}, {"VLLM_CPU_KVCACHE_SPACE": "3"}) == {}  # the caller's choice stands
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    r, argv, env = _serve_vllm(tmp_path, "--host-cache", "1GiB")
+    assert r.returncode == 0 and argv, r.stderr
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(cpu_kv_space_gib(_ram(), 1 << 30))
+    assert f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}" in r.stderr
+
+
+def _ram() -> int:
+    from tierkv.integrations.vllm.serve import _mem_total_nbytes
+
+    return _mem_total_nbytes()
+
+
 @pytest.mark.parametrize("engine", ["transformers", "vllm"])
 @pytest.mark.parametrize("budget", ["0", "0GiB"])
 def test_serve_disk_budget_0_is_an_error_on_both_engines(tmp_path, engine, budget) -> None:

@@ -20,9 +20,11 @@ from typing import Any
 from tierkv.errors import ConfigError
 from tierkv.units import env_flag, parse_duration, parse_flag, parse_size
 
+DEFAULT_HOST_NBYTES = 2 << 30  # the connector's host tier unless told
+
 log = logging.getLogger("vllm.tierkv")
 
-__all__ = ["ConnectorOptions", "release_store", "shared_store"]
+__all__ = ["DEFAULT_HOST_NBYTES", "ConnectorOptions", "release_store", "shared_store"]
 
 
 def _default_cache_dir() -> str:
@@ -38,7 +40,7 @@ class ConnectorOptions:
     """Defaults as ``tierkv serve``'s: 2 GiB of host RAM, 20 GiB on disk, a sliding TTL of 24 h."""
 
     cache_dir: str = ""  # "": $TIERKV_CACHE_DIR or ~/.cache/tierkv
-    host_bytes: int = 2 << 30
+    host_bytes: int = DEFAULT_HOST_NBYTES
     disk_bytes: int | None = 20 << 30  # None: unbounded
     ttl_s: float | None = 86400.0  # None: no TTL
     remote: str | None = None  # redis://host:port, a tier shared by several machines

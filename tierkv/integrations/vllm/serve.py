@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
+from tierkv.integrations.vllm.options import DEFAULT_HOST_NBYTES
 from tierkv.server.config import parse_disk_budget, redact_url
+from tierkv.units import parse_size
 
 __all__ = [
     "INSTALL_HINT",
@@ -150,10 +152,39 @@ def connector_config(config: Any) -> dict[str, Any]:
     }
 
 
-def vllm_env(config: Any) -> dict[str, str]:
-    """The variables the vLLM process needs besides this one's: the remote tier's URL, if any."""
+def vllm_env(config: Any, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables the vLLM process needs besides this one's: the remote tier's URL, if any, and on a
+    CPU the size of vLLM's KV pool unless the caller chose it (``cpu_kv_space_gib``)."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, str] = {}
     remote = _get(config, "remote")
-    return {REMOTE_ENV: str(remote)} if remote and not _get(config, "no_cache", False) else {}
+    if remote and not _get(config, "no_cache", False):
+        out[REMOTE_ENV] = str(remote)
+    if "VLLM_CPU_KVCACHE_SPACE" not in environ:  # vLLM on a GPU ignores it
+        given = _get(config, "host_cache")
+        host = DEFAULT_HOST_NBYTES if given in (None, "") else parse_size(given)
+        if _get(config, "no_cache", False):
+            host = 0
+        out["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_space_gib(_mem_total_nbytes(), host))
+    return out
+
+
+def cpu_kv_space_gib(mem_total_nbytes: int, host_nbytes: int) -> int:
+    """vLLM-CPU's KV pool, in GiB, beside tierkv's host tier: vLLM's own default takes most of the RAM
+    (19.97 of 23.54 GiB here), and with a 2 GiB host tier beside it the kernel killed vLLM's worker at
+    start-up. Half the RAM, less the host tier and 2 GiB for the model and the processes; at least 1."""
+    return max(1, (mem_total_nbytes // 2 - host_nbytes - (2 << 30)) // (1 << 30))
+
+
+def _mem_total_nbytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 30  # unknown: a small machine's
 
 
 def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None = None) -> list[str]:
@@ -221,9 +252,16 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
             "tierkv: with --engine vllm the admin API is not served; run tierkv stats / gc beside vLLM",
             file=sys.stderr,
         )
+    env = vllm_env(config_or_args)
+    if "VLLM_CPU_KVCACHE_SPACE" in env:
+        print(
+            f"tierkv: VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} (GiB of vLLM-CPU's KV pool, "
+            "leaving room for tierkv's host tier; set it to choose; vLLM on a GPU ignores it)",
+            file=sys.stderr,
+        )
     print("tierkv: exec " + redact_url(" ".join(cmd)), file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os.execve(python, cmd, {**os.environ, **vllm_env(config_or_args)})
+    os.execve(python, cmd, {**os.environ, **env})
     return 0  # not reached: execve replaces the process
 
 
