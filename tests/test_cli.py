@@ -38,6 +38,14 @@ def test_stats_json(store_dir, ns) -> None:
     assert sum(row["last_access_histogram"].values()) == 8
 
 
+def test_stats_takes_the_folder_as_an_argument_too(store_dir, tmp_path) -> None:
+    """``tierkv stats DIR`` (a new user's first guess) is ``--cache-dir DIR``; both at once is an error."""
+    r = CliRunner().invoke(main, ["stats", str(store_dir), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["blocks"] == 8, r.output
+    r = CliRunner().invoke(main, ["stats", str(store_dir), "--cache-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "give the store's directory once" in r.output, r.output
+
+
 def test_stats_text_uses_env_cache_dir(store_dir, monkeypatch) -> None:
     monkeypatch.setenv("TIERKV_CACHE_DIR", str(store_dir))
     r = CliRunner().invoke(main, ["stats"])

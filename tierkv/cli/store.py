@@ -20,10 +20,20 @@ __all__ = ["gc", "stats"]
 
 @click.command()
 @cache_dir_option
+@click.argument("folder", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def stats(cache_dir: str, as_json: bool) -> None:
-    """Totals per namespace, ages, expired blocks not yet swept, budget and space."""
+def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
+    """Totals per namespace, ages, expired blocks not yet swept, budget and space. FOLDER: the store's
+    directory, as --cache-dir."""
     from tierkv.inspect import store_stats
+
+    if folder is not None:
+        if (
+            click.get_current_context().get_parameter_source("cache_dir")
+            == click.core.ParameterSource.COMMANDLINE
+        ):
+            fail("give the store's directory once: as FOLDER or as --cache-dir", 2)
+        cache_dir = folder
 
     with open_disk(cache_dir) as disk:
         report = store_stats(disk)
