@@ -1177,7 +1177,7 @@ typedef struct {
 
 /* K stored head_dim-major (vLLM-CPU): per (kernel block, head) a transpose; typed, the inner loop runs
  * along the tokens, contiguous in the page when s[2] == 1 (strided by heads x head_dim in the chunk). The
- * reference for the vectorised float32 scatter below, and the path for every other case. */
+ * reference for the vectorised scatters below (k_scatter_*), and the path for every other case. */
 #define TRANSPOSED(T)                                                                                   \
     for (int64_t h = 0; h < H; h++) {                                                                   \
         T *pg = (T *)(page + (s[0] + b * s[1] + h * s[3]) * isz);                                       \
@@ -1196,8 +1196,8 @@ typedef struct {
     }
 
 /* A load writes far more than the caches hold, into pages nobody reads until the next forward: where the
- * page's rows are 16-byte aligned, its stores stream past the cache (a plain store first reads each line
- * from memory). Measured on this path (SmolLM2's K and V chunks, one thread, out of cache): K 5.3 -> 9.3
+ * page's rows are 16-byte aligned, float32 K's and V's stores stream past the cache (a plain store first
+ * reads each line from memory; 16-bit K's tiles are the exception, below). Measured on this path (SmolLM2's K and V chunks, one thread, out of cache): K 5.3 -> 9.3
  * GB/s, V 12.9 -> 20 GB/s, against memcpy's 12.9. A thread ends its stores with a fence (paged_worker). */
 #if defined(__SSE2__)
 /* Whether rows from p, row_nbytes apart, take 16-byte streaming stores (every t a multiple of 16 bytes). */

@@ -149,14 +149,14 @@ def spread(
     start: int = 0,
     promoted: set[int] | frozenset[int] = frozenset(),
     memory_only: bool = False,
-    live: Callable[[BlockKey], bool] | None = None,
+    *,
+    live: Callable[[BlockKey], bool],
 ) -> None:
     """After a restore: blocks read from a slower tier are written into the faster ones (memory tiers
     now, so the next request hits there; record tiers behind, unless ``memory_only``); slower tiers
-    refresh the blocks served from above and get back those they lost."""
+    refresh the blocks served from above and get back those they lost. ``live``: the restore's liveness
+    (``Generations.liveness``), checked as a memory tier publishes a block: one purged since is not put back."""
     B = chain.ns.block_tokens
-    if live is None:  # the restore's (``_restore`` passes it): a block purged since is not put back
-        live = writes.gens.liveness(chain.ns.digest)
     wants: dict[Tier, list[int]] = {}
     for j, tier in enumerate(tiers):
         below = [start + i for i, k in enumerate(src) if k > j]  # read from a slower tier

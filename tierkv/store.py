@@ -402,7 +402,7 @@ class TieredStore(TenantQuotas):
             start_block,
             promoted,
             memory_only,
-            live,
+            live=live,
         )
         self.counters.add("store", "miss_blocks", len(chain) - n)
         for name, tokens in by_tier.items():

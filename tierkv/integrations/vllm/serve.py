@@ -177,14 +177,7 @@ def cpu_kv_space_gib(mem_total_nbytes: int, host_nbytes: int) -> int:
 
 
 def _mem_total_nbytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 8 << 30  # unknown: a small machine's
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None = None) -> list[str]:

@@ -43,25 +43,30 @@ def aligned(nbytes: int) -> int:
 
 
 def accepts_direct_io(folder: Path) -> bool | None:
-    """Whether files in ``folder`` open with O_DIRECT (tmpfs and some network file systems refuse it):
-    probed with a scratch file of a name no other process picks, removed at once; None when it cannot
-    tell (a read-only folder, no space)."""
+    """Whether files in ``folder`` open with O_DIRECT (tmpfs before Linux 6.6 and some network file systems
+    refuse it): probed by opening a segment read-only, or in a folder without one, a scratch file of a name
+    no other process picks, removed at once (a power cut in between leaves it, empty, in a folder with
+    nothing else). None when it cannot tell (a read-only empty folder, no space)."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    probe = folder / f".direct-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    existing = next(folder.glob("*.seg"), None)
+    probe = existing or folder / f".direct-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    flags = os.O_RDONLY if existing else os.O_RDWR | os.O_CREAT | os.O_EXCL
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o600)
+        fd = os.open(probe, flags | os.O_CLOEXEC | os.O_DIRECT, 0o600)
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            try:  # some file systems create the file, then refuse the flag
-                probe.unlink()
-            except OSError:
-                pass
-            return False
-        return None
+        refused = exc.errno == errno.EINVAL
+        if refused and not existing:  # some file systems create the file, then refuse the flag
+            _unlink_quietly(probe)
+        return False if refused else None
     os.close(fd)
+    if not existing:
+        _unlink_quietly(probe)
+    return True
+
+
+def _unlink_quietly(path: Path) -> None:
     try:
-        probe.unlink()
+        path.unlink()
     except OSError:
         pass
-    return True
