@@ -74,6 +74,7 @@ def _config(
     policy: str = "recompute",
     batched_tokens: int | None = None,
     async_scheduling: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """The engine's ``VllmConfig`` as ``LLM(...)`` makes it for the test model, with the connector."""
     extra = {
@@ -85,6 +86,7 @@ def _config(
         "sync": False,
         "self_check_rate": 0,  # no sampled self-check: the loads planned here are exactly the hits
         "lookup_wait_s": 5.0,  # lookups answer at once here (a slow one is its own test)
+        **(options or {}),
     }
     args = EngineArgs(
         model=str(model_dir),
@@ -576,9 +578,9 @@ def test_async_scheduling_schedules_a_step_on_a_failed_load_and_vllm_0_32_emits_
     """What vLLM 0.32 does, not what tierkv wants: with async scheduling (vLLM's default on GPUs), step N+1
     is scheduled before step N's load failure is known, runs on the blocks that did not load, and its
     sampled tokens are emitted to the user after vLLM rewound the requests for step N."""
-    engine = engines(policy="recompute", async_scheduling=True)
+    engine = engines(policy="recompute", async_scheduling=True, options={"load_async": False})
     assert isinstance(engine.scheduler, AsyncScheduler)
-    # Which is why the connector offers no hits under async scheduling (it still saves) ...
+    # Which is why the connector offers no synchronous loads under async scheduling (it still saves) ...
     side = engine.connector._scheduler
     assert not side.load_enabled and side.save_enabled
     side.load_enabled = True  # ... and what would happen if it did:
@@ -601,6 +603,107 @@ def test_async_scheduling_schedules_a_step_on_a_failed_load_and_vllm_0_32_emits_
     out = engine.schedule()  # A recomputes from its invalid block; B from one token past its hit
     cached = out.scheduled_cached_reqs
     assert dict(zip(cached.req_ids, cached.num_computed_tokens)) == {"A": 2 * B, "B": 3 * B + 1}
+
+
+# ---------------------------------------------------------------------------------------------- async loads
+
+
+def _step_until_scheduled(engine: Engine, rid: str, max_steps: int = 50) -> tuple[SchedulerOutput, list]:
+    """Steps (schedule, the worker's lifecycle, the model runner's output) until ``rid`` is scheduled;
+    returns that step's output, not yet finished, and the tokens emitted to ``rid`` before it."""
+    import time
+
+    emitted: list[int] = []
+    for _ in range(max_steps):
+        out = engine.schedule()
+        if rid in out.num_scheduled_tokens:
+            return out, emitted
+        emitted += engine.finish_step(out, kv_output=engine.run_worker(out)).get(rid, [])
+        time.sleep(0.01)  # the loader thread runs
+    raise AssertionError(f"{rid} was never scheduled")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async-scheduling", "sync-scheduling"])
+def test_an_async_load_holds_its_request_until_reported_and_its_failed_blocks_are_computed_first(
+    engines, monkeypatch, async_scheduling
+) -> None:
+    """With asynchronous loads (the default under vLLM's async scheduling, its GPU default) vLLM computes
+    nothing of a request until the workers reported its load, failed blocks with it: a worker that cannot
+    load anything makes the request compute its whole prompt, and no token is ever emitted from a block
+    that did not load (what synchronous loads under async scheduling do: the test above)."""
+    options = {} if async_scheduling else {"load_async": True}
+    engine = engines(policy="recompute", async_scheduling=async_scheduling, options=options)
+    side = engine.connector._scheduler
+    assert side is not None and side.load_enabled and side.load_async
+    engine.make_worker(monkeypatch)  # no KV caches registered: every load fails
+    prompt = _tokens(9, 4 * B + 5)
+    _store(engine.connector, prompt, 4)
+    a = engine.add("A", prompt)
+
+    out = engine.schedule()
+    assert out.num_scheduled_tokens == {}  # held back for its load
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    meta = out.kv_connector_metadata
+    ids = list(engine.scheduler.kv_cache_manager.get_block_ids("A")[0])
+    assert meta.loads == [] and _spans(meta.async_loads) == [("A", 0, ids[:4], prompt[: 4 * B])]
+    engine.finish_step(out, kv_output=engine.run_worker(out))
+
+    out, emitted = _step_until_scheduled(engine, "A")
+    assert emitted == []
+    assert [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs] == [("A", 0)]
+    assert out.num_scheduled_tokens == {"A": len(prompt)}
+    assert out.kv_connector_metadata.loads == out.kv_connector_metadata.async_loads == []
+    # not offered again (its blocks were freed and taken anew): computed, and saved again
+    assert [s.block_ids for s in out.kv_connector_metadata.saves] == [engine.block_ids(out, "A")[:4]]
+    assert engine.worker is not None and engine.worker._worker is not None
+    assert engine.worker._worker.stats["load_failed_blocks"] == 4
+    engine.finish_step(out, kv_output=engine.run_worker(out))
+    engine.run_to_completion()
+    engine.assert_idle()
+
+
+def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_load_ends(
+    engines, monkeypatch
+) -> None:
+    """The loader thread writes into the request's vLLM blocks: they must not go to another request before
+    it is done. vLLM frees an aborted WAITING_FOR_REMOTE_KVS request's blocks only once the workers report
+    its load finished, which the worker does only when its thread has left them."""
+    import threading
+
+    engine = engines(policy="recompute", options={"load_async": True})
+    worker = engine.make_worker(monkeypatch)
+    assert worker._worker is not None
+    gate = threading.Event()
+    restore = worker._worker._restore
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(10)
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(worker._worker, "_restore", held)
+    prompt = _tokens(10, 4 * B + 5)
+    _store(engine.connector, prompt, 4)
+    a = engine.add("A", prompt)
+    engine.step()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    free_while_loading = pool.get_num_free_blocks()
+    assert free_while_loading < NUM_BLOCKS - 1
+
+    engine.scheduler.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        out, _ = engine.step()
+        assert out.kv_connector_metadata.async_loads == []
+    assert pool.get_num_free_blocks() == free_while_loading  # still the loader's
+    assert "A" in engine.scheduler.requests
+
+    gate.set()
+    for _ in range(50):
+        if not engine.scheduler.requests:
+            break
+        engine.step()
+        threading.Event().wait(0.01)
+    engine.assert_idle()
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle

@@ -107,6 +107,12 @@ class TierKVConnector(KVConnectorBase_V1):
             assert isinstance(meta, TierKVMetadata)
             self._worker.save(meta)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(no asynchronous saves, the requests whose asynchronous loads are done)."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.finished_loads() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -155,7 +161,8 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        ids = blocks.get_block_ids() if num_external_tokens > 0 else ((),)
+        self._scheduler.update_state_after_alloc(request, list(ids[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None

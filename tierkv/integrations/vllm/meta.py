@@ -37,6 +37,8 @@ class BlockSpan:
 @dataclasses.dataclass
 class TierKVMetadata(KVConnectorMetadata):
     loads: list[BlockSpan] = dataclasses.field(default_factory=list)  # into vLLM's cache before the forward
+    # loads of requests vLLM holds back until the worker reports them finished (``load_async``)
+    async_loads: list[BlockSpan] = dataclasses.field(default_factory=list)
     saves: list[BlockSpan] = dataclasses.field(default_factory=list)  # out of it after the forward
     # blocks of a self-checked load that this step recomputed: compared after the forward, before saves
     checks: list[BlockSpan] = dataclasses.field(default_factory=list)

@@ -64,6 +64,11 @@ class ConnectorOptions:
     direct_reads: bool | None = None
     # The sampled self-check: this fraction of loads is also recomputed by vLLM and compared (worker.py)
     self_check_rate: float = 0.001
+    # Loads on the connector's thread while vLLM computes other requests; the request waits for its load
+    # (vLLM's WAITING_FOR_REMOTE_KVS) and computes once every rank reported it, failed blocks rewound before.
+    # None: on where vLLM schedules asynchronously (its default on GPUs, where a synchronous load cannot
+    # be used safely), else off (vLLM-CPU: the load competes with the forward for the same cores)
+    load_async: bool | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -94,9 +99,9 @@ class ConnectorOptions:
                 if not 0.0 <= rate <= 1.0:  # NaN included
                     raise ConfigError(f"self_check_rate must be in 0..1, got {value!r}")
                 out[name] = rate
-            elif name == "direct_reads" and value is None:
-                out[name] = None  # the default: on unless TIERKV_DIRECT_READS=0
-            elif name in ("sync", "front", "direct_reads"):
+            elif name in ("direct_reads", "load_async") and value is None:
+                out[name] = None  # the default (see the field)
+            elif name in ("sync", "front", "direct_reads", "load_async"):
                 out[name] = value if isinstance(value, bool) else parse_flag(str(value)) is True
             elif name == "remote" and str(value).startswith("env:"):
                 # "env:VAR": the URL (which may hold a password) from the environment, not from argv

@@ -56,6 +56,8 @@ class _Request:
     control: CacheControl = NO_CONTROL  # what its kv_transfer_params asked of the cache
     lookup: concurrent.futures.Future[Any] | None = None  # a lookup still running on the lookup thread
     lookup_since: float = 0.0
+    loading: list[int] | None = None  # the vLLM blocks of its asynchronous load, until reported done
+    load_failed: bool = False  # some block of its asynchronous load failed: computed, never offered again
 
 
 LOOKUP_GIVE_UP_S = 10.0  # a lookup still running after this counts as a miss (the request is computed)
@@ -112,20 +114,26 @@ class SchedulerSide:
         self.front = options.front
         self._metrics = TierKVStats()
         self._forget: list[str] = []
+        self._async: list[str] = []  # requests given an asynchronous load this step
+        self.load_async = False
         self.check_rate = options.self_check_rate if self_check else 0.0
         self._sample = random.Random()
         self.off = unsupported(vllm_config, kv_cache_config)
         if self.off:
             log.warning("tierkv connector is off for this engine: %s", self.off)
             return
-        if load and vllm_config.scheduler_config.async_scheduling:
+        async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        # Asynchronous loads: vLLM holds the request back (WAITING_FOR_REMOTE_KVS) until every worker
+        # reported its load finished, failed blocks included, and only then computes it.
+        self.load_async = async_scheduling if options.load_async is None else options.load_async
+        if load and async_scheduling and not self.load_async:
             # vLLM 0.32 plans step N+1 before it hears that a synchronous load of step N failed, and sends
             # that step's tokens, computed over the unloaded block, to the user (tests/vllm/
             # test_vllm_scheduler_unit.py shows it). Saves stay on: nothing wrong is saved either way.
             log.warning(
-                "tierkv connector: no loads under asynchronous scheduling (a load that fails would reach "
-                "the user as tokens computed from a block that did not load); run vLLM with "
-                "--no-async-scheduling to restore cached prefixes. Blocks are still saved."
+                "tierkv connector: no loads under asynchronous scheduling with load_async off (a load that "
+                "fails would reach the user as tokens computed from a block that did not load); drop "
+                '"load_async": false or run vLLM with --no-async-scheduling. Blocks are still saved.'
             )
             self.load_enabled = load = False
         self.base_ns: Namespace = kv_namespace(
@@ -135,10 +143,11 @@ class SchedulerSide:
         self.block_tokens = self.ns.block_tokens
         self.store = shared_store(options)
         log.info(
-            "tierkv connector (scheduler): %s, blocks of %d tokens, %s, self-check of %.3g of loads",
+            "tierkv connector (scheduler): %s, blocks of %d tokens, %s%s, self-check of %.3g of loads",
             self.ns.model_id,
             self.block_tokens,
             "load and save" if load and save else "load only" if load else "save only",
+            " (loads asynchronous)" if load and self.load_async else "",
             self.check_rate,
         )
 
@@ -199,7 +208,7 @@ class SchedulerSide:
                 r.local_tokens = num_computed_tokens  # still tracked: its blocks are saved
             return 0, False
         r = self._request(request)
-        if r is None:
+        if r is None or r.load_failed:  # (vLLM asks again after a failed asynchronous load)
             return 0, False
         r.local_tokens, r.by_tier = num_computed_tokens, {}
         hit = self._lookup_soon(r)
@@ -216,7 +225,7 @@ class SchedulerSide:
             new = n - 1 - num_computed_tokens
         else:
             new = min(hit.num_blocks, (n - 1) // B) * B - num_computed_tokens
-        return (new, False) if new > 0 else (0, False)
+        return (new, self.load_async) if new > 0 else (0, False)
 
     def _lookup_soon(self, r: _Request) -> Any:
         """``_lookup`` without waiting on I/O in vLLM's scheduler: it runs on the connector's lookup
@@ -282,7 +291,10 @@ class SchedulerSide:
         out[slowest] += num_tokens - sum(out.values())
         return {k: v for k, v in out.items() if v}
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (the request's, of its one KV group) with ``num_external_tokens``
+        to load. A synchronous load is planned at the request's next scheduled step; an asynchronous one
+        (vLLM now holds the request back) goes out in this step's metadata."""
         r = self._reqs.get(request.request_id)
         if r is not None and not r.counted:
             self._count_prompt(request, r, max(num_external_tokens, 0))
@@ -292,6 +304,9 @@ class SchedulerSide:
         first = r.local_tokens // B
         end = min(first + -(-num_external_tokens // B), r.stored_blocks)
         r.load = (first, end) if end > first else None
+        if self.load_async:  # what num_new_matched_tokens answered for a hit, so vLLM waits for the load
+            r.block_ids = list(block_ids)
+            self._async.append(request.request_id)
 
     def _count_prompt(self, request: Any, r: _Request, external: int) -> None:
         """The metrics' prompt tokens by source, when vLLM first schedules the request: vLLM's own prefix
@@ -320,6 +335,12 @@ class SchedulerSide:
         if self.store is None:
             return meta
         meta.forget, self._forget = self._forget, []
+        for req_id in self._async:  # allocated this step; vLLM schedules them once the workers loaded them
+            r = self._reqs.get(req_id)
+            if r is not None and r.load is not None:
+                self._plan_load(meta.async_loads, req_id, r)
+                r.loading = list(meta.async_loads[-1].block_ids) if meta.async_loads else None
+        self._async.clear()
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             r = self._reqs.get(new.req_id)
@@ -342,14 +363,7 @@ class SchedulerSide:
     def _plan(self, meta: TierKVMetadata, req_id: str, r: _Request, computed: int, scheduled: int) -> None:
         B = self.block_tokens
         if r.load is not None:
-            first, end = r.load
-            r.load = None
-            end = min(end, len(r.block_ids))  # (never fewer: vLLM allocated them; but never a dropped load)
-            if end > first:
-                check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
-                meta.loads.append(_span(req_id, r, first, end, B, check=check))
-                if check:
-                    r.check = (first, end)
+            self._plan_load(meta.loads, req_id, r)
         if not scheduled:
             return
         # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
@@ -369,7 +383,26 @@ class SchedulerSide:
         if self.save_enabled and not r.control.no_store and end > first:
             meta.saves.append(_span(req_id, r, first, end, B, deps=r.block_ids[:first]))
 
+    def _plan_load(self, loads: list[BlockSpan], req_id: str, r: _Request) -> None:
+        assert r.load is not None
+        first, end = r.load
+        r.load = None
+        end = min(end, len(r.block_ids))  # (never fewer: vLLM allocated them; but never a dropped load)
+        if end > first:
+            check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
+            loads.append(_span(req_id, r, first, end, self.block_tokens, check=check))
+            if check:
+                r.check = (first, end)
+
     def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        done = getattr(connector_output, "finished_recving", None) or set()
+        for req_id, r in self._reqs.items():  # asynchronous loads: what failed is computed, not offered again
+            if r.loading is not None:
+                if not invalid.isdisjoint(r.loading):
+                    r.load_failed = True
+                if req_id in done:
+                    r.loading = None
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, TierKVWorkerMetadata) and report.disabled and self.load_enabled:
             log.warning(

@@ -20,6 +20,8 @@ restore is one read of contiguous records per run of blocks.
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from tierkv.cpus import refresh as refresh_cpus
+from tierkv.cpus import spread_here
 from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, RanksDisagree, tp_group
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
@@ -59,6 +62,25 @@ def kv_difference(restored: torch.Tensor, recomputed: torch.Tensor) -> torch.Ten
     return ((a - b).norm(dim=2) / b.norm(dim=2).clamp_min(1e-30)).amax(dim=1)
 
 
+@dataclasses.dataclass
+class _Loaded:
+    """What a load did: its first ``got`` blocks are in vLLM's pages (``kv``: the buffer they were
+    restored into, None when straight into the pages)."""
+
+    span: BlockSpan
+    got: int
+    hit: Any = None
+    kv: torch.Tensor | None = None
+    read_s: float = 0.0
+    seconds: float = 0.0
+
+
+def _done(loaded: _Loaded) -> concurrent.futures.Future[_Loaded]:
+    job: concurrent.futures.Future[_Loaded] = concurrent.futures.Future()
+    job.set_result(loaded)
+    return job
+
+
 class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, options: ConnectorOptions) -> None:
         self.vllm_config = vllm_config
@@ -77,6 +99,9 @@ class WorkerSide:
         self._save_buffer: torch.Tensor | None = None
         self._load_buffer: torch.Tensor | None = None
         self._moved = False  # blocks loaded or saved since the last metrics payload
+        self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first async load
+        # req_id -> its asynchronous load, in flight or not yet reported
+        self._async: dict[str, tuple[BlockSpan, concurrent.futures.Future[_Loaded]]] = {}
         # tier -> [KV bytes read into vLLM's pages, seconds], of the loads served by that tier alone
         self.load_rates: dict[str, list[float]] = {}
         self.stats = {
@@ -208,31 +233,71 @@ class WorkerSide:
             for span in meta.loads:
                 self._errors.update(span.block_ids)
                 self.guard.failed(span.block_ids)
+            for span in meta.async_loads:
+                self._async[span.req_id] = (span, _done(_Loaded(span, 0)))
             return
         self._follow(meta)
         for span in meta.loads:
-            self._load(span)
+            self._took(self._restore(span, self._buffer), taint=True)
+        for span in meta.async_loads:
+            if self._loader is None:
+                self._loader = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tierkv-load", initializer=spread_here
+                )
+            self._async[span.req_id] = (span, self._loader.submit(self._restore_async, span, self.ns))
 
-    def _load(self, span: BlockSpan) -> None:
-        ids = span.block_ids
+    def _restore_async(self, span: BlockSpan, ns: Namespace) -> _Loaded:
+        """``_restore`` on the loader thread, into a buffer of its own (the model thread's are reused), and
+        on a GPU on a stream of its own, synchronised before the load counts as done."""
+
+        def fresh(name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=self.spec.dtype, device=self.caches[0].device)
+
+        device = self.caches[0].device if self.caches else torch.device("cpu")
+        if device.type != "cuda":
+            return self._restore(span, fresh, ns)
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            loaded = self._restore(span, fresh, ns)
+        stream.synchronize()
+        return loaded
+
+    def finished_loads(self) -> set[str]:
+        """The asynchronous loads done since the last call (vLLM asks after every step). Their failed blocks
+        go into this step's load errors now, which vLLM takes after this call: a request is never reported
+        loaded before its failures are."""
+        done = {req_id for req_id, (_, job) in self._async.items() if job.done()}
+        for req_id in done:
+            span, job = self._async.pop(req_id)
+            try:
+                loaded = job.result()
+            except Exception:  # _restore catches the store's failures; this is a bug: recompute it all
+                log.exception("tierkv: the asynchronous load of %s failed", req_id)
+                loaded = _Loaded(span, 0)
+            self._took(loaded, taint=False)
+        return done
+
+    def _restore(self, span: BlockSpan, buffer: Any, ns: Namespace | None = None) -> _Loaded:
+        """Restore ``span`` into its vLLM blocks: as restored straight into the pages (one copy), else into
+        a buffer (from ``buffer``) scattered after. Touches no state of the worker's but the store (it runs
+        on the loader thread too); ``_took`` counts and reports it."""
+        loaded = _Loaded(span, 0)
         if self.layout is None or self.store is None:
-            self._fail(span, 0)
-            return
+            return loaded
         t0 = time.perf_counter()
-        B = self.ns.block_tokens
-        chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
+        ids = span.block_ids
+        B = self.spec.block_tokens
+        base = ns if ns is not None else self.ns
+        chain = BlockChain.of(base.with_salt(span.salt) if span.salt else base, span.token_ids)
         sink = PagedSink(self.paged, self.spec, span.first, ids) if self.paged is not None else None
-        # Into the pages as restored (one copy), else into a buffer scattered below.
-        out = sink if sink is not None else self._buffer("load", self.spec.shape(span.end * B), grow_dim=2)
+        out = sink if sink is not None else buffer("load", self.spec.shape(span.end * B), grow_dim=2)
         try:
             hit, kv = self.store.restore(chain.ns, chain.prefix(span.end), out=out, start_block=span.first)
         except Exception:  # the store failed (not a bad block: those end the prefix quietly)
             log.exception("tierkv: restoring %s failed; its blocks are recomputed", span.req_id)
             hit, kv = None, None
-        read_s = time.perf_counter() - t0  # the load's rate counts the restore alone
+        loaded.hit, loaded.read_s = hit, time.perf_counter() - t0  # the rate counts the restore alone
         got = max(0, min(hit.num_blocks if hit is not None else 0, span.end) - span.first)
-        if hit is not None:
-            self.stats["read_blocks"] += sum(hit.by_tier.values()) // B
         if got and kv is not None and sink is None:
             try:
                 self.layout.scatter(
@@ -243,27 +308,40 @@ class WorkerSide:
                     "tierkv: writing %d restored blocks of %s into vLLM's cache failed", got, span.req_id
                 )
                 got = 0
-        self.guard.loaded(ids[:got])
         if got:
             try:  # a hit extends the retention its request asks, as a save does
                 self._retain(chain.prefix(span.first + got), span)
             except Exception:
                 log.exception("tierkv: extending the retention of %s failed", span.req_id)
+        loaded.got, loaded.kv = got, (kv if sink is None else None)
+        loaded.seconds = time.perf_counter() - t0
+        return loaded
+
+    def _took(self, loaded: _Loaded, *, taint: bool) -> None:
+        """On the model thread: a load's outcome into vLLM's load errors, the counters and, for a
+        synchronous load (``taint``), the guard of this step's saves. An asynchronous load needs no taint:
+        vLLM computes nothing of its request until it heard of its failures."""
+        span, got = loaded.span, loaded.got
+        if taint:
+            self.guard.loaded(span.block_ids[:got])
         if got and span.check:
             try:
-                self._keep_for_check(span, kv, got)
+                self._keep_for_check(span, loaded.kv, got, taint=taint)
             except Exception:  # an optional check must never fail the step (a copy that cannot be made)
                 log.exception("tierkv self-check: keeping a copy of %s's restored blocks failed", span.req_id)
-        if got < len(ids):
-            self._fail(span, got)
+        if got < len(span.block_ids):
+            self._fail(span, got, taint=taint)
+        hit, B = loaded.hit, self.spec.block_tokens
+        if hit is not None:
+            self.stats["read_blocks"] += sum(hit.by_tier.values()) // B
         self.stats["load_blocks"] += got
         self.stats["load_nbytes"] += got * self.spec.block_nbytes
-        self.stats["load_s"] += time.perf_counter() - t0
+        self.stats["load_s"] += loaded.seconds
         used = [tier for tier, tokens in (hit.by_tier.items() if hit is not None else ()) if tokens]
-        if got and len(used) == 1:  # the load's rate, by the one tier it read (mixed loads are not rated)
+        if got and hit is not None and len(used) == 1:  # the rate, by the one tier it read (not mixed)
             rate = self.load_rates.setdefault(used[0], [0, 0.0])
             rate[0] += hit.by_tier[used[0]] // B * self.spec.block_nbytes
-            rate[1] += read_s
+            rate[1] += loaded.read_s
         self._moved = True
 
     def _retain(self, chain: BlockChain, span: BlockSpan) -> None:
@@ -274,7 +352,7 @@ class WorkerSide:
         for tokens, retention in span.control.prefixes:
             self.store.retain(chain.ns, chain, retention, num_blocks=min(tokens // B, len(chain)))
 
-    def _fail(self, span: BlockSpan, loaded: int) -> None:
+    def _fail(self, span: BlockSpan, loaded: int, *, taint: bool = True) -> None:
         failed = span.block_ids[loaded:]
         if failed:
             log.info(
@@ -284,7 +362,8 @@ class WorkerSide:
                 span.req_id,
             )
         self._errors.update(failed)
-        self.guard.failed(failed)
+        if taint:
+            self.guard.failed(failed)
         self.stats["load_failed_blocks"] += len(failed)
 
     def take_load_errors(self) -> set[int]:
@@ -293,7 +372,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ the sampled self-check
 
-    def _keep_for_check(self, span: BlockSpan, kv: torch.Tensor | None, got: int) -> None:
+    def _keep_for_check(self, span: BlockSpan, kv: torch.Tensor | None, got: int, *, taint: bool) -> None:
         """Keep a copy of what was restored (``kv``, or the pages it was restored into), and have vLLM
         recompute it (reported as a load error, the blocks are recomputed from the first one; they are not
         tainted: what was restored is in them)."""
@@ -312,7 +391,8 @@ class WorkerSide:
         self._errors.update(span.block_ids[:got])
         # Tainted like a failed load until vLLM recomputed them: what this step's forward computes from
         # them must not be saved before the check has said they were right.
-        self.guard.failed(span.block_ids[:got])
+        if taint:
+            self.guard.failed(span.block_ids[:got])
 
     def _check(self, span: BlockSpan) -> None:
         """Compare vLLM's recomputation of a self-checked load's blocks with what the store restored. On a
@@ -426,6 +506,9 @@ class WorkerSide:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        if self._loader is not None:  # loads still writing into vLLM's pages end before the store goes
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self.store is not None:
             store, self.store = self.store, None
             log.info(
