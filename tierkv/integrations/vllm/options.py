@@ -66,8 +66,8 @@ class ConnectorOptions:
     self_check_rate: float = 0.001
     # Loads on the connector's thread while vLLM computes other requests; the request waits for its load
     # (vLLM's WAITING_FOR_REMOTE_KVS) and computes once every rank reported it, failed blocks rewound before.
-    # None: on where vLLM schedules asynchronously (its default on GPUs, where a synchronous load cannot
-    # be used safely), else off (vLLM-CPU: the load competes with the forward for the same cores)
+    # None: TIERKV_LOAD_ASYNC=1/0 if set, else on where vLLM schedules asynchronously (its default on GPUs,
+    # where a synchronous load cannot be used safely) and off elsewhere
     load_async: bool | None = None
 
     @classmethod

@@ -31,6 +31,7 @@ from tierkv.keys import BlockChain, Namespace
 from tierkv.retention import NO_CONTROL, CacheControl
 from tierkv.server.cache_control import CONTROL_FIELDS, control_from_params
 from tierkv.tenancy import RESERVED
+from tierkv.units import env_flag
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -125,7 +126,10 @@ class SchedulerSide:
         async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         # Asynchronous loads: vLLM holds the request back (WAITING_FOR_REMOTE_KVS) until every worker
         # reported its load finished, failed blocks included, and only then computes it.
-        self.load_async = async_scheduling if options.load_async is None else options.load_async
+        if options.load_async is None:
+            self.load_async = env_flag("TIERKV_LOAD_ASYNC", async_scheduling)
+        else:
+            self.load_async = options.load_async
         if load and async_scheduling and not self.load_async:
             # vLLM 0.32 plans step N+1 before it hears that a synchronous load of step N failed, and sends
             # that step's tokens, computed over the unloaded block, to the user (tests/vllm/
