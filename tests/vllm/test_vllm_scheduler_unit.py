@@ -608,17 +608,16 @@ def test_async_scheduling_schedules_a_step_on_a_failed_load_and_vllm_0_32_emits_
 # ---------------------------------------------------------------------------------------------- async loads
 
 
-def _step_until_scheduled(engine: Engine, rid: str, max_steps: int = 50) -> tuple[SchedulerOutput, list]:
+def _step_until_scheduled(engine: Engine, rid: str, max_steps: int = 50) -> SchedulerOutput:
     """Steps (schedule, the worker's lifecycle, the model runner's output) until ``rid`` is scheduled;
-    returns that step's output, not yet finished, and the tokens emitted to ``rid`` before it."""
+    returns that step's output, not yet finished."""
     import time
 
-    emitted: list[int] = []
     for _ in range(max_steps):
         out = engine.schedule()
         if rid in out.num_scheduled_tokens:
-            return out, emitted
-        emitted += engine.finish_step(out, kv_output=engine.run_worker(out)).get(rid, [])
+            return out
+        engine.finish_step(out, kv_output=engine.run_worker(out))
         time.sleep(0.01)  # the loader thread runs
     raise AssertionError(f"{rid} was never scheduled")
 
@@ -648,8 +647,7 @@ def test_an_async_load_holds_its_request_until_reported_and_its_failed_blocks_ar
     assert meta.loads == [] and _spans(meta.async_loads) == [("A", 0, ids[:4], prompt[: 4 * B])]
     engine.finish_step(out, kv_output=engine.run_worker(out))
 
-    out, emitted = _step_until_scheduled(engine, "A")
-    assert emitted == []
+    out = _step_until_scheduled(engine, "A")
     assert [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs] == [("A", 0)]
     assert out.num_scheduled_tokens == {"A": len(prompt)}
     assert out.kv_connector_metadata.loads == out.kv_connector_metadata.async_loads == []
@@ -703,6 +701,51 @@ def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_
             break
         engine.step()
         threading.Event().wait(0.01)
+    engine.assert_idle()
+
+
+def test_an_async_load_that_ends_after_a_cache_reset_is_reported_failed(engines, monkeypatch) -> None:
+    """A reset of the connector's cache (vLLM's, e.g. before new weights) while a load runs: what it read is
+    of the old epoch, so every block of it is reported failed and vLLM computes the request. Its restore is
+    made to succeed here (the unit worker has no pages), so only the epoch check fails it."""
+    import threading
+
+    from tierkv.integrations.vllm.worker import _Loaded
+
+    engine = engines(policy="recompute", options={"load_async": True})
+    worker = engine.make_worker(monkeypatch)
+    assert worker._worker is not None
+    gate = threading.Event()
+
+    def restored(span: Any, *args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(10)
+        return _Loaded(span, len(span.block_ids))  # as if every block had loaded
+
+    monkeypatch.setattr(worker._worker, "_restore", restored)
+    prompt = _tokens(11, 4 * B + 5)
+    _store(engine.connector, prompt, 4)
+    a = engine.add("A", prompt)
+    engine.step()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    ids = list(engine.scheduler.kv_cache_manager.get_block_ids("A")[0])
+    assert engine.connector.reset_cache()  # the scheduler side moves to a new epoch ...
+    out = engine.schedule()
+    kv_output = engine.run_worker(out)  # ... which the worker follows with this step's metadata
+    assert kv_output is None or not kv_output.finished_recving  # still loading
+    assert worker._worker.epoch == engine.connector._scheduler.epoch != ""
+    engine.finish_step(out, kv_output=kv_output)
+    gate.set()
+    for _ in range(50):
+        out = engine.schedule()
+        kv_output = engine.run_worker(out)
+        if kv_output is not None and kv_output.finished_recving:
+            break
+        engine.finish_step(out, kv_output=kv_output)
+        threading.Event().wait(0.01)
+    assert kv_output is not None and kv_output.finished_recving == {"A"}
+    assert kv_output.invalid_block_ids == set(ids[:4])  # every block of the old epoch's load
+    engine.finish_step(out, kv_output=kv_output)
+    engine.run_to_completion()
     engine.assert_idle()
 
 

@@ -341,9 +341,11 @@ class SchedulerSide:
         meta.forget, self._forget = self._forget, []
         for req_id in self._async:  # allocated this step; vLLM schedules them once the workers loaded them
             r = self._reqs.get(req_id)
-            if r is not None and r.load is not None:
-                self._plan_load(meta.async_loads, req_id, r)
-                r.loading = list(meta.async_loads[-1].block_ids) if meta.async_loads else None
+            span = self._plan_load(meta.async_loads, req_id, r) if r is not None else None
+            if span is None:  # (not expected) vLLM waits for a report all the same: an empty load gives it
+                meta.async_loads.append(BlockSpan(req_id, [], "", 0, []))
+            elif r is not None:
+                r.loading = list(span.block_ids)
         self._async.clear()
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -387,16 +389,21 @@ class SchedulerSide:
         if self.save_enabled and not r.control.no_store and end > first:
             meta.saves.append(_span(req_id, r, first, end, B, deps=r.block_ids[:first]))
 
-    def _plan_load(self, loads: list[BlockSpan], req_id: str, r: _Request) -> None:
-        assert r.load is not None
+    def _plan_load(self, loads: list[BlockSpan], req_id: str, r: _Request) -> BlockSpan | None:
+        """The request's planned load into ``loads``; the span, or None when there is none."""
+        if r.load is None:
+            return None
         first, end = r.load
         r.load = None
         end = min(end, len(r.block_ids))  # (never fewer: vLLM allocated them; but never a dropped load)
-        if end > first:
-            check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
-            loads.append(_span(req_id, r, first, end, self.block_tokens, check=check))
-            if check:
-                r.check = (first, end)
+        if end <= first:
+            return None
+        check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
+        span = _span(req_id, r, first, end, self.block_tokens, check=check)
+        loads.append(span)
+        if check:
+            r.check = (first, end)
+        return span
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()

@@ -100,8 +100,9 @@ class WorkerSide:
         self._load_buffer: torch.Tensor | None = None
         self._moved = False  # blocks loaded or saved since the last metrics payload
         self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first async load
-        # req_id -> its asynchronous load, in flight or not yet reported
-        self._async: dict[str, tuple[BlockSpan, concurrent.futures.Future[_Loaded]]] = {}
+        # req_id -> its asynchronous load (span, epoch it began in, job), in flight or not yet reported
+        self._async: dict[str, tuple[BlockSpan, str, concurrent.futures.Future[_Loaded]]] = {}
+        self._load_stream: Any = None  # the loader thread's CUDA stream
         # tier -> [KV bytes read into vLLM's pages, seconds], of the loads served by that tier alone
         self.load_rates: dict[str, list[float]] = {}
         self.stats = {
@@ -234,21 +235,30 @@ class WorkerSide:
                 self._errors.update(span.block_ids)
                 self.guard.failed(span.block_ids)
             for span in meta.async_loads:
-                self._async[span.req_id] = (span, _done(_Loaded(span, 0)))
+                self._async[span.req_id] = (span, self.epoch, _done(_Loaded(span, 0)))
             return
         self._follow(meta)
         for span in meta.loads:
             self._took(self._restore(span, self._buffer), taint=True)
         for span in meta.async_loads:
+            if not span.block_ids:  # nothing to load: done
+                self._async[span.req_id] = (span, self.epoch, _done(_Loaded(span, 0)))
+                continue
             if self._loader is None:
                 self._loader = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="tierkv-load", initializer=spread_here
                 )
-            self._async[span.req_id] = (span, self._loader.submit(self._restore_async, span, self.ns))
+            try:
+                job = self._loader.submit(self._restore_async, span, self.ns)
+            except RuntimeError:  # a loader that cannot start a thread: the load failed, vLLM computes it
+                log.exception("tierkv: could not start the asynchronous load of %s", span.req_id)
+                job = _done(_Loaded(span, 0))
+            self._async[span.req_id] = (span, self.epoch, job)
 
     def _restore_async(self, span: BlockSpan, ns: Namespace) -> _Loaded:
         """``_restore`` on the loader thread, into a buffer of its own (the model thread's are reused), and
-        on a GPU on a stream of its own, synchronised before the load counts as done."""
+        on a GPU on the loader's own stream (one: the allocator reuses memory per stream), synchronised
+        before the load counts as done."""
 
         def fresh(name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
             return torch.empty(shape, dtype=self.spec.dtype, device=self.caches[0].device)
@@ -256,26 +266,38 @@ class WorkerSide:
         device = self.caches[0].device if self.caches else torch.device("cpu")
         if device.type != "cuda":
             return self._restore(span, fresh, ns)
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            loaded = self._restore(span, fresh, ns)
-        stream.synchronize()
-        return loaded
+        if self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(device)
+        try:
+            with torch.cuda.stream(self._load_stream):
+                return self._restore(span, fresh, ns)
+        finally:
+            self._load_stream.synchronize()
 
     def finished_loads(self) -> set[str]:
         """The asynchronous loads done since the last call (vLLM asks after every step). Their failed blocks
         go into this step's load errors now, which vLLM takes after this call: a request is never reported
-        loaded before its failures are."""
-        done = {req_id for req_id, (_, job) in self._async.items() if job.done()}
+        loaded before its failures are. A load begun before a reset of the connector's cache (another epoch:
+        vLLM reset it, e.g. for new weights) counts as failed: vLLM computes it."""
+        done = {req_id for req_id, (_, _, job) in self._async.items() if job.done()}
         for req_id in done:
-            span, job = self._async.pop(req_id)
+            span, epoch, job = self._async.pop(req_id)
             try:
                 loaded = job.result()
             except Exception:  # _restore catches the store's failures; this is a bug: recompute it all
                 log.exception("tierkv: the asynchronous load of %s failed", req_id)
                 loaded = _Loaded(span, 0)
+            if epoch != self.epoch and loaded.got:
+                log.info("tierkv: %s was loaded from before a cache reset; vLLM recomputes it", req_id)
+                loaded = _Loaded(span, 0, loaded.hit, None, loaded.read_s, loaded.seconds)
             self._took(loaded, taint=False)
         return done
+
+    def _stop_loader(self) -> None:
+        """Wait for the loads still writing into vLLM's pages (before the store they read goes)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
 
     def _restore(self, span: BlockSpan, buffer: Any, ns: Namespace | None = None) -> _Loaded:
         """Restore ``span`` into its vLLM blocks: as restored straight into the pages (one copy), else into
@@ -313,7 +335,8 @@ class WorkerSide:
                 self._retain(chain.prefix(span.first + got), span)
             except Exception:
                 log.exception("tierkv: extending the retention of %s failed", span.req_id)
-        loaded.got, loaded.kv = got, (kv if sink is None else None)
+        loaded.got = got
+        loaded.kv = kv if sink is None and span.check else None  # kept for the self-check's copy only
         loaded.seconds = time.perf_counter() - t0
         return loaded
 
@@ -442,6 +465,7 @@ class WorkerSide:
         except RanksDisagree as exc:  # the collectives are out of step from now on: off, for good
             log.error("tierkv connector is off on this worker: %s", exc)
             self.off = str(exc)
+            self._stop_loader()
             if self.store is not None:
                 store, self.store = self.store, None
                 release_store(store)
@@ -506,9 +530,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        if self._loader is not None:  # loads still writing into vLLM's pages end before the store goes
-            self._loader.shutdown(wait=True)
-            self._loader = None
+        self._stop_loader()
         if self.store is not None:
             store, self.store = self.store, None
             log.info(
