@@ -69,3 +69,17 @@ def test_the_data_path_line_says_so_when_the_file_system_refuses_o_direct(tmp_pa
         hit, got = store.restore(ns, toks)
         assert hit.num_tokens == 64 and got is not None and torch.equal(got, kv)
         assert store.stats()["disk"]["read_direct_nbytes"] == 0
+
+
+def test_load_async_takes_a_flag_and_refuses_anything_else() -> None:
+    """``load_async``: unset (None) lets the connector follow vLLM's scheduling; true or false as booleans
+    or words; any other value is an error, not a silent false (a user's "maybe" must not turn it off)."""
+    from tierkv.errors import ConfigError
+
+    assert ConnectorOptions.from_extra({}).load_async is None
+    assert ConnectorOptions.from_extra({"load_async": None}).load_async is None
+    assert ConnectorOptions.from_extra({"load_async": True}).load_async is True
+    assert ConnectorOptions.from_extra({"load_async": "yes"}).load_async is True
+    assert ConnectorOptions.from_extra({"load_async": "0"}).load_async is False
+    with pytest.raises(ConfigError, match="load_async must be true or false"):
+        ConnectorOptions.from_extra({"load_async": "maybe"})

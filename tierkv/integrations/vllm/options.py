@@ -101,7 +101,11 @@ class ConnectorOptions:
                 out[name] = rate
             elif name in ("direct_reads", "load_async") and value is None:
                 out[name] = None  # the default (see the field)
-            elif name in ("sync", "front", "direct_reads", "load_async"):
+            elif name == "load_async":
+                if (flag := value if isinstance(value, bool) else parse_flag(str(value))) is None:
+                    raise ConfigError(f"load_async must be true or false, got {value!r}")
+                out[name] = flag
+            elif name in ("sync", "front", "direct_reads"):
                 out[name] = value if isinstance(value, bool) else parse_flag(str(value)) is True
             elif name == "remote" and str(value).startswith("env:"):
                 # "env:VAR": the URL (which may hold a password) from the environment, not from argv
