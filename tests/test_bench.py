@@ -34,6 +34,9 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
         for d in (1, 4, 32)
     ]
     depths.append(tiers["rows_Bps"]["raw buffered cold sequential read, 8 MiB, 4 threads"]["median"])
+    one_stream = tiers["rows_Bps"]["raw buffered cold sequential read, 8 MiB, 1 thread"]
+    assert one_stream["n"] == 2 * tiers["config"]["runs"]  # in both passes, as the others
+    depths.append(one_stream["median"])
     own = tiers["rows_Bps"][
         "raw buffered cold sequential read of the store's segment files, 8 MiB, 4 threads"
     ]
