@@ -44,6 +44,7 @@ class TierKVMetadata(KVConnectorMetadata):
     checks: list[BlockSpan] = dataclasses.field(default_factory=list)
     forget: list[str] = dataclasses.field(default_factory=list)  # finished: drop their self-check copies
     epoch: str = ""  # set by a reset of the connector's cache (see namespace.with_epoch)
+    idle: bool = False  # no tokens scheduled this step: vLLM runs it only to hear of asynchronous loads
 
 
 @dataclasses.dataclass

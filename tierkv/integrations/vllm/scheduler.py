@@ -338,6 +338,7 @@ class SchedulerSide:
         meta = TierKVMetadata(epoch=self.epoch)
         if self.store is None:
             return meta
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         meta.forget, self._forget = self._forget, []
         for req_id in self._async:  # allocated this step; vLLM schedules them once the workers loaded them
             r = self._reqs.get(req_id)

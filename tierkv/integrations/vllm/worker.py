@@ -47,6 +47,9 @@ log = logging.getLogger("vllm.tierkv")
 __all__ = ["WorkerSide"]
 
 
+# How long a step that computes nothing waits for an asynchronous load to end before it reports (a request
+# arriving meanwhile is scheduled that much later; without it vLLM's engine spins on empty steps)
+IDLE_WAIT_S = 0.01
 # The self-check's copies of restored blocks wait here until vLLM recomputed them; beyond this, loads
 # are not sampled.
 MAX_CHECK_NBYTES = 256 << 20
@@ -103,6 +106,7 @@ class WorkerSide:
         # req_id -> its asynchronous load (span, epoch it began in, job), in flight or not yet reported
         self._async: dict[str, tuple[BlockSpan, str, concurrent.futures.Future[_Loaded]]] = {}
         self._load_stream: Any = None  # the loader thread's CUDA stream
+        self._idle_step = False  # this step computes nothing (TierKVMetadata.idle)
         # tier -> [KV bytes read into vLLM's pages, seconds], of the loads served by that tier alone
         self.load_rates: dict[str, list[float]] = {}
         self.stats = {
@@ -238,6 +242,7 @@ class WorkerSide:
                 self._async[span.req_id] = (span, self.epoch, _done(_Loaded(span, 0)))
             return
         self._follow(meta)
+        self._idle_step = meta.idle
         for span in meta.loads:
             self._took(self._restore(span, self._buffer), taint=True)
         for span in meta.async_loads:
@@ -279,6 +284,11 @@ class WorkerSide:
         go into this step's load errors now, which vLLM takes after this call: a request is never reported
         loaded before its failures are. A load begun before a reset of the connector's cache (another epoch:
         vLLM reset it, e.g. for new weights) counts as failed: vLLM computes it."""
+        if self._idle_step and self._async:
+            # vLLM steps again at once while requests wait for their loads and nothing else runs: a spin
+            # that takes a core (and the GIL) from the loader. Wait a little for a load instead.
+            jobs = [job for _, _, job in self._async.values()]
+            concurrent.futures.wait(jobs, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
         done = {req_id for req_id, (_, _, job) in self._async.items() if job.done()}
         for req_id in done:
             span, epoch, job = self._async.pop(req_id)
