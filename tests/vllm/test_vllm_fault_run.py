@@ -113,9 +113,14 @@ def test_nothing_wrong_was_saved(fault_runs: dict) -> None:
     assert tierkv_cli("gc", "--check", "--cache-dir", str(fault_runs["cache"]))["corrupt"] == 0
 
 
-def test_the_self_check_finds_wrong_kv_behind_a_valid_checksum(tmp_path: Path, model_dir: Path) -> None:
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync-loads", "async-loads"])
+def test_the_self_check_finds_wrong_kv_behind_a_valid_checksum(
+    tmp_path: Path, model_dir: Path, load_async: bool
+) -> None:
     """Other KV stored under a prompt's keys, with valid checksums: verification cannot see it, the
-    self-check must, and purge it with what was computed from it (the prompt's next hit is exact again)."""
+    self-check must, and purge it with what was computed from it (the prompt's next hit is exact again).
+    With asynchronous loads too: there the checked blocks are the load's first, vLLM frees and reallocates
+    the request's blocks before it recomputes them, and the check must still compare them."""
     import torch
 
     from tierkv.keys import BlockChain
@@ -127,7 +132,13 @@ def test_the_self_check_finds_wrong_kv_behind_a_valid_checksum(tmp_path: Path, m
     rng = random.Random(11)
     X = rng.choices(range(3, 500), k=5 * B + 40)  # 3 blocks poisoned, 2 computed from them
     other = rng.choices(range(3, 500), k=B)
-    connector = {"cache_dir": str(cache), "host_bytes": 0, "disk_bytes": "1GiB", "sync": False}
+    connector = {
+        "cache_dir": str(cache),
+        "host_bytes": 0,
+        "disk_bytes": "1GiB",
+        "sync": False,
+        "load_async": load_async,
+    }
     base = engine.start("base", [{"tokens": X}], None)
     engine.run("namespace", [{"tokens": other}], connector)  # creates the engine's namespace
     ns = _namespace(cache, "")
@@ -143,6 +154,7 @@ def test_the_self_check_finds_wrong_kv_behind_a_valid_checksum(tmp_path: Path, m
     after = engine.run("after", [{"tokens": X}], connector)
     base = engine.wait(base)
     stats = _stats(checked["log"])
+    assert ("(loads asynchronous)" in checked["log"]) is load_async
     assert stats["checked"] > 0 and stats["differed"] > 0
     assert "differs from vLLM's recomputation" in checked["log"]
     assert _tokens(checked) == _tokens(base)  # a checked load is recomputed: the answer is exact anyway

@@ -660,6 +660,29 @@ def test_an_async_load_holds_its_request_until_reported_and_its_failed_blocks_ar
     engine.assert_idle()
 
 
+def test_a_worker_whose_store_is_gone_reports_every_async_load_done_and_failed(engines, monkeypatch) -> None:
+    """A worker that turned off after vLLM admitted a load (its ranks disagreed, say: no store) must still
+    report it, or the request would wait forever; every block of it is failed, so vLLM computes it."""
+    engine = engines(policy="recompute", options={"load_async": True})
+    worker = engine.make_worker(monkeypatch)
+    assert worker._worker is not None
+    prompt = _tokens(12, 4 * B + 5)
+    _store(engine.connector, prompt, 4)
+    engine.add("A", prompt)
+    monkeypatch.setattr(worker._worker, "store", None)
+    out = engine.schedule()
+    ids = list(engine.scheduler.kv_cache_manager.get_block_ids("A")[0])
+    kv_output = engine.run_worker(out)
+    assert kv_output is not None and kv_output.finished_recving == {"A"}
+    assert kv_output.invalid_block_ids == set(ids[:4])
+    engine.finish_step(out, kv_output=kv_output)
+    out = _step_until_scheduled(engine, "A")
+    assert [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs] == [("A", 0)]
+    engine.finish_step(out, kv_output=engine.run_worker(out))
+    engine.run_to_completion()
+    engine.assert_idle()
+
+
 def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_load_ends(
     engines, monkeypatch
 ) -> None:
@@ -710,7 +733,7 @@ def test_an_async_load_that_ends_after_a_cache_reset_is_reported_failed(engines,
     made to succeed here (the unit worker has no pages), so only the epoch check fails it."""
     import threading
 
-    from tierkv.integrations.vllm.worker import _Loaded
+    from tierkv.integrations.vllm.loader import Loaded
 
     engine = engines(policy="recompute", options={"load_async": True})
     worker = engine.make_worker(monkeypatch)
@@ -719,7 +742,7 @@ def test_an_async_load_that_ends_after_a_cache_reset_is_reported_failed(engines,
 
     def restored(span: Any, *args: Any, **kwargs: Any) -> Any:
         assert gate.wait(10)
-        return _Loaded(span, len(span.block_ids))  # as if every block had loaded
+        return Loaded(span, len(span.block_ids))  # as if every block had loaded
 
     monkeypatch.setattr(worker._worker, "_restore", restored)
     prompt = _tokens(11, 4 * B + 5)

@@ -20,8 +20,6 @@ restore is one read of contiguous records per run of blocks.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import logging
 import os
 import time
@@ -30,9 +28,9 @@ from typing import Any
 import torch
 
 from tierkv.cpus import refresh as refresh_cpus
-from tierkv.cpus import spread_here
 from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, RanksDisagree, tp_group
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
+from tierkv.integrations.vllm.loader import Loaded, Loader
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.metrics import StoreDeltas, TierKVStats
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
@@ -47,9 +45,6 @@ log = logging.getLogger("vllm.tierkv")
 __all__ = ["WorkerSide"]
 
 
-# How long a step that computes nothing waits for an asynchronous load to end before it reports (a request
-# arriving meanwhile is scheduled that much later; without it vLLM's engine spins on empty steps)
-IDLE_WAIT_S = 0.01
 # The self-check's copies of restored blocks wait here until vLLM recomputed them; beyond this, loads
 # are not sampled.
 MAX_CHECK_NBYTES = 256 << 20
@@ -63,25 +58,6 @@ def kv_difference(restored: torch.Tensor, recomputed: torch.Tensor) -> torch.Ten
     """Per block, the largest relative L2 difference over its layers (``[n, layers, 2, B, H, D]`` each)."""
     a, b = restored.to(torch.float32).flatten(2), recomputed.to(torch.float32).flatten(2)
     return ((a - b).norm(dim=2) / b.norm(dim=2).clamp_min(1e-30)).amax(dim=1)
-
-
-@dataclasses.dataclass
-class _Loaded:
-    """What a load did: its first ``got`` blocks are in vLLM's pages (``kv``: the buffer they were
-    restored into, None when straight into the pages)."""
-
-    span: BlockSpan
-    got: int
-    hit: Any = None
-    kv: torch.Tensor | None = None
-    read_s: float = 0.0
-    seconds: float = 0.0
-
-
-def _done(loaded: _Loaded) -> concurrent.futures.Future[_Loaded]:
-    job: concurrent.futures.Future[_Loaded] = concurrent.futures.Future()
-    job.set_result(loaded)
-    return job
 
 
 class WorkerSide:
@@ -102,10 +78,7 @@ class WorkerSide:
         self._save_buffer: torch.Tensor | None = None
         self._load_buffer: torch.Tensor | None = None
         self._moved = False  # blocks loaded or saved since the last metrics payload
-        self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first async load
-        # req_id -> its asynchronous load (span, epoch it began in, job), in flight or not yet reported
-        self._async: dict[str, tuple[BlockSpan, str, concurrent.futures.Future[_Loaded]]] = {}
-        self._load_stream: Any = None  # the loader thread's CUDA stream
+        self.loader: Loader | None = None  # asynchronous loads (loader.py), once the caches are known
         self._idle_step = False  # this step computes nothing (TierKVMetadata.idle)
         # tier -> [KV bytes read into vLLM's pages, seconds], of the loads served by that tier alone
         self.load_rates: dict[str, list[float]] = {}
@@ -239,81 +212,43 @@ class WorkerSide:
                 self._errors.update(span.block_ids)
                 self.guard.failed(span.block_ids)
             for span in meta.async_loads:
-                self._async[span.req_id] = (span, self.epoch, _done(_Loaded(span, 0)))
+                self._loads().failed(span, self.epoch)
             return
         self._follow(meta)
         self._idle_step = meta.idle
         for span in meta.loads:
             self._took(self._restore(span, self._buffer), taint=True)
         for span in meta.async_loads:
-            if not span.block_ids:  # nothing to load: done
-                self._async[span.req_id] = (span, self.epoch, _done(_Loaded(span, 0)))
-                continue
-            if self._loader is None:
-                self._loader = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="tierkv-load", initializer=spread_here
-                )
-            try:
-                job = self._loader.submit(self._restore_async, span, self.ns)
-            except RuntimeError:  # a loader that cannot start a thread: the load failed, vLLM computes it
-                log.exception("tierkv: could not start the asynchronous load of %s", span.req_id)
-                job = _done(_Loaded(span, 0))
-            self._async[span.req_id] = (span, self.epoch, job)
+            self._loads().submit(span, self.ns, self.epoch)
 
-    def _restore_async(self, span: BlockSpan, ns: Namespace) -> _Loaded:
-        """``_restore`` on the loader thread, into a buffer of its own (the model thread's are reused), and
-        on a GPU on the loader's own stream (one: the allocator reuses memory per stream), synchronised
-        before the load counts as done."""
-
-        def fresh(name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
-            return torch.empty(shape, dtype=self.spec.dtype, device=self.caches[0].device)
-
-        device = self.caches[0].device if self.caches else torch.device("cpu")
-        if device.type != "cuda":
-            return self._restore(span, fresh, ns)
-        if self._load_stream is None:
-            self._load_stream = torch.cuda.Stream(device)
-        try:
-            with torch.cuda.stream(self._load_stream):
-                return self._restore(span, fresh, ns)
-        finally:
-            self._load_stream.synchronize()
+    def _loads(self) -> Loader:
+        if self.loader is None:
+            device = self.caches[0].device if self.caches else torch.device("cpu")
+            # (a worker that is off from the start has no spec: its loads all fail without a buffer)
+            dtype = self.spec.dtype if hasattr(self, "spec") else torch.float32
+            self.loader = Loader(self._restore, device, dtype)
+        return self.loader
 
     def finished_loads(self) -> set[str]:
-        """The asynchronous loads done since the last call (vLLM asks after every step). Their failed blocks
-        go into this step's load errors now, which vLLM takes after this call: a request is never reported
-        loaded before its failures are. A load begun before a reset of the connector's cache (another epoch:
-        vLLM reset it, e.g. for new weights) counts as failed: vLLM computes it."""
-        if self._idle_step and self._async:
-            # vLLM steps again at once while requests wait for their loads and nothing else runs: a spin
-            # that takes a core (and the GIL) from the loader. Wait a little for a load instead.
-            jobs = [job for _, _, job in self._async.values()]
-            concurrent.futures.wait(jobs, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
-        done = {req_id for req_id, (_, _, job) in self._async.items() if job.done()}
-        for req_id in done:
-            span, epoch, job = self._async.pop(req_id)
-            try:
-                loaded = job.result()
-            except Exception:  # _restore catches the store's failures; this is a bug: recompute it all
-                log.exception("tierkv: the asynchronous load of %s failed", req_id)
-                loaded = _Loaded(span, 0)
-            if epoch != self.epoch and loaded.got:
-                log.info("tierkv: %s was loaded from before a cache reset; vLLM recomputes it", req_id)
-                loaded = _Loaded(span, 0, loaded.hit, None, loaded.read_s, loaded.seconds)
+        """The requests whose asynchronous loads ended since the last call (vLLM asks after every step).
+        Their failed blocks go into this step's load errors now, which vLLM takes after this call: a
+        request is never reported loaded before its failures are."""
+        if self.loader is None:
+            return set()
+        done = self.loader.collect(self.epoch, idle=self._idle_step)
+        for loaded in done:
             self._took(loaded, taint=False)
-        return done
+        return {loaded.span.req_id for loaded in done}
 
     def _stop_loader(self) -> None:
-        """Wait for the loads still writing into vLLM's pages (before the store they read goes)."""
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader = None
+        if self.loader is not None:
+            self.loader.stop()
 
-    def _restore(self, span: BlockSpan, buffer: Any, ns: Namespace | None = None) -> _Loaded:
+    def _restore(self, span: BlockSpan, buffer: Any, ns: Namespace | None = None) -> Loaded:
         """Restore ``span`` into its vLLM blocks: as restored straight into the pages (one copy), else into
         a buffer (from ``buffer``) scattered after. Touches no state of the worker's but the store (it runs
         on the loader thread too); ``_took`` counts and reports it."""
-        loaded = _Loaded(span, 0)
+        loaded = Loaded(span, 0)
         if self.layout is None or self.store is None:
             return loaded
         t0 = time.perf_counter()
@@ -350,7 +285,7 @@ class WorkerSide:
         loaded.seconds = time.perf_counter() - t0
         return loaded
 
-    def _took(self, loaded: _Loaded, *, taint: bool) -> None:
+    def _took(self, loaded: Loaded, *, taint: bool) -> None:
         """On the model thread: a load's outcome into vLLM's load errors, the counters and, for a
         synchronous load (``taint``), the guard of this step's saves. An asynchronous load needs no taint:
         vLLM computes nothing of its request until it heard of its failures."""
