@@ -688,10 +688,19 @@ def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_
 ) -> None:
     """The loader thread writes into the request's vLLM blocks: they must not go to another request before
     it is done. vLLM frees an aborted WAITING_FOR_REMOTE_KVS request's blocks only once the workers report
-    its load finished, which the worker does only when its thread has left them."""
+    its load finished, which the worker does only when its thread has left them. A load that long is
+    logged, once."""
+    import logging
     import threading
 
+    from tierkv.integrations.vllm import loader
+
+    monkeypatch.setattr(loader, "SLOW_LOAD_S", 0.0)
     engine = engines(policy="recompute", options={"load_async": True})
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    loader.log.addHandler(handler)  # (vLLM's logging set-up keeps its loggers' records from pytest's)
     worker = engine.make_worker(monkeypatch)
     assert worker._worker is not None
     gate = threading.Event()
@@ -717,6 +726,9 @@ def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_
         assert out.kv_connector_metadata.async_loads == []
     assert pool.get_num_free_blocks() == free_while_loading  # still the loader's
     assert "A" in engine.scheduler.requests
+    loader.log.removeHandler(handler)
+    slow = [r for r in records if "has run for" in r.getMessage()]
+    assert len(slow) == 1 and "asynchronous load of A" in slow[0].getMessage()
 
     gate.set()
     for _ in range(50):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ log = logging.getLogger("vllm.tierkv")
 
 __all__ = ["IDLE_WAIT_S", "Loaded", "Loader"]
 
+# A load still running after this is logged (once): its request waits for it, and so do the loads behind it
+SLOW_LOAD_S = 30.0
 # How long a step that computes nothing waits for an asynchronous load to end before it reports (a request
 # arriving meanwhile is scheduled that much later; without it vLLM's engine spins on empty steps)
 IDLE_WAIT_S = 0.01
@@ -61,6 +64,7 @@ class Loader:
         self._stream: Any = None  # the loader thread's CUDA stream (one: the allocator reuses per stream)
         # req_id -> (span, the epoch it began in, its job), in flight or not yet collected
         self._jobs: dict[str, tuple[BlockSpan, str, concurrent.futures.Future[Loaded]]] = {}
+        self._since: dict[str, float] = {}  # req_id -> when its load was submitted (monotonic), until logged
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -83,6 +87,7 @@ class Loader:
             log.exception("tierkv: could not start the asynchronous load of %s", span.req_id)
             job = _done(Loaded(span, 0))
         self._jobs[span.req_id] = (span, epoch, job)
+        self._since[span.req_id] = time.monotonic()
 
     def _run(self, span: BlockSpan, ns: Namespace) -> Loaded:
         """On the loader thread: into a buffer of its own (the model thread's are reused), and on a GPU on
@@ -109,6 +114,18 @@ class Loader:
             jobs = [job for _, _, job in self._jobs.values()]
             concurrent.futures.wait(jobs, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
         out = []
+        now = time.monotonic()
+        for req_id, since in list(self._since.items()):
+            if req_id not in self._jobs:
+                del self._since[req_id]
+            elif now - since > SLOW_LOAD_S and not self._jobs[req_id][2].done():
+                del self._since[req_id]  # once
+                log.warning(
+                    "tierkv: the asynchronous load of %s has run for %.0f s (a stalled disk or remote tier?); "
+                    "its request and the loads behind it wait for it",
+                    req_id,
+                    now - since,
+                )
         for req_id in [r for r, (_, _, job) in self._jobs.items() if job.done()]:
             span, began, job = self._jobs.pop(req_id)
             try:
