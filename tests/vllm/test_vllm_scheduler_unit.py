@@ -643,13 +643,14 @@ def test_an_async_load_holds_its_request_until_reported_and_its_failed_blocks_ar
     assert out.num_scheduled_tokens == {}  # held back for its load
     assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     meta = out.kv_connector_metadata
+    assert meta.idle  # nothing computed this step: the worker may wait a little for the load
     ids = list(engine.scheduler.kv_cache_manager.get_block_ids("A")[0])
     assert meta.loads == [] and _spans(meta.async_loads) == [("A", 0, ids[:4], prompt[: 4 * B])]
     engine.finish_step(out, kv_output=engine.run_worker(out))
 
     out = _step_until_scheduled(engine, "A")
     assert [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs] == [("A", 0)]
-    assert out.num_scheduled_tokens == {"A": len(prompt)}
+    assert out.num_scheduled_tokens == {"A": len(prompt)} and not out.kv_connector_metadata.idle
     assert out.kv_connector_metadata.loads == out.kv_connector_metadata.async_loads == []
     # not offered again (its blocks were freed and taken anew): computed, and saved again
     assert [s.block_ids for s in out.kv_connector_metadata.saves] == [engine.block_ids(out, "A")[:4]]
@@ -660,16 +661,28 @@ def test_an_async_load_holds_its_request_until_reported_and_its_failed_blocks_ar
     engine.assert_idle()
 
 
-def test_a_worker_whose_store_is_gone_reports_every_async_load_done_and_failed(engines, monkeypatch) -> None:
-    """A worker that turned off after vLLM admitted a load (its ranks disagreed, say: no store) must still
-    report it, or the request would wait forever; every block of it is failed, so vLLM computes it."""
+@pytest.mark.parametrize("how", ["store-gone", "off-from-start"])
+def test_a_worker_without_a_store_reports_every_async_load_done_and_failed(engines, monkeypatch, how) -> None:
+    """A worker that turned off (its ranks disagreed, or it could not tell its tensor-parallel rank when it
+    was made, while the scheduler side is on) must still report a load vLLM admitted, or the request would
+    wait forever; every block of it is failed, so vLLM computes it."""
+    from tierkv.integrations.vllm import worker as worker_module
+
     engine = engines(policy="recompute", options={"load_async": True})
+    if how == "off-from-start":
+
+        def no_rank(tp_size: int) -> Any:
+            raise RuntimeError("cannot tell this worker's tensor-parallel rank (test)")
+
+        monkeypatch.setattr(worker_module, "tp_group", no_rank)
     worker = engine.make_worker(monkeypatch)
     assert worker._worker is not None
+    assert bool(worker._worker.off) is (how == "off-from-start")
     prompt = _tokens(12, 4 * B + 5)
     _store(engine.connector, prompt, 4)
     engine.add("A", prompt)
-    monkeypatch.setattr(worker._worker, "store", None)
+    if how == "store-gone":
+        monkeypatch.setattr(worker._worker, "store", None)
     out = engine.schedule()
     ids = list(engine.scheduler.kv_cache_manager.get_block_ids("A")[0])
     kv_output = engine.run_worker(out)

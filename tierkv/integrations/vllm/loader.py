@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +65,8 @@ class Loader:
         self._stream: Any = None  # the loader thread's CUDA stream (one: the allocator reuses per stream)
         # req_id -> (span, the epoch it began in, its job), in flight or not yet collected
         self._jobs: dict[str, tuple[BlockSpan, str, concurrent.futures.Future[Loaded]]] = {}
-        self._since: dict[str, float] = {}  # req_id -> when its load was submitted (monotonic), until logged
+        # req_id -> when its load began on the thread (monotonic; inf once logged as slow)
+        self._started: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -74,7 +76,7 @@ class Loader:
         self._jobs[span.req_id] = (span, epoch, _done(Loaded(span, 0)))
 
     def submit(self, span: BlockSpan, ns: Namespace, epoch: str) -> None:
-        if not span.block_ids:
+        if not span.block_ids or not span.token_ids:  # nothing to load (its blocks, if any, fail)
             self.failed(span, epoch)
             return
         if self._pool is None:
@@ -85,13 +87,18 @@ class Loader:
             job = self._pool.submit(self._run, span, ns)
         except RuntimeError:  # a pool that cannot start its thread: the load failed, vLLM computes it
             log.exception("tierkv: could not start the asynchronous load of %s", span.req_id)
+            # (submit queued it before the thread failed to start: a later thread would run it, into
+            # blocks vLLM may have given to another request by then)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
             job = _done(Loaded(span, 0))
         self._jobs[span.req_id] = (span, epoch, job)
-        self._since[span.req_id] = time.monotonic()
 
     def _run(self, span: BlockSpan, ns: Namespace) -> Loaded:
         """On the loader thread: into a buffer of its own (the model thread's are reused), and on a GPU on
         the loader's stream, synchronised before the load counts as done."""
+
+        self._started[span.req_id] = time.monotonic()
 
         def fresh(name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
             return torch.empty(shape, dtype=self._dtype, device=self._device)
@@ -115,19 +122,21 @@ class Loader:
             concurrent.futures.wait(jobs, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
         out = []
         now = time.monotonic()
-        for req_id, since in list(self._since.items()):
-            if req_id not in self._jobs:
-                del self._since[req_id]
-            elif now - since > SLOW_LOAD_S and not self._jobs[req_id][2].done():
-                del self._since[req_id]  # once
+        for req_id, started in list(self._started.items()):  # (the loader thread adds entries)
+            if now - started > SLOW_LOAD_S and req_id in self._jobs and not self._jobs[req_id][2].done():
+                self._started[req_id] = math.inf  # logged once
                 log.warning(
                     "tierkv: the asynchronous load of %s has run for %.0f s (a stalled disk or remote tier?); "
-                    "its request and the loads behind it wait for it",
+                    "its request and the loads queued behind it wait for it",
                     req_id,
-                    now - since,
+                    now - started,
                 )
         for req_id in [r for r, (_, _, job) in self._jobs.items() if job.done()]:
             span, began, job = self._jobs.pop(req_id)
+            self._started.pop(req_id, None)
+            if job.cancelled():  # stopped before it ran (the worker is closing)
+                out.append(Loaded(span, 0))
+                continue
             try:
                 loaded = job.result()
             except Exception:  # the restore catches the store's failures; this is a bug: recompute it all
@@ -141,6 +150,6 @@ class Loader:
 
     def stop(self) -> None:
         """Wait for the loads still writing into vLLM's pages (before the store they read goes)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._pool is not None:  # the running load ends; those queued behind it never start
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -115,7 +115,8 @@ class SchedulerSide:
         self.front = options.front
         self._metrics = TierKVStats()
         self._forget: list[str] = []
-        self._async: list[str] = []  # requests given an asynchronous load this step
+        # requests given an asynchronous load this step, with the blocks vLLM expects it to fill
+        self._async: list[tuple[str, list[int]]] = []
         self.load_async = False
         self.check_rate = options.self_check_rate if self_check else 0.0
         self._sample = random.Random()
@@ -310,7 +311,10 @@ class SchedulerSide:
         r.load = (first, end) if end > first else None
         if self.load_async:  # what num_new_matched_tokens answered for a hit, so vLLM waits for the load
             r.block_ids = list(block_ids)
-            self._async.append(request.request_id)
+            # (and the blocks vLLM expects loaded: reported failed should no load be planned after all)
+            self._async.append(
+                (request.request_id, r.block_ids[first : first + -(-num_external_tokens // B)])
+            )
 
     def _count_prompt(self, request: Any, r: _Request, external: int) -> None:
         """The metrics' prompt tokens by source, when vLLM first schedules the request: vLLM's own prefix
@@ -340,11 +344,11 @@ class SchedulerSide:
             return meta
         meta.idle = not scheduler_output.total_num_scheduled_tokens
         meta.forget, self._forget = self._forget, []
-        for req_id in self._async:  # allocated this step; vLLM schedules them once the workers loaded them
+        for req_id, expected in self._async:  # allocated this step; vLLM computes them once loaded
             r = self._reqs.get(req_id)
             span = self._plan_load(meta.async_loads, req_id, r) if r is not None else None
-            if span is None:  # (not expected) vLLM waits for a report all the same: an empty load gives it
-                meta.async_loads.append(BlockSpan(req_id, [], "", 0, []))
+            if span is None:  # (not expected) vLLM waits for a report all the same: one of all its blocks
+                meta.async_loads.append(BlockSpan(req_id, [], "", 0, expected))  # failed (no tokens to load)
             elif r is not None:
                 r.loading = list(span.block_ids)
         self._async.clear()

@@ -299,18 +299,20 @@ class WorkerSide:
                 log.exception("tierkv self-check: keeping a copy of %s's restored blocks failed", span.req_id)
         if got < len(span.block_ids):
             self._fail(span, got, taint=taint)
+        self.stats["load_s"] += loaded.seconds
+        self._moved = True
+        if not got and loaded.hit is None:  # nothing read (a worker off since it began has no spec)
+            return
         hit, B = loaded.hit, self.spec.block_tokens
         if hit is not None:
             self.stats["read_blocks"] += sum(hit.by_tier.values()) // B
         self.stats["load_blocks"] += got
         self.stats["load_nbytes"] += got * self.spec.block_nbytes
-        self.stats["load_s"] += loaded.seconds
         used = [tier for tier, tokens in (hit.by_tier.items() if hit is not None else ()) if tokens]
         if got and hit is not None and len(used) == 1:  # the rate, by the one tier it read (not mixed)
             rate = self.load_rates.setdefault(used[0], [0, 0.0])
             rate[0] += hit.by_tier[used[0]] // B * self.spec.block_nbytes
             rate[1] += loaded.read_s
-        self._moved = True
 
     def _retain(self, chain: BlockChain, span: BlockSpan) -> None:
         """The retention (and pins) the span's request asked for, on its blocks up to the span's end."""
