@@ -661,6 +661,26 @@ def test_an_async_load_holds_its_request_until_reported_and_its_failed_blocks_ar
     engine.assert_idle()
 
 
+def _held_async_load(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, gate: Any, restore: Any, seed: int
+) -> Request:
+    """Request "A" admitted with an asynchronous load of 4 stored blocks that ``restore`` runs once ``gate``
+    is set (held until then, on the loader thread)."""
+    assert engine.worker is not None and engine.worker._worker is not None
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(10)
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(engine.worker._worker, "_restore", held)
+    prompt = _tokens(seed, 4 * B + 5)
+    _store(engine.connector, prompt, 4)
+    a = engine.add("A", prompt)
+    engine.step()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    return a
+
+
 @pytest.mark.parametrize("how", ["store-gone", "off-from-start"])
 def test_a_worker_without_a_store_reports_every_async_load_done_and_failed(engines, monkeypatch, how) -> None:
     """A worker that turned off (its ranks disagreed, or it could not tell its tensor-parallel rank when it
@@ -717,18 +737,7 @@ def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_
     worker = engine.make_worker(monkeypatch)
     assert worker._worker is not None
     gate = threading.Event()
-    restore = worker._worker._restore
-
-    def held(*args: Any, **kwargs: Any) -> Any:
-        assert gate.wait(10)
-        return restore(*args, **kwargs)
-
-    monkeypatch.setattr(worker._worker, "_restore", held)
-    prompt = _tokens(10, 4 * B + 5)
-    _store(engine.connector, prompt, 4)
-    a = engine.add("A", prompt)
-    engine.step()
-    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    _held_async_load(engine, monkeypatch, gate, worker._worker._restore, seed=10)
     pool = engine.scheduler.kv_cache_manager.block_pool
     free_while_loading = pool.get_num_free_blocks()
     assert free_while_loading < NUM_BLOCKS - 1
@@ -766,15 +775,9 @@ def test_an_async_load_that_ends_after_a_cache_reset_is_reported_failed(engines,
     gate = threading.Event()
 
     def restored(span: Any, *args: Any, **kwargs: Any) -> Any:
-        assert gate.wait(10)
         return Loaded(span, len(span.block_ids))  # as if every block had loaded
 
-    monkeypatch.setattr(worker._worker, "_restore", restored)
-    prompt = _tokens(11, 4 * B + 5)
-    _store(engine.connector, prompt, 4)
-    a = engine.add("A", prompt)
-    engine.step()
-    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    _held_async_load(engine, monkeypatch, gate, restored, seed=11)
     ids = list(engine.scheduler.kv_cache_manager.get_block_ids("A")[0])
     assert engine.connector.reset_cache()  # the scheduler side moves to a new epoch ...
     out = engine.schedule()
