@@ -15,8 +15,9 @@ with the same names); what maps:
                          URL goes to vLLM in $TIERKV_REMOTE_URL, not in its argv (which ps shows to
                          every user), and the exec line printed has any URL's credentials redacted
     block_tokens         not passed: tierkv follows vLLM's block size (CPU: 128, a multiple of 32)
-    (with the connector) --no-async-scheduling unless either is given: the connector's loads are
-                         synchronous, and under vLLM's asynchronous scheduling it does not load
+    (with the connector) --no-async-scheduling unless either is given: the connector's loads are then
+                         synchronous (measured on CPU; under vLLM's asynchronous scheduling they are
+                         asynchronous instead, ``load_async``)
     (always)             --shutdown-timeout 30 unless given: on SIGTERM vLLM's workers then exit
                          cleanly and the connector flushes what it was still writing (with vLLM's
                          default, 0, they are killed, and the last blocks handed to the store are lost)
