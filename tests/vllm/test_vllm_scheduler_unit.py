@@ -608,7 +608,7 @@ def test_async_scheduling_schedules_a_step_on_a_failed_load_and_vllm_0_32_emits_
 # ---------------------------------------------------------------------------------------------- async loads
 
 
-def _step_until_scheduled(engine: Engine, rid: str, max_steps: int = 50) -> SchedulerOutput:
+def _step_until_scheduled(engine: Engine, rid: str, max_steps: int = 1000) -> SchedulerOutput:
     """Steps (schedule, the worker's lifecycle, the model runner's output) until ``rid`` is scheduled;
     returns that step's output, not yet finished."""
     import time
@@ -753,7 +753,7 @@ def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_
     assert len(slow) == 1 and "asynchronous load of A" in slow[0].getMessage()
 
     gate.set()
-    for _ in range(50):
+    for _ in range(1000):
         if not engine.scheduler.requests:
             break
         engine.step()
@@ -786,7 +786,7 @@ def test_an_async_load_that_ends_after_a_cache_reset_is_reported_failed(engines,
     assert worker._worker.epoch == engine.connector._scheduler.epoch != ""
     engine.finish_step(out, kv_output=kv_output)
     gate.set()
-    for _ in range(50):
+    for _ in range(1000):
         out = engine.schedule()
         kv_output = engine.run_worker(out)
         if kv_output is not None and kv_output.finished_recving:
