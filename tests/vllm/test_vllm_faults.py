@@ -125,7 +125,7 @@ def test_blocks_computed_from_a_self_checked_load_wait_for_the_check(tmp_path: P
     _compute(w, [10, 11, 12], torch.cat([restored, _kv(1, seed=4)]))
     w.save(_meta(saves=[_span("A", Q, 0, [10, 11, 12])], checks=[_span("A", Q, 0, [10, 11])]))
     assert w.stats["check_blocks"] == 2 and w.stats["check_mismatch_blocks"] == 0
-    assert _holds(w, Q, 2) and not w.guard.tainted and not w._checks
+    assert _holds(w, Q, 2) and not w.guard.tainted and not w.checks.kept
 
 
 def test_a_block_loaded_again_is_clean_again(tmp_path: Path) -> None:

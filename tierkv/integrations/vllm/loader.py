@@ -68,9 +68,6 @@ class Loader:
         # req_id -> when its load began on the thread (monotonic; inf once logged as slow)
         self._started: dict[str, float] = {}
 
-    def __len__(self) -> int:
-        return len(self._jobs)
-
     def failed(self, span: BlockSpan, epoch: str) -> None:
         """A load that cannot run (no store, nothing to load): done at once, nothing loaded."""
         self._jobs[span.req_id] = (span, epoch, _done(Loaded(span, 0)))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from tierkv.integrations.vllm.metrics import StoreDeltas, TierKVStats
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
 from tierkv.integrations.vllm.paged import PagedCaches, PagedSink
+from tierkv.integrations.vllm.selfcheck import SelfChecks
 from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
 from tierkv.tiers.slot_copies import copy_on_caller_only
@@ -43,21 +45,6 @@ from tierkv.tiers.slot_copies import copy_on_caller_only
 log = logging.getLogger("vllm.tierkv")
 
 __all__ = ["WorkerSide"]
-
-
-# The self-check's copies of restored blocks wait here until vLLM recomputed them; beyond this, loads
-# are not sampled.
-MAX_CHECK_NBYTES = 256 << 20
-# Largest relative difference (per block and layer, L2) between a restored block and vLLM's recomputation
-# that counts as the same KV: float rounding of another batch shape is far below, a block computed from
-# another context far above (layer 0 alone may agree: its KV depends on the token only).
-CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 1e-1}
-
-
-def kv_difference(restored: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
-    """Per block, the largest relative L2 difference over its layers (``[n, layers, 2, B, H, D]`` each)."""
-    a, b = restored.to(torch.float32).flatten(2), recomputed.to(torch.float32).flatten(2)
-    return ((a - b).norm(dim=2) / b.norm(dim=2).clamp_min(1e-30)).amax(dim=1)
 
 
 class WorkerSide:
@@ -73,7 +60,7 @@ class WorkerSide:
         self.ranks = RankGroup()
         self.guard = LoadGuard()
         self._errors: set[int] = set()
-        self._checks: dict[str, tuple[int, torch.Tensor]] = {}  # req_id -> (first block, restored blocks)
+        self.checks = SelfChecks()  # the sampled self-check's copies of restored blocks
         self._reported = False
         self._save_buffer: torch.Tensor | None = None
         self._load_buffer: torch.Tensor | None = None
@@ -181,8 +168,10 @@ class WorkerSide:
             return TierKVWorkerMetadata(disabled=self.off)
         return None
 
-    def _namespace(self, salt: str) -> Namespace:
-        return self.ns.with_salt(salt) if salt else self.ns
+    def _namespace(self, salt: str, base: Namespace | None = None) -> Namespace:
+        """``base`` (this engine's namespace unless given) under a request's ``cache_salt``."""
+        base = base if base is not None else self.ns
+        return base.with_salt(salt) if salt else base
 
     def _buffer(self, name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
         """A reused CPU buffer (fresh allocations fault a page per 4 KiB); fresh on a GPU, where the
@@ -254,8 +243,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         ids = span.block_ids
         B = self.spec.block_tokens
-        base = ns if ns is not None else self.ns
-        chain = BlockChain.of(base.with_salt(span.salt) if span.salt else base, span.token_ids)
+        chain = BlockChain.of(self._namespace(span.salt, ns), span.token_ids)
         sink = PagedSink(self.paged, self.spec, span.first, ids) if self.paged is not None else None
         out = sink if sink is not None else buffer("load", self.spec.shape(span.end * B), grow_dim=2)
         try:
@@ -346,60 +334,18 @@ class WorkerSide:
         """Keep a copy of what was restored (``kv``, or the pages it was restored into), and have vLLM
         recompute it (reported as a load error, the blocks are recomputed from the first one; they are not
         tainted: what was restored is in them)."""
-        B = self.ns.block_tokens
-        nbytes = got * self.spec.block_nbytes
-        if sum(t.numel() * t.element_size() for _, t in self._checks.values()) + nbytes > MAX_CHECK_NBYTES:
+        if not self.checks.keep(span, kv, got, self.spec, self._gather):
             return
-        if kv is None:  # restored into the pages: read back out of them by the reference gather
-            assert self.layout is not None
-            ids = torch.tensor(span.block_ids[:got], dtype=torch.long)
-            blocks = self.layout.gather(self.caches, ids).to("cpu", copy=True)
-        else:
-            rows = kv[:, :, span.first * B : (span.first + got) * B]  # [layers, 2, got * B, H, D]
-            blocks = rows.unflatten(2, (got, B)).permute(2, 0, 1, 3, 4, 5).to("cpu", copy=True).contiguous()
-        self._checks[span.req_id] = (span.first, blocks)
         self._errors.update(span.block_ids[:got])
         # Tainted like a failed load until vLLM recomputed them: what this step's forward computes from
         # them must not be saved before the check has said they were right.
         if taint:
             self.guard.failed(span.block_ids[:got])
 
-    def _check(self, span: BlockSpan) -> None:
-        """Compare vLLM's recomputation of a self-checked load's blocks with what the store restored. On a
-        difference the store held wrong KV: it is logged and counted, and the whole namespace is purged
-        (blocks other requests computed from it before, unchecked, are in it too, under keys no one can
-        list)."""
-        kept = self._checks.get(span.req_id)
-        if kept is None or self.layout is None or self.store is None:
-            return
-        first, restored = kept
-        lo, hi = max(span.first, first), min(span.end, first + restored.shape[0])
-        if hi >= first + restored.shape[0] or not self.guard.tainted.isdisjoint(span.deps):
-            del self._checks[span.req_id]  # the last comparison (or none is possible): the copy goes
-        if lo >= hi or not self.guard.tainted.isdisjoint(span.deps):
-            return
-        ids = span.block_ids[lo - span.first : hi - span.first]
-        recomputed = self.layout.gather(self.caches, torch.tensor(ids, dtype=torch.long)).cpu()
-        diff = kv_difference(restored[lo - first : hi - first], recomputed)
-        tolerance = CHECK_TOLERANCE.get(self.spec.dtype, 1e-1)
-        self.stats["check_blocks"] += hi - lo
-        bad = [lo + j for j, d in enumerate(diff.tolist()) if not d <= tolerance]
-        if not bad:
-            return
-        self.stats["check_mismatch_blocks"] += hi - bad[0]
-        self._checks.pop(span.req_id, None)
-        chain = BlockChain.of(self._namespace(span.salt), span.token_ids)
-        log.error(
-            "tierkv self-check: block %d of %s (namespace %s, key %s) differs from vLLM's recomputation "
-            "(relative difference %.3g > %.3g); the namespace is purged from the store",
-            bad[0],
-            span.req_id,
-            chain.ns.digest.hex()[:16],
-            chain.keys[bad[0]].hex()[:16],
-            float(diff[bad[0] - lo]),
-            tolerance,
-        )
-        self.store.purge(namespace=chain.ns.digest.hex())
+    def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """vLLM blocks as canonical blocks, by the layout's reference gather."""
+        assert self.layout is not None
+        return self.layout.gather(self.caches, torch.tensor(list(block_ids), dtype=torch.long))
 
     # ------------------------------------------------------------------ saves
 
@@ -421,15 +367,23 @@ class WorkerSide:
             return
         self._follow(meta)
         for req_id in meta.forget:
-            self._checks.pop(req_id, None)
+            self.checks.forget(req_id)
         if self.layout is None:
             return
         for span in meta.checks:
             try:
-                self._check(span)
+                self.checks.check(
+                    span,
+                    tainted=self.guard.tainted,
+                    gather=self._gather,
+                    spec=self.spec,
+                    ns=self._namespace(span.salt),
+                    stats=self.stats,
+                    store=self.store,
+                )
             except Exception:  # an optional check must never fail the step
                 log.exception("tierkv self-check of %s failed", span.req_id)
-                self._checks.pop(span.req_id, None)
+                self.checks.forget(span.req_id)
         sound, unsound = self.guard.split(meta.saves)
         for span in unsound:
             log.info(
