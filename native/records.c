@@ -1246,8 +1246,8 @@ static int k_scatter_u16(uint16_t *pg, const uint16_t *cn, int64_t kt, int64_t H
         STORE((__m128i *)(p + 2 * i * row), _mm_unpacklo_epi64(v[2 * i], v[2 * i + 1]));                 \
         STORE((__m128i *)(p + (2 * i + 1) * row), _mm_unpackhi_epi64(v[2 * i], v[2 * i + 1]));           \
     }
-    /* Plain stores: streamed, the tiles' 8 rows of half-written lines at a time ran at 7.4 GB/s against
-     * 10.7 (bf16, SmolLM2's shapes, host tier into the pages). */
+    /* Plain stores: streamed, the tiles' 8 rows of half-written lines at a time ran at 7.3-7.5 GB/s against
+     * 9.84-10.1 plain (bf16, SmolLM2's shapes, host tier into the pages). */
     K_TILES(uint16_t, 8, U16_TILE(_mm_storeu_si128))
 #undef U16_TILE
     return 1;
