@@ -251,11 +251,17 @@ def test_serve_engine_vllm_leaves_room_for_the_host_tier_in_vllm_cpus_kv_pool(tm
     assert cpu_kv_space_gib(int(23.54 * 2**30), 2 << 30) == 7
     assert cpu_kv_space_gib(int(23.54 * 2**30), 8 << 30) == 1  # never below 1 GiB
     assert cpu_kv_space_gib(512 << 30, 64 << 30) == 190
+    exits = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}  # time for the workers' write-behind to flush
     assert vllm_env({"host_cache": "8GiB"}, {}) == {
-        "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_space_gib(_ram(), 8 << 30))
+        "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_space_gib(_ram(), 8 << 30)),
+        **exits,
     }
-    assert vllm_env({"host_cache": "0"}, {}) == {"VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_space_gib(_ram(), 0))}
-    assert vllm_env({}, {"VLLM_CPU_KVCACHE_SPACE": "3"}) == {}  # the caller's choice stands
+    assert vllm_env({"host_cache": "0"}, {}) == {
+        "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_space_gib(_ram(), 0)),
+        **exits,
+    }
+    # the caller's choices stand
+    assert vllm_env({}, {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "5"}) == {}
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     r, argv, env = _serve_vllm(tmp_path, "--host-cache", "1GiB")
     assert r.returncode == 0 and argv, r.stderr

@@ -167,6 +167,7 @@ def _serving(
     env = dict(
         os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false"
     )
+    env["PYTHONFAULTHANDLER"] = "1"  # a process that hangs on SIGTERM dumps its threads on SIGABRT
     cmd = [
         sys.executable,
         "-m",
@@ -179,7 +180,11 @@ def _serving(
     cmd += ["--cache-dir", str(cache), "--host-cache", "64MiB", "--dtype", "float32", *options]
     cmd += ["--", "--enforce-eager", "--max-model-len", "2048"]
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    # A session of its own: the engine's processes are stopped with it, whatever the server left.
+    server = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True
+    )
+    server.hung = False  # type: ignore[attr-defined]
 
     def up() -> bool:
         assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
@@ -196,15 +201,26 @@ def _serving(
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        except subprocess.TimeoutExpired:  # say where each process is before they go
+            server.hung = True  # type: ignore[attr-defined]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGABRT)
+            time.sleep(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
         log.close()
+
+
+def _shutdown_lines(log: Path) -> str:
+    """What a failed shutdown test needs to see: the shutdown steps, tierkv's lines, errors, tracebacks."""
+    keep = re.compile(r"shutdown|tierkv|Error|Traceback|File \"|Thread 0x|Current thread|leaked|Killed")
+    return "\n".join(line[:300] for line in log.read_text().splitlines() if keep.search(line))[-12000:]
 
 
 def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Path, model_dir: Path) -> None:
     port, cache = _free_port(), tmp_path / "cache"
-    with _serving(tmp_path, model_dir, port, cache, "--disk-budget", "1GiB"):
+    with _serving(tmp_path, model_dir, port, cache, "--disk-budget", "1GiB") as server:
         cold, cached = _complete(port)
         assert cached == 0
         # The store is usable beside the running engine: stats sees the saved blocks once written behind.
@@ -218,7 +234,9 @@ def test_the_server_restores_from_tierkv_and_a_reset_starts_afresh(tmp_path: Pat
         text, cached = _complete(port)
         assert (text, cached) == (cold, 0)
     # SIGTERM let the worker close its connector (flushing the write-behind), not a kill
-    assert "tierkv connector (worker): loaded" in (tmp_path / "server.log").read_text()
+    log = tmp_path / "server.log"
+    assert not server.hung, "the server did not stop within 90 s of SIGTERM:\n" + _shutdown_lines(log)
+    assert "tierkv connector (worker): loaded" in log.read_text(), _shutdown_lines(log)
     assert tierkv_cli("gc", "--check", "--cache-dir", str(cache))["corrupt"] == 0
 
 

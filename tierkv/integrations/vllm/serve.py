@@ -153,9 +153,17 @@ def connector_config(config: Any) -> dict[str, Any]:
     }
 
 
+# vLLM gives its workers 5 s to exit before it signals them; a worker's connector writes its write-behind
+# to disk as it closes, and with a backlog on a slow disk (or a loaded 2-core machine: 4 s measured for an
+# idle one) 5 s cuts that short. vLLM waits only as long as the workers take; 30 s is its engine's own
+# shutdown limit.
+WORKER_SHUTDOWN_TIMEOUT_S = 30
+
+
 def vllm_env(config: Any, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables the vLLM process needs besides this one's: the remote tier's URL, if any, and on a
-    CPU the size of vLLM's KV pool unless the caller chose it (``cpu_kv_space_gib``)."""
+    """The variables the vLLM process needs besides this one's: the remote tier's URL, if any, on a CPU
+    the size of vLLM's KV pool (``cpu_kv_space_gib``), and the workers' time to exit, each unless the
+    caller chose it."""
     environ = os.environ if environ is None else environ
     out: dict[str, str] = {}
     remote = _get(config, "remote")
@@ -167,6 +175,8 @@ def vllm_env(config: Any, environ: Mapping[str, str] | None = None) -> dict[str,
         if _get(config, "no_cache", False):
             host = 0
         out["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_space_gib(_mem_total_nbytes(), host))
+    if "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" not in environ:
+        out["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(WORKER_SHUTDOWN_TIMEOUT_S)
     return out
 
 
