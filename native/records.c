@@ -108,6 +108,7 @@ static xxh3_reset_fn xxh3_reset;
 static xxh3_update_fn xxh3_update;
 static xxh3_digest_fn xxh3_digest;
 static xxh3_free_fn xxh3_free;
+static int xxh3_dispatched; /* the library's runtime-dispatched entry points (AVX2, AVX-512) are in use */
 static char unavailable[256];
 
 static int load_xxhash(void) {
@@ -132,6 +133,17 @@ static int load_xxhash(void) {
     if (!xxh3 || !xxh3_create || !xxh3_reset || !xxh3_update || !xxh3_digest || !xxh3_free) {
         snprintf(unavailable, sizeof unavailable, "libxxhash lacks the XXH3 functions");
         return 0;
+    }
+    /* A library built with its x86 dispatcher (Debian's 0.8.1 is) also exports entry points that pick
+     * AVX2 or AVX-512 at run time; the plain ones are SSE2 only. Same results, same state (reset and
+     * digest are shared): 39 against 18 GB/s on this machine's EPYC, and the checksum is most of a warm
+     * read's and a seal's work beside the copy. */
+    xxh3_fn fast = (xxh3_fn)dlsym(lib, "XXH3_64bits_dispatch");
+    xxh3_update_fn fast_update = (xxh3_update_fn)dlsym(lib, "XXH3_64bits_update_dispatch");
+    if (fast && fast_update && !getenv("TIERKV_XXH3_PLAIN")) {
+        xxh3 = fast;
+        xxh3_update = fast_update;
+        xxh3_dispatched = 1;
     }
     return 1;
 }
@@ -1476,6 +1488,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ALIGN", ALIGN);
     PyModule_AddIntConstant(m, "HEADER_NBYTES", HEADER_NBYTES);
     PyModule_AddIntConstant(m, "GROUP_NBYTES", GROUP_NBYTES);
+    PyModule_AddIntConstant(m, "XXH3_DISPATCHED", xxh3_dispatched);
     PyModule_AddIntConstant(m, "ST_OK", ST_OK);
     PyModule_AddIntConstant(m, "ST_BAD", ST_BAD);
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);

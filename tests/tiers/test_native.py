@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -35,6 +37,23 @@ BIG = Namespace(
 @given(st.binary(min_size=0, max_size=5000))
 def test_native_xxh3_is_xxhash_s(data: bytes) -> None:
     assert native.module().xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+
+
+@pytest.mark.parametrize("nbytes", [16 << 10, (16 << 10) + 1, (1 << 20) + 7, 3 << 20])
+def test_native_xxh3_is_xxhash_s_past_its_blocks_whichever_entry_point(nbytes: int) -> None:
+    """Past xxh3's 16 KiB blocks, where its vector code runs: the library's dispatched entry points
+    (AVX2, AVX-512; used where it exports them, ``XXH3_DISPATCHED``) and the plain ones
+    (``TIERKV_XXH3_PLAIN=1``, in a process of its own) agree with xxhash's."""
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    assert native.module().xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+    code = (
+        "import sys, tierkv._native as n; d = sys.stdin.buffer.read(); "
+        "print(n.XXH3_DISPATCHED, n.xxh3_64(d))"
+    )
+    env = dict(os.environ, TIERKV_XXH3_PLAIN="1")
+    out = subprocess.run([sys.executable, "-c", code], input=data, env=env, capture_output=True, check=True)
+    dispatched, digest = out.stdout.split()
+    assert (int(dispatched), int(digest)) == (0, xxhash.xxh3_64_intdigest(data))
 
 
 def _uncache(path) -> None:
