@@ -15,6 +15,8 @@ Rows (GB/s, medians of ``runs`` with their spread):
                                    populated before the timer, as a serving store has (saves copy into
                                    its slots)
   restore one-prefix cold / warm   TieredStore.load of prefixes written in one go; page cache dropped / hot
+  raw buffered warm read           the warm restore's own limit: its segment files read, cached, into
+                                   buffers on as many threads as there are CPUs (a read plus its checksum)
   restore interleaved cold         prefixes whose blocks were written interleaved
   (each of these for the disk tier's data paths side by side, in brackets: native, the default where the
   extension is built; python, TIERKV_NATIVE=0, the fallback; native O_DIRECT, direct_reads=True)
@@ -26,6 +28,7 @@ plus the lookup latency of a 32K-token prompt (hashing + index).
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import statistics
@@ -40,6 +43,7 @@ from tierkv.bench.disk_limits import (
     READ_THREADS,
     REQUEST_SIZES,
     buffered_cold,
+    buffered_warm,
     raw_reads,
     raw_rows,
     raw_writes,
@@ -272,6 +276,10 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         rows[f"restore one-prefix, warm page cache [{path}]"] = summary(
             _restores(store_dir, prompts, out, runs, cold=False, path=path)[0]
         )
+    threads = len(os.sched_getaffinity(0))
+    rows[f"raw buffered warm read of the store's segment files, 8 MiB, {threads} threads"] = summary(
+        buffered_warm(sorted(store_dir.glob("**/*.seg")), threads, runs)
+    )
     rows["restore from host tier"] = summary(
         _restores(store_dir, prompts, out, runs, cold=False, host_bytes=data_nbytes + (64 << 20))[0]
     )
@@ -393,6 +401,11 @@ def _ratios(
         out[f"restore warm / memcpy [{path}]"] = (
             rows[f"restore one-prefix, warm page cache [{path}]"]["median"] / memcpy
         )
+        warm_read = next((v for k, v in rows.items() if k.startswith("raw buffered warm read")), None)
+        if warm_read:
+            out[f"restore warm / the page cache's read [{path}]"] = (
+                rows[f"restore one-prefix, warm page cache [{path}]"]["median"] / warm_read["median"]
+            )
     for w in ("native", "native buffered", "python"):
         if f"persistence (save+flush, durable) [{w}]" in rows:
             out[f"persistence / disk write limit [{w}]"] = (
