@@ -198,6 +198,8 @@ static void bounce_put(void *p) {
     free(p);
 }
 
+static int usable_cpus(void);
+
 /* ------------------------------------------------------------------ a run to read */
 typedef struct {
     /* as packed by Python, 6 x int64 per record: the segment's descriptors (with readahead, without, and
@@ -293,21 +295,28 @@ static int iov_fill(struct iovec *iov, int k, int at, const uint8_t *src, size_t
 #endif
 static atomic_int no_cachestat;
 
+/* Whether the page cache holds all of [off, off + len): 1 or 0, or -1 where cachestat(2) is missing.
+ * cachestat counts cached pages without touching the process's memory map (mincore needs a mapping, and
+ * mmap/munmap take the map's lock for writing, against the model's page faults). */
+static int cached_whole(int fd, int64_t off, int64_t len) {
+    static long page;
+    if (!page) page = sysconf(_SC_PAGESIZE);
+    if (atomic_load(&no_cachestat)) return -1;
+    struct { uint64_t off, len; } range = {(uint64_t)off, (uint64_t)len};
+    struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } cs;
+    if (syscall(__NR_cachestat, fd, &range, &cs, 0) == 0) {
+        uint64_t pages = (uint64_t)((off + len + page - 1) / page - off / page);
+        return cs.nr_cache >= pages;
+    }
+    if (errno == ENOSYS || errno == EPERM) atomic_store(&no_cachestat, 1);
+    return -1;
+}
+
 static int64_t resident_prefix(int fd, int64_t off, int64_t len) {
     static long page;
     if (!page) page = sysconf(_SC_PAGESIZE);
-    if (!atomic_load(&no_cachestat)) {
-        /* cachestat(2) counts cached pages without touching the process's memory map (mincore needs a
-         * mapping, and mmap/munmap take the map's lock for writing, against the model's page faults).
-         * All or nothing: a range not wholly cached is read from the disk. */
-        struct { uint64_t off, len; } range = {(uint64_t)off, (uint64_t)len};
-        struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } cs;
-        if (syscall(__NR_cachestat, fd, &range, &cs, 0) == 0) {
-            uint64_t pages = (uint64_t)((off + len + page - 1) / page - off / page);
-            return cs.nr_cache >= pages ? len : 0;
-        }
-        if (errno == ENOSYS || errno == EPERM) atomic_store(&no_cachestat, 1);
-    }
+    int whole = cached_whole(fd, off, len); /* all or nothing: a range not wholly cached is read from disk */
+    if (whole >= 0) return whole ? len : 0;
     int64_t done = 0;
     unsigned char vec[512];
     while (done < len) {
@@ -600,6 +609,17 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > r.ngroups) threads = (int)r.ngroups;
     Py_BEGIN_ALLOW_THREADS
+    /* A run the page cache holds (its first and last groups say: a prompt's records are written, and
+     * read, together) is copying, not waiting: more threads than CPUs only take turns (warm 48 MiB
+     * restores: 8.0 GB/s on 8 threads, 8.5 on 2, with 2 CPUs). A disk needs the queue depth. */
+    if (threads > 1 && r.ngroups) {
+        int cpus = usable_cpus();
+        const req_t *a = &rq[r.gfirst[0]], *b = &rq[r.gfirst[r.ngroups - 1] + r.gcount[r.ngroups - 1] - 1];
+        const req_t *a_end = &rq[r.gfirst[0] + r.gcount[0] - 1], *b_first = &rq[r.gfirst[r.ngroups - 1]];
+        if (threads > cpus && cached_whole((int)a->fd, a->offset, a_end->offset + a_end->nbytes - a->offset) == 1 &&
+            cached_whole((int)b->fd, b_first->offset, b->offset + b->nbytes - b_first->offset) == 1)
+            threads = cpus;
+    }
     pthread_t tids[MAX_THREADS];
     int started = 0;
     for (int t = 1; t < threads; t++) {
