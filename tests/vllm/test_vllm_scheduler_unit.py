@@ -661,6 +661,37 @@ def test_an_async_load_holds_its_request_until_reported_and_its_failed_blocks_ar
     engine.assert_idle()
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["self-checked", "failed"])
+def test_a_self_checked_async_load_is_recomputed_once_then_its_hit_is_offered_again(
+    engines, monkeypatch, checked
+) -> None:
+    """A sampled self-check reports the blocks it restored invalid, so that vLLM recomputes them and the
+    worker compares: the request is computed whole (not offered the same hit again, which would load the
+    blocks instead of checking them). Once compared, a later lookup of the request (after a preemption)
+    finds its hit again. A load that failed for any other reason stays computed for good (no loop)."""
+    options = {"load_async": True, "self_check_rate": 1.0 if checked else 0.0}
+    engine = engines(policy="recompute", options=options)
+    side = engine.connector._scheduler
+    assert side is not None
+    engine.make_worker(monkeypatch)  # no KV caches registered: every load comes back invalid
+    prompt = _tokens(11, 4 * B + 5)
+    _store(engine.connector, prompt, 4)
+    a = engine.add("A", prompt)
+
+    out = engine.schedule()
+    (span,) = out.kv_connector_metadata.async_loads
+    assert span.check is checked
+    engine.finish_step(out, kv_output=engine.run_worker(out))
+    out = _step_until_scheduled(engine, "A")
+    assert out.num_scheduled_tokens == {"A": len(prompt)}  # computed whole, whatever the reason
+    checks = out.kv_connector_metadata.checks
+    assert [(c.req_id, c.first, len(c.block_ids)) for c in checks] == ([("A", 0, 4)] if checked else [])
+    # What a preemption would ask next: the stored prefix again, only if the failure was the check's.
+    assert side.num_new_matched_tokens(a, 0) == ((4 * B, True) if checked else (0, False))
+    engine.finish_step(out, kv_output=engine.run_worker(out))
+    engine.run_to_completion()
+
+
 def _held_async_load(
     engine: Engine, monkeypatch: pytest.MonkeyPatch, gate: Any, restore: Any, seed: int
 ) -> Request:

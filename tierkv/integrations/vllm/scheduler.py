@@ -58,7 +58,11 @@ class _Request:
     lookup: concurrent.futures.Future[Any] | None = None  # a lookup still running on the lookup thread
     lookup_since: float = 0.0
     loading: list[int] | None = None  # the vLLM blocks of its asynchronous load, until reported done
+    loading_checked: bool = False  # that load is the sampled self-check's: its blocks come back invalid
     load_failed: bool = False  # some block of its asynchronous load failed: computed, never offered again
+    # ... because it was checked (by design: vLLM must recompute what the worker compares): offered again
+    # once the check is done, so that a preemption later still finds its hit
+    failed_for_check: bool = False
 
 
 LOOKUP_GIVE_UP_S = 10.0  # a lookup still running after this counts as a miss (the request is computed)
@@ -350,7 +354,7 @@ class SchedulerSide:
             if span is None:  # (not expected) vLLM waits for a report all the same: one of all its blocks
                 meta.async_loads.append(BlockSpan(req_id, [], "", 0, expected))  # failed (no tokens to load)
             elif r is not None:
-                r.loading = list(span.block_ids)
+                r.loading, r.loading_checked = list(span.block_ids), span.check
         self._async.clear()
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -389,6 +393,8 @@ class SchedulerSide:
                     BlockSpan(req_id, r.prompt[: hi * B], r.salt, lo, r.block_ids[lo:hi], r.block_ids[:lo])
                 )
                 r.check = None if hi >= r.check[1] else (hi, r.check[1])
+                if r.check is None and r.failed_for_check:  # compared: its hit may be offered again
+                    r.load_failed = r.failed_for_check = False
         if r.control.save_tokens is not None:  # only the prefixes the request marked
             end = min(end, r.control.save_tokens // B)
         if self.save_enabled and not r.control.no_store and end > first:
@@ -416,7 +422,7 @@ class SchedulerSide:
         for req_id, r in self._reqs.items():  # asynchronous loads: what failed is computed, not offered again
             if r.loading is not None:
                 if not invalid.isdisjoint(r.loading):
-                    r.load_failed = True
+                    r.load_failed, r.failed_for_check = True, r.loading_checked
                 if req_id in done:
                     r.loading = None
         report = getattr(connector_output, "kv_connector_worker_meta", None)
