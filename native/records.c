@@ -140,7 +140,12 @@ static int load_xxhash(void) {
      * read's and a seal's work beside the copy. */
     xxh3_fn fast = (xxh3_fn)dlsym(lib, "XXH3_64bits_dispatch");
     xxh3_update_fn fast_update = (xxh3_update_fn)dlsym(lib, "XXH3_64bits_update_dispatch");
-    if (fast && fast_update && !getenv("TIERKV_XXH3_PLAIN")) {
+    const char *plain = getenv("TIERKV_XXH3_PLAIN");
+    if (fast && fast_update && !(plain && strcmp(plain, "1") == 0)) {
+        /* The dispatcher picks its code on its first call of more than 240 bytes: made here, once,
+         * under the GIL, not raced by the reading threads. */
+        static const uint8_t prime[256];
+        (void)fast(prime, sizeof prime);
         xxh3 = fast;
         xxh3_update = fast_update;
         xxh3_dispatched = 1;
@@ -613,7 +618,9 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
      * read, together) is copying, not waiting: more threads than CPUs only take turns (warm 48 MiB
      * restores: 8.0 GB/s on 8 threads, 8.5 on 2, with 2 CPUs). A disk needs the queue depth. */
     if (threads > 1 && r.ngroups) {
-        int cpus = usable_cpus();
+        /* the helpers' CPUs (set_work_cpus: an engine may pin the calling thread to one core) */
+        int cpus = atomic_load(&have_work_cpus) ? CPU_COUNT(&work_cpus) : usable_cpus();
+        if (cpus < 1) cpus = 1;
         const req_t *a = &rq[r.gfirst[0]], *b = &rq[r.gfirst[r.ngroups - 1] + r.gcount[r.ngroups - 1] - 1];
         const req_t *a_end = &rq[r.gfirst[0] + r.gcount[0] - 1], *b_first = &rq[r.gfirst[r.ngroups - 1]];
         if (threads > cpus && cached_whole((int)a->fd, a->offset, a_end->offset + a_end->nbytes - a->offset) == 1 &&

@@ -65,7 +65,9 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     # the warm restore beside the page cache's own read of the same files, in the same run
     (warm_read,) = [v for k, v in tiers["rows_Bps"].items() if k.startswith("raw buffered warm read")]
     assert warm_read["n"] == runs and tiers["ratios"]["restore warm / the page cache's read [native]"] == (
-        pytest.approx(tiers["rows_Bps"]["restore one-prefix, warm page cache [native]"]["median"] / warm_read["median"])
+        pytest.approx(
+            tiers["rows_Bps"]["restore one-prefix, warm page cache [native]"]["median"] / warm_read["median"]
+        )
     )
     for row in ttft["rows"]:  # TTFT apart: the restore and the forward, each beside its own baseline
         assert 0 < row["host_restore_s"]["median"] < row["host_s"]["median"]

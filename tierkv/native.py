@@ -98,6 +98,6 @@ def use(on: bool) -> Iterator[None]:
 
 def describe() -> str:
     if enabled():
-        vector = "dispatched" if getattr(module(), "XXH3_DISPATCHED", 0) else "plain, SSE2"
+        vector = "dispatched" if getattr(module(), "XXH3_DISPATCHED", 0) else "plain"
         return f"native ({READ_THREADS} reads in flight, xxh3 {vector})"
     return f"python ({_why or 'off in this process'})"

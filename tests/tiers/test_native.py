@@ -47,8 +47,7 @@ def test_native_xxh3_is_xxhash_s_past_its_blocks_whichever_entry_point(nbytes: i
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     assert native.module().xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
     code = (
-        "import sys, tierkv._native as n; d = sys.stdin.buffer.read(); "
-        "print(n.XXH3_DISPATCHED, n.xxh3_64(d))"
+        "import sys, tierkv._native as n; d = sys.stdin.buffer.read(); print(n.XXH3_DISPATCHED, n.xxh3_64(d))"
     )
     env = dict(os.environ, TIERKV_XXH3_PLAIN="1")
     out = subprocess.run([sys.executable, "-c", code], input=data, env=env, capture_output=True, check=True)

@@ -667,8 +667,10 @@ def test_a_self_checked_async_load_is_recomputed_once_then_its_hit_is_offered_ag
 ) -> None:
     """A sampled self-check reports the blocks it restored invalid, so that vLLM recomputes them and the
     worker compares: the request is computed whole (not offered the same hit again, which would load the
-    blocks instead of checking them). Once compared, a later lookup of the request (after a preemption)
-    finds its hit again. A load that failed for any other reason stays computed for good (no loop)."""
+    blocks instead of checking them). Once the check span went out, a later lookup of the request (after
+    a preemption) finds its hit again. The scheduler cannot tell those invalid blocks from a checked load
+    that really failed (as here: the worker has no KV caches), so such a load costs one more attempt per
+    preemption at most; a load that failed unchecked stays computed for good (no loop)."""
     options = {"load_async": True, "self_check_rate": 1.0 if checked else 0.0}
     engine = engines(policy="recompute", options=options)
     side = engine.connector._scheduler

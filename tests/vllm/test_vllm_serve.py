@@ -182,7 +182,13 @@ def _serving(
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     # A session of its own: the engine's processes are stopped with it, whatever the server left.
     server = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        preexec_fn=_no_core_dumps,  # SIGABRT below must not write GiBs of cores
     )
     server.hung = False  # type: ignore[attr-defined]
 
@@ -203,13 +209,19 @@ def _serving(
             server.wait(timeout=90)
         except subprocess.TimeoutExpired:  # say where each process is before they go
             server.hung = True  # type: ignore[attr-defined]
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(server.pid, signal.SIGABRT)
             time.sleep(5)
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # what the server left, if anything
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         log.close()
+
+
+def _no_core_dumps() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def _shutdown_lines(log: Path) -> str:

@@ -121,8 +121,9 @@ def buffered_warm(paths: list[Path], threads: int, runs: int) -> list[float]:
     """What the page cache gives ``read`` at best: whole files, already cached, in 8 MiB reads on
     ``threads`` threads, each into its own place in one buffer as large as the files (faulted in before
     the timer; a buffer reused would stay in the CPU's cache, which a restore's destination does not). A
-    warm restore reads the same way, straight into place, and checks a checksum beside it: it cannot beat
-    this; memcpy is the ceiling of a copy that needs no kernel."""
+    warm restore also reads straight into place (a record at a time, scattered over the layers' slabs)
+    and checks a checksum beside it: it cannot beat this by much; memcpy is the ceiling of a copy that
+    needs no kernel."""
     from concurrent.futures import ThreadPoolExecutor
 
     chunk = 8 << 20

@@ -278,9 +278,9 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         rows[f"restore one-prefix, warm page cache [{path}]"] = summary(
             _restores(store_dir, prompts, out, runs, cold=False, path=path)[0]
         )
-    threads = len(os.sched_getaffinity(0))
+    threads = min(native.READ_THREADS, len(os.sched_getaffinity(0)))  # as many as a warm restore runs
     rows[f"raw buffered warm read of the store's segment files, 8 MiB, {threads} threads"] = summary(
-        buffered_warm(sorted(store_dir.glob("**/*.seg")), threads, runs)
+        buffered_warm(sorted((store_dir / "segments").glob("*.seg")), threads, runs)
     )
     rows["restore from host tier"] = summary(
         _restores(store_dir, prompts, out, runs, cold=False, host_bytes=data_nbytes + (64 << 20))[0]
