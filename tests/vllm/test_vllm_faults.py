@@ -253,10 +253,10 @@ def test_a_lookup_that_fails_is_a_miss_logged_once_with_a_back_off(
     with caplog.at_level("WARNING", logger="vllm.tierkv"):
         assert side.num_new_matched_tokens(request("A", P), 0) == (0, False)
         assert side.num_new_matched_tokens(request("B", P), 0) == (0, False)  # paused: not even asked
-    assert len(calls) == 1 and side.lookup_errors == {"ReadersFullError": 1, "skipped": 1}
+    assert len(calls) == 1 and side.lookups.errors == {"ReadersFullError": 1, "skipped": 1}
     assert sum("lookup failed" in r.message for r in caplog.records) == 1
     monkeypatch.undo()
-    side._lookup_paused_until = 0.0  # the back-off is over
+    side.lookups.paused_until = 0.0  # the back-off is over
     assert side.num_new_matched_tokens(request("C", P), 0) == (0, False)  # a plain miss again
     side.close()
 

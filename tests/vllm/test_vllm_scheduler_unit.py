@@ -459,7 +459,7 @@ def test_a_slow_lookup_never_holds_the_scheduler_and_its_request_loads_at_a_late
         return slow(*args, **kwargs)
 
     monkeypatch.setattr(side.store, "lookup", lookup)
-    side.lookup_wait_s = 0.01
+    side.lookups.wait_s = 0.01
     engine.add("S", prompt)
     t0 = time.monotonic()
     out = engine.schedule()
@@ -467,7 +467,7 @@ def test_a_slow_lookup_never_holds_the_scheduler_and_its_request_loads_at_a_late
     assert "S" not in out.num_scheduled_tokens
     assert side._metrics.reduce().get("tierkv_connector_lookups:deferred", 0) >= 1  # on /metrics
     engine.finish_step(out)
-    assert side.lookup_errors.get("deferred", 0) >= 1
+    assert side.lookups.errors.get("deferred", 0) >= 1
     time.sleep(0.6)
     out = engine.schedule()
     ids = engine.block_ids(out, "S")

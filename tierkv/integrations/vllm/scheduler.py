@@ -17,12 +17,11 @@ import concurrent.futures
 import dataclasses
 import logging
 import random
-import time
 import uuid
 from typing import Any
 
-from tierkv.cpus import spread_here
 from tierkv.errors import ConfigError, PinBudgetError
+from tierkv.integrations.vllm.lookups import LATER, Lookups
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.metrics import TierKVStats
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
@@ -65,10 +64,6 @@ class _Request:
     failed_for_check: bool = False
 
 
-LOOKUP_GIVE_UP_S = 10.0  # a lookup still running after this counts as a miss (the request is computed)
-_LATER = object()  # a lookup that has not answered yet: vLLM is told to ask again
-
-
 # What a request must have for the connector to key it with certainty; a vLLM whose requests lack any of
 # these turns the connector off (their absence would read as "text only, no adapter").
 _REQUEST_FIELDS = ("prompt_token_ids", "mm_features", "lora_request", "prompt_embeds", "cache_salt")
@@ -109,13 +104,13 @@ class SchedulerSide:
         self.save_enabled = save
         self.store: Any = None
         self.epoch = ""
-        self.lookup_errors: dict[str, int] = {}
-        self._lookup_backoff_s = 0.0
-        self._lookup_paused_until = 0.0
         self._reqs: dict[str, _Request] = {}
         self._warned_reserved = False
-        self._lookups: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first lookup
-        self.lookup_wait_s = options.lookup_wait_s
+        self.lookups = Lookups(
+            lambda chain: self.store.lookup(chain.ns, chain),
+            options.lookup_wait_s,
+            lambda outcome: self._metrics.count("tierkv_connector_lookups", (outcome,), 1),
+        )
         self.front = options.front
         self._metrics = TierKVStats()
         self._forget: list[str] = []
@@ -220,8 +215,8 @@ class SchedulerSide:
         if r is None or r.load_failed:  # (vLLM asks again after a failed asynchronous load)
             return 0, False
         r.local_tokens, r.by_tier = num_computed_tokens, {}
-        hit = self._lookup_soon(r)
-        if hit is _LATER:
+        hit = self.lookups.soon(r)
+        if hit is LATER:
             return None, False  # vLLM skips the request this step and asks again at the next
         if hit is None:
             return 0, False
@@ -235,54 +230,6 @@ class SchedulerSide:
         else:
             new = min(hit.num_blocks, (n - 1) // B) * B - num_computed_tokens
         return (new, self.load_async) if new > 0 else (0, False)
-
-    def _lookup_soon(self, r: _Request) -> Any:
-        """``_lookup`` without waiting on I/O in vLLM's scheduler: it runs on the connector's lookup
-        thread; an answer within ``lookup_wait_s`` (a warm index: microseconds) is used now; a lookup
-        still reading (a cold index page, a slow disk, a remote tier) answers ``_LATER``, and its result
-        is taken at a later step. One still running after ``LOOKUP_GIVE_UP_S`` is a miss."""
-        if r.lookup is None:
-            if self._lookups is None:
-                self._lookups = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="tierkv-lookup", initializer=spread_here
-                )
-            r.lookup, r.lookup_since = self._lookups.submit(self._lookup, r), time.monotonic()
-            wait_s = self.lookup_wait_s
-        else:
-            wait_s = 0.0
-        try:
-            hit = r.lookup.result(timeout=wait_s)
-        except concurrent.futures.TimeoutError:
-            outcome = "deferred" if time.monotonic() - r.lookup_since < LOOKUP_GIVE_UP_S else "given_up"
-            self.lookup_errors[outcome] = self.lookup_errors.get(outcome, 0) + 1
-            self._metrics.count("tierkv_connector_lookups", (outcome,), 1)
-            if outcome == "deferred":
-                return _LATER
-            hit = None
-        r.lookup = None
-        return hit
-
-    def _lookup(self, r: _Request) -> Any:
-        """The store's lookup, or None: a lookup that fails (LMDB's reader table full, a store that cannot
-        reopen after a map resize, EIO) is a miss, never an exception in vLLM's scheduler loop. Each kind
-        of failure is logged once; lookups then pause (doubling from 1 s to a minute) so a failing disk
-        costs the scheduler nothing per request."""
-        now = time.monotonic()
-        if now < self._lookup_paused_until:
-            self.lookup_errors["skipped"] = self.lookup_errors.get("skipped", 0) + 1
-            return None
-        try:
-            hit = self.store.lookup(r.chain.ns, r.chain)
-        except Exception as exc:
-            kind = type(exc).__name__
-            self.lookup_errors[kind] = self.lookup_errors.get(kind, 0) + 1
-            if self.lookup_errors[kind] == 1:
-                log.warning("tierkv: a lookup failed (%s: %s); it counts as a miss", kind, exc)
-            self._lookup_backoff_s = min(60.0, max(1.0, 2 * self._lookup_backoff_s))
-            self._lookup_paused_until = now + self._lookup_backoff_s
-            return None
-        self._lookup_backoff_s = 0.0
-        return hit
 
     def hit_sources(self, request: Any, num_tokens: int) -> dict[str, int]:
         """``num_tokens`` loaded, split by the tier that held them (in proportion to the lookup's split)."""
@@ -463,11 +410,7 @@ class SchedulerSide:
             self._forget.append(request.request_id)
 
     def close(self) -> None:
-        if self._lookups is not None:
-            self._lookups.shutdown(wait=True, cancel_futures=True)  # (before the store it reads goes)
-            self._lookups = None
-        if self.lookup_errors:  # deferred (slow) lookups, give-ups, failures by kind, since start
-            log.info("tierkv connector (scheduler): lookups not answered at once: %s", self.lookup_errors)
+        self.lookups.close()  # (before the store it reads goes)
         if self.store is not None:
             store, self.store = self.store, None
             release_store(store)

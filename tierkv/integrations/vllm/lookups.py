@@ -1,0 +1,105 @@
+"""The scheduler side's lookups, off vLLM's scheduler loop: a lookup reads the index (a cold page, a slow
+disk, a remote tier), and vLLM's scheduler must not wait on I/O.
+
+Each lookup runs on the connector's one lookup thread; an answer within ``wait_s`` (a warm index:
+microseconds) is used at once, one still reading answers ``LATER`` (vLLM asks again at its next step, as its
+connector API allows) and one still running after ``LOOKUP_GIVE_UP_S`` is a miss. A lookup that fails is a
+miss too, never an exception in vLLM's loop, and lookups then pause (doubling from 1 s to a minute) so a
+failing disk costs the scheduler nothing per request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tierkv.cpus import spread_here
+from tierkv.keys import BlockChain
+
+log = logging.getLogger("vllm.tierkv")
+
+__all__ = ["LATER", "LOOKUP_GIVE_UP_S", "Lookups"]
+
+LOOKUP_GIVE_UP_S = 10.0  # a lookup still running after this counts as a miss (the request is computed)
+LATER = object()  # a lookup that has not answered yet: vLLM is told to ask again
+
+
+class Looking(Protocol):
+    """A request's lookup state (the scheduler side's per-request record)."""
+
+    chain: BlockChain
+    lookup: concurrent.futures.Future[Any] | None
+    lookup_since: float
+
+
+class Lookups:
+    def __init__(
+        self,
+        lookup: Callable[[BlockChain], Any],
+        wait_s: float,
+        on_slow: Callable[[str], None],
+    ) -> None:
+        """``lookup(chain)``: the store's (its hit, or None); ``on_slow(outcome)``: a lookup deferred or
+        given up (the metrics)."""
+        self._lookup, self.wait_s, self._on_slow = lookup, wait_s, on_slow
+        self.errors: dict[str, int] = {}  # deferred, given up, skipped while paused, failures by kind
+        self.paused_until = 0.0
+        self._backoff_s = 0.0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first lookup
+
+    def soon(self, r: Looking) -> Any:
+        """``r``'s hit (or None, a miss), or ``LATER``: its lookup is still reading."""
+        if r.lookup is None:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tierkv-lookup", initializer=spread_here
+                )
+            r.lookup, r.lookup_since = self._pool.submit(self._guarded, r.chain), time.monotonic()
+            wait_s = self.wait_s
+        else:
+            wait_s = 0.0
+        try:
+            hit = r.lookup.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            outcome = "deferred" if time.monotonic() - r.lookup_since < LOOKUP_GIVE_UP_S else "given_up"
+            self._count(outcome)
+            self._on_slow(outcome)
+            if outcome == "deferred":
+                return LATER
+            hit = None
+        r.lookup = None
+        return hit
+
+    def _guarded(self, chain: BlockChain) -> Any:
+        """The store's lookup, or None on a failure (LMDB's reader table full, a store that cannot reopen
+        after a map resize, EIO): each kind logged once, then a pause."""
+        now = time.monotonic()
+        if now < self.paused_until:
+            self._count("skipped")
+            return None
+        try:
+            hit = self._lookup(chain)
+        except Exception as exc:
+            kind = type(exc).__name__
+            self._count(kind)
+            if self.errors[kind] == 1:
+                log.warning("tierkv: a lookup failed (%s: %s); it counts as a miss", kind, exc)
+            self._backoff_s = min(60.0, max(1.0, 2 * self._backoff_s))
+            self.paused_until = now + self._backoff_s
+            return None
+        self._backoff_s = 0.0
+        return hit
+
+    def _count(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    def close(self) -> None:
+        """Wait for the running lookup (before the store it reads goes); queued ones never start."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self.errors:  # since start
+            log.info("tierkv connector (scheduler): lookups not answered at once: %s", self.errors)
