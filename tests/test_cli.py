@@ -263,10 +263,12 @@ def test_serve_engine_vllm_leaves_room_for_the_host_tier_in_vllm_cpus_kv_pool(tm
     # the caller's choices stand
     assert vllm_env({}, {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "5"}) == {}
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", raising=False)
     r, argv, env = _serve_vllm(tmp_path, "--host-cache", "1GiB")
     assert r.returncode == 0 and argv, r.stderr
     assert env["VLLM_CPU_KVCACHE_SPACE"] == str(cpu_kv_space_gib(_ram(), 1 << 30))
     assert f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}" in r.stderr
+    assert "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=30 " in r.stderr  # said, as the pool's size is
 
 
 def _ram() -> int:

@@ -263,6 +263,12 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
             "leaving room for tierkv's host tier; set it to choose; vLLM on a GPU ignores it)",
             file=sys.stderr,
         )
+    if "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" in env:
+        print(
+            f"tierkv: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS={env['VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS']} "
+            "(each worker writes its write-behind to disk as it stops; set it to choose)",
+            file=sys.stderr,
+        )
     print("tierkv: exec " + redact_url(" ".join(cmd)), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execve(python, cmd, {**os.environ, **env})

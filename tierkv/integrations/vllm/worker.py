@@ -133,6 +133,7 @@ class WorkerSide:
                 device=self.caches[0].device,
                 like=self.caches[0],
             )
+            learned_s = time.perf_counter() - t0
             refresh_cpus()  # vLLM has pinned its threads by now: take the CPUs they use
             if self.caches[0].device.type == "cpu":  # every core runs one of the model's OpenMP threads
                 copy_on_caller_only()
@@ -141,17 +142,20 @@ class WorkerSide:
             self.paged = paged if paged.usable and os.environ.get("TIERKV_PAGED_COPY", "1") != "0" else None
             # The memory tiers now, while vLLM starts (their pages are populated behind), not on the
             # first request's save or load.
+            t1 = time.perf_counter()
             try:
                 # populated now, while vLLM starts: behind, it would crawl through the first prefills
                 self.store.reserve(self.ns, restores_into_cpu=self.paged is not None, populate_now=True)
             except (RuntimeError, MemoryError) as exc:  # then on first use, as before
                 log.warning("tierkv: could not reserve the memory tiers now: %s", exc)
             log.info(
-                "tierkv connector (worker): %d layers, %s, layout learned from %s in %.3f s; %s",
+                "tierkv connector (worker): %d layers, %s, layout learned from %s in %.3f s, memory tiers "
+                "reserved in %.1f s; %s",
                 len(names),
                 self.ns.revision.rsplit("+", 2)[-2],
                 type(impl).__name__,
-                time.perf_counter() - t0,
+                learned_s,
+                time.perf_counter() - t1,
                 "restores and saves copy natively into and out of the pages"
                 if self.paged is not None
                 else "restores go through a buffer (no native paged copy here)",
