@@ -333,11 +333,6 @@ class SchedulerSide:
         first, end = computed // B, min(len(r.prompt), computed + scheduled) // B
         if end <= first or end > len(r.block_ids):
             return
-        if r.check is not None and first >= r.check[1]:
-            # vLLM had the checked blocks after all (its own prefix cache): nothing recomputes them
-            r.check = None
-            r.load_failed = r.failed_for_check = False
-            self._forget.append(req_id)  # the worker's copy goes
         if r.check is not None:  # vLLM recomputes a self-checked load: compare what overlaps this step
             lo, hi = max(first, r.check[0]), min(end, r.check[1])
             if lo < hi:
