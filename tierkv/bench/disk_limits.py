@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ __all__ = [
     "REQUEST_SIZES",
     "buffered_cold",
     "buffered_warm",
+    "naive_lmdb",
     "raw_reads",
     "raw_rows",
     "raw_writes",
@@ -153,6 +155,35 @@ def buffered_warm(paths: list[Path], threads: int, runs: int) -> list[float]:
         buf.close()
         for fd in fds:
             os.close(fd)
+
+
+def naive_lmdb(dirpath: Path, blocks: list[bytes], runs: int) -> list[float]:
+    """Payloads as LMDB values read cold in random key order (the design the disk tier left), bytes per
+    second per run."""
+    import lmdb
+
+    env = lmdb.open(str(dirpath), map_size=4 * sum(map(len, blocks)) + (1 << 30))
+    keys = [i.to_bytes(8, "big") for i in range(len(blocks))]
+    with env.begin(write=True) as txn:
+        for k, b in zip(keys, blocks):
+            txn.put(k, b)
+    env.sync(True)
+    env.close()
+    results = []
+    for _ in range(runs):
+        drop_page_cache([dirpath / "data.mdb"])  # with the map closed: mapped pages are not dropped
+        env = lmdb.open(str(dirpath))
+        order = keys[:]
+        random.shuffle(order)
+        t0 = time.perf_counter()
+        total = 0
+        with env.begin(buffers=True) as txn:
+            for k in order:
+                total += len(txn.get(k) or b"")
+        results.append(total / (time.perf_counter() - t0))
+        env.close()
+    shutil.rmtree(dirpath)
+    return results
 
 
 def raw_writes(path: Path, nbytes: int, runs: int) -> dict[str, list[float]]:

@@ -31,7 +31,6 @@ plus the lookup latency of a 32K-token prompt (hashing + index).
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import statistics
 import time
@@ -46,6 +45,7 @@ from tierkv.bench.disk_limits import (
     REQUEST_SIZES,
     buffered_cold,
     buffered_warm,
+    naive_lmdb,
     raw_reads,
     raw_rows,
     raw_writes,
@@ -63,33 +63,6 @@ NS = Namespace(
     block_tokens=64,
 )
 PROMPT_TOKENS = 8192
-
-
-def _naive_lmdb(dirpath: Path, blocks: list[bytes], runs: int) -> list[float]:
-    import lmdb
-
-    env = lmdb.open(str(dirpath), map_size=4 * sum(map(len, blocks)) + (1 << 30))
-    keys = [i.to_bytes(8, "big") for i in range(len(blocks))]
-    with env.begin(write=True) as txn:
-        for k, b in zip(keys, blocks):
-            txn.put(k, b)
-    env.sync(True)
-    env.close()
-    results = []
-    for _ in range(runs):
-        drop_page_cache([dirpath / "data.mdb"])  # with the map closed: mapped pages are not dropped
-        env = lmdb.open(str(dirpath))
-        order = keys[:]
-        random.shuffle(order)
-        t0 = time.perf_counter()
-        total = 0
-        with env.begin(buffers=True) as txn:
-            for k in order:
-                total += len(txn.get(k) or b"")
-        results.append(total / (time.perf_counter() - t0))
-        env.close()
-    shutil.rmtree(dirpath)
-    return results
 
 
 PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and writers, side by side
@@ -230,7 +203,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     raw_reads(raw_path, raw_nbytes, runs, block_nbytes, raw)
     blocks = [kv[:, :, i : i + 64].contiguous().numpy().tobytes() for i in range(0, prompt_tokens, 64)]
     rows["naive LMDB get, cold, random order"] = summary(
-        _naive_lmdb(base / "naive", blocks * num_prompts, runs)
+        naive_lmdb(base / "naive", blocks * num_prompts, runs)
     )
 
     store_dir = base / "store"

@@ -11,6 +11,7 @@ the API server's process. The payload is plain ``str -> number`` maps: it crosse
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -18,7 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from tierkv.metrics import EXPORTED_COUNTERS, EXPORTED_GAUGES
 
-__all__ = ["PROMPT_SOURCES", "StoreDeltas", "TierKVPromMetrics", "TierKVStats"]
+__all__ = ["PROMPT_SOURCES", "StoreDeltas", "TierKVPromMetrics", "TierKVStats", "log_totals"]
+
+log = logging.getLogger("vllm.tierkv")
 
 # where a prompt token's KV came from, in the scheduler's counts
 PROMPT_SOURCES = ("vllm", "gpu", "host", "disk", "remote", "computed")
@@ -233,3 +236,30 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
         for tier in PROMPT_SOURCES:
             if tier not in ("vllm", "computed") and asked:
                 self._hit_ratio.labels(*engine, tier).set(totals[tier] / asked)
+
+
+def log_totals(stats: dict[str, Any], load_rates: dict[str, list[float]]) -> None:
+    """A worker's totals as it closes: its loads, saves and self-checks, and each tier's load rate (the
+    loads that tier served alone)."""
+    log.info(
+        "tierkv connector (worker): loaded %d blocks (%d read, %d failed) in %.2f s, saved %d in "
+        "%.2f s, %d not saved after failed loads, self-check %d blocks (%d differed)",
+        stats["load_blocks"],
+        stats["read_blocks"],
+        stats["load_failed_blocks"],
+        stats["load_s"],
+        stats["save_blocks"],
+        stats["save_s"],
+        stats["unsound_save_blocks"],
+        stats["check_blocks"],
+        stats["check_mismatch_blocks"],
+    )
+    for tier, (nbytes, seconds) in sorted(load_rates.items()):
+        log.info(
+            "tierkv connector (worker): loads from %s alone: %.1f MiB into vLLM's pages in %.3f s "
+            "(%.2f GB/s, lookup and verification included)",
+            tier,
+            nbytes / 2**20,
+            seconds,
+            nbytes / seconds / 1e9 if seconds else 0.0,
+        )

@@ -33,7 +33,7 @@ from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, RanksDisagree, 
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
 from tierkv.integrations.vllm.loader import Loaded, Loader
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
-from tierkv.integrations.vllm.metrics import StoreDeltas, TierKVStats
+from tierkv.integrations.vllm.metrics import StoreDeltas, TierKVStats, log_totals
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
 from tierkv.integrations.vllm.paged import PagedCaches, PagedSink
@@ -438,26 +438,5 @@ class WorkerSide:
         self._stop_loader()
         if self.store is not None:
             store, self.store = self.store, None
-            log.info(
-                "tierkv connector (worker): loaded %d blocks (%d read, %d failed) in %.2f s, saved %d in "
-                "%.2f s, %d not saved after failed loads, self-check %d blocks (%d differed)",
-                self.stats["load_blocks"],
-                self.stats["read_blocks"],
-                self.stats["load_failed_blocks"],
-                self.stats["load_s"],
-                self.stats["save_blocks"],
-                self.stats["save_s"],
-                self.stats["unsound_save_blocks"],
-                self.stats["check_blocks"],
-                self.stats["check_mismatch_blocks"],
-            )
-            for tier, (nbytes, seconds) in sorted(self.load_rates.items()):
-                log.info(
-                    "tierkv connector (worker): loads from %s alone: %.1f MiB into vLLM's pages in %.3f s "
-                    "(%.2f GB/s, lookup and verification included)",
-                    tier,
-                    nbytes / 2**20,
-                    seconds,
-                    nbytes / seconds / 1e9 if seconds else 0.0,
-                )
+            log_totals(self.stats, self.load_rates)
             release_store(store)
