@@ -8,7 +8,8 @@
  * write_run  appends a run of records to a segment file (buffered, each padded to a page) in chunks:
  *            sealer threads compute the chunks' checksums ahead while the caller writes the sealed ones
  *            and starts their writeback; one fdatasync at the end.
- * copy_blocks copies whole blocks between a memory tier's slots and a KV tensor's slabs, on a few threads.
+ * copy_blocks copies whole blocks between a memory tier's slots and a KV tensor's slabs, on a few threads
+ *            (a large restore with streamed stores).
  * copy_paged  copies canonical blocks (slots, or a KV tensor's slabs) into or out of an engine's paged KV
  *            cache, whose page places K and V by strides (vLLM-CPU stores K head_dim-major), on a few
  *            threads: a restore lands in the engine's pages with one copy.
@@ -49,6 +50,7 @@
 #define GROUP_NBYTES (1u << 20)   /* one read request: adjacent records coalesced up to this */
 #endif
 #define MAX_THREADS 64
+#define STREAM_MIN_NBYTES (16ll << 20) /* copy_blocks: runs this large stream past the caches */
 #define MAX_NDIM 6
 #define FIELDS_NBYTES 168         /* codec.py's _FIELDS.size */
 #define HEADER_NBYTES 176         /* fields + their xxh3-64 */
@@ -1124,13 +1126,32 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ streamed stores */
+/* A restore writes far more than the caches hold, into memory nobody reads before the next forward: a
+ * plain store first reads each line from memory (for ownership), a streamed one does not. */
+#if defined(__SSE2__)
+/* n bytes to dst, streamed past the cache where dst and n are 16-byte multiples (else memcpy). */
+static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) {
+    if ((uintptr_t)dst % 16 || n % 16) {
+        memcpy(dst, src, n);
+        return;
+    }
+    for (size_t i = 0; i < n; i += 16)
+        _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+}
+#define STORE_FENCE() _mm_sfence()
+#else
+static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) { memcpy(dst, src, n); }
+#define STORE_FENCE() ((void)0)
+#endif
+
 /* ------------------------------------------------------------------ copy_blocks */
 /* A memory tier's restore: whole blocks from their slots into the destination's (layer, k/v) slabs, on
  * a few threads with the GIL released (one torch copy per block spent as long dispatching as copying). */
 typedef struct {
     const int64_t *rows, *srcs, *pos;
     int64_t nrows, chunk, n;
-    int gather;
+    int gather, stream;
     atomic_long next;
 } copy_t;
 
@@ -1138,11 +1159,15 @@ static void *copy_worker(void *arg) {
     copy_t *c = arg;
     for (;;) {
         int64_t j = atomic_fetch_add(&c->next, 1);
-        if (j >= c->n) return NULL;
+        if (j >= c->n) {
+            if (c->stream) STORE_FENCE(); /* streamed stores are weakly ordered: visible before the join */
+            return NULL;
+        }
         uint8_t *block = (uint8_t *)(intptr_t)c->srcs[j];
         for (int64_t r = 0; r < c->nrows; r++) {
             uint8_t *slab = (uint8_t *)(intptr_t)c->rows[r] + c->pos[j] * c->chunk;
             if (c->gather) memcpy(block + r * c->chunk, slab, (size_t)c->chunk);
+            else if (c->stream) put_streamed(slab, block + r * c->chunk, (size_t)c->chunk);
             else memcpy(slab, block + r * c->chunk, (size_t)c->chunk);
         }
     }
@@ -1179,7 +1204,11 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    copy_t c = {rows.buf, srcs.buf, pos.buf, nrows, chunk, n, gather, 0};
+    /* A run as large as half the last-level cache is streamed into the slabs (a restore of 480 MiB from
+     * the host tier: 12.2-12.8 -> 15.7-16.4 GB/s here, against torch copy_'s 14.5-15.3); a smaller one
+     * stays in the caches for the forward that reads it next. */
+    int stream = !gather && n * nrows * chunk >= STREAM_MIN_NBYTES;
+    copy_t c = {rows.buf, srcs.buf, pos.buf, nrows, chunk, n, gather, stream, 0};
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > n) threads = (int)n;
@@ -1293,21 +1322,9 @@ static int k_scatter_u16(uint16_t *pg, const uint16_t *cn, int64_t kt, int64_t H
 }
 #undef K_TILES
 
-/* n bytes to dst, streamed past the cache where dst and n are 16-byte multiples (else memcpy). */
-static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) {
-    if ((uintptr_t)dst % 16 || n % 16) {
-        memcpy(dst, src, n);
-        return;
-    }
-    for (size_t i = 0; i < n; i += 16)
-        _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
-}
-#define STORE_FENCE() _mm_sfence()
 #else
 static int k_scatter_f32(float *pg, const float *cn, int64_t kt, int64_t HD, int64_t D, int64_t row) { return 0; }
 static int k_scatter_u16(uint16_t *pg, const uint16_t *cn, int64_t kt, int64_t HD, int64_t D, int64_t row) { return 0; }
-static void put_streamed(uint8_t *dst, const uint8_t *src, size_t n) { memcpy(dst, src, n); }
-#define STORE_FENCE() ((void)0)
 #endif
 
 static void paged_one(const paged_t *c, uint8_t *page, uint8_t *const chunks[2]) {

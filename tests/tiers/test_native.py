@@ -323,6 +323,33 @@ def test_copy_blocks_refuses_positions_outside_the_slabs() -> None:
     assert (src == 7).all()
 
 
+@pytest.mark.parametrize("chunk", [64 << 10, (64 << 10) + 4])  # streamed; not 16-byte sized: memcpy
+def test_copy_blocks_of_a_run_larger_than_the_caches_match_the_reference(chunk: int) -> None:
+    """A run of 16 MiB or more is streamed into the slabs (not through the caches): same bytes, every
+    block in place, nothing outside it touched."""
+    nat = native.module()
+    nrows, nblocks = 12, 24  # 12 x 24 x 64 KiB = 18 MiB
+    rng = np.random.default_rng(0)
+    slots = [rng.integers(0, 256, nrows * chunk, dtype=np.uint8) for _ in range(nblocks)]
+    positions = rng.permutation(nblocks + 4)[:nblocks]  # scattered, some places left as they were
+    slabs = [np.full((nblocks + 4) * chunk, 0xEE, dtype=np.uint8) for _ in range(nrows)]
+    nat.copy_blocks(
+        np.array([s.ctypes.data for s in slabs], dtype=np.int64),
+        (nblocks + 4) * chunk,
+        chunk,
+        np.array([s.ctypes.data for s in slots], dtype=np.int64),
+        positions.astype(np.int64),
+        2,
+        False,
+    )
+    want = [np.full((nblocks + 4) * chunk, 0xEE, dtype=np.uint8) for _ in range(nrows)]
+    for slot, pos in zip(slots, positions):
+        for r in range(nrows):
+            want[r][pos * chunk : (pos + 1) * chunk] = slot[r * chunk : (r + 1) * chunk]
+    for got, ref in zip(slabs, want):
+        assert np.array_equal(got, ref)
+
+
 def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> None:
     B = ns.block_tokens
     toks = list(range(10 * B))

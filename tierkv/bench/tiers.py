@@ -50,7 +50,7 @@ from tierkv.bench.disk_limits import (
     raw_rows,
     raw_writes,
 )
-from tierkv.bench.machine import drop_page_cache, summary
+from tierkv.bench.machine import Memcpy, drop_page_cache, summary
 
 # The embedded default model's KV layout: 6 layers, 4 KV heads, head dim 64, fp32: 12 KiB per token.
 NS = Namespace(
@@ -91,9 +91,11 @@ def _restores(
     host_bytes: int = 0,
     raw: list[float] | None = None,
     path: str = "native",
+    copies: tuple[Memcpy, list[float]] | None = None,
 ) -> tuple[list[float], str]:
     """Restores of every prompt, ``runs`` times; with ``raw``, each cold run is preceded by a raw read of
-    the store's own segment files (the same bytes, the same pattern, no tierkv), appended to ``raw``."""
+    the store's own segment files (the same bytes, the same pattern, no tierkv), appended to ``raw``; with
+    ``copies``, each run by a memcpy of a prompt's KV (memory's bandwidth drifts too), appended there."""
     bws, method = [], ""
     kv_nbytes = out.numel() * out.element_size()
     use_native, direct = _path(path)
@@ -117,6 +119,8 @@ def _restores(
                 n, _ = store.load(NS, toks, out=out)
                 assert n == len(toks), (n, len(toks))
             bws.append(len(prompts) * kv_nbytes / (time.perf_counter() - t0))
+        if copies is not None:  # with the store closed: its background threads would slow the copy
+            copies[1].append(copies[0].bps())
         if raw is not None and r % 2 == 1:
             raw.append(buffered_cold(own, READ_THREADS))
     return bws, method
@@ -247,17 +251,27 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         )
         bws = bws or got
         rows[f"restore one-prefix, cold [{path}]"] = summary(got)
+    meter, copies = Memcpy(kv_nbytes), {"warm": [], "host": []}
+    warm: dict[str, list[float]] = {}
     for path in paths[:2]:
-        rows[f"restore one-prefix, warm page cache [{path}]"] = summary(
-            _restores(store_dir, prompts, out, runs, cold=False, path=path)[0]
-        )
+        warm[path] = _restores(
+            store_dir, prompts, out, runs, cold=False, path=path, copies=(meter, copies["warm"])
+        )[0]
+        rows[f"restore one-prefix, warm page cache [{path}]"] = summary(warm[path])
     threads = min(native.READ_THREADS, len(os.sched_getaffinity(0)))  # as many as a warm restore runs
     rows[f"raw buffered warm read of the store's segment files, 8 MiB, {threads} threads"] = summary(
         buffered_warm(sorted((store_dir / "segments").glob("*.seg")), threads, runs)
     )
-    rows["restore from host tier"] = summary(
-        _restores(store_dir, prompts, out, runs, cold=False, host_bytes=data_nbytes + (64 << 20))[0]
-    )
+    hosted_bws = _restores(
+        store_dir,
+        prompts,
+        out,
+        runs,
+        cold=False,
+        host_bytes=data_nbytes + (64 << 20),
+        copies=(meter, copies["host"]),
+    )[0]
+    rows["restore from host tier"] = summary(hosted_bws)
     # A fresh process's first cold restores, with a host tier (allocated, and promoted into, on the way)
     # and without, alternated so that drift favours neither.
     firsts = [(p, h) for p in paths[:2] for h in (2 * data_nbytes, 0)]
@@ -303,15 +317,9 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             _restores(store_dir, prompts, out, runs, cold=True)[0]
         )
 
-    src = torch.empty(kv_nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    copies: list[float] = []
-    for _ in range(runs * 3):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        copies.append(kv_nbytes / (time.perf_counter() - t0))
-    rows["memcpy (torch copy_)"] = summary(copies)
+    # Measured beside each warm and host restore (above), as the disk's limits are.
+    rows["memcpy (torch copy_)"] = summary(copies["warm"] + copies["host"])
+    del meter
 
     long_prompt = list(range(32768))
     shutil.rmtree(store_dir)
@@ -350,8 +358,21 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         "disk_read_limit_Bps": read_limit,
         "disk_write_limit_Bps": write_limit,
         "lookup_32k_s": summary(lat),
-        "ratios": _ratios(rows, paths, od, write_limit, bws, own, (first[firsts[0]], first_own)),
+        "ratios": _ratios(rows, paths, od, write_limit, bws, own, (first[firsts[0]], first_own))
+        # Memory's rows, each run beside the memcpy measured next to it.
+        | {
+            f"restore warm / memcpy (median of each run's ratio) [{path}]": _paired(
+                warm[path], copies["warm"][i * runs : (i + 1) * runs]
+            )
+            for i, path in enumerate(paths[:2])
+        }
+        | {"host tier / memcpy (median of each run's ratio)": _paired(hosted_bws, copies["host"])},
     }
+
+
+def _paired(bws: list[float], limits: list[float]) -> float:
+    """The median of each run's ratio to the limit measured beside it."""
+    return statistics.median(b / a for b, a in zip(bws, limits, strict=True))
 
 
 def _ratios(
@@ -364,7 +385,6 @@ def _ratios(
     firsts: tuple[list[float], list[float]],
 ) -> dict[str, float]:
     """The issue's ratios, per data path (the first, native where built, is what a user gets)."""
-    memcpy = rows["memcpy (torch copy_)"]["median"]
     out = {
         f"restore cold one-prefix / raw read of its own files (median of each run's ratio) [{paths[0]}]": statistics.median(
             b / a for b, a in zip(bws, own)
@@ -385,9 +405,6 @@ def _ratios(
         out[f"restore cold interleaved / disk limit [{path}]"] = (
             rows[f"restore interleaved prefixes, cold [{path}]"]["median"] / od
         )
-        out[f"restore warm / memcpy [{path}]"] = (
-            rows[f"restore one-prefix, warm page cache [{path}]"]["median"] / memcpy
-        )
         warm_read = next((v for k, v in rows.items() if k.startswith("raw buffered warm read")), None)
         if warm_read:
             out[f"restore warm / the page cache's read [{path}]"] = (
@@ -402,7 +419,6 @@ def _ratios(
             out[f"persistence, host tier populated / disk write limit [{w}]"] = (
                 rows[f"persistence (save+flush, durable), host tier populated [{w}]"]["median"] / write_limit
             )
-    out["host tier / memcpy"] = rows["restore from host tier"]["median"] / memcpy
     out["naive LMDB cold / disk limit"] = rows["naive LMDB get, cold, random order"]["median"] / od
     return out
 
