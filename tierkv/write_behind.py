@@ -33,6 +33,7 @@ from tierkv.generations import FENCE_WAIT_S, Generations
 from tierkv.keys import BlockChain, BlockKey
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
+from tierkv.private_copies import PrivateCopies
 from tierkv.staging import StagingRing
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.pool import BlockPool
@@ -77,6 +78,7 @@ class WriteBehind:
         self._ring: StagingRing | None = None
         self._ring_lock = threading.Lock()
         self.gens = Generations()
+        self.copies = PrivateCopies()  # the record tiers' private copies of saved blocks
         # Held from a block's liveness check to its copy into the memory tiers, and by a purge clearing
         # them: a block found live is in the tiers before the clear, or is found dead after it.
         self.gate = threading.Lock()
@@ -230,18 +232,18 @@ class WriteBehind:
         if not records:
             return
         # Without a held slot the writers share one private copy: the caller may reuse ``block`` at once.
+        releases: list[Callable[[], None] | None]
         if held is not None:
             payload = held[1]
             for _ in records[1:]:  # one reference per writer, all taken before the first may release its own
                 held[0].retain(held[1])
-        else:
-            payload = (
-                (block if owned else block.clone(memory_format=torch.contiguous_format))
-                .view(-1)
-                .view(torch.uint8)
-            )
-        for tier in records:
-            release = functools.partial(held[0].release, held[1]) if held is not None else None
+            releases = [functools.partial(held[0].release, held[1]) for _ in records]
+        elif owned:
+            payload, releases = block.view(-1).view(torch.uint8), [None] * len(records)
+        else:  # recycled once every writer released it
+            payload = self.copies.copy(block)
+            releases = list(self.copies.releases(payload, len(records)))
+        for tier, release in zip(records, releases):
             write = self._block_write(p, payload, release, live)
             ok = tier.try_write(write) if tier.writes_back else tier.write(write)
             if not ok:
@@ -344,3 +346,4 @@ class WriteBehind:
     def close(self) -> None:
         if self._ring is not None:
             self._ring.close()
+        self.copies.clear()
