@@ -262,7 +262,8 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         )
         bws = bws or got
         rows[f"restore one-prefix, cold [{path}]"] = summary(got)
-    meter, copies = Memcpy(kv_nbytes), {"warm": [], "host": []}
+    meter = Memcpy(kv_nbytes)
+    copies: dict[str, list[float]] = {"warm": [], "host": []}
     warm: dict[str, list[float]] = {}
     for path in paths[:2]:
         warm[path] = _restores(
