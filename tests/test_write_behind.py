@@ -335,6 +335,40 @@ def test_private_copies_are_reused_only_once_every_writer_released_them(ns) -> N
     d = small.copy(kv)
     small.releases(d, 1)[0]()
     assert small.free_nbytes == 0
+    # Another block size (another namespace saved now) takes the room of the old one.
+    one = PrivateCopies(free_max_nbytes=a.numel())
+    one.releases(one.copy(kv), 1)[0]()
+    halves = [one.copy(kv[:, :, : ns.block_tokens // 2]) for _ in range(2)]
+    for h in halves:
+        one.releases(h, 1)[0]()
+    assert one.free_nbytes == a.numel() and one.copy(kv).data_ptr() not in {h.data_ptr() for h in halves}
+    one.close()  # closed: nothing kept, nor anything released after
+    one.releases(one.copy(kv), 1)[0]()
+    assert one.free_nbytes == 0
+
+
+def test_a_copy_two_record_tiers_share_is_reused_only_after_the_slower_one_wrote_it(
+    ns, disk, counters
+) -> None:
+    """The sink releases at once, the stalled disk writer later: until then the copy is not reused, and
+    blocks saved meanwhile do not overwrite what the disk has yet to write."""
+    sink = _Sink()
+    wb = _wb([sink, disk], counters, None)
+    gate = _stall(disk, ns)
+    B = ns.block_tokens
+    chains = [BlockChain.of(ns, [p * 10**6 + t for t in range(N * B)]) for p in range(2)]
+    kvs = [make_kv(ns, N * B, seed=20 + p) for p in range(2)]
+    try:
+        assert wb.save(chains[0], 0, _blocks(ns, kvs[0])) == N
+        assert wb.copies.free_nbytes == 0  # the sink has released, the disk writer not yet
+        assert wb.save(chains[1], 0, _blocks(ns, kvs[1])) == N
+        gate.set()
+        _flush(wb, disk)
+        for chain, kv in zip(chains, kvs):
+            assert torch.equal(_read(disk, chain, N), kv)
+    finally:
+        gate.set()
+        wb.close()
 
 
 def test_a_save_while_the_disk_writer_still_reads_earlier_copies_gets_fresh_ones(ns, disk, counters) -> None:

@@ -28,6 +28,7 @@ class PrivateCopies:
         self.free_max_nbytes = free_max_nbytes
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_nbytes = 0
+        self._closed = False
         self._lock = threading.Lock()
 
     def copy(self, block: torch.Tensor) -> torch.Tensor:
@@ -69,13 +70,23 @@ class PrivateCopies:
     def _give(self, buf: torch.Tensor) -> None:
         nbytes = buf.numel()
         with self._lock:
+            if self._closed or nbytes > self.free_max_nbytes:
+                return
+            # Room first from other sizes (a namespace no longer saved), then keep it.
+            for size in [s for s in self._free if s != nbytes]:
+                while self._free[size] and self._free_nbytes + nbytes > self.free_max_nbytes:
+                    self._free[size].pop()
+                    self._free_nbytes -= size
+                if not self._free[size]:
+                    del self._free[size]
             if self._free_nbytes + nbytes <= self.free_max_nbytes:
                 self._free.setdefault(nbytes, []).append(buf)
                 self._free_nbytes += nbytes
 
-    def clear(self) -> None:
-        """Frees every idle copy (the store closes)."""
+    def close(self) -> None:
+        """Frees every idle copy, and each one released later (the writers finish after the store closes)."""
         with self._lock:
+            self._closed = True
             self._free.clear()
             self._free_nbytes = 0
 

@@ -346,4 +346,4 @@ class WriteBehind:
     def close(self) -> None:
         if self._ring is not None:
             self._ring.close()
-        self.copies.clear()
+        self.copies.close()
