@@ -2,13 +2,14 @@ import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tierkv import Namespace, block_keys
 from tierkv.errors import ConfigError
-from tierkv.keys import chain_key, root_key, tokens_to_bytes
+from tierkv.keys import BlockChain, chain_key, root_key, tokens_to_bytes
 
 NS = Namespace(
     model_id="m", revision="r", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=4
@@ -116,3 +117,18 @@ def test_namespace_validation() -> None:
 
 def test_namespace_json_roundtrip() -> None:
     assert Namespace.from_json(NS.to_json()) == NS
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=0, max_size=200))
+def test_a_list_of_token_ids_is_encoded_as_numpy_encodes_it(toks: list[int]) -> None:
+    """Lists and tuples take array's fast path; numpy's stays the reference (and serves arrays)."""
+    want = np.asarray(toks, dtype=np.int64).astype("<u4").tobytes()
+    assert tokens_to_bytes(toks) == want == tokens_to_bytes(tuple(toks))
+    assert tokens_to_bytes(np.asarray(toks, dtype=np.int64)) == want
+    assert BlockChain.of(NS, toks) == BlockChain.of(NS, np.asarray(toks, dtype=np.int64))
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["7"]])
+def test_token_ids_out_of_range_or_not_integers_are_refused(bad: list) -> None:
+    with pytest.raises(ConfigError):
+        tokens_to_bytes(bad * 64)

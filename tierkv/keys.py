@@ -8,10 +8,12 @@ process (never Python's ``hash()``).
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from typing import NewType
 
@@ -113,8 +115,18 @@ def root_key(digest: NamespaceDigest) -> BlockKey:
 TOKEN_NBYTES = 4  # uint32 little-endian: the one encoding hashed and stored (the only place that knows)
 
 
+_ARRAY_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"  # array("I") is the encoding
+
+
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """uint32 little-endian, the one encoding hashed and stored."""
+    if _ARRAY_U32 and isinstance(token_ids, (list, tuple, range)):  # 4x faster than numpy's conversion
+        try:
+            return array.array("I", token_ids).tobytes()
+        except OverflowError:
+            raise ConfigError("token ids must be in 0..2**32-1") from None
+        except TypeError:
+            raise ConfigError("token ids must be integers") from None
     arr = np.asarray(token_ids)
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ConfigError("token ids must be in 0..2**32-1")
@@ -139,7 +151,7 @@ class BlockChain:
     @classmethod
     def of(cls, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> BlockChain:
         n_blocks = len(token_ids) // ns.block_tokens
-        data = tokens_to_bytes(np.asarray(token_ids)[: n_blocks * ns.block_tokens])
+        data = tokens_to_bytes(token_ids[: n_blocks * ns.block_tokens])
         step = ns.block_tokens * TOKEN_NBYTES
         keys: list[BlockKey] = []
         parent = root_key(ns.digest)

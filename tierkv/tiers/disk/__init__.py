@@ -28,6 +28,7 @@ from tierkv.metrics import Counters
 from tierkv.retention import Retention
 from tierkv.tenancy import Quota
 from tierkv.tiers.base import BlockWrite, Tier
+from tierkv.tiers.disk.access_times import Touch
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.pins import check_pin
 from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Hole, Policy, SweepReport
@@ -193,13 +194,15 @@ class DiskTier(Tier):
         now = self.clock()
         out = []
         found: dict[BlockKey, Entry] = {}
+        keys = [chain.keys[i] for i in idx]
         with self.index.read() as txn:
-            for i in idx:
-                raw = txn.get(chain.keys[i], db=self.index.db["index"])
-                e = Entry.unpack(raw) if raw is not None else None
-                out.append(e is not None and not self._expired(chain.keys[i], e, now))
-                if out[-1] and e is not None:
-                    found[chain.keys[i]] = e
+            db = self.index.db["index"]
+            raws = [txn.get(key, db=db) for key in keys]
+        for key, raw, pending in zip(keys, raws, self.times.last_many(keys)):
+            e = Entry.unpack(raw) if raw is not None else None
+            out.append(e is not None and not self._expired_after(e, pending, now))
+            if out[-1] and e is not None:
+                found[key] = e
         # A restore probes, then reads what it found on the same thread: the read reuses these entries
         # instead of reading the index again (a record changed since is caught by its verification).
         self._probed.found = (chain.keys, found)
@@ -220,7 +223,10 @@ class DiskTier(Tier):
         return self.locate(chain.keys[first : first + count])
 
     def _expired(self, key: BlockKey, e: Entry, now: float) -> bool:
-        pending = self.times.last(key)  # hits and retention not written yet count
+        return self._expired_after(e, self.times.last(key), now)
+
+    def _expired_after(self, e: Entry, pending: Touch | None, now: float) -> bool:
+        """``e`` expired, counting ``pending`` (its hits and retention not written yet)."""
         if pending is not None:
             e.last_access_s = max(e.last_access_s, pending.t)
             e.retain_s = max(e.retain_s, pending.retain_s)

@@ -68,14 +68,21 @@ class AccessTimes:
 
     def last(self, key: bytes) -> Touch | None:
         """What is pending for ``key``: not written yet, or waiting for it to be indexed."""
+        return self.last_many([key])[0]
+
+    def last_many(self, keys: Sequence[bytes]) -> list[Touch | None]:
+        """``last`` of each key, under one acquisition of the lock (a restore asks for a whole prompt)."""
         with self._lock:
-            pending = self._touched.get(key)
-            waiting = self._waiting.get(key)
-        if waiting is None:
-            return pending
-        out = dataclasses.replace(waiting[0])
-        if pending is not None:
-            out.merge(pending)
+            got = [(self._touched.get(k), self._waiting.get(k)) for k in keys]
+        out: list[Touch | None] = []
+        for pending, waiting in got:
+            if waiting is None:
+                out.append(pending)
+                continue
+            both = dataclasses.replace(waiting[0])
+            if pending is not None:
+                both.merge(pending)
+            out.append(both)
         return out
 
     def pending_pins(self) -> list[bytes]:
