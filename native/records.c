@@ -8,8 +8,8 @@
  * write_run  appends a run of records to a segment file (buffered, each padded to a page) in chunks:
  *            sealer threads compute the chunks' checksums ahead while the caller writes the sealed ones
  *            and starts their writeback; one fdatasync at the end.
- * copy_blocks copies whole blocks between a memory tier's slots and a KV tensor's slabs, on a few threads
- *            (a large restore with streamed stores).
+ * copy_blocks copies whole blocks between a memory tier's slots (or a save's private copies) and a KV
+ *            tensor's slabs, on a few threads (a large run with streamed stores).
  * copy_paged  copies canonical blocks (slots, or a KV tensor's slabs) into or out of an engine's paged KV
  *            cache, whose page places K and V by strides (vLLM-CPU stores K head_dim-major), on a few
  *            threads: a restore lands in the engine's pages with one copy.
@@ -1166,9 +1166,10 @@ static void *copy_worker(void *arg) {
         uint8_t *block = (uint8_t *)(intptr_t)c->srcs[j];
         for (int64_t r = 0; r < c->nrows; r++) {
             uint8_t *slab = (uint8_t *)(intptr_t)c->rows[r] + c->pos[j] * c->chunk;
-            if (c->gather) memcpy(block + r * c->chunk, slab, (size_t)c->chunk);
-            else if (c->stream) put_streamed(slab, block + r * c->chunk, (size_t)c->chunk);
-            else memcpy(slab, block + r * c->chunk, (size_t)c->chunk);
+            uint8_t *dst = c->gather ? block + r * c->chunk : slab;
+            const uint8_t *src = c->gather ? slab : block + r * c->chunk;
+            if (c->stream) put_streamed(dst, src, (size_t)c->chunk);
+            else memcpy(dst, src, (size_t)c->chunk);
         }
     }
 }
@@ -1204,12 +1205,13 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    /* A run as large as half the last-level cache is streamed into the slabs (a restore of 480 MiB from
-     * the host tier: 12.2-12.8 -> 15.7-16.4 GB/s here, against torch copy_'s 14.5-15.3); a smaller one
-     * stays in the caches for the forward that reads it next. */
+    /* A run as large as half the last-level cache is streamed into place (a restore of 480 MiB from the
+     * host tier: 12.2-12.8 -> 15.7-16.4 GB/s here, against torch copy_'s 14.5-15.3; a save's copies are
+     * read next by the disk writer, after the rest of the run has gone through the caches); a smaller one
+     * stays in the caches for whoever reads it next. */
     int64_t pieces, run_nbytes;
-    int stream = !gather && (__builtin_mul_overflow(n, nrows, &pieces) || __builtin_mul_overflow(pieces, chunk, &run_nbytes) ||
-                             run_nbytes >= STREAM_MIN_NBYTES);
+    int stream = __builtin_mul_overflow(n, nrows, &pieces) || __builtin_mul_overflow(pieces, chunk, &run_nbytes) ||
+                 run_nbytes >= STREAM_MIN_NBYTES;
     copy_t c = {rows.buf, srcs.buf, pos.buf, nrows, chunk, n, gather, stream, 0};
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;

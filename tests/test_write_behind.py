@@ -394,3 +394,39 @@ def test_a_save_while_the_disk_writer_still_reads_earlier_copies_gets_fresh_ones
     finally:
         gate.set()
         wb.close()
+
+
+def test_a_save_s_private_copies_are_made_in_one_native_call_and_match_torch_s(ns, monkeypatch) -> None:
+    """Blocks of one KV tensor (in any order, strided views) are copied by one copy_blocks call; blocks
+    that are not views of one tensor, or not of the canonical shape, by torch, each. Same bytes either way."""
+    from tierkv import native
+    from tierkv.private_copies import PrivateCopies
+
+    if not native.enabled():
+        pytest.skip(native.reason() or "no native build")
+    B = ns.block_tokens
+    kv = make_kv(ns, 8 * B, seed=5)
+    wide = torch.zeros(kv.shape[0], 2, 10 * B, *kv.shape[3:], dtype=kv.dtype)
+    wide[:, :, B : 9 * B] = kv  # a view inside a larger tensor: its rows are strided
+    calls: list[int] = []
+    real = native.module()
+
+    class Counting:
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            if name == "copy_blocks":
+                return lambda *a: (calls.append(len(a[3])), real.copy_blocks(*a))[1]
+            return getattr(real, name)
+
+    monkeypatch.setattr(native, "module", lambda: Counting())
+    copies = PrivateCopies()
+    for src, order in ((kv, [3, 0, 7, 1, 2, 6, 5, 4]), (wide[:, :, B : 9 * B], list(range(8)))):
+        blocks = [src[:, :, i * B : (i + 1) * B] for i in order]
+        got = copies.copy_many(blocks)
+        for block, buf in zip(blocks, got):
+            assert torch.equal(buf, block.contiguous().view(-1).view(torch.uint8))
+    assert calls == [8, 8]
+    mixed = [kv[:, :, :B], make_kv(ns, B, seed=6)]  # two tensors: torch's copies
+    got = copies.copy_many(mixed)
+    assert calls == [8, 8] and all(
+        torch.equal(buf, b.contiguous().view(-1).view(torch.uint8)) for b, buf in zip(mixed, got)
+    )

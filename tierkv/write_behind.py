@@ -175,8 +175,15 @@ class WriteBehind:
                 [block(i) for i, _ in todo], pending, keep_reference=device.type == "cuda"
             )
             return sum(accepted)
+        if device.type != "cpu":
+            for (i, _), p in zip(todo, pending):
+                self._keep(block(i).cpu(), p)
+            return len(todo)
+        # The private copies of blocks only record tiers take (no memory tier to hold them), made at once.
+        private = [i for i, d in todo if d and not any(isinstance(t, BlockPool) for t in d)]
+        made = dict(zip(private, self.copies.copy_many([block(i) for i in private])))
         for (i, _), p in zip(todo, pending):
-            self._keep(block(i) if device.type == "cpu" else block(i).cpu(), p)
+            self._keep(block(i), p, copy=made.get(i))
         return len(todo)
 
     def _ring_for(self, spec: KVSpec, device: torch.device) -> StagingRing | None:
@@ -205,9 +212,13 @@ class WriteBehind:
         spec = KVSpec.of(p.chain.ns)
         self._keep(slot[: spec.block_nbytes].view(spec.dtype).view(spec.block_shape), p)
 
-    def _keep(self, block: torch.Tensor, p: _Pending, owned: bool = False) -> None:
+    def _keep(
+        self, block: torch.Tensor, p: _Pending, owned: bool = False, copy: torch.Tensor | None = None
+    ) -> None:
         """Copy a CPU block into the memory tiers among ``p.dests`` and queue it for the record tiers
-        (``owned``: ``block`` is a private copy nobody else writes, so the record tiers may read it as is)."""
+        (``owned``: ``block`` is a private copy nobody else writes, so the record tiers may read it as is;
+        ``copy``: its private copy, made already by ``self.copies``, given back if no writer takes it;
+        never after one did, not even on an error: then it is only garbage collected)."""
         key = p.chain.keys[p.i]
         live = functools.partial(self.gens.live, p.chain.ns.digest, key, p.gen)
         records = [t for t in p.dests if not isinstance(t, BlockPool)]
@@ -219,6 +230,8 @@ class WriteBehind:
         kept: BlockPool | None = None  # a CPU pool that took the block
         with self.gate:
             if not live():  # purged or invalidated since it was saved
+                if copy is not None:
+                    self.copies.give_back(copy)
                 return
             for pool in (t for t in p.dests if isinstance(t, BlockPool)):
                 hold = bool(records) and held is None and pool.can_hold()
@@ -229,6 +242,9 @@ class WriteBehind:
                     held = (pool, slot)
             if full:
                 self._defer(full, key, p, kept)
+        if not records or held is not None:
+            if copy is not None:
+                self.copies.give_back(copy)  # unused: no writer, or a held slot serves them
         if not records:
             return
         # Without a held slot the writers share one private copy: the caller may reuse ``block`` at once.
@@ -241,7 +257,7 @@ class WriteBehind:
         elif owned:
             payload, releases = block.view(-1).view(torch.uint8), [None] * len(records)
         else:  # recycled once every writer released it
-            payload = self.copies.copy(block)
+            payload = copy if copy is not None else self.copies.copy(block)
             releases = list(self.copies.releases(payload, len(records)))
         for tier, release in zip(records, releases):
             write = self._block_write(p, payload, release, live)
