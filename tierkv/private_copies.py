@@ -16,11 +16,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-from tierkv import native
-from tierkv.tiers.slot_copies import copy_threads
+from tierkv.tiers.slot_copies import gather_blocks
 
 __all__ = ["FREE_MAX_NBYTES", "PrivateCopies"]
 
@@ -44,7 +42,7 @@ class PrivateCopies:
         on a few threads (a torch copy per block spent as long dispatching as copying: 96 MiB saved in
         12.5 ms here, 7.7 GB/s)."""
         bufs = [self._take(b.numel() * b.element_size()) for b in blocks]
-        if not _copy_native(blocks, bufs):
+        if not gather_blocks(blocks, [buf.data_ptr() for buf in bufs]):
             for buf, block in zip(bufs, blocks):
                 buf.view(block.dtype).view(block.shape).copy_(block)
         return bufs
@@ -110,48 +108,3 @@ class PrivateCopies:
     @property
     def free_nbytes(self) -> int:
         return self._free_nbytes
-
-
-def _copy_native(blocks: Sequence[torch.Tensor], bufs: list[torch.Tensor]) -> bool:
-    """Blocks ``[layers, 2, block_tokens, heads, head_dim]`` that are views of one CPU tensor, each
-    (layer, k/v) piece contiguous, into ``bufs`` by ``copy_blocks``; False (nothing copied) otherwise.
-
-    Every address handed to the native copy is a block's own piece: ``rows`` are the lowest block's
-    pieces and each block's position is its distance from that one in pieces, so the bytes read are
-    exactly each view's elements."""
-    if len(blocks) < 2 or not native.enabled():
-        return False
-    b0 = min(blocks, key=lambda b: b.data_ptr())
-    if b0.device.type != "cpu" or b0.dim() != 5:
-        return False
-    layers, two, B, H, D = b0.shape
-    st, size = b0.stride(), b0.element_size()
-    if two != 2 or st[4] != 1 or st[3] != D or st[2] != H * D:
-        return False
-    chunk = B * H * D * size
-    storage, base = b0.untyped_storage().data_ptr(), b0.data_ptr()
-    positions = []
-    for b in blocks:
-        if (
-            b.shape != b0.shape
-            or b.stride() != st
-            or b.dtype != b0.dtype
-            or b.device != b0.device
-            or b.untyped_storage().data_ptr() != storage
-        ):
-            return False
-        at = b.data_ptr() - base
-        if at < 0 or at % chunk:
-            return False
-        positions.append(at // chunk)
-    rows = [base + (layer * st[0] + kv * st[1]) * size for layer in range(layers) for kv in (0, 1)]
-    native.module().copy_blocks(
-        np.array(rows, dtype=np.int64),
-        (max(positions) + 1) * chunk,
-        chunk,
-        np.array([buf.data_ptr() for buf in bufs], dtype=np.int64),
-        np.array(positions, dtype=np.int64),
-        copy_threads(),
-        True,
-    )
-    return True

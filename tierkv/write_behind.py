@@ -179,11 +179,34 @@ class WriteBehind:
             for (i, _), p in zip(todo, pending):
                 self._keep(block(i).cpu(), p)
             return len(todo)
-        # The private copies of blocks only record tiers take (no memory tier to hold them), made at once.
-        private = [i for i, d in todo if d and not any(isinstance(t, BlockPool) for t in d)]
+        # Copies made at once for the whole save, each in one native call where the blocks allow it: into
+        # the CPU memory tiers (their slots), and private ones for blocks only record tiers take.
+        put: dict[int, set[BlockPool]] = {}
+        for pool in {t for _, d in todo for t in d if isinstance(t, BlockPool) and t.device.type == "cpu"}:
+            want = [(i, p) for (i, d), p in zip(todo, pending) if pool in d]
+            keys = [chain.keys[i] for i, _ in want]
+            live = functools.partial(self.gens.live, chain.ns.digest, gen=gen)  # _keep's, per key
+            for (i, _), ok in zip(
+                want,
+                pool.put_blocks(
+                    keys, [block(i) for i, _ in want], created_s=now, tenant=chain.ns.tenant_id, live=live
+                ),
+            ):
+                if ok:
+                    put.setdefault(i, set()).add(pool)
+        # Private copies for blocks only record tiers take, and for those past the slots writers may hold
+        # (``MAX_HELD_FRACTION``): a guess, either way safe (a copy a held slot makes unneeded goes back).
+        room = min((pool.hold_room() for pool in {p for s in put.values() for p in s}), default=0)
+        private = []
+        for i, d in todo:
+            records = any(not isinstance(t, BlockPool) for t in d)
+            if records and i in put and room > 0:
+                room -= 1
+            elif records:
+                private.append(i)
         made = dict(zip(private, self.copies.copy_many([block(i) for i in private])))
         for (i, _), p in zip(todo, pending):
-            self._keep(block(i), p, copy=made.get(i))
+            self._keep(block(i), p, copy=made.get(i), put=put.get(i, set()))
         return len(todo)
 
     def _ring_for(self, spec: KVSpec, device: torch.device) -> StagingRing | None:
@@ -213,12 +236,18 @@ class WriteBehind:
         self._keep(slot[: spec.block_nbytes].view(spec.dtype).view(spec.block_shape), p)
 
     def _keep(
-        self, block: torch.Tensor, p: _Pending, owned: bool = False, copy: torch.Tensor | None = None
+        self,
+        block: torch.Tensor,
+        p: _Pending,
+        owned: bool = False,
+        copy: torch.Tensor | None = None,
+        put: set[BlockPool] | frozenset[BlockPool] = frozenset(),
     ) -> None:
         """Copy a CPU block into the memory tiers among ``p.dests`` and queue it for the record tiers
         (``owned``: ``block`` is a private copy nobody else writes, so the record tiers may read it as is;
         ``copy``: its private copy, made already by ``self.copies``, given back if no writer takes it;
-        never after one did, not even on an error: then it is only garbage collected)."""
+        never after one did, not even on an error: then it is only garbage collected; ``put``: the memory
+        tiers that took the block already, ``BlockPool.put_blocks``)."""
         key = p.chain.keys[p.i]
         live = functools.partial(self.gens.live, p.chain.ns.digest, key, p.gen)
         records = [t for t in p.dests if not isinstance(t, BlockPool)]
@@ -235,8 +264,13 @@ class WriteBehind:
                 return
             for pool in (t for t in p.dests if isinstance(t, BlockPool)):
                 hold = bool(records) and held is None and pool.can_hold()
-                slot = pool.put(key, block, hold=hold, created_s=p.created_s, tenant=p.chain.ns.tenant_id)
-                if slot is not None and pool.device.type == "cpu":
+                if pool in put:  # in its slot already: a reference for the writers, if they need it
+                    slot = pool.hold(key) if hold else None
+                    took = slot is not None or pool.contains([key])[0]
+                else:
+                    slot = pool.put(key, block, hold=hold, created_s=p.created_s, tenant=p.chain.ns.tenant_id)
+                    took = slot is not None
+                if took and pool.device.type == "cpu":
                     kept = kept or pool
                 if hold and slot is not None:
                     held = (pool, slot)

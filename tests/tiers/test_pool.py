@@ -175,13 +175,44 @@ def test_retain_and_release_count_references() -> None:
         host.release(slot)
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_put_blocks_holds_each_block_s_bytes_as_put_does(ns, path) -> None:
+    """A save's blocks into a pool at once: views of one tensor (in any order, gathered natively) and
+    blocks of several tensors (a torch copy each) land with put's bytes; a key held already stays as it
+    is, a purged one (``live`` False) is not published."""
+    from tierkv import native
+
+    B = ns.block_tokens
+    kv = make_kv(ns, 6 * B)
+    other = make_kv(ns, B, seed=9)
+    chain = BlockChain.of(ns, list(range(7 * B)))
+    blocks = [kv[:, :, i * B : (i + 1) * B] for i in (4, 0, 1, 2, 3, 5)]  # positions out of order
+    keys = [chain.keys[i] for i in (4, 0, 1, 2, 3, 5)]
+    with native.use(path == "native"):
+        pool = BlockPool(64 << 20, name="host")
+        assert pool.put(keys[1], blocks[1]) is not None
+        before = pool.hold(keys[1])
+        assert before is not None
+        first = before.clone()
+        pool.release(before)
+        dead = {keys[5]}
+        held = pool.put_blocks(keys, blocks, live=lambda k: k not in dead)
+        assert held == [True] * 5 + [False] and pool.contains(keys[5:]) == [False]
+        assert pool.put_blocks([chain.keys[6], keys[0]], [other, blocks[0]]) == [True, True]
+        for key, block in [*zip(keys[:5], blocks[:5]), (chain.keys[6], other)]:
+            with pool.read([key]) as (got,):
+                assert torch.equal(got.view(block.dtype).view(block.shape), block)
+        with pool.read([keys[1]]) as (got,):
+            assert torch.equal(got, first)
+
+
 def test_writers_may_hold_at_most_a_share_of_the_slots() -> None:
     host = HostTier(4 * 128, pin=False)
     assert host.can_hold()  # not allocated yet
     held = [host.put(_key(i), _block(i), hold=True) for i in range(2)]
-    assert not host.can_hold()  # MAX_HELD_FRACTION of 4 slots
+    assert not host.can_hold() and host.hold_room() == 0  # MAX_HELD_FRACTION of 4 slots
     host.release(held[0])
-    assert host.can_hold()
+    assert host.can_hold() and host.hold_room() == 1
     host.release(held[1])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -27,7 +28,15 @@ from tierkv.tenancy import Quota
 from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.pool_tenants import PoolTenants
 from tierkv.tiers.prefault import Populator, populate_in_background
-from tierkv.tiers.slot_copies import Slabs, copy_run, device_run, gather_run, index_tensor, slabs, upload_run
+from tierkv.tiers.slot_copies import (
+    copy_run,
+    device_run,
+    gather_blocks,
+    gather_run,
+    index_tensor,
+    slabs,
+    upload_run,
+)
 from tierkv.tiers.target import Target, rows_scatterable
 from tierkv.units import format_size
 
@@ -345,14 +354,74 @@ class BlockPool(Tier):
         L, _, T, H, D = buf.shape
         nbytes = L * 2 * B * H * D * buf.element_size()
         where = slabs(buf)
-        held = [False] * len(keys)
         todo = [j for j, p in enumerate(positions) if 0 <= p < T // B]
+
+        def copy(slots: list[int], pos: list[int]) -> None:
+            assert self._pool is not None
+            gather_run(where, nbytes, [self._pool[slot].data_ptr() for slot in slots], pos)
+
+        return self._put_parts(keys, todo, positions, copy, created_s, nbytes, wait, tenant, live)
+
+    def put_blocks(
+        self,
+        keys: Sequence[BlockKey],
+        blocks: Sequence[torch.Tensor],
+        *,
+        created_s: float | None = None,
+        tenant: bytes | None = None,
+        live: Callable[[BlockKey], bool] | None = None,
+    ) -> list[bool]:
+        """``put`` of each block (a save's, on the CPU): for each key, whether the tier holds it now. Views
+        of one tensor are gathered into their slots natively (``gather_blocks``), a sub-run of at most
+        ``PUT_RUN_NBYTES`` per hold of the lock, each key published once its slot is written; else, and
+        as the reference, one ``put`` each."""
+        nbytes = blocks[0].numel() * blocks[0].element_size() if blocks else 0
+        if not (self.device.type == "cpu" and native.enabled() and blocks and blocks[0].device.type == "cpu"):
+            return [
+                self.put(
+                    k,
+                    b,
+                    created_s=created_s,
+                    tenant=tenant,
+                    live=None if live is None else functools.partial(live, k),
+                )
+                is not None
+                for k, b in zip(keys, blocks)
+            ]
+
+        def copy(slots: list[int], idx: list[int]) -> None:
+            assert self._pool is not None
+            part = [blocks[i] for i in idx]
+            if not gather_blocks(part, [self._pool[slot].data_ptr() for slot in slots]):
+                for slot, block in zip(slots, part):
+                    self._pool[slot].view(block.dtype).view(block.shape).copy_(block)
+
+        created = [created_s] * len(keys)
+        return self._put_parts(
+            keys, range(len(keys)), range(len(keys)), copy, created, nbytes, True, tenant, live
+        )
+
+    def _put_parts(
+        self,
+        keys: Sequence[BlockKey],
+        todo: Sequence[int],
+        positions: Sequence[int],
+        copy: Callable[[list[int], list[int]], None],
+        created_s: Sequence[float | None],
+        nbytes: int,
+        wait: bool,
+        tenant: bytes | None,
+        live: Callable[[BlockKey], bool] | None,
+    ) -> list[bool]:
+        """Keys ``todo`` (indices) in sub-runs of at most ``PUT_RUN_NBYTES``; ``copy(slots, positions)``
+        writes their blocks into the slots taken for them."""
+        held = [False] * len(keys)
         step = max(1, PUT_RUN_NBYTES // nbytes)
         for at in range(0, len(todo), step):
-            part = todo[at : at + step]
+            part = list(todo[at : at + step])
             got = self._put_sub(
                 [keys[j] for j in part],
-                where,
+                copy,
                 [positions[j] for j in part],
                 [created_s[j] for j in part],
                 nbytes,
@@ -367,7 +436,7 @@ class BlockPool(Tier):
     def _put_sub(
         self,
         keys: Sequence[BlockKey],
-        where: Slabs,
+        copy: Callable[[list[int], list[int]], None],
         positions: Sequence[int],
         created_s: Sequence[float | None],
         nbytes: int,
@@ -391,17 +460,12 @@ class BlockPool(Tier):
                         continue
                     slot = self._refresh(key, now, created)  # held already: recent again, not rewritten
                     if slot is None and key not in new:  # taken slots are in neither LRU nor free list
-                        slot = self._take_slot(tenant)
+                        slot = self._take_slot(tenant, 1 + len(new))  # the run's unpublished count too
                         if slot is not None:
                             new[key] = (slot, pos, created)
                     held.append(slot is not None or key in new)
                 if new:
-                    gather_run(
-                        where,
-                        nbytes,
-                        [self._pool[slot].data_ptr() for slot, _, _ in new.values()],
-                        [pos for _, pos, _ in new.values()],
-                    )
+                    copy([slot for slot, _, _ in new.values()], [pos for _, pos, _ in new.values()])
             except BaseException:  # nothing published: the taken slots go back, the keys stay unknown
                 for key, (slot, _, _) in new.items():
                     self._forget(key)
@@ -470,17 +534,27 @@ class BlockPool(Tier):
 
     def can_hold(self) -> bool:
         """Whether a writer may hold one more slot (see ``MAX_HELD_FRACTION``)."""
-        with self._lock:
-            return self._pool is None or self._held < self.num_slots * MAX_HELD_FRACTION
+        return self.hold_room() > 0
 
-    def _take_slot(self, tenant: bytes | None) -> int | None:
-        """A free slot, else the slot of a block evicted for it (``tenant``: whose block it is for)."""
+    def hold_room(self) -> int:
+        """How many more slots writers may hold now (see ``MAX_HELD_FRACTION``)."""
+        with self._lock:
+            if self._pool is None:
+                return self.num_slots or 1 << 30
+            return max(0, math.ceil(self.num_slots * MAX_HELD_FRACTION - self._held))
+
+    def _take_slot(self, tenant: bytes | None, incoming: int = 1) -> int | None:
+        """A free slot, else the slot of a block evicted for it (``tenant``: whose block it is for;
+        ``incoming``: how many of its blocks want a slot now, this one and those taken unpublished)."""
         if self._free:
             return self._free.pop()
         # For a quota: a clean block, none in use (a block waiting for a slower tier is never lost to one)
         victim = (
             self._tenants.victim(
-                tenant, self.slot_nbytes, lambda k: self._refs[self._lru[k]] == 0 and k not in self._dirty
+                tenant,
+                self.slot_nbytes,
+                lambda k: self._refs[self._lru[k]] == 0 and k not in self._dirty,
+                incoming,
             )
             if self._tenants.quota_nbytes
             else None

@@ -46,15 +46,20 @@ class PoolTenants:
         )
 
     def victim(
-        self, tenant: bytes | None, slot_nbytes: int, evictable: Callable[[BlockKey], bool]
+        self,
+        tenant: bytes | None,
+        slot_nbytes: int,
+        evictable: Callable[[BlockKey], bool],
+        incoming: int = 1,
     ) -> BlockKey | None:
         """The least recently used ``evictable`` block of the tenant furthest above its quota (a tenant
-        without one is above it with any block; ``tenant``, whose block needs the slot, counts with it);
-        None if no tenant is above its quota, or none of theirs is evictable."""
+        without one is above it with any block; ``tenant``, whose blocks need the slots, counts with its
+        ``incoming`` ones: this one, and those of its run taken and not yet published); None if no tenant
+        is above its quota, or none of theirs is evictable."""
         if not self.quota_nbytes:
             return None
         excess = {
-            t: (len(keys) + (t == tenant)) * slot_nbytes - self.quota_nbytes.get(t, 0)
+            t: (len(keys) + (incoming if t == tenant else 0)) * slot_nbytes - self.quota_nbytes.get(t, 0)
             for t, keys in self._keys.items()
         }
         for t in sorted((t for t, x in excess.items() if x > 0), key=lambda t: -excess[t]):

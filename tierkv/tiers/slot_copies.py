@@ -24,6 +24,7 @@ __all__ = [
     "Slabs",
     "copy_run",
     "device_run",
+    "gather_blocks",
     "gather_run",
     "index_tensor",
     "slabs",
@@ -89,6 +90,52 @@ def gather_run(where: Slabs, block_nbytes: int, slot_addrs: Sequence[int], posit
         copy_threads(),
         True,
     )
+
+
+def gather_blocks(blocks: Sequence[torch.Tensor], dst_addrs: Sequence[int]) -> bool:
+    """Blocks ``[layers, 2, block_tokens, heads, head_dim]`` that are views of one CPU tensor, each
+    (layer, k/v) piece contiguous, into the contiguous buffers at ``dst_addrs`` (each a block's bytes, the
+    caller's to keep alive) by one ``copy_blocks`` call; False (nothing copied) otherwise.
+
+    Every address handed to the native copy is a block's own piece: ``rows`` are the lowest block's
+    pieces and each block's position is its distance from that one in pieces, so the bytes read are
+    exactly each view's elements."""
+    if len(blocks) < 2 or not native.enabled():
+        return False
+    b0 = min(blocks, key=lambda b: b.data_ptr())
+    if b0.device.type != "cpu" or b0.dim() != 5:
+        return False
+    layers, two, B, H, D = b0.shape
+    st, size = b0.stride(), b0.element_size()
+    if two != 2 or st[4] != 1 or st[3] != D or st[2] != H * D:
+        return False
+    chunk = B * H * D * size
+    storage, base = b0.untyped_storage().data_ptr(), b0.data_ptr()
+    positions = []
+    for b in blocks:
+        if (
+            b.shape != b0.shape
+            or b.stride() != st
+            or b.dtype != b0.dtype
+            or b.device != b0.device
+            or b.untyped_storage().data_ptr() != storage
+        ):
+            return False
+        at = b.data_ptr() - base
+        if at < 0 or at % chunk:
+            return False
+        positions.append(at // chunk)
+    rows = [base + (layer * st[0] + kv * st[1]) * size for layer in range(layers) for kv in (0, 1)]
+    native.module().copy_blocks(
+        np.array(rows, dtype=np.int64),
+        (max(positions) + 1) * chunk,
+        chunk,
+        np.array(dst_addrs, dtype=np.int64),
+        np.array(positions, dtype=np.int64),
+        copy_threads(),
+        True,
+    )
+    return True
 
 
 def upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
