@@ -182,7 +182,10 @@ class WriteBehind:
         # Copies made at once for the whole save, each in one native call where the blocks allow it: into
         # the CPU memory tiers (their slots), and private ones for blocks only record tiers take.
         put: dict[int, set[BlockPool]] = {}
-        for pool in {t for _, d in todo for t in d if isinstance(t, BlockPool) and t.device.type == "cpu"}:
+        pools = {t for _, d in todo for t in d if isinstance(t, BlockPool) and t.device.type == "cpu"}
+        if self._writing_back(todo, chain):
+            pools = set()  # a record tier is full: each block is put and marked dirty at once, in _keep
+        for pool in pools:
             want = [(i, p) for (i, d), p in zip(todo, pending) if pool in d]
             keys = [chain.keys[i] for i, _ in want]
             live = functools.partial(self.gens.live, chain.ns.digest, gen=gen)  # _keep's, per key
@@ -234,6 +237,19 @@ class WriteBehind:
         """The staging ring's consumer (its drain thread): the slot is reused after this returns."""
         spec = KVSpec.of(p.chain.ns)
         self._keep(slot[: spec.block_nbytes].view(spec.dtype).view(spec.block_shape), p)
+
+    def _writing_back(self, todo: list[tuple[int, tuple[Tier, ...]]], chain: BlockChain) -> bool:
+        """Whether a record tier of these blocks has blocks waiting for room, or no room for them all:
+        then each is put into the memory tiers and marked dirty under one hold of the gate, as it
+        comes, so that a block waiting for a slower tier is never evicted as a clean one."""
+        records = {t for _, d in todo for t in d if not isinstance(t, BlockPool) and t.writes_back}
+        if not records:
+            return False
+        nbytes = len(todo) * (
+            codec.HEADER_NBYTES + chain.block_token_nbytes + KVSpec.of(chain.ns).block_nbytes
+        )
+        with self._backlog_lock:
+            return any(self._backlog.get(t) or not t.has_room(nbytes) for t in records)
 
     def _keep(
         self,

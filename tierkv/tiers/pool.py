@@ -33,6 +33,7 @@ from tierkv.tiers.slot_copies import (
     device_run,
     gather_blocks,
     gather_run,
+    gatherable,
     index_tensor,
     slabs,
     upload_run,
@@ -376,7 +377,8 @@ class BlockPool(Tier):
         ``PUT_RUN_NBYTES`` per hold of the lock, each key published once its slot is written; else, and
         as the reference, one ``put`` each."""
         nbytes = blocks[0].numel() * blocks[0].element_size() if blocks else 0
-        if not (self.device.type == "cpu" and native.enabled() and blocks and blocks[0].device.type == "cpu"):
+        # Only what one native call copies is copied under the lock (put copies outside it).
+        if not (self.device.type == "cpu" and gatherable(blocks) is not None):
             return [
                 self.put(
                     k,
@@ -391,10 +393,8 @@ class BlockPool(Tier):
 
         def copy(slots: list[int], idx: list[int]) -> None:
             assert self._pool is not None
-            part = [blocks[i] for i in idx]
-            if not gather_blocks(part, [self._pool[slot].data_ptr() for slot in slots]):
-                for slot, block in zip(slots, part):
-                    self._pool[slot].view(block.dtype).view(block.shape).copy_(block)
+            if not gather_blocks([blocks[i] for i in idx], [self._pool[slot].data_ptr() for slot in slots]):
+                raise RuntimeError("put_blocks: blocks that gatherable accepted were refused")
 
         created = [created_s] * len(keys)
         return self._put_parts(

@@ -25,6 +25,7 @@ __all__ = [
     "copy_run",
     "device_run",
     "gather_blocks",
+    "gatherable",
     "gather_run",
     "index_tensor",
     "slabs",
@@ -93,22 +94,42 @@ def gather_run(where: Slabs, block_nbytes: int, slot_addrs: Sequence[int], posit
 
 
 def gather_blocks(blocks: Sequence[torch.Tensor], dst_addrs: Sequence[int]) -> bool:
+    """``blocks`` into the buffers at ``dst_addrs`` by one native call (see ``gatherable``); False,
+    nothing copied, where they do not allow it."""
+    where = gatherable(blocks)
+    if where is None:
+        return False
+    rows, positions, chunk = where
+    native.module().copy_blocks(
+        np.array(rows, dtype=np.int64),
+        (max(positions) + 1) * chunk,
+        chunk,
+        np.array(dst_addrs, dtype=np.int64),
+        np.array(positions, dtype=np.int64),
+        copy_threads(),
+        True,
+    )
+    return True
+
+
+def gatherable(blocks: Sequence[torch.Tensor]) -> tuple[list[int], list[int], int] | None:
     """Blocks ``[layers, 2, block_tokens, heads, head_dim]`` that are views of one CPU tensor, each
     (layer, k/v) piece contiguous, into the contiguous buffers at ``dst_addrs`` (each a block's bytes, the
-    caller's to keep alive) by one ``copy_blocks`` call; False (nothing copied) otherwise.
+    caller's to keep alive) by one ``copy_blocks`` call: the pieces' rows, each block's position in
+    them and the piece's bytes; None where they are not such views (or there is no native build).
 
     Every address handed to the native copy is a block's own piece: ``rows`` are the lowest block's
     pieces and each block's position is its distance from that one in pieces, so the bytes read are
     exactly each view's elements."""
-    if len(blocks) < 2 or not native.enabled():
-        return False
+    if not blocks or not native.enabled():
+        return None
     b0 = min(blocks, key=lambda b: b.data_ptr())
     if b0.device.type != "cpu" or b0.dim() != 5:
-        return False
+        return None
     layers, two, B, H, D = b0.shape
     st, size = b0.stride(), b0.element_size()
     if two != 2 or st[4] != 1 or st[3] != D or st[2] != H * D:
-        return False
+        return None
     chunk = B * H * D * size
     storage, base = b0.untyped_storage().data_ptr(), b0.data_ptr()
     positions = []
@@ -120,22 +141,13 @@ def gather_blocks(blocks: Sequence[torch.Tensor], dst_addrs: Sequence[int]) -> b
             or b.device != b0.device
             or b.untyped_storage().data_ptr() != storage
         ):
-            return False
+            return None
         at = b.data_ptr() - base
         if at < 0 or at % chunk:
-            return False
+            return None
         positions.append(at // chunk)
     rows = [base + (layer * st[0] + kv * st[1]) * size for layer in range(layers) for kv in (0, 1)]
-    native.module().copy_blocks(
-        np.array(rows, dtype=np.int64),
-        (max(positions) + 1) * chunk,
-        chunk,
-        np.array(dst_addrs, dtype=np.int64),
-        np.array(positions, dtype=np.int64),
-        copy_threads(),
-        True,
-    )
-    return True
+    return rows, positions, chunk
 
 
 def upload_run(dest: torch.Tensor, slots: Sequence[torch.Tensor], first: int, spec: KVSpec) -> None:
