@@ -210,6 +210,19 @@ def raw_writes(path: Path, nbytes: int, runs: int) -> dict[str, list[float]]:
     return out
 
 
+def raw_write(path: Path, nbytes: int) -> float:
+    """One O_DIRECT sequential write of ``nbytes`` in 1 MiB requests into a new file, then fsync: beside
+    each durable save (this disk's write speed drifts between minutes more than between neighbours)."""
+    src = mmap.mmap(-1, 1 << 20)
+    src.write(os.urandom(len(src)))
+    try:
+        path.unlink(missing_ok=True)
+        return _odirect_stream(path, nbytes, 1, src, 1 << 20)
+    finally:
+        src.close()
+        path.unlink(missing_ok=True)
+
+
 def raw_reads(path: Path, nbytes: int, runs: int, record_nbytes: int, out: dict[str, list[float]]) -> None:
     """The disk's read limits, without tierkv, appended to ``out``: O_DIRECT sequential reads of each of
     ``REQUEST_SIZES`` at each of ``QUEUE_DEPTHS``, the restore's pattern buffered and cold (and one

@@ -48,6 +48,7 @@ from tierkv.bench.disk_limits import (
     naive_lmdb,
     raw_reads,
     raw_rows,
+    raw_write,
     raw_writes,
 )
 from tierkv.bench.machine import Memcpy, drop_page_cache, summary
@@ -221,8 +222,11 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     again = f"{writers[0]}, a store that has saved before"
     kinds = (*writers, hosted, again)
     times: dict[str, list[float]] = {w: [] for w in kinds}
+    beside: list[float] = []  # a raw write of the same bytes next to each run of the first writer
     for r in range(runs):
         for w in kinds if r % 2 == 0 else kinds[::-1]:  # drift favours none
+            if w == writers[0] and r % 2 == 0:
+                beside.append(raw_write(base / "beside.bin", data_nbytes))
             shutil.rmtree(store_dir, ignore_errors=True)
             with (
                 native.use(not w.startswith("python")),
@@ -244,8 +248,13 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
                 lost = store.flush()
                 times[w].append(data_nbytes / (time.perf_counter() - t0))
                 assert lost == 0, f"{lost} blocks lost for the disk"
+            if w == writers[0] and r % 2 == 1:
+                beside.append(raw_write(base / "beside.bin", data_nbytes))
     for w in writers:
         rows[f"persistence (save+flush, durable) [{w}]"] = summary(times[w])
+    rows[f"raw O_DIRECT sequential write beside each durable save, 1 MiB, QD 1 [{writers[0]}]"] = summary(
+        beside
+    )
     rows[f"persistence (save+flush, durable), host tier populated [{writers[0]}]"] = summary(times[hosted])
     rows[f"persistence (save+flush, durable), a store that has saved before [{writers[0]}]"] = summary(
         times[again]
@@ -371,6 +380,10 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         "disk_write_limit_Bps": write_limit,
         "lookup_32k_s": summary(lat),
         "ratios": _ratios(rows, paths, od, write_limit, bws, own, (first[firsts[0]], first_own))
+        | {
+            f"persistence / a raw write of the same bytes beside it (median of each run's ratio) "
+            f"[{writers[0]}]": _paired(times[writers[0]], beside)
+        }
         # Memory's rows, each run beside the memcpy measured next to it.
         | {
             f"restore warm / memcpy (median of each run's ratio) [{path}]": _paired(
