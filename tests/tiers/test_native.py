@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from tierkv import Namespace, TieredStore, codec, native
 from tierkv.keys import BlockChain
-from tierkv.layout import KVSpec
 
 from helpers import make_kv
 
@@ -209,38 +208,6 @@ def test_the_native_reader_promotes_what_it_read_into_the_host_tier(tmp_path, ns
         assert hit.by_tier["disk"] == 8 * B
         hit, got = store.restore(ns, toks)
         assert hit.by_tier["host"] == 8 * B and torch.equal(got, kv)
-
-
-def test_a_run_read_in_parts_promotes_each_part_and_stops_at_a_bad_record(tmp_path, ns, monkeypatch) -> None:
-    """With a host tier the reader reads a run in parts and promotes each while it reads the next: every
-    block of a good run is restored exact and promoted; a damaged record in the second part ends the
-    restore there (the parts up to it promoted, but for the damaged block; nothing past them read)."""
-    from tierkv.tiers.disk import reader
-
-    B = ns.block_tokens
-    spec = KVSpec.of(ns)
-    monkeypatch.setattr(reader, "PROMOTE_PART_NBYTES", 3 * spec.block_nbytes)  # parts of 3 blocks
-    toks = list(range(10 * B))
-    kv = make_kv(ns, 10 * B)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(ns, toks, kv)
-        store.flush()
-        chain = BlockChain.of(ns, toks)
-        seg_id, offset, nbytes = store.tier("disk").locate(chain.keys)[4].location
-        seg = store.tier("disk").segments.file(seg_id)
-    with native.use(True), TieredStore.open(tmp_path, host_bytes=64 << 20) as store:
-        hit, got = store.restore(ns, toks)
-        assert hit.by_tier["disk"] == 10 * B and torch.equal(got, kv)
-        assert store.tier("host").contains(list(chain.keys)) == [True] * 10
-        store.tier("host").clear()
-    with open(seg, "r+b") as f:  # block 4's payload: its 2nd part's second block
-        f.seek(offset + nbytes - 100)
-        f.write(b"\xff" * 8)
-    with native.use(True), TieredStore.open(tmp_path, host_bytes=64 << 20) as store:
-        hit, got = store.restore(ns, toks)
-        assert hit.num_tokens == 4 * B and torch.equal(got, kv[:, :, : 4 * B])
-        # the damaged block's part was read: its good blocks (exact for their keys) are promoted too
-        assert store.tier("host").contains(list(chain.keys)) == [True] * 4 + [False, True] + [False] * 4
 
 
 def test_a_compressed_record_of_the_raw_length_goes_to_python_and_is_checked_there(tmp_path, ns) -> None:

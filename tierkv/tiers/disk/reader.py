@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -34,21 +32,6 @@ ReadWhole = Callable[[Sequence[Entry]], contextlib.AbstractContextManager[list[m
 # The native reader (native_read.read_run without its first arguments): records (i, entry, position) into a
 # tensor; each record's status and the records' headers.
 ReadNative = Callable[[Sequence[tuple[int, Entry, int]], torch.Tensor], tuple[list[int], memoryview]]
-
-
-PROMOTE_PART_NBYTES = 16 << 20  # a run read while its previous part is promoted into the memory tiers
-_promoter: concurrent.futures.ThreadPoolExecutor | None = None
-_promoter_lock = threading.Lock()
-
-
-def _promotions() -> concurrent.futures.ThreadPoolExecutor:
-    """One thread, made on first use, promotes what the reader has verified (its copies run without the
-    GIL; its Python is a few calls a part)."""
-    global _promoter
-    with _promoter_lock:
-        if _promoter is None:
-            _promoter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-promote")
-        return _promoter
 
 
 def read_records(
@@ -122,36 +105,20 @@ def read_records(
 
     ok: list[bool] = []
     if scatter and read_native is not None:
-        # With a promotion (verified_run: into the memory tiers), the run is read in parts and each
-        # part promoted on another thread while the next is read: a copy in memory beside the disk's
-        # wait, not after it. A part with a bad record ends the run: nothing past it is read.
-        step = max(1, PROMOTE_PART_NBYTES // spec.block_nbytes) if verified_run is not None else len(scatter)
-        promoting: concurrent.futures.Future[None] | None = None
-        try:
-            for lo in range(0, len(scatter), step):
-                part = scatter[lo : lo + step]
-                passed: list[int] = []
-                status, got = read_native([(i, e, i - base) for i, e in part], target)
-                prefixes[lo * prefix_nbytes : (lo + len(part)) * prefix_nbytes] = got
-                for j, st in enumerate(status, start=lo):
-                    if st == ST_PYTHON:  # compressed yet of the raw length: Python decodes it, header in
-                        ok.append(verify(j, views(j)))
-                    else:
-                        ok.append(st == ST_OK)
-                        if ok[-1]:
-                            passed.append(scatter[j][0])
-                if passed and verified_run is not None:
-                    if promoting is not None:
-                        promoting.result()
-                    promoting = _promotions().submit(verified_run, target, passed, base)
-                elif verified is not None:
-                    for i in passed:
-                        verified(i, block(i))
-                if not all(ok):
-                    break
-        finally:  # the caller may reuse target once this returns
-            if promoting is not None:
-                promoting.result()
+        passed: list[int] = []
+        status, prefixes = read_native([(i, e, i - base) for i, e in scatter], target)
+        for j, st in enumerate(status):
+            if st == ST_PYTHON:  # compressed yet of the raw length: Python decodes it, the header already in
+                ok.append(verify(j, views(j)))
+            else:
+                ok.append(st == ST_OK)
+                if ok[-1]:
+                    passed.append(scatter[j][0])
+        if passed and verified_run is not None:
+            verified_run(target, passed, base)
+        elif verified is not None:
+            for i in passed:
+                verified(i, block(i))
     elif scatter:
         pieces = [views(j) for j in range(len(scatter))]
         ok = read_into([(e, pieces[j]) for j, (_, e) in enumerate(scatter)], lambda j: verify(j, pieces[j]))
