@@ -165,10 +165,11 @@ def _first_restore(
         capture_output=True,
         text=True,
         timeout=600,
+        # "native": the store's own default (O_DIRECT where uncached with a host tier, buffered without)
         env={
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "TIERKV_DIRECT_READS"},
             "TIERKV_NATIVE": "0" if path == "python" else "1",
-            "TIERKV_DIRECT_READS": "1" if path == "native O_DIRECT" else "0",
+            **({"TIERKV_DIRECT_READS": "1"} if path == "native O_DIRECT" else {}),
         },
     )
     if r.returncode != 0:
