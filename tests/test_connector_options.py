@@ -30,7 +30,7 @@ def test_the_connector_reads_cold_records_with_o_direct_unless_told_not_to(tmp_p
 
 @pytest.mark.parametrize("value", [False, "0", "no"])
 def test_a_plain_store_still_reads_buffered_by_default(tmp_path, monkeypatch, value) -> None:
-    """A store opened directly without a host tier keeps buffered reads (the connector's reads O_DIRECT)."""
+    """Only the connector changes its default: a store opened directly keeps buffered reads."""
     monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
     with TieredStore.open(tmp_path / "plain", host_bytes=0) as store:
         assert store._durable().segments.direct_reads is False
@@ -83,25 +83,3 @@ def test_load_async_takes_a_flag_and_refuses_anything_else() -> None:
     assert ConnectorOptions.from_extra({"load_async": "0"}).load_async is False
     with pytest.raises(ConfigError, match="load_async must be true or false"):
         ConnectorOptions.from_extra({"load_async": "maybe"})
-
-
-def test_a_plain_store_reads_o_direct_where_uncached_with_a_host_tier_and_buffered_without(
-    tmp_path, monkeypatch
-) -> None:
-    """Without a host tier the page cache is the only memory that serves a prefix again: buffered. With
-    one, what a restore reads is kept there: O_DIRECT where uncached. The variable or the option decides
-    over either default."""
-    from tierkv import TieredStore
-
-    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
-    cases = [({"host_bytes": 1 << 20}, True), ({"host_bytes": 0}, False)]
-    cases += [
-        ({"host_bytes": 1 << 20, "direct_reads": False}, False),
-        ({"host_bytes": 0, "direct_reads": True}, True),
-    ]
-    for i, (kwargs, direct) in enumerate(cases):
-        with TieredStore.open(tmp_path / str(i), **kwargs) as store:
-            assert store._durable().segments.direct_reads is direct, kwargs
-    monkeypatch.setenv("TIERKV_DIRECT_READS", "0")
-    with TieredStore.open(tmp_path / "env", host_bytes=1 << 20) as store:
-        assert store._durable().segments.direct_reads is False

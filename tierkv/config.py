@@ -142,13 +142,6 @@ class StoreConfig:
             tiers.append(HostTier(self.host_bytes, counters=counters, **ages))
         if self.disk is not None:
             d = self.disk
-            options = dict(d.options)
-            if "direct_reads" not in options and "TIERKV_DIRECT_READS" not in os.environ:
-                # With a host tier, what a restore reads is kept there: the page cache need not hold it
-                # too, and reading what it lacks with O_DIRECT ran faster here (a fresh process's first
-                # restore of 480 MiB: 1.38 against 1.22 GB/s, medians of 5 alternated). Without one the
-                # page cache is the only memory that serves a prefix again: buffered reads keep it.
-                options["direct_reads"] = bool(self.host_bytes)
             tiers.append(
                 DiskTier(
                     d.path,
@@ -157,7 +150,7 @@ class StoreConfig:
                     sync=d.sync,
                     counters=counters,
                     sweep_interval_s=d.sweep_interval_s,
-                    **options,
+                    **d.options,
                 )
             )
         if self.remote is not None:

@@ -348,6 +348,19 @@ def test_copy_blocks_of_a_run_larger_than_the_caches_match_the_reference(chunk: 
             want[r][pos * chunk : (pos + 1) * chunk] = slot[r * chunk : (r + 1) * chunk]
     for got, ref in zip(slabs, want):
         assert np.array_equal(got, ref)
+    # And back (a save's copies, gathered from the slabs into the blocks), streamed as well.
+    back = [np.zeros(nrows * chunk, dtype=np.uint8) for _ in range(nblocks)]
+    nat.copy_blocks(
+        np.array([s.ctypes.data for s in slabs], dtype=np.int64),
+        (nblocks + 4) * chunk,
+        chunk,
+        np.array([b.ctypes.data for b in back], dtype=np.int64),
+        positions.astype(np.int64),
+        2,
+        True,
+    )
+    for got, slot in zip(back, slots):
+        assert np.array_equal(got, slot)
 
 
 def test_the_native_writer_writes_the_python_writer_s_bytes(tmp_path, ns) -> None:

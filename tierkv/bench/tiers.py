@@ -382,7 +382,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         "lookup_32k_s": summary(lat),
         "ratios": _ratios(rows, paths, od, write_limit, bws, own, (first[firsts[0]], first_own))
         | {
-            f"persistence / a raw write of the same bytes beside it (median of each run's ratio) "
+            f"persistence / a raw write of the same bytes beside it, 1 MiB, QD 1 (median of each run's ratio) "
             f"[{writers[0]}]": _paired(times[writers[0]], beside)
         }
         # Memory's rows, each run beside the memcpy measured next to it.

@@ -83,8 +83,7 @@ class DiskTier(Tier):
         direct_writes: bool | None = None,
     ) -> None:
         """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT instead of
-        buffered with readahead (None: ``TIERKV_DIRECT_READS=1`` in the environment; ``TieredStore.open``
-        turns it on for a store with a host tier unless that variable is set). Which is faster is the
+        buffered with readahead (None: ``TIERKV_DIRECT_READS=1`` in the environment). Which is faster is the
         disk's: ``tierkv bench`` measures both. ``direct_writes``: the native writer writes records past the
         page cache, with O_DIRECT, where the file system allows it (None: unless ``TIERKV_DIRECT_WRITES=0``):
         the host tier already holds what was just saved, and the page cache's upkeep of written pages can
