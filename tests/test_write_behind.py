@@ -347,6 +347,13 @@ def test_private_copies_are_reused_only_once_every_writer_released_them(ns) -> N
     assert one.free_nbytes == 0
 
 
+def _prompts(ns, count: int, seed: int) -> tuple[list[BlockChain], list[torch.Tensor]]:
+    """``count`` distinct prompts of N blocks and their KV."""
+    B = ns.block_tokens
+    chains = [BlockChain.of(ns, [p * 10**6 + t for t in range(N * B)]) for p in range(count)]
+    return chains, [make_kv(ns, N * B, seed=seed + p) for p in range(count)]
+
+
 def test_a_copy_two_record_tiers_share_is_reused_only_after_the_slower_one_wrote_it(
     ns, disk, counters
 ) -> None:
@@ -355,9 +362,7 @@ def test_a_copy_two_record_tiers_share_is_reused_only_after_the_slower_one_wrote
     sink = _Sink()
     wb = _wb([sink, disk], counters, None)
     gate = _stall(disk, ns)
-    B = ns.block_tokens
-    chains = [BlockChain.of(ns, [p * 10**6 + t for t in range(N * B)]) for p in range(2)]
-    kvs = [make_kv(ns, N * B, seed=20 + p) for p in range(2)]
+    chains, kvs = _prompts(ns, 2, seed=20)
     try:
         assert wb.save(chains[0], 0, _blocks(ns, kvs[0])) == N
         assert wb.copies.free_nbytes == 0  # the sink has released, the disk writer not yet
@@ -377,9 +382,7 @@ def test_a_save_while_the_disk_writer_still_reads_earlier_copies_gets_fresh_ones
     key), and copies released after the write serve the next saves: every record reads back exact."""
     wb = _wb([disk], counters, None)
     gate = _stall(disk, ns)
-    B = ns.block_tokens
-    chains = [BlockChain.of(ns, [p * 10**6 + t for t in range(N * B)]) for p in range(3)]
-    kvs = [make_kv(ns, N * B, seed=10 + p) for p in range(3)]
+    chains, kvs = _prompts(ns, 3, seed=10)
     try:
         assert wb.save(chains[0], 0, _blocks(ns, kvs[0])) == N
         assert wb.save(chains[1], 0, _blocks(ns, kvs[1])) == N  # the writer holds the first's copies
