@@ -17,7 +17,7 @@ for ((i = 0; i < ${#args[@]}; i++)); do
 done
 cat <<MSG
 tierkv: starting on http://127.0.0.1:${port}  (Ctrl-C or SIGTERM stops it cleanly)
-Try, in another shell (send it twice with a long system prompt: the second reports cached_tokens):
+Try, in another shell (send it twice: the second reports cached_tokens, its whole 16-token blocks):
   curl -s http://127.0.0.1:${port}/v1/chat/completions -H 'Content-Type: application/json' -d '{
     "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' | python3 -m json.tool
 Metrics: http://127.0.0.1:${port}/metrics   Store: .venv/bin/tierkv stats

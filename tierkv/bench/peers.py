@@ -275,7 +275,7 @@ def markdown(res: dict[str, Any]) -> str:
     if not any(name.startswith("diskcache") for name in rows):
         lines += [
             "",
-            "diskcache was not installed for this run: its row is missing (pip install 'tierkv[bench]').",
+            "diskcache was not installed for this run: its row is missing (pip install 'tierkv[bench]'; in a clone, pip install -e '.[bench]').",
         ]
     lead = rows.get("tierkv (native)")
     if lead:

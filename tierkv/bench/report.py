@@ -147,7 +147,10 @@ def _plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
     except ImportError:  # plots are optional: said once, in the output
         if not _NO_PLOTS_SAID:
             _NO_PLOTS_SAID.append(True)
-            print("no plots: matplotlib is not installed (pip install 'tierkv[bench]')", file=sys.stderr)
+            print(
+                "no plots: matplotlib is not installed (pip install 'tierkv[bench]'; in a clone, pip install -e '.[bench]')",
+                file=sys.stderr,
+            )
         return []
     files: list[Path] = []
     if results.get("ttft") and not is_failure(results["ttft"]):

@@ -145,7 +145,7 @@ def markdown(res: dict[str, Any]) -> str:
                 "TTFT (ms)",
                 "x cold",
                 "server restore (ms)",
-                "server prefill (ms)",
+                "server prefill, restore included (ms)",
             ],
             "lrrrrrrr",
             (
