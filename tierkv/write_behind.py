@@ -183,9 +183,8 @@ class WriteBehind:
         # the CPU memory tiers (their slots), and private ones for blocks only record tiers take.
         put: dict[int, set[BlockPool]] = {}
         pools = {t for _, d in todo for t in d if isinstance(t, BlockPool) and t.device.type == "cpu"}
-        if self._writing_back(todo, chain):
-            pools = set()  # a record tier is full: each block is put and marked dirty at once, in _keep
-        for pool in pools:
+        # A record tier full: each block is put and marked dirty at once, in _keep (no batch put).
+        for pool in () if self._writing_back(todo, chain) else pools:
             want = [(i, p) for (i, d), p in zip(todo, pending) if pool in d]
             keys = [chain.keys[i] for i, _ in want]
             live = functools.partial(self.gens.live, chain.ns.digest, gen=gen)  # _keep's, per key
@@ -198,14 +197,16 @@ class WriteBehind:
                 if ok:
                     put.setdefault(i, set()).add(pool)
         # Private copies for blocks only record tiers take, and for those past the slots writers may hold
-        # (``MAX_HELD_FRACTION``): a guess, either way safe (a copy a held slot makes unneeded goes back).
-        room = min((pool.hold_room() for pool in {p for s in put.values() for p in s}), default=0)
+        # in a CPU pool (``MAX_HELD_FRACTION``): a guess, either way safe (a copy a held slot makes
+        # unneeded goes back).
+        room = min((pool.hold_room() for pool in pools), default=0)
         private = []
         for i, d in todo:
-            records = any(not isinstance(t, BlockPool) for t in d)
-            if records and i in put and room > 0:
+            if not any(not isinstance(t, BlockPool) for t in d):
+                continue
+            if room > 0 and any(t in pools for t in d):
                 room -= 1
-            elif records:
+            else:
                 private.append(i)
         made = dict(zip(private, self.copies.copy_many([block(i) for i in private])))
         for (i, _), p in zip(todo, pending):
