@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from tierkv import TieredStore, native
+from tierkv.bench.kv_workload import NS
 from tierkv.bench.machine import drop_page_cache
-from tierkv.bench.tiers import NS
 from tierkv.tiers.target import as_tensor
 
 __all__ = ["markdown", "run"]

@@ -60,7 +60,7 @@ def child(store_dir: str, seconds: float, with_store: bool) -> dict[str, Any]:
 
         writer_mod.background_priority = idle
     from tierkv import TieredStore
-    from tierkv.bench.tiers import NS as ns  # the embedded default model's KV layout
+    from tierkv.bench.kv_workload import NS as ns  # the embedded default model's KV layout
 
     kv = torch.randn(6, 2, 16 * 64, 4, 64)  # 12 MiB per prompt
     w = torch.randn(160, 160)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tierkv import Namespace, TieredStore, native
+from tierkv import TieredStore, native
 from tierkv.bench.disk_limits import (
     READ_THREADS,
     REQUEST_SIZES,
@@ -51,20 +51,9 @@ from tierkv.bench.disk_limits import (
     raw_write,
     raw_writes,
 )
+from tierkv.bench.first_restore import in_fresh_process
+from tierkv.bench.kv_workload import NS, PROMPT_TOKENS, workload
 from tierkv.bench.machine import Memcpy, drop_page_cache, summary
-
-# The embedded default model's KV layout: 6 layers, 4 KV heads, head dim 64, fp32: 12 KiB per token.
-NS = Namespace(
-    model_id="bench",
-    revision="0",
-    dtype="float32",
-    num_layers=6,
-    num_kv_heads=4,
-    head_dim=64,
-    block_tokens=64,
-)
-PROMPT_TOKENS = 8192
-
 
 PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and writers, side by side
 
@@ -125,73 +114,6 @@ def _restores(
         if raw is not None and r % 2 == 1:
             raw.append(buffered_cold(own, READ_THREADS))
     return bws, method
-
-
-def _prompts(num_prompts: int, prompt_tokens: int) -> list[list[int]]:
-    return [[p * 10**6 + t for t in range(prompt_tokens)] for p in range(num_prompts)]
-
-
-def first_restore(store_dir: str, num_prompts: int, prompt_tokens: int, host_bytes: int) -> float:
-    """In a fresh process (``_first_restore``): open the store and reserve its host tier (as a server does
-    at start-up), drop the page cache, restore every prompt once at once; bytes per second. What a
-    server's first cached requests after a restart see."""
-    prompts = _prompts(num_prompts, prompt_tokens)
-    out = torch.empty(NS.num_layers, 2, prompt_tokens, NS.num_kv_heads, NS.head_dim)
-    out.fill_(0)  # the caller's buffer is the caller's: its pages are not what is measured
-    with TieredStore.open(store_dir, host_bytes=host_bytes) as store:
-        store.reserve(NS)  # as a server does at start-up: the host tier's pages are populated behind
-        # The index too: a fresh process has not mapped it yet, as after drop_caches.
-        drop_page_cache([*Path(store_dir, "segments").glob("*.seg"), *Path(store_dir, "index").glob("*.mdb")])
-        t0 = time.perf_counter()
-        for toks in prompts:
-            n, _ = store.load(NS, toks, out=out)
-            assert n == len(toks), (n, len(toks))
-        return num_prompts * out.numel() * out.element_size() / (time.perf_counter() - t0)
-
-
-def _first_restore(
-    store_dir: Path, num_prompts: int, prompt_tokens: int, host_bytes: int, path: str = "native"
-) -> float:
-    import os
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; from tierkv.bench.tiers import first_restore; "
-        "print(first_restore(sys.argv[1], *map(int, sys.argv[2:])))"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(store_dir), str(num_prompts), str(prompt_tokens), str(host_bytes)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        # "native": the store's own default (O_DIRECT where uncached with a host tier, buffered without)
-        env={
-            **{k: v for k, v in os.environ.items() if k != "TIERKV_DIRECT_READS"},
-            "TIERKV_NATIVE": "0" if path == "python" else "1",
-            **({"TIERKV_DIRECT_READS": "1"} if path == "native O_DIRECT" else {}),
-        },
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"first restore failed: {r.stderr[-2000:]}")
-    return float(r.stdout.strip().splitlines()[-1])
-
-
-def workload(total_nbytes: int) -> tuple[list[list[int]], torch.Tensor]:
-    """About ``total_nbytes`` of KV in NS's layout: distinct prompts (8K tokens each, 1K in quick runs) and
-    the one KV tensor every prompt saves."""
-    prompt_tokens = PROMPT_TOKENS if total_nbytes >= 96 << 20 else 1024
-    token_nbytes = NS.num_layers * 2 * NS.num_kv_heads * NS.head_dim * 4
-    num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
-    kv = torch.randn(
-        NS.num_layers,
-        2,
-        prompt_tokens,
-        NS.num_kv_heads,
-        NS.head_dim,
-        generator=torch.Generator().manual_seed(0),
-    )
-    return _prompts(num_prompts, prompt_tokens), kv
 
 
 def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str, Any]:
@@ -309,7 +231,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             first_own.append(buffered_cold(segs, READ_THREADS))
         for path, host_bytes in firsts if r % 2 == 0 else firsts[::-1]:
             first[path, host_bytes].append(
-                _first_restore(store_dir, num_prompts, prompt_tokens, host_bytes, path)
+                in_fresh_process(store_dir, num_prompts, prompt_tokens, host_bytes, path)
             )
         if r % 2 == 1:
             first_own.append(buffered_cold(segs, READ_THREADS))

@@ -27,9 +27,9 @@ from tierkv import TieredStore
 from tierkv.archive.export import archive_chunks, select
 from tierkv.archive.load import import_archive
 from tierkv.archive.streams import archive_file
+from tierkv.bench.kv_workload import NS, workload
 from tierkv.bench.machine import drop_page_cache, summary
 from tierkv.bench.table import md_table
-from tierkv.bench.tiers import NS, workload
 from tierkv.tiers.disk import DiskTier
 
 __all__ = ["markdown", "run"]

@@ -1,0 +1,62 @@
+"""A fresh process's first restores: what a server's first cached requests after a restart see, run in a
+process of their own (``tierkv bench --only tiers``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tierkv import TieredStore
+from tierkv.bench.kv_workload import NS, prompts_of
+from tierkv.bench.machine import drop_page_cache
+
+__all__ = ["first_restore", "in_fresh_process"]
+
+
+def first_restore(store_dir: str, num_prompts: int, prompt_tokens: int, host_bytes: int) -> float:
+    """In a fresh process (``in_fresh_process``): open the store and reserve its host tier (as a server does
+    at start-up), drop the page cache, restore every prompt once at once; bytes per second. What a
+    server's first cached requests after a restart see."""
+    prompts = prompts_of(num_prompts, prompt_tokens)
+    out = torch.empty(NS.num_layers, 2, prompt_tokens, NS.num_kv_heads, NS.head_dim)
+    out.fill_(0)  # the caller's buffer is the caller's: its pages are not what is measured
+    with TieredStore.open(store_dir, host_bytes=host_bytes) as store:
+        store.reserve(NS)  # as a server does at start-up: the host tier's pages are populated behind
+        # The index too: a fresh process has not mapped it yet, as after drop_caches.
+        drop_page_cache([*Path(store_dir, "segments").glob("*.seg"), *Path(store_dir, "index").glob("*.mdb")])
+        t0 = time.perf_counter()
+        for toks in prompts:
+            n, _ = store.load(NS, toks, out=out)
+            assert n == len(toks), (n, len(toks))
+        return num_prompts * out.numel() * out.element_size() / (time.perf_counter() - t0)
+
+
+def in_fresh_process(
+    store_dir: Path, num_prompts: int, prompt_tokens: int, host_bytes: int, path: str = "native"
+) -> float:
+    """``first_restore`` in a fresh process on the data path ``path`` (native, python or native O_DIRECT);
+    bytes per second."""
+    code = (
+        "import sys; from tierkv.bench.first_restore import first_restore; "
+        "print(first_restore(sys.argv[1], *map(int, sys.argv[2:])))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(store_dir), str(num_prompts), str(prompt_tokens), str(host_bytes)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        # "native": the store's own default read path
+        env={
+            **{k: v for k, v in os.environ.items() if k != "TIERKV_DIRECT_READS"},
+            "TIERKV_NATIVE": "0" if path == "python" else "1",
+            **({"TIERKV_DIRECT_READS": "1"} if path == "native O_DIRECT" else {}),
+        },
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"first restore failed: {r.stderr[-2000:]}")
+    return float(r.stdout.strip().splitlines()[-1])

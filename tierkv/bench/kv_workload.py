@@ -1,0 +1,43 @@
+"""The KV the tier benchmarks move: the embedded default model's layout, distinct prompts, one KV tensor
+(the tiers, peers, transfer and stall parts share it)."""
+
+from __future__ import annotations
+
+import torch
+
+from tierkv import Namespace
+
+__all__ = ["NS", "PROMPT_TOKENS", "prompts_of", "workload"]
+
+# The embedded default model's KV layout: 6 layers, 4 KV heads, head dim 64, fp32: 12 KiB per token.
+NS = Namespace(
+    model_id="bench",
+    revision="0",
+    dtype="float32",
+    num_layers=6,
+    num_kv_heads=4,
+    head_dim=64,
+    block_tokens=64,
+)
+PROMPT_TOKENS = 8192
+
+
+def prompts_of(num_prompts: int, prompt_tokens: int) -> list[list[int]]:
+    return [[p * 10**6 + t for t in range(prompt_tokens)] for p in range(num_prompts)]
+
+
+def workload(total_nbytes: int) -> tuple[list[list[int]], torch.Tensor]:
+    """About ``total_nbytes`` of KV in NS's layout: distinct prompts (8K tokens each, 1K in quick runs) and
+    the one KV tensor every prompt saves."""
+    prompt_tokens = PROMPT_TOKENS if total_nbytes >= 96 << 20 else 1024
+    token_nbytes = NS.num_layers * 2 * NS.num_kv_heads * NS.head_dim * 4
+    num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
+    kv = torch.randn(
+        NS.num_layers,
+        2,
+        prompt_tokens,
+        NS.num_kv_heads,
+        NS.head_dim,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return prompts_of(num_prompts, prompt_tokens), kv
