@@ -42,7 +42,7 @@
 #include <immintrin.h> /* SSE2 only: the x86-64 baseline */
 #endif
 
-#define ABI 8 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 9 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run: hashed, written and sent to the disk in chunks this size */
@@ -55,6 +55,15 @@
 #define FIELDS_NBYTES 168         /* codec.py's _FIELDS.size */
 #define HEADER_NBYTES 176         /* fields + their xxh3-64 */
 #define MAX_PAYLOAD_NBYTES (1ull << 34)
+#define PAYLOAD_ALIGN 64          /* record version 2: the payload starts at a multiple of this (codec.py) */
+
+/* Zeros between a record's token ids and its payload: none in version 1; in version 2, up to the next
+ * multiple of PAYLOAD_ALIGN from the record's start (a page-cache read is copied into a 64-aligned slab
+ * a third faster when its source is 64-aligned too). */
+static inline int64_t inner_pad(int version, int64_t token_nbytes) {
+    int64_t end = HEADER_NBYTES + token_nbytes;
+    return version >= 2 ? (end + PAYLOAD_ALIGN - 1) / PAYLOAD_ALIGN * PAYLOAD_ALIGN - end : 0;
+}
 
 /* Per-record outcome, as read_run returns it. */
 enum { ST_OK = 0, ST_BAD = 1, ST_MEDIA = 2, ST_PYTHON = 3, ST_TRANSIENT = 4 };
@@ -222,6 +231,7 @@ typedef struct {
     int64_t nrows, chunk, row_nbytes;
     uint8_t *prefix;      /* n x prefix_nbytes: each record's header and token ids land here */
     int64_t prefix_nbytes, token_nbytes;
+    int64_t record_nbytes; /* a version-1 record's length; a version-2 one's is inner_pad(2, ...) longer */
     const uint8_t *ns_digest, *keys, *tokens;
     int dtype, ndim;
     uint32_t shape[MAX_NDIM];
@@ -244,14 +254,19 @@ static int is_media(int err) {
     return err == EIO || err == ENODATA || err == EBADMSG || err == EUCLEAN || err == EREMOTEIO;
 }
 
-/* The iovecs of records [first, first+count) as they lie in the file: each record's prefix, its slab
- * pieces, then (between records) its page padding into a scratch page. */
+/* The iovecs of records [first, first+count) as they lie in the file: each record's prefix, (version 2)
+ * the zeros before its payload into a scratch page, its slab pieces, then (between records) its page
+ * padding into the scratch page. */
 static int build_iov(run_t *r, int64_t first, int64_t count, struct iovec *iov, uint8_t *pad) {
     int k = 0;
     for (int64_t j = first; j < first + count; j++) {
         const req_t *q = &r->reqs[j];
         iov[k].iov_base = r->prefix + j * r->prefix_nbytes;
         iov[k++].iov_len = (size_t)r->prefix_nbytes;
+        if (q->nbytes > r->record_nbytes) { /* version 2's zeros before the payload (checked at the call) */
+            iov[k].iov_base = pad;
+            iov[k++].iov_len = (size_t)(q->nbytes - r->record_nbytes);
+        }
         for (int64_t row = 0; row < r->nrows; row++) {
             iov[k].iov_base = (void *)(uintptr_t)(r->rows[row] + (uint64_t)(q->pos * r->chunk));
             iov[k++].iov_len = (size_t)r->chunk;
@@ -436,7 +451,8 @@ static int read_group(run_t *r, int64_t first, int64_t count, void **bounce, uin
 static int verify(run_t *r, int64_t j, void *state) {
     const req_t *q = &r->reqs[j];
     const uint8_t *h = r->prefix + j * r->prefix_nbytes;
-    if (memcmp(h, "TKVB", 4) != 0 || rd16(h + 4) != 1) return ST_BAD;
+    int version = rd16(h + 4);
+    if (memcmp(h, "TKVB", 4) != 0 || (version != 1 && version != 2)) return ST_BAD;
     uint32_t token_count = rd32(h + 36);
     if (token_count * 4ull != (uint64_t)r->token_nbytes) return ST_BAD;
     if (xxh3_reset(state) != 0) return ST_BAD;
@@ -453,8 +469,11 @@ static int verify(run_t *r, int64_t j, void *state) {
     if (memcmp(h + HEADER_NBYTES, r->tokens + r->token_nbytes * j, (size_t)r->token_nbytes) != 0) return ST_BAD;
     uint64_t raw_nbytes = rd64(h + 144), stored = rd64(h + 152), check = rd64(h + 160);
     if (stored > MAX_PAYLOAD_NBYTES || raw_nbytes > MAX_PAYLOAD_NBYTES) return ST_BAD;
-    if ((uint64_t)r->prefix_nbytes + stored != (uint64_t)q->nbytes) return ST_BAD;
-    if (codec != 0) return ST_PYTHON; /* compressed yet of the raw length: Python decodes it */
+    /* compressed yet of a raw record's length: Python decodes it (from the bytes after its token ids:
+     * its payload may start elsewhere than the length's layout put it) */
+    if (codec != 0) return ST_PYTHON;
+    /* raw: the layout it was read with (from its length) must be its version's */
+    if ((uint64_t)(r->prefix_nbytes + inner_pad(version, r->token_nbytes)) + stored != (uint64_t)q->nbytes) return ST_BAD;
     if (raw_nbytes != (uint64_t)(r->nrows * r->chunk)) return ST_BAD;
     if (xxh3_reset(state) != 0) return ST_BAD;
     for (int64_t row = 0; row < r->nrows; row++)
@@ -545,7 +564,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         __builtin_mul_overflow(n, token_nbytes, &tokens_len) || tokens.len != tokens_len ||
         __builtin_mul_overflow(n, prefix_nbytes, &prefix_len) || prefix.len < prefix_len ||
         __builtin_mul_overflow(nrows, chunk, &payload_nbytes) ||
-        __builtin_add_overflow(payload_nbytes, prefix_nbytes, &record_nbytes) || (int64_t)(nrows + 2) > IOV_CAP) {
+        __builtin_add_overflow(payload_nbytes, prefix_nbytes, &record_nbytes) || (int64_t)(nrows + 3) > IOV_CAP) {
         PyErr_SetString(PyExc_ValueError, "read_run: inconsistent sizes");
         goto done;
     }
@@ -569,7 +588,8 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         int64_t end_nbytes, file_end;
         if (rq[j].fd < 0 || rq[j].rfd < 0 || rq[j].offset < 0 || rq[j].offset % ALIGN || rq[j].pos < 0 ||
             __builtin_mul_overflow(rq[j].pos + 1, chunk, &end_nbytes) || end_nbytes > row_nbytes ||
-            rq[j].nbytes != record_nbytes || __builtin_add_overflow(rq[j].offset, aligned(rq[j].nbytes), &file_end)) {
+            (rq[j].nbytes != record_nbytes && rq[j].nbytes != record_nbytes + inner_pad(2, token_nbytes)) ||
+            __builtin_add_overflow(rq[j].offset, aligned(rq[j].nbytes), &file_end)) {
             PyErr_Format(PyExc_ValueError, "read_run: record %lld out of bounds", (long long)j);
             goto done;
         }
@@ -583,6 +603,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     r.prefix = prefix.buf;
     r.prefix_nbytes = prefix_nbytes;
     r.token_nbytes = token_nbytes;
+    r.record_nbytes = record_nbytes;
     r.ns_digest = ns.buf;
     r.keys = keys.buf;
     r.tokens = tokens.buf;
@@ -598,7 +619,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     }
     memset(r.status, ST_BAD, (size_t)n + 1); /* a record no thread settled is never served */
     /* Adjacent records of one file make one request, up to GROUP_NBYTES and the iovec limit. */
-    int64_t per_rec_iov = nrows + 2;
+    int64_t per_rec_iov = nrows + 3;
     for (int64_t j = 0; j < n; j++) {
         if (r.ngroups) {
             int64_t g = r.ngroups - 1, last = r.gfirst[g] + r.gcount[g] - 1;
@@ -748,7 +769,7 @@ static PyObject *can_leave_idle(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(ok);
 }
 
-typedef struct { Py_buffer head, tokens, payload; } wrec_t;
+typedef struct { Py_buffer head, tokens, payload; int64_t pad; } wrec_t; /* pad: inner_pad of its version */
 
 /* write_run's chunk images (O_DIRECT): page-aligned buffers of WRITE_CHUNK_NBYTES, kept between calls
  * and faulted in when allocated, at the caller's own priority: a page fault taken at idle priority holds
@@ -829,10 +850,11 @@ static void seal_image(seal_t *s, int c, uint8_t *img, void *state) {
     for (Py_ssize_t j = s->first[c]; j < s->first[c + 1]; j++) {
         wrec_t *r = &s->recs[j];
         uint8_t *h = img + pos;
-        int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->payload.len;
+        int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->pad + r->payload.len;
         memcpy(h, r->head.buf, HEADER_NBYTES);
         memcpy(h + HEADER_NBYTES, r->tokens.buf, (size_t)r->tokens.len);
-        uint8_t *dst = h + HEADER_NBYTES + r->tokens.len;
+        memset(h + HEADER_NBYTES + r->tokens.len, 0, (size_t)r->pad);
+        uint8_t *dst = h + HEADER_NBYTES + r->tokens.len + r->pad;
         const uint8_t *src = r->payload.buf;
         xxh3_reset(state);
         for (int64_t at = 0; at < r->payload.len; at += COPY_PIECE_NBYTES) {
@@ -865,15 +887,16 @@ static int pwrite_all(int fd, const uint8_t *buf, int64_t nbytes, int64_t off) {
 /* Writes chunk c's records in place, buffered (header from ``heads``, token ids and payload where they
  * are, zero padding); 0 or an errno. */
 static int write_gathered(seal_t *s, int c, const void *zeros) {
-    struct iovec iov[IOV_CAP]; /* a chunk has at most IOV_CAP / 4 records */
+    struct iovec iov[IOV_CAP]; /* a chunk has at most IOV_CAP / 5 records */
     int k = 0;
     int fault = injected(s->fd, s->at[c], s->nbytes[c], 1);
     if (fault) return fault;
     for (Py_ssize_t j = s->first[c]; j < s->first[c + 1]; j++) {
         wrec_t *r = &s->recs[j];
-        int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->payload.len;
+        int64_t nbytes = HEADER_NBYTES + r->tokens.len + r->pad + r->payload.len;
         iov[k++] = (struct iovec){s->heads + j * HEADER_NBYTES, HEADER_NBYTES};
         if (r->tokens.len) iov[k++] = (struct iovec){r->tokens.buf, (size_t)r->tokens.len};
+        if (r->pad) iov[k++] = (struct iovec){(void *)zeros, (size_t)r->pad};
         if (r->payload.len) iov[k++] = (struct iovec){r->payload.buf, (size_t)r->payload.len};
         if (aligned(nbytes) > nbytes) iov[k++] = (struct iovec){(void *)zeros, (size_t)(aligned(nbytes) - nbytes)};
     }
@@ -1006,6 +1029,12 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "write_run: a head is 176 bytes");
             goto done;
         }
+        int version = rd16((const uint8_t *)recs[j].head.buf + 4);
+        if (version != 1 && version != 2) {
+            PyErr_Format(PyExc_ValueError, "write_run: record version %d (this build writes 1 and 2)", version);
+            goto done;
+        }
+        recs[j].pad = inner_pad(version, recs[j].tokens.len);
     }
     int err = 0;
     int64_t total = 0; /* the run's bytes, padding included */
@@ -1034,9 +1063,9 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         int64_t chunk = 0;
         int k = 0;
         sl.first[sl.nchunks] = j;
-        for (; j < n; j++, k += 4) {
-            int64_t rec = aligned(HEADER_NBYTES + recs[j].tokens.len + recs[j].payload.len);
-            if (k > 0 && (chunk + rec > WRITE_CHUNK_NBYTES || k + 4 > IOV_CAP)) break;
+        for (; j < n; j++, k += 5) {
+            int64_t rec = aligned(HEADER_NBYTES + recs[j].tokens.len + recs[j].pad + recs[j].payload.len);
+            if (k > 0 && (chunk + rec > WRITE_CHUNK_NBYTES || k + 5 > IOV_CAP)) break;
             chunk += rec;
         }
         sl.at[sl.nchunks] = offset + total;

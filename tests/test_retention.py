@@ -225,7 +225,7 @@ def test_a_store_of_format_version_1_serves_and_takes_retention_once_upgraded(tm
         assert _version_of(store) == b"1"
     r = CliRunner().invoke(main, ["gc", "--upgrade", "--ttl", "3650d", "--cache-dir", str(path)])
     assert r.exit_code == 0, r.output
-    assert "upgraded to format 2" in r.output and "6 blocks' parents" in r.output
+    assert "upgraded to format 3" in r.output and "6 blocks' parents" in r.output
     assert _format_version(path) == str(STORE_FORMAT_VERSION).encode()
     with TieredStore.open(path, host_bytes=0, ttl_s=3600, clock=lambda: now[0]) as store:
         store.check_retention()
@@ -270,7 +270,7 @@ def test_a_retention_shorter_than_the_store_ttl_is_no_ask(tmp_path, ns) -> None:
         store.flush()
         assert {e.retain_s for e in _entries(store).values()} == {0.0}  # kept an hour anyway
         # Entries without a retention or a pin are the 64-byte format-1 entries
-        assert _version_of(store) == str(STORE_FORMAT_VERSION).encode()  # (a new store: format 2)
+        assert _version_of(store) == str(STORE_FORMAT_VERSION).encode()  # (a new store: format 3)
         disk = store.tier("disk")
         with disk.index.read() as txn:
             assert {len(v) for _, v in txn.cursor(db=disk.index.db["index"])} == {ENTRY_V1.size}

@@ -6,7 +6,13 @@ Layout (little-endian)::
              parent key, own key, created_s, raw and stored payload lengths, payload xxh3-64,
              then an xxh3-64 over the header fields and the token ids
     tokens   token_count x uint32
+    (pad)    version 2 only: zeros up to the next multiple of 64 bytes from the record's start
     payload  the KV in the canonical layout, raw or zstd (optionally byte-shuffled first)
+
+Version 2 puts the payload at a multiple of 64 bytes from the record's start (records start on a page):
+the kernel copies a page-cache read into place a third faster when source and destination agree modulo
+64 (a KV slab is 64-aligned; after a 176-byte header and 64 token ids, version 1's payload sits at 48).
+Both versions are read; which one is written is the disk tier's choice (its store's format version).
 
 ``decode`` checks every field against what the caller asked for; any mismatch or damage raises
 ``RecordError`` (and nothing else), so a bad record is a miss, never wrong KV.
@@ -32,6 +38,8 @@ __all__ = [
     "DTYPE_ITEMSIZE",
     "Expected",
     "FORMAT_VERSION",
+    "PAYLOAD_ALIGN",
+    "RECORD_VERSIONS",
     "HEADER_NBYTES",
     "Header",
     "MAGIC",
@@ -49,13 +57,16 @@ __all__ = [
     "encode_unsealed",
     "parent_key_of",
     "parse_header",
+    "payload_at",
     "seal",
     "unseal",
     "Unsealed",
 ]
 
 MAGIC = b"TKVB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest record version (``encode_unsealed``'s default stays 1: readable by all)
+RECORD_VERSIONS = (1, 2)
+PAYLOAD_ALIGN = 64  # version 2: the payload's offset in the record is a multiple of this
 MAX_NDIM = 6
 _FIELDS = struct.Struct(f"<4sHBBB3x{MAX_NDIM}II32s32s32sdQQQ")
 _CHECK = struct.Struct("<Q")
@@ -116,15 +127,27 @@ def _unshuffle(data: bytes, itemsize: int) -> bytes:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Unsealed:
     """A record whose two checksums are still to be computed (``seal``, or the native writer, which
-    hashes the payload on its own thread without the GIL): ``head`` is the header with zeros in both."""
+    hashes the payload on its own thread without the GIL): ``head`` is the header with zeros in both.
+    Its version (in ``head``) says whether zeros pad the token ids to the payload (``pad_nbytes``)."""
 
     head: bytes
     token_bytes: bytes
     payload: bytes | memoryview
 
     @property
+    def pad_nbytes(self) -> int:
+        version = struct.unpack_from("<H", self.head, 4)[0]
+        return payload_at(version, len(self.token_bytes)) - HEADER_NBYTES - len(self.token_bytes)
+
+    @property
     def nbytes(self) -> int:
-        return len(self.head) + len(self.token_bytes) + memoryview(self.payload).nbytes
+        return len(self.head) + len(self.token_bytes) + self.pad_nbytes + memoryview(self.payload).nbytes
+
+
+def payload_at(version: int, token_nbytes: int) -> int:
+    """Where a record's payload starts, from the record's start."""
+    end = HEADER_NBYTES + token_nbytes
+    return -(-end // PAYLOAD_ALIGN) * PAYLOAD_ALIGN if version >= 2 else end
 
 
 def encode_unsealed(
@@ -139,11 +162,15 @@ def encode_unsealed(
     created_s: float,
     codec: Codec = Codec.RAW,
     zstd_level: int = 1,
+    version: int = 1,
 ) -> Unsealed:
     """One record, all but its checksums. ``payload`` is the raw canonical-layout KV (a contiguous
-    buffer); with the raw codec it is kept as is, so it must stay unchanged until written."""
+    buffer); with the raw codec it is kept as is, so it must stay unchanged until written. ``version``:
+    1 is read by every build, 2 only by builds since the store format 3 (``RECORD_VERSIONS``)."""
     if len(shape) > MAX_NDIM:
         raise ValueError(f"at most {MAX_NDIM} dims, got {shape}")
+    if version not in RECORD_VERSIONS:
+        raise ValueError(f"record version {version}: this build writes {RECORD_VERSIONS}")
     raw_nbytes = memoryview(payload).nbytes
     if codec == Codec.RAW:
         stored: bytes | memoryview = payload
@@ -152,7 +179,7 @@ def encode_unsealed(
         stored = zstandard.ZstdCompressor(level=zstd_level).compress(src)
     fields = _FIELDS.pack(
         MAGIC,
-        FORMAT_VERSION,
+        version,
         int(codec),
         DTYPE_CODES[dtype],
         len(shape),
@@ -175,18 +202,26 @@ def seal(rec: Unsealed) -> list[bytes | memoryview]:
     fields = bytearray(rec.head[: _FIELDS.size])
     struct.pack_into("<Q", fields, _FIELDS.size - 8, xxhash.xxh3_64_intdigest(rec.payload))
     check = xxhash.xxh3_64(bytes(fields))
-    check.update(rec.token_bytes)
-    return [bytes(fields) + _CHECK.pack(check.intdigest()) + rec.token_bytes, rec.payload]
+    check.update(rec.token_bytes)  # the pad is not hashed: it is zeros, and no reader uses it
+    prefix = bytes(fields) + _CHECK.pack(check.intdigest()) + rec.token_bytes + bytes(rec.pad_nbytes)
+    return [prefix, rec.payload]
 
 
-def unseal(buf: bytes | memoryview, header: Header) -> Unsealed:
+def unseal(buf: bytes | memoryview, header: Header, version: int | None = None) -> Unsealed:
     """A whole record (already parsed into ``header``) back into what ``seal`` takes: its checksums
-    zeroed, its token ids and payload as views into ``buf``. Sealing it again gives the same bytes, so an
-    imported record can take the native writer's path (which seals as it writes) like a fresh save."""
+    zeroed, its token ids and payload as views into ``buf``. Sealing it again gives the same bytes (or,
+    with another ``version``, the same record in that version's layout), so an imported record can take
+    the native writer's path (which seals as it writes) like a fresh save."""
     view = memoryview(buf).cast("B")
     tokens_end = HEADER_NBYTES + 4 * header.token_count
-    head = bytes(view[: _FIELDS.size - 8]) + bytes(8) + _CHECK.pack(0)
-    return Unsealed(head, bytes(view[HEADER_NBYTES:tokens_end]), view[tokens_end:])
+    version = header.version if version is None else version
+    if version not in RECORD_VERSIONS:
+        raise ValueError(f"record version {version}: this build writes {RECORD_VERSIONS}")
+    fields = bytearray(view[: _FIELDS.size - 8])
+    struct.pack_into("<H", fields, 4, version)
+    head = bytes(fields) + bytes(8) + _CHECK.pack(0)
+    payload = view[payload_at(header.version, 4 * header.token_count) :]
+    return Unsealed(head, bytes(view[HEADER_NBYTES:tokens_end]), payload)
 
 
 def encode_parts(**kwargs: Any) -> list[bytes | memoryview]:
@@ -218,8 +253,10 @@ def parse_header(prefix: bytes | memoryview, record_nbytes: int) -> tuple[Header
     ]
     if magic != MAGIC:
         raise RecordError("not a tierkv block record (bad magic)")
-    if version != FORMAT_VERSION:
-        raise RecordError(f"record format version {version}, this build reads {FORMAT_VERSION}")
+    if version not in RECORD_VERSIONS:
+        raise RecordError(
+            f"record format version {version}, this build reads {', '.join(map(str, RECORD_VERSIONS))}"
+        )
     tokens_end = HEADER_NBYTES + 4 * token_count
     if tokens_end > view.nbytes or tokens_end > record_nbytes:
         raise RecordError("record truncated inside its token ids")
@@ -232,8 +269,9 @@ def parse_header(prefix: bytes | memoryview, record_nbytes: int) -> tuple[Header
         raise RecordError("record header has an unknown codec, dtype or rank")
     if stored_nbytes > MAX_PAYLOAD_NBYTES or raw_nbytes > MAX_PAYLOAD_NBYTES:
         raise RecordError("record payload length out of range")
-    if tokens_end + stored_nbytes != record_nbytes:
-        raise RecordError(f"record length {record_nbytes} != header's {tokens_end + stored_nbytes}")
+    start = payload_at(version, 4 * token_count)
+    if start + stored_nbytes != record_nbytes:
+        raise RecordError(f"record length {record_nbytes} != header's {start + stored_nbytes}")
     header = Header(
         version,
         Codec(codec),

@@ -70,7 +70,7 @@ def run_gc(
 
 
 def upgrade(disk: DiskTier) -> int:
-    """Mark a format-1 store 2 (``Index.upgrade``), filling which stored blocks extend which from the
+    """Mark a store of format 1 or 2 format 3 (``upgrade.upgrade``), filling which stored blocks extend which from the
     records' own parent keys (read from each record's first page). Returns how many were filled."""
     from tierkv.archive.export import read_parents
     from tierkv.tiers.disk.upgrade import upgrade as upgrade_index

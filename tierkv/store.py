@@ -224,13 +224,16 @@ class TieredStore(TenantQuotas):
         count = len(chain) if num_blocks is None else min(num_blocks, len(chain))
         if pin_s <= 0 or count == 0:
             return
-        spec = KVSpec.of(ns)
-        record_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes + spec.block_nbytes
-        self._durable().check_pin(chain, count, record_nbytes)
+        disk = self._durable()
+        record_nbytes = (
+            codec.payload_at(disk.record_version, chain.block_token_nbytes) + KVSpec.of(ns).block_nbytes
+        )
+        disk.check_pin(chain, count, record_nbytes)
 
     def check_retention(self) -> None:
-        """ConfigError unless the disk tier can keep blocks by retention and pins (a format-2 store:
-        ``tierkv gc --upgrade`` marks a format-1 one); without a disk tier, nothing is kept by them."""
+        """ConfigError unless the disk tier can keep blocks by retention and pins (a store of format 2 or
+        later: ``tierkv gc --upgrade`` upgrades a format-1 one); without a disk tier, nothing is kept by
+        them."""
         disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
         if disk is not None:
             disk.check_retention()

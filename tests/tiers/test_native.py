@@ -119,7 +119,7 @@ def _damage(path, store_ns: Namespace, toks, block: int, at: str) -> None:
         "magic": 0,
         "header": 40,  # inside the namespace digest: the header checksum fails
         "tokens": codec.HEADER_NBYTES + 5,
-        "payload-first": codec.HEADER_NBYTES + token_nbytes,
+        "payload-first": codec.payload_at(2, token_nbytes),  # a new store's records are version 2
         "payload-last": nbytes - 1,
     }
     with open(seg, "r+b") as f:
@@ -142,6 +142,7 @@ def _damage(path, store_ns: Namespace, toks, block: int, at: str) -> None:
             shape=tuple(kv.shape),
             payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
             created_s=0.0,
+            version=2,
         )
         assert len(rec) == nbytes
         f.seek(offset)
@@ -408,6 +409,22 @@ def _segment_fds(path, direct: bool):
             os.close(dfd)
 
 
+def _head(version: int, rng=None) -> bytes:
+    """A header's bytes to seal (random, or zeros), of record ``version`` (the writer lays a record out by
+    it): its two checksums zero."""
+    fields = bytearray(rng.randbytes(codec.HEADER_NBYTES - 16) if rng else bytes(codec.HEADER_NBYTES - 16))
+    fields[4:6] = version.to_bytes(2, "little")
+    return bytes(fields) + bytes(16)
+
+
+def test_write_run_refuses_a_record_version_it_does_not_write(tmp_path) -> None:
+    with _segment_fds(tmp_path / "run.seg", False) as (fd, _):
+        for version in (0, 3):
+            with pytest.raises(ValueError, match="record version"):
+                native.module().write_run(fd, 0, [(_head(version), b"\1" * 64, b"\2" * 100)], 0, 0)
+    assert (tmp_path / "run.seg").stat().st_size == 0
+
+
 @pytest.mark.parametrize(
     ("sync", "direct", "idle"), [(0, False, 0), (1, False, 0), (1, True, 0), (0, True, 1)]
 )
@@ -426,14 +443,10 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
         pytest.skip("this process may not leave SCHED_IDLE")
     rng = random.Random(7)
     sizes = [rng.choice([4096, 40_000, 1 << 20, 3 << 20]) for _ in range(24)] + [100] * 300 + [9 << 20, 5]
-    recs = [
-        codec.Unsealed(
-            bytes(rng.randrange(256) for _ in range(codec.HEADER_NBYTES - 16)) + bytes(16),
-            os.urandom(64),
-            os.urandom(n),
-        )
-        for n in sizes
+    recs = [  # both record versions, mixed (version 2: zeros between token ids and payload)
+        codec.Unsealed(_head(rng.randrange(1, 3), rng), os.urandom(64), os.urandom(n)) for n in sizes
     ]
+    assert {r.pad_nbytes for r in recs} == {0, 16}
     want = _sealed_run(recs)
     path = tmp_path / "run.seg"
     nat = native.module()
@@ -464,7 +477,7 @@ def test_a_failed_run_gives_its_space_back_and_a_retry_writes_it_whole(tmp_path,
     import errno as errno_
 
     rng = np.random.default_rng(3)
-    recs = [codec.Unsealed(bytes(codec.HEADER_NBYTES), os.urandom(64), rng.bytes(1 << 20)) for _ in range(24)]
+    recs = [codec.Unsealed(_head(2), os.urandom(64), rng.bytes(1 << 20)) for _ in range(24)]
     want = _sealed_run(recs)
     path = tmp_path / "run.seg"
     nat = native.module()
@@ -537,8 +550,7 @@ def test_write_run_at_idle_priority_comes_back_to_where_it_was(tmp_path) -> None
         pytest.skip("this process may not leave SCHED_IDLE: the native writer does not go idle here")
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        head = bytes(codec.HEADER_NBYTES)
-        native.module().write_run(fd, 0, [(head, b"\1" * 64, b"\2" * 1000)], 1, 1)
+        native.module().write_run(fd, 0, [(_head(1), b"\1" * 64, b"\2" * 1000)], 1, 1)
     finally:
         os.close(fd)
     assert os.sched_getscheduler(0) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, 0) == 0

@@ -343,9 +343,10 @@ def _queue(
     counted the drop); None if its queue had no room for ``timeout_s``."""
     writer = disk.writer
     assert writer is not None
-    # Unsealed: the writer seals it again (the same bytes: it verified) on its native path, O_DIRECT where
-    # the file system allows, instead of a buffered write of the sealed bytes.
-    record = unseal(memoryview(body), header)
+    # Unsealed: the writer seals it again (the same record: it verified, laid out in the record version
+    # this store takes) on its native path, O_DIRECT where the file system allows, instead of a buffered
+    # write of the sealed bytes.
+    record = unseal(memoryview(body), header, disk.record_version)
     item = Put(
         header.ns_digest,
         key,

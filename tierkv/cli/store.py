@@ -142,8 +142,9 @@ def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
 @click.option(
     "--upgrade",
     is_flag=True,
-    help="Mark a format-1 store (from an older tierkv) format 2, which retention and pins need; stop "
-    "older builds on it first: they cannot read it afterwards.",
+    help="Mark a store of an older tierkv (format 1 or 2) format 3: retention and pins (which format 1 "
+    "lacks) and records laid out for faster restores; stop older builds on it first: they cannot read it "
+    "afterwards.",
 )
 @click.option("--dry-run", is_flag=True, help="Count what would go; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
@@ -163,12 +164,15 @@ def gc(
     """Sweep expired blocks, hold the byte budget, purge, verify, compact."""
     from tierkv.maintenance import run_gc
     from tierkv.maintenance import upgrade as upgrade_store
+    from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION
 
     with open_disk(cache_dir) as disk:
-        if upgrade and not dry_run and not disk.retention_enabled():
+        if upgrade and not dry_run and disk.format_version() < STORE_FORMAT_VERSION:
             filled = upgrade_store(disk)
             click.echo(
-                f"upgraded to format 2: retention and pins on; {filled} blocks' parents indexed", err=True
+                f"upgraded to format {STORE_FORMAT_VERSION}: retention and pins on, new records in the "
+                f"aligned layout; {filled} blocks' parents indexed",
+                err=True,
             )
         show = sys.stderr.isatty() and not as_json
         try:

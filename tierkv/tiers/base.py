@@ -56,11 +56,12 @@ class BlockWrite:
         """The record's size before compression (the writer queues' bound)."""
         return codec.HEADER_NBYTES + len(self.token_bytes) + self.payload.numel()
 
-    def encode(self) -> list[bytes | memoryview]:
-        return codec.seal(self.unsealed())
+    def encode(self, version: int = 1) -> list[bytes | memoryview]:
+        return codec.seal(self.unsealed(version))
 
-    def unsealed(self) -> Unsealed:
-        """The record without its checksums: the disk tier's native writer computes them off the GIL."""
+    def unsealed(self, version: int = 1) -> Unsealed:
+        """The record without its checksums (the disk tier's native writer computes them off the GIL), in
+        record ``version`` (``codec.RECORD_VERSIONS``: the disk tier's store says which)."""
         return codec.encode_unsealed(
             ns_digest=self.ns.digest,
             parent_key=self.parent,
@@ -71,6 +72,7 @@ class BlockWrite:
             payload=self.payload.numpy().data,
             created_s=self.created_s,
             codec=self.codec,
+            version=version,
         )
 
     def done(self) -> None:

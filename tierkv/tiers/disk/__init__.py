@@ -31,7 +31,15 @@ from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.disk.access_times import Touch
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.pins import check_pin
-from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION, Entry, Hole, Policy, SweepReport
+from tierkv.tiers.disk.schema import (
+    ALIGNED_RECORDS_FORMAT_VERSION,
+    RETENTION_FORMAT_VERSION,
+    STORE_FORMAT_VERSION,
+    Entry,
+    Hole,
+    Policy,
+    SweepReport,
+)
 from tierkv.tiers.disk.segments import SegmentDir
 from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
 from tierkv.tiers.disk.tenant_rows import TenantUsage
@@ -95,6 +103,11 @@ class DiskTier(Tier):
         self.index = Index(
             self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy, counters=self.counters
         )
+        with self.index.read() as txn:
+            store_format = self.index.format_version(txn)
+        # Records in the newer layout (payload 64-byte aligned) only where no older build shares the store:
+        # those refuse a store of format 3. Read at open: an upgrade is made with older builds stopped.
+        self.record_version = 2 if store_format >= ALIGNED_RECORDS_FORMAT_VERSION else 1
         if direct_reads is None:
             direct_reads = env_flag("TIERKV_DIRECT_READS", False)
         if direct_writes is None:
@@ -277,7 +290,7 @@ class DiskTier(Tier):
         item = Put(
             block.ns.digest,
             bytes(block.key),
-            block.unsealed,
+            functools.partial(block.unsealed, self.record_version),
             block.nbytes,
             block.created_s,
             block.release,
@@ -303,11 +316,16 @@ class DiskTier(Tier):
         budget (``pins.check_pin``)."""
         check_pin(self, chain, count, record_nbytes)
 
+    def format_version(self) -> int:
+        """The store's format version now (``schema.py``: another process may have upgraded it)."""
+        with self.index.read() as txn:
+            return self.index.format_version(txn)
+
     def retention_enabled(self) -> bool:
-        """Whether blocks here can hold a retention or a pin: a store of format 2 (a format-1 store may be
+        """Whether blocks here can hold a retention or a pin: a store of format 2 or 3 (a format-1 store may be
         shared with older builds, which could not read such an entry: ``tierkv gc --upgrade``)."""
         with self.index.read() as txn:
-            return self.index.format_version(txn) == STORE_FORMAT_VERSION
+            return self.index.format_version(txn) >= RETENTION_FORMAT_VERSION
 
     def check_retention(self) -> None:
         """ConfigError (with the way out) unless ``retention_enabled``."""

@@ -128,8 +128,18 @@ class Index(RetentionRows):
         elif version == BASE_FORMAT_VERSION:
             log.info(
                 "disk tier %s: format version 1 (older builds may share it): retention and pins are off "
-                "until `tierkv gc --upgrade` marks it 2",
+                "until `tierkv gc --upgrade` marks it %d",
                 self.path,
+                STORE_FORMAT_VERSION,
+            )
+        elif version is not None and version < STORE_FORMAT_VERSION:
+            log.info(
+                "disk tier %s: format version %d (older builds may share it): records are written in the "
+                "older layout until `tierkv gc --upgrade` marks it %d (restores from the page cache copy "
+                "faster)",
+                self.path,
+                version,
+                STORE_FORMAT_VERSION,
             )
 
     def format_version(self, txn: Txn) -> int:

@@ -61,12 +61,17 @@ def read_records(
     spec = KVSpec.of(chain.ns)
     B = spec.block_tokens
     prefix_nbytes = codec.HEADER_NBYTES + chain.block_token_nbytes
-    raw_nbytes = prefix_nbytes + spec.block_nbytes
+    # A raw record's length in each record version (equal when the token ids end on a multiple of 64).
+    raw_nbytes = {
+        codec.payload_at(v, chain.block_token_nbytes) + spec.block_nbytes for v in codec.RECORD_VERSIONS
+    }
     scatter: list[tuple[int, Entry]] = []  # raw records: scattered straight into place
     whole: list[tuple[int, Entry]] = []
     for j, e in enumerate(entries):
-        (scatter if e.nbytes == raw_nbytes else whole).append((first + j, e))
+        (scatter if e.nbytes in raw_nbytes else whole).append((first + j, e))
     chunk = spec.block_nbytes // (spec.num_layers * 2)
+    nrows = spec.num_layers * 2
+    pad = memoryview(bytearray(codec.PAYLOAD_ALIGN))  # sink for version 2's zeros before the payload
     rows: list[memoryview] = []  # the Python path's: the target's (layer, k/v) slabs as byte rows
     prefixes = memoryview(bytearray(prefix_nbytes * len(scatter)))
 
@@ -78,9 +83,12 @@ def read_records(
                 for kv in (0, 1)
             )
         pos = scatter[j][0] - base
-        return [prefixes[j * prefix_nbytes : (j + 1) * prefix_nbytes]] + [
-            row[pos * chunk : (pos + 1) * chunk] for row in rows
-        ]
+        zeros = scatter[j][1].nbytes - prefix_nbytes - spec.block_nbytes  # version 2's, before the payload
+        return (
+            [prefixes[j * prefix_nbytes : (j + 1) * prefix_nbytes]]
+            + [pad[:zeros]] * (zeros > 0)
+            + [row[pos * chunk : (pos + 1) * chunk] for row in rows]
+        )
 
     def block(i: int) -> torch.Tensor:
         return target[:, :, (i - base) * B : (i - base + 1) * B]
@@ -94,9 +102,11 @@ def read_records(
             header, toks = codec.parse_header(pieces[0], scatter[j][1].nbytes)
             codec.check_expected(header, toks, expected(chain, i))
             if header.codec == codec.Codec.RAW:
-                codec.check_raw_pieces(header, pieces[1:])
-            else:  # a compressed record that happens to have the raw length
-                place(i, codec.decode_payload(header, memoryview(b"".join(pieces[1:]))))
+                codec.check_raw_pieces(header, pieces[-nrows:])
+            else:  # a compressed record of a raw one's length: its payload starts where its version says
+                after = memoryview(b"".join(pieces[1:]))  # every byte after its token ids
+                at = codec.payload_at(header.version, chain.block_token_nbytes) - prefix_nbytes
+                place(i, codec.decode_payload(header, after[at:]))
         except RecordError:
             return False
         if verified is not None:

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tierkv.tiers.disk.schema import PINNED, STORE_FORMAT_VERSION, TIME, TOTALS, Entry, Policy, time_of
+from tierkv.tiers.disk.schema import PINNED, RETENTION_FORMAT_VERSION, TIME, TOTALS, Entry, Policy, time_of
 from tierkv.tiers.disk.tenant_rows import TenantRows
 
 __all__ = ["RetentionRows"]
@@ -39,7 +39,7 @@ class RetentionRows:
         if ttl_s is None or retain_s < ttl_s:  # shorter than the store keeps it anyway: nothing asked
             retain_s = 0.0
         status = "ok"
-        if (retain_s or pin_until_s) and self.format_version(txn) != STORE_FORMAT_VERSION:
+        if (retain_s or pin_until_s) and self.format_version(txn) < RETENTION_FORMAT_VERSION:
             # A format-1 store (older builds may share it, and could not read such an entry): only the
             # access time, until an operator upgrades it (``upgrade``).
             retain_s = pin_until_s = 0.0

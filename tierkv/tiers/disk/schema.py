@@ -23,11 +23,13 @@ LMDB environment ``<dir>/index`` (named databases):
 
 Each entry has one row in exactly one of ``atime``, ``retained`` and ``pinned`` (``Entry.time_row``).
 
-Format versions: a new store is format 2. A store written by an older build is format 1: this build reads
-and writes it as is (64-byte entries; the new tables ignored by that build), takes no retention or pin on
-it, and leaves it readable by that build, until an operator runs ``tierkv gc --upgrade`` (stopping older
-builds first): that fills ``parents`` and ``children`` from the records' own headers and marks it 2, which
-older builds refuse. An entry is packed in format 1 unless it holds a retention or a pin. Rows of the new
+Format versions: a new store is format 3. Format 2 added retention, pins and the ``parents`` and
+``children`` tables; format 3 adds records of version 2 (``codec.py``: the payload 64-byte aligned in the
+record, for a faster copy out of the page cache), which builds before it cannot read. A store written by
+an older build (format 1 or 2) is read and written as is, so that those builds can go on sharing it: its
+records stay version 1, and a format-1 store takes no retention or pin (64-byte entries; the new tables
+ignored by that build). An operator's ``tierkv gc --upgrade`` (older builds stopped first) fills
+``parents`` and ``children`` from the records' own headers and marks it 3, which older builds refuse. An entry is packed in format 1 unless it holds a retention or a pin. Rows of the new
 tables that a format-1 process left stale are ignored: a ``children`` row counts only while its child is
 indexed.
 """
@@ -43,9 +45,11 @@ __all__ = [
     "DBS",
     "ENTRY",
     "ENTRY_V1",
+    "ALIGNED_RECORDS_FORMAT_VERSION",
     "BASE_FORMAT_VERSION",
     "PINNED",
     "READ_FORMAT_VERSIONS",
+    "RETENTION_FORMAT_VERSION",
     "Entry",
     "Hole",
     "Policy",
@@ -59,8 +63,10 @@ __all__ = [
     "time_of",
 ]
 
-STORE_FORMAT_VERSION = 2
-READ_FORMAT_VERSIONS = (1, 2)  # 1 is read as is (see above) and marked 2 by the first writer
+STORE_FORMAT_VERSION = 3  # a new store's (and an upgraded one's)
+READ_FORMAT_VERSIONS = (1, 2, 3)  # 1 and 2 are read and written as is until upgraded (see above)
+RETENTION_FORMAT_VERSION = 2  # from here on: retention, pins, parents
+ALIGNED_RECORDS_FORMAT_VERSION = 3  # from here on: records of version 2 are written
 DBS = (
     "index",
     "atime",

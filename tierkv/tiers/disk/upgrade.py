@@ -1,6 +1,6 @@
-"""Upgrading a store written by an older build (format 1) to format 2: an operator's step (``tierkv gc
---upgrade``), never a request's, since format-1 builds refuse the store afterwards and one still running
-beside it would fail on the first entry with a retention."""
+"""Upgrading a store written by an older build (format 1 or 2) to format 3: an operator's step (``tierkv gc
+--upgrade``), never a request's, since older builds refuse the store afterwards, and one still running
+beside it would fail on the first entry with a retention (format 1) or record in the new layout."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ log = logging.getLogger("tierkv.disk")
 
 
 def upgrade(index: Index, parents: Callable[[list[Entry]], Sequence[bytes | None]]) -> int:
-    """Mark a format-1 store 2, after filling the ``parents`` and ``children`` rows of its entries from
-    ``parents(entries)`` (the records' own parent keys). An operator's step (``tierkv gc --upgrade``):
-    format-1 builds refuse the store afterwards, and one still running beside it would fail on the
-    first entry with a retention, so they are stopped first. Returns how many rows were filled."""
+    """Mark a store of format 1 or 2 format 3, after filling the ``parents`` and ``children`` rows of its
+    entries (those a format-1 build left unfilled) from ``parents(entries)`` (the records' own parent
+    keys). An operator's step (``tierkv gc --upgrade``): older builds refuse the store afterwards, and
+    one still running beside it would fail on the first entry with a retention or the first record in
+    the new layout, so they are stopped first. Returns how many rows were filled."""
     filled = 0
     batch: list[tuple[bytes, Entry]] = []
 

@@ -1,0 +1,149 @@
+"""Record versions on disk: a new store writes version 2 (the payload 64-byte aligned in the record); a store
+an older build wrote (format 2, committed as is) is read, extended and written in version 1 until an
+operator upgrades it, then takes version 2; one prefix of both versions restores exactly, on both data
+paths, buffered and with O_DIRECT."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from tierkv import Namespace, TieredStore, codec, native
+from tierkv.cli import main
+from tierkv.keys import BlockChain
+
+from helpers import make_kv
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _versions(path: Path, ns: Namespace, toks: list[int]) -> list[int]:
+    """Each stored block's record version, and check that its payload starts where that version says."""
+    with TieredStore.open(path, host_bytes=0) as store:
+        entries = store.tier("disk").locate(BlockChain.of(ns, toks).keys)
+        files = {e.seg_id: store.tier("disk").segments.file(e.seg_id) for e in entries}
+    out = []
+    for e in entries:
+        with open(files[e.seg_id], "rb") as f:
+            f.seek(e.offset)
+            rec = f.read(e.nbytes)
+        header, _, payload = codec.decode_header(rec)
+        assert e.nbytes - payload.nbytes == codec.payload_at(header.version, 4 * ns.block_tokens)
+        out.append(header.version)
+    return out
+
+
+def _uncache(path: Path) -> None:
+    for seg in sorted(path.glob("**/*.seg")):
+        fd = os.open(seg, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _restores_exactly(path: Path, ns: Namespace, toks: list[int], kv: torch.Tensor) -> None:
+    paths = [(False, False)] + ([(True, False), (True, True)] if native.enabled() else [])
+    for use_native, direct in paths:
+        _uncache(path)
+        with native.use(use_native), TieredStore.open(path, host_bytes=0, direct_reads=direct) as store:
+            hit, got = store.restore(ns, toks)
+            assert hit.num_tokens == len(toks), (use_native, direct)
+            assert torch.equal(got, kv), (use_native, direct)
+            assert store.stats()["disk"]["corrupt_blocks"] == 0
+
+
+def _format_of(path: Path) -> int:
+    with TieredStore.open(path, host_bytes=0) as store:
+        return store.tier("disk").format_version()
+
+
+def test_a_new_store_writes_records_whose_payload_is_64_byte_aligned(tmp_path, ns) -> None:
+    toks = list(range(4 * ns.block_tokens))
+    kv = make_kv(ns, len(toks), seed=1)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    assert _format_of(tmp_path) == 3
+    assert _versions(tmp_path, ns, toks) == [2] * 4
+    assert codec.payload_at(2, 4 * ns.block_tokens) % 64 == 0 != codec.payload_at(1, 4 * ns.block_tokens) % 64
+    _restores_exactly(tmp_path, ns, toks, kv)
+
+
+def test_a_store_of_format_2_keeps_version_1_records_until_upgraded_and_serves_both(tmp_path, ns) -> None:
+    """The fixture was written by the previous build (3fc9972): prompts 0..63 and 100..131."""
+    path = tmp_path / "old"
+    path.mkdir()
+    with tarfile.open(FIXTURES / "store-format-2.tar.gz") as tar:
+        tar.extractall(path, filter="data")
+    old = list(range(64))
+    assert _format_of(path) == 2
+    _restores_exactly(path, ns, old, make_kv(ns, 64, seed=3))
+    _restores_exactly(path, ns, list(range(100, 132)), make_kv(ns, 32, seed=4))
+
+    # Extended by this build: older builds may still share the store, so its new blocks stay version 1.
+    longer = old + list(range(5000, 5032))
+    kv = torch.cat([make_kv(ns, 64, seed=3), make_kv(ns, 32, seed=5)], dim=2)
+    with TieredStore.open(path, host_bytes=0) as store:
+        store.save(ns, longer, kv, start_block=4)
+        store.flush()
+    assert _format_of(path) == 2
+    assert _versions(path, ns, longer) == [1] * 6
+
+    r = CliRunner().invoke(main, ["gc", "--upgrade", "--ttl", "3650d", "--cache-dir", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "upgraded to format 3" in r.output
+    assert _format_of(path) == 3
+
+    # After the upgrade, new blocks are version 2; one prefix of both versions restores exactly.
+    longest = longer + list(range(7000, 7032))
+    kv = torch.cat([kv, make_kv(ns, 32, seed=6)], dim=2)
+    with TieredStore.open(path, host_bytes=0) as store:
+        store.save(ns, longest, kv, start_block=6)
+        store.flush()
+    assert _versions(path, ns, longest) == [1] * 6 + [2] * 2
+    _restores_exactly(path, ns, longest, kv)
+
+
+def test_version_2_records_round_trip_and_convert(ns) -> None:
+    chain = BlockChain.of(ns, list(range(ns.block_tokens)))
+    kv = make_kv(ns, ns.block_tokens, seed=2)
+    payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+    args = dict(
+        ns_digest=ns.digest,
+        parent_key=chain.parent(0),
+        key=chain.keys[0],
+        token_bytes=chain.tokens(0),
+        dtype=ns.dtype,
+        shape=tuple(kv.shape),
+        payload=payload,
+        created_s=1.0,
+    )
+    v1, v2 = codec.encode(**args), codec.encode(**args, version=2)
+    assert len(v2) == codec.payload_at(2, len(chain.tokens(0))) + len(payload) == len(v1) + 16
+    assert v2[len(v2) - len(payload) :] == payload and v2[240:256] == bytes(16)
+    for rec, version in ((v1, 1), (v2, 2)):
+        header, got = codec.decode_record(
+            rec, codec.Expected(ns.digest, chain.keys[0], chain.tokens(0), ns.dtype, tuple(kv.shape))
+        )
+        assert header.version == version and bytes(got) == payload
+    # unseal into the other version, sealed again: exactly what encoding in that version gives
+    h1, h2 = codec.decode_header(v1)[0], codec.decode_header(v2)[0]
+    assert b"".join(bytes(b) for b in codec.seal(codec.unseal(v1, h1, 2))) == v2
+    assert b"".join(bytes(b) for b in codec.seal(codec.unseal(v2, h2, 1))) == v1
+    assert b"".join(bytes(b) for b in codec.seal(codec.unseal(v2, h2))) == v2
+    # a version-2 record cut to version 1's length (or marked 1) is refused, not misread
+    with pytest.raises(codec.RecordError):
+        codec.decode_header(v2[:240] + v2[256:])
+    relabelled = bytearray(v1)
+    relabelled[4] = 3
+    with pytest.raises(codec.RecordError, match="version 3"):
+        codec.decode_header(bytes(relabelled))
+    with pytest.raises(ValueError):
+        codec.encode(**args, version=3)
