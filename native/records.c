@@ -473,6 +473,7 @@ static int verify(run_t *r, int64_t j, void *state) {
      * its payload may start elsewhere than the length's layout put it) */
     if (codec != 0) return ST_PYTHON;
     /* raw: the layout it was read with (from its length) must be its version's */
+    if (stored != raw_nbytes) return ST_BAD;
     if ((uint64_t)(r->prefix_nbytes + inner_pad(version, r->token_nbytes)) + stored != (uint64_t)q->nbytes) return ST_BAD;
     if (raw_nbytes != (uint64_t)(r->nrows * r->chunk)) return ST_BAD;
     if (xxh3_reset(state) != 0) return ST_BAD;

@@ -6,6 +6,8 @@ paths, buffered and with O_DIRECT."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from tierkv.keys import BlockChain
 from helpers import make_kv
 
 FIXTURES = Path(__file__).parent / "fixtures"
+HOLD = "import sys; from tierkv import TieredStore\nwith TieredStore.open(sys.argv[1], host_bytes=0):\n    print('open', flush=True); sys.stdin.read()"
 
 
 def _versions(path: Path, ns: Namespace, toks: list[int]) -> list[int]:
@@ -147,3 +150,99 @@ def test_version_2_records_round_trip_and_convert(ns) -> None:
         codec.decode_header(bytes(relabelled))
     with pytest.raises(ValueError):
         codec.encode(**args, version=3)
+
+
+def _mark_format(path: Path, version: int) -> None:
+    import lmdb
+
+    env = lmdb.open(str(path / "index"), max_dbs=16, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(b"format_version", str(version).encode(), db=env.open_db(b"meta", txn=txn))
+    finally:
+        env.close()
+
+
+def test_a_compressed_record_of_a_raw_ones_length_is_read_whole_and_served(tmp_path) -> None:
+    """A version-1 zstd record whose length is a raw version-2 record's (17 token ids end 12 bytes short of
+    a 64-byte boundary; zstd frames 69,632 incompressible bytes in 12 more) is read in place by that
+    layout, its first bytes into the padding's sink: it must be read again whole, not purged."""
+    ns = Namespace(
+        model_id="m",
+        revision="r",
+        dtype="float16",
+        num_layers=2,
+        num_kv_heads=8,
+        head_dim=64,
+        block_tokens=17,
+    )
+    toks = list(range(3 * 17))
+    kv = torch.randint(0, 256, (3 * 69632,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    kv = kv.view(torch.float16).reshape(2, 2, 8, 3 * 17, 64).permute(0, 1, 3, 2, 4).contiguous()
+    with TieredStore.open(tmp_path, host_bytes=0):
+        pass
+    _mark_format(tmp_path, 2)  # as an older build's store: records of version 1
+    with TieredStore.open(tmp_path, host_bytes=0, codec_="zstd") as store:
+        store.save(ns, toks, kv)
+        store.flush()
+        entries = store.tier("disk").locate(BlockChain.of(ns, toks).keys)
+    assert (
+        {e.nbytes for e in entries} == {codec.payload_at(2, 68) + 69632} != {codec.payload_at(1, 68) + 69632}
+    )
+    assert _versions(tmp_path, ns, toks) == [1] * 3
+    for use_native in (False, True) if native.enabled() else (False,):
+        with native.use(use_native), TieredStore.open(tmp_path, host_bytes=0) as store:
+            hit, got = store.restore(ns, toks)
+            assert hit.num_tokens == len(toks) and torch.equal(got.view(torch.int16), kv.view(torch.int16))
+            assert store.stats()["disk"]["corrupt_blocks"] == 0
+
+
+def test_archives_carry_version_1_and_an_import_lays_records_out_as_its_store_takes(tmp_path, ns) -> None:
+    """An export from a format-3 store is readable by older builds (records of version 1); an import
+    writes each record in the version its store takes."""
+    from tierkv.archive.frames import FRAME_HEAD_NBYTES, Kind
+
+    toks = list(range(4 * ns.block_tokens))
+    kv = make_kv(ns, len(toks), seed=7)
+    with TieredStore.open(tmp_path / "src", host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    assert _versions(tmp_path / "src", ns, toks) == [2] * 4
+    archive = tmp_path / "a.tkv"
+    r = CliRunner().invoke(main, ["export", "--cache-dir", str(tmp_path / "src"), str(archive)])
+    assert r.exit_code == 0, r.output
+    data, pos, versions = archive.read_bytes(), 16, []
+    while pos < len(data):
+        kind, nbytes = data[pos + 4], int.from_bytes(data[pos + 8 : pos + 16], "little")
+        if kind == Kind.RECORD:
+            body = data[pos + FRAME_HEAD_NBYTES : pos + FRAME_HEAD_NBYTES + nbytes]
+            versions.append(codec.decode_header(body)[0].version)
+        pos += FRAME_HEAD_NBYTES + nbytes
+    assert versions == [1] * 4
+    with TieredStore.open(tmp_path / "old", host_bytes=0):
+        pass
+    _mark_format(tmp_path / "old", 2)
+    for dst, want in (("new", 2), ("old", 1)):
+        r = CliRunner().invoke(main, ["import", "--cache-dir", str(tmp_path / dst), str(archive)])
+        assert r.exit_code == 0, r.output
+        assert _versions(tmp_path / dst, ns, toks) == [want] * 4
+        _restores_exactly(tmp_path / dst, ns, toks, kv)
+
+
+def test_an_upgrade_waits_for_the_store_to_be_its_own(tmp_path, ns) -> None:
+    """Another process with the store open may be an older build: the upgrade is refused, nothing marked."""
+    with TieredStore.open(tmp_path, host_bytes=0):
+        pass
+    _mark_format(tmp_path, 2)
+    holder = subprocess.Popen(  # a server, say, of this build or an older one
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        r = CliRunner().invoke(main, ["gc", "--upgrade", "--cache-dir", str(tmp_path)])
+        assert r.exit_code == 2 and "other processes have this store open" in r.output
+    finally:
+        holder.communicate("", timeout=60)
+    assert _format_of(tmp_path) == 2
+    r = CliRunner().invoke(main, ["gc", "--upgrade", "--cache-dir", str(tmp_path)])
+    assert r.exit_code == 0 and _format_of(tmp_path) == 3

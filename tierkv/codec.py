@@ -323,6 +323,8 @@ def check_raw_pieces(header: Header, pieces: list[memoryview]) -> None:
     """Verify a raw payload that was read straight into its destination, in ``pieces`` (in order)."""
     if header.codec != Codec.RAW:
         raise RecordError("not a raw record")
+    if header.payload_nbytes != header.raw_nbytes:
+        raise RecordError("raw record whose stored length is not its raw length")
     h = xxhash.xxh3_64()
     for p in pieces:
         h.update(p)

@@ -19,7 +19,7 @@ from typing import Any
 import xxhash
 
 from tierkv.archive.frames import Kind, file_head, frame_fields, frame_head, frame_mac, json_frame, mac_key
-from tierkv.codec import check_stored, parent_key_of
+from tierkv.codec import check_stored, parent_key_of, seal, unseal
 from tierkv.errors import ConfigError, RecordError
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest, root_key
 from tierkv.tiers.disk import DiskTier, Entry
@@ -233,9 +233,11 @@ def _read_verified(
             return False
         if header.ns_digest != e.ns_digest:
             return False
+        if header.version != 1:  # archives carry version 1, which every build reads (imports re-lay it)
+            views[order[j]] = memoryview(b"".join(seal(unseal(views[order[j]], header, 1))))
         checks[order[j]] = header.payload_checksum
         if mac is not None:
-            fields = frame_fields(Kind.RECORD, bytes(key), e.nbytes, e.last_access_s)
+            fields = frame_fields(Kind.RECORD, bytes(key), views[order[j]].nbytes, e.last_access_s)
             macs[order[j]] = frame_mac(mac, fields, views[order[j]])
         return True
 
@@ -262,13 +264,14 @@ def _frames(
                 report.vanished += 1
             continue
         digest.update(bytes(key) + check.to_bytes(8, "little"))
-        head = frame_head(Kind.RECORD, bytes(key), e.nbytes, e.last_access_s, macs[i])
+        nbytes = views[i].nbytes  # the record in version 1 (an entry's may be longer)
+        head = frame_head(Kind.RECORD, bytes(key), nbytes, e.last_access_s, macs[i])
         report.blocks += 1
-        report.record_nbytes += e.nbytes
-        report.archive_nbytes += len(head) + e.nbytes
+        report.record_nbytes += nbytes
+        report.archive_nbytes += len(head) + nbytes
         row = report.namespaces.setdefault(e.ns_digest.hex(), {"blocks": 0, "nbytes": 0})
         row["blocks"] += 1
-        row["nbytes"] += e.nbytes
+        row["nbytes"] += nbytes
         yield head
         yield views[i]
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import click
 
 from tierkv.cli.common import cache_dir_option, fail, open_disk, parsed
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, StoreOpenError
 from tierkv.units import format_duration, format_size, parse_duration, parse_size
 
 __all__ = ["gc", "stats"]
@@ -168,7 +168,10 @@ def gc(
 
     with open_disk(cache_dir) as disk:
         if upgrade and not dry_run and disk.format_version() < STORE_FORMAT_VERSION:
-            filled = upgrade_store(disk)
+            try:
+                filled = upgrade_store(disk)
+            except StoreOpenError as exc:
+                fail(str(exc), 2)
             click.echo(
                 f"upgraded to format {STORE_FORMAT_VERSION}: retention and pins on, new records in the "
                 f"aligned layout; {filled} blocks' parents indexed",

@@ -466,6 +466,12 @@ class DiskTier(Tier):
         """
         if self.writer is None or self._closed:
             raise RuntimeError("this DiskTier was opened without a writer")
+        if (
+            not callable(record)
+            and len(record) >= 6
+            and (v := int.from_bytes(record[4:6], "little")) > (self.record_version)
+        ):  # older builds may share a store that takes version 1
+            raise ValueError(f"a record of version {v} for a store that takes version {self.record_version}")
         make: Callable[[], Record] = record if callable(record) else functools.partial(list, (record,))
         return bool(
             self.writer.put(Put(ns_digest, bytes(key), make, nbytes, created_s, release, ns_spec, live))

@@ -182,6 +182,17 @@ class Index(RetentionRows):
         self.env.close()
         self._owners.close()
 
+    @contextlib.contextmanager
+    def sole_owner(self) -> Iterator[bool]:
+        """Whether no other process has the store open; if so, none can open it while inside (this
+        process's owners lock is exclusive until then)."""
+        alone = self._owners.try_exclusive()
+        try:
+            yield alone
+        finally:
+            if alone:
+                self._owners.share()
+
     # ---------------------------------------------------------------- transactions
 
     @contextlib.contextmanager

@@ -96,17 +96,20 @@ def read_records(
     def place(i: int, payload: memoryview | bytes) -> None:
         block(i).copy_(as_tensor(payload, spec.dtype, spec.block_shape))
 
+    # Compressed records of a raw one's length (scatter indices): read whole afterwards and decoded. Read
+    # in place by the length's layout, the first bytes of a version-1 one of version 2's raw length went
+    # to the padding's sink.
+    again: set[int] = set()
+
     def verify(j: int, pieces: list[memoryview]) -> bool:  # record j, in place (on a reading thread)
         i = scatter[j][0]
         try:
             header, toks = codec.parse_header(pieces[0], scatter[j][1].nbytes)
             codec.check_expected(header, toks, expected(chain, i))
-            if header.codec == codec.Codec.RAW:
-                codec.check_raw_pieces(header, pieces[-nrows:])
-            else:  # a compressed record of a raw one's length: its payload starts where its version says
-                after = memoryview(b"".join(pieces[1:]))  # every byte after its token ids
-                at = codec.payload_at(header.version, chain.block_token_nbytes) - prefix_nbytes
-                place(i, codec.decode_payload(header, after[at:]))
+            if header.codec != codec.Codec.RAW:
+                again.add(j)  # not served yet: ``whole`` below decodes it (or ends the run there)
+                return True
+            codec.check_raw_pieces(header, pieces[-nrows:])
         except RecordError:
             return False
         if verified is not None:
@@ -137,6 +140,8 @@ def read_records(
         if not good:
             end = i
             break
+    if again:
+        whole = sorted(whole + [scatter[j] for j in again], key=lambda ie: ie[0])
     if whole:
         with read_whole([e for i, e in whole if i < end]) as records:
             for (i, _), rec in zip(whole, records):
