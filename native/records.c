@@ -238,6 +238,7 @@ typedef struct {
     int direct_ok;
     /* groups of adjacent records: [first, count) */
     int64_t *gfirst, *gcount, ngroups;
+    uint8_t *gahead;      /* per group: read with readahead (it lies in a run of adjacent records) */
     atomic_long next;
     /* outputs */
     uint8_t *status;
@@ -384,14 +385,17 @@ static int64_t preadv_upto(int fd, struct iovec *iov, int k, int *at, int64_t of
     return done;
 }
 
-/* Read one group into place. Returns 0, a positive errno (the read failed), or -1 (short: the file ends
- * before the records do). */
-static int read_group(run_t *r, int64_t first, int64_t count, void **bounce, uint8_t *pad) {
+/* Read one group into place, with readahead if ``ahead``. Returns 0, a positive errno (the read failed),
+ * or -1 (short: the file ends before the records do). */
+static int read_group(run_t *r, int64_t first, int64_t count, int ahead, void **bounce, uint8_t *pad) {
     const req_t *q0 = &r->reqs[first], *ql = &r->reqs[first + count - 1];
     int64_t off = q0->offset, total = ql->offset + ql->nbytes - off;
-    /* Readahead only for a run of adjacent records: a lone record's neighbours belong to other
-     * prefixes, and reading them would halve the bandwidth. */
-    int fd = (int)(count > 1 ? q0->fd : q0->rfd);
+    /* Readahead only within a run of adjacent records: a lone record's neighbours belong to other
+     * prefixes, and reading them would halve the bandwidth. Not by the group's size alone: a record of
+     * 1 MiB or more is a group of its own, and what a read without readahead brings into the page cache
+     * is kept in single pages, which a warm read later copies out 1.6x slower than readahead's large
+     * folios (measured: 5.8-6.9 against 9.6-11.5 GB/s, 2026-12-05). */
+    int fd = (int)(ahead ? q0->fd : q0->rfd);
     struct iovec iov[IOV_CAP];
     int k = build_iov(r, first, count, iov, pad), at = 0;
     int64_t done = 0;
@@ -508,10 +512,10 @@ static void *worker(void *arg) {
             settle(r, first, count, ENOMEM, NULL);
             continue;
         }
-        int err = read_group(r, first, count, &bounce, pad);
+        int err = read_group(r, first, count, r->gahead[g], &bounce, pad);
         if (count > 1 && (err < 0 || (err > 0 && is_media(err)))) {
             /* A bad sector or the file's end: which record is it in? Each alone: the others are served. */
-            for (int64_t j = first; j < first + count; j++) settle(r, j, 1, read_group(r, j, 1, &bounce, pad), state);
+            for (int64_t j = first; j < first + count; j++) settle(r, j, 1, read_group(r, j, 1, 0, &bounce, pad), state);
             continue;
         }
         settle(r, first, count, err, state);
@@ -612,9 +616,10 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     r.direct_ok = direct;
     r.gfirst = PyMem_Calloc((size_t)n + 1, sizeof(int64_t));
     r.gcount = PyMem_Calloc((size_t)n + 1, sizeof(int64_t));
+    r.gahead = PyMem_Calloc((size_t)n + 1, 1);
     r.status = PyMem_Malloc((size_t)n + 1);
     r.errnos = PyMem_Calloc((size_t)n + 1, sizeof(int));
-    if (!r.gfirst || !r.gcount || !r.status || !r.errnos) {
+    if (!r.gfirst || !r.gcount || !r.gahead || !r.status || !r.errnos) {
         PyErr_NoMemory();
         goto done;
     }
@@ -625,11 +630,14 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         if (r.ngroups) {
             int64_t g = r.ngroups - 1, last = r.gfirst[g] + r.gcount[g] - 1;
             int64_t span = rq[j].offset + rq[j].nbytes - rq[r.gfirst[g]].offset;
-            if (rq[last].fd == rq[j].fd && rq[last].rfd == rq[j].rfd && rq[last].offset + aligned(rq[last].nbytes) == rq[j].offset &&
-                span <= (int64_t)GROUP_NBYTES && (r.gcount[g] + 1) * per_rec_iov <= IOV_CAP) {
+            int adjacent = rq[last].fd == rq[j].fd && rq[last].rfd == rq[j].rfd &&
+                           rq[last].offset + aligned(rq[last].nbytes) == rq[j].offset;
+            if (adjacent && span <= (int64_t)GROUP_NBYTES && (r.gcount[g] + 1) * per_rec_iov <= IOV_CAP) {
                 r.gcount[g]++;
+                r.gahead[g] = 1;
                 continue;
             }
+            if (adjacent) r.gahead[g] = r.gahead[r.ngroups] = 1; /* one run, cut into groups */
         }
         r.gfirst[r.ngroups] = j;
         r.gcount[r.ngroups++] = 1;
@@ -679,6 +687,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(r.gfirst);
     PyMem_Free(r.gcount);
+    PyMem_Free(r.gahead);
     PyMem_Free(r.status);
     PyMem_Free(r.errnos);
     if (reqs.obj) PyBuffer_Release(&reqs);
