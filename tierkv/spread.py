@@ -134,8 +134,13 @@ def promoter(
     promoted: set[int],
     live: Callable[[BlockKey], bool],
 ) -> Promoter | None:
-    """The restore's promoter into the CPU memory tiers, or None when there are none."""
-    pools = [(j, t) for j, t in enumerate(tiers) if isinstance(t, BlockPool) and t.device.type == "cpu"]
+    """The restore's promoter into the CPU memory tiers, or None when there are none (or all are still
+    being populated: ``BlockPool.warming``)."""
+    pools = [
+        (j, t)
+        for j, t in enumerate(tiers)
+        if isinstance(t, BlockPool) and t.device.type == "cpu" and not t.warming
+    ]
     return Promoter(pools, chain, src, start, created_s, promoted, live) if pools else None
 
 
@@ -164,6 +169,8 @@ def spread(
         if isinstance(tier, BlockPool):
             if tier.device.type == "cpu":
                 below = [i for i in below if i not in promoted]  # those were put as they came in
+                if tier.warming:  # (a server's first seconds: see BlockPool.warming)
+                    below = []
             on = dest.device if isinstance(dest, torch.Tensor) else torch.device("cpu")
             if below and (tier.device == on or tier.device.type == "cpu"):
                 for i, block in blocks_on(tier.device, dest, below, B):

@@ -28,6 +28,7 @@ from tierkv.planner import RestorePlanner
 from tierkv.retention import Retention
 from tierkv.spread import promoter, runs_of, spread
 from tierkv.store_tenants import QUOTA_REFRESH_S, TenantQuotas
+from tierkv.tiers import prefault
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.writer import FLUSH_TIMEOUT_S
@@ -333,8 +334,9 @@ class TieredStore(TenantQuotas):
             return Hit(0, by_tier), None
         for tier in self.tiers:
             tier.requested(chain)
-        with self.writes.gens.reading(chain) as usable:
+        with self.writes.gens.reading(chain) as usable, prefault.foreground():
             # A purge or invalidation in progress waits for this restore; the blocks it names are misses.
+            # A host tier being populated behind waits too (its populator yields to restores).
             return self._restore(
                 chain, start_block, max(usable, start_block), out, by_tier, t0, memory_only, plan
             )

@@ -549,3 +549,60 @@ def test_a_populate_call_interrupted_by_a_signal_is_retried(monkeypatch) -> None
     ok = [c for i, c in enumerate(calls) if i not in (0, 2)]  # the calls that populated
     assert len(calls) == 5 and calls[0] == calls[1] and calls[2] == calls[3]  # each failed chunk again
     assert len({addr for addr, _ in ok}) == 3 and sum(n for _, n in ok) > 2 * prefault.CHUNK_NBYTES
+
+
+def test_a_populator_waits_while_a_restore_runs_and_goes_on_after(monkeypatch) -> None:
+    """A paced populator yields to restores in progress (``prefault.foreground``), a chunk at most every
+    ``_YIELD_MAX_S``, and goes on once they are done."""
+    import time
+
+    import tierkv.tiers.prefault as prefault
+
+    if prefault._madvise() is None:
+        pytest.skip("no madvise here")
+    monkeypatch.setattr(prefault, "_YIELD_MAX_S", 30.0)  # here: wait as long as the restore lasts
+    t = torch.empty(64 << 20, dtype=torch.uint8)
+    with prefault.foreground():
+        populator = prefault.populate_in_background(t, "test")
+        assert populator is not None
+        time.sleep(0.2)
+        assert populator.left_nbytes > (64 << 20) - 2 * prefault.CHUNK_NBYTES  # a chunk begun before at most
+    populator.join(60)
+    assert populator.left_nbytes == 0 and not populator.thread.is_alive()
+
+
+def test_a_restore_does_not_promote_into_a_host_tier_still_being_populated(tmp_path, ns, monkeypatch) -> None:
+    """A server's first seconds: its host tier is populated behind; a cold restore's copy into it would fault
+    its pages on the request path, so the blocks are served from disk and promoted once it is ready."""
+    import tierkv.tiers.pool as pool_mod
+    import tierkv.tiers.prefault as prefault
+    from tierkv import TieredStore
+
+    toks = list(range(4 * ns.block_tokens))
+    kv = make_kv(ns, len(toks), seed=1)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    gate = __import__("threading").Event()
+    real = prefault._populate_range
+
+    def slow(*args):  # type: ignore[no-untyped-def]
+        gate.wait(60)  # the populator has not begun yet
+        real(*args)
+
+    monkeypatch.setattr(prefault, "_populate_range", slow)
+    monkeypatch.setattr(pool_mod, "WARMING_NBYTES", 1 << 20)
+    with TieredStore.open(tmp_path, host_bytes=32 << 20) as store:
+        store.reserve(ns)
+        host = store.tier("host")
+        assert host.warming
+        hit, got = store.restore(ns, toks)
+        assert hit.by_tier["disk"] == len(toks) and torch.equal(got, kv)
+        assert not any(host.contains(BlockChain.of(ns, toks).keys))  # not promoted meanwhile
+        gate.set()
+        host._prefault.join(60)
+        assert not host.warming
+        hit, got = store.restore(ns, toks)
+        assert hit.by_tier["disk"] == len(toks) and torch.equal(got, kv)
+        assert all(host.contains(BlockChain.of(ns, toks).keys))  # promoted now
+        assert store.restore(ns, toks)[0].by_tier["host"] == len(toks)
