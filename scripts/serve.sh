@@ -8,11 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh serve 2> >(grep -v "is ignored: it is neither" >&2)
 port=8000
+store=""  # the stats hint names the cache dir when one is given
 args=("$@")  # no --model: tierkv serve's default, smollm2
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in
     --port) port="${args[$((i + 1))]}" ;;
     --port=*) port="${args[$i]#--port=}" ;;
+    --cache-dir) store=" --cache-dir ${args[$((i + 1))]}" ;;
+    --cache-dir=*) store=" --cache-dir ${args[$i]#--cache-dir=}" ;;
   esac
 done
 cat <<MSG
@@ -20,6 +23,6 @@ tierkv: starting on http://127.0.0.1:${port}  (Ctrl-C or SIGTERM stops it cleanl
 Try, in another shell (send it twice: the second reports cached_tokens, its whole 16-token blocks):
   curl -s http://127.0.0.1:${port}/v1/chat/completions -H 'Content-Type: application/json' -d '{
     "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' | python3 -m json.tool
-Metrics: http://127.0.0.1:${port}/metrics   Store: .venv/bin/tierkv stats
+Metrics: http://127.0.0.1:${port}/metrics   Store: .venv/bin/tierkv stats${store}
 MSG
 exec .venv/bin/tierkv serve ${args[@]+"${args[@]}"}

@@ -247,7 +247,9 @@ def test_a_restore_the_fence_gave_up_waiting_for_promotes_nothing_it_removed(
             self.promote.run(buf, idx, base)
 
     real = tierkv.store.promoter
-    monkeypatch.setattr(tierkv.store, "promoter", lambda *a: None if (p := real(*a)) is None else Stalled(p))
+    monkeypatch.setattr(
+        tierkv.store, "promoter", lambda *a, **k: None if (p := real(*a, **k)) is None else Stalled(p)
+    )
     with TieredStore.open(tmp_path, host_bytes=2**22) as store:
         result: list[object] = []
         restore = threading.Thread(target=lambda: result.append(store.restore(ns, toks)))

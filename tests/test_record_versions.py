@@ -101,7 +101,7 @@ def test_a_store_of_format_2_keeps_version_1_records_until_upgraded_and_serves_b
 
     r = CliRunner().invoke(main, ["gc", "--upgrade", "--ttl", "3650d", "--cache-dir", str(path)])
     assert r.exit_code == 0, r.output
-    assert "upgraded to format 3" in r.output
+    assert "upgraded from format 2 to 3" in r.output
     assert _format_of(path) == 3
 
     # After the upgrade, new blocks are version 2; one prefix of both versions restores exactly.
@@ -244,5 +244,9 @@ def test_an_upgrade_waits_for_the_store_to_be_its_own(tmp_path, ns) -> None:
     finally:
         holder.communicate("", timeout=60)
     assert _format_of(tmp_path) == 2
+    r = CliRunner().invoke(main, ["gc", "--upgrade", "--dry-run", "--cache-dir", str(tmp_path)])
+    assert r.exit_code == 0 and "format 2: would be upgraded to 3" in r.output and _format_of(tmp_path) == 2
     r = CliRunner().invoke(main, ["gc", "--upgrade", "--cache-dir", str(tmp_path)])
     assert r.exit_code == 0 and _format_of(tmp_path) == 3
+    r = CliRunner().invoke(main, ["gc", "--upgrade", "--cache-dir", str(tmp_path)])
+    assert r.exit_code == 0 and "format 3: already the newest" in r.output

@@ -225,7 +225,7 @@ def test_a_store_of_format_version_1_serves_and_takes_retention_once_upgraded(tm
         assert _version_of(store) == b"1"
     r = CliRunner().invoke(main, ["gc", "--upgrade", "--ttl", "3650d", "--cache-dir", str(path)])
     assert r.exit_code == 0, r.output
-    assert "upgraded to format 3" in r.output and "6 blocks' parents" in r.output
+    assert "upgraded from format 1 to 3" in r.output and "indexed for 6 blocks" in r.output
     assert _format_version(path) == str(STORE_FORMAT_VERSION).encode()
     with TieredStore.open(path, host_bytes=0, ttl_s=3600, clock=lambda: now[0]) as store:
         store.check_retention()

@@ -68,10 +68,12 @@ class Promoter:
         created_s: dict[int, float],
         promoted: set[int],
         live: Callable[[BlockKey], bool],
+        populated_only: bool = True,
     ) -> None:
         self.pools, self.chain, self.src, self.start = pools, chain, src, start
         self.created_s, self.promoted = created_s, promoted
         self.live = live  # the restore's generation: a block purged since it began is not promoted
+        self.populated_only = populated_only
 
     def __call__(self, i: int, block: torch.Tensor) -> None:
         above = self._above(i)
@@ -84,6 +86,7 @@ class Promoter:
                     wait=False,
                     tenant=self.chain.ns.tenant_id,
                     live=functools.partial(self.live, self.chain.keys[i]),
+                    populated_only=self.populated_only,  # see BlockPool._populated
                 )
                 is not None
                 for t in above
@@ -114,6 +117,7 @@ class Promoter:
                         wait=False,
                         tenant=self.chain.ns.tenant_id,
                         live=self.live,
+                        populated_only=self.populated_only,  # see BlockPool._populated
                     )
                     held = [h and g for h, g in zip(held, got)]
                 self.promoted.update(i for i, h in zip(ids, held) if h)
@@ -133,15 +137,14 @@ def promoter(
     created_s: dict[int, float],
     promoted: set[int],
     live: Callable[[BlockKey], bool],
+    populated_only: bool = True,
 ) -> Promoter | None:
-    """The restore's promoter into the CPU memory tiers, or None when there are none (or all are still
-    being populated: ``BlockPool.warming``)."""
-    pools = [
-        (j, t)
-        for j, t in enumerate(tiers)
-        if isinstance(t, BlockPool) and t.device.type == "cpu" and not t.warming
-    ]
-    return Promoter(pools, chain, src, start, created_s, promoted, live) if pools else None
+    """The restore's promoter into the CPU memory tiers, or None when there are none. ``populated_only``:
+    into populated slots only (``BlockPool._populated``)."""
+    pools = [(j, t) for j, t in enumerate(tiers) if isinstance(t, BlockPool) and t.device.type == "cpu"]
+    if not pools:
+        return None
+    return Promoter(pools, chain, src, start, created_s, promoted, live, populated_only)
 
 
 def spread(
@@ -156,6 +159,7 @@ def spread(
     memory_only: bool = False,
     *,
     live: Callable[[BlockKey], bool],
+    populated_only: bool = True,
 ) -> None:
     """After a restore: blocks read from a slower tier are written into the faster ones (memory tiers
     now, so the next request hits there; record tiers behind, unless ``memory_only``); slower tiers
@@ -169,8 +173,6 @@ def spread(
         if isinstance(tier, BlockPool):
             if tier.device.type == "cpu":
                 below = [i for i in below if i not in promoted]  # those were put as they came in
-                if tier.warming:  # (a server's first seconds: see BlockPool.warming)
-                    below = []
             on = dest.device if isinstance(dest, torch.Tensor) else torch.device("cpu")
             if below and (tier.device == on or tier.device.type == "cpu"):
                 for i, block in blocks_on(tier.device, dest, below, B):
@@ -180,6 +182,7 @@ def spread(
                         created_s=created_s.get(i),
                         tenant=chain.ns.tenant_id,
                         live=functools.partial(live, chain.keys[i]),
+                        populated_only=populated_only,  # see BlockPool._populated
                     )
             continue
         wanted = (

@@ -308,7 +308,9 @@ class TieredStore(TenantQuotas):
         ``by_tier`` only the blocks read), and is a miss when not even block ``start_block`` is cached.
         ``memory_only``: what was restored is written back to the memory tiers only (a request keeping
         its prompt out of the disk, ``Retention.memory_only``). ``plan=False``: read every cached block,
-        even where the planner judges computing it faster (a prefetch, off any request's path).
+        even where the planner judges computing it faster, and promote into the memory tiers' slots even
+        where their pages are still to be populated (a prefetch, off any request's path: a request's
+        restore leaves those to the populator, ``BlockPool._populated``).
         """
         t0 = time.perf_counter()
         chain = _chain(ns, token_ids)
@@ -379,7 +381,9 @@ class TieredStore(TenantQuotas):
         order = sorted(runs, key=lambda run: not self.tiers[run[0]].memory)
         with self._stagers.target(dest, spec) as target:
             live = self.writes.gens.liveness(ns.digest)  # of this restore's generation
-            promote = promoter(self.tiers, chain, src, start_block, target.created_s, promoted, live)
+            promote = promoter(
+                self.tiers, chain, src, start_block, target.created_s, promoted, live, populated_only=plan
+            )
             if promote is not None:
                 target.on_verified, target.on_verified_run = promote, promote.run
             for k, first, end in order:
@@ -408,6 +412,7 @@ class TieredStore(TenantQuotas):
             promoted,
             memory_only,
             live=live,
+            populated_only=plan,
         )
         self.counters.add("store", "miss_blocks", len(chain) - n)
         for name, tokens in by_tier.items():

@@ -167,14 +167,20 @@ def gc(
     from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION
 
     with open_disk(cache_dir) as disk:
-        if upgrade and not dry_run and disk.format_version() < STORE_FORMAT_VERSION:
+        version = disk.format_version()
+        if upgrade and version >= STORE_FORMAT_VERSION:
+            click.echo(f"format {version}: already the newest, nothing to upgrade", err=True)
+        elif upgrade and dry_run:
+            click.echo(f"format {version}: would be upgraded to {STORE_FORMAT_VERSION}", err=True)
+        elif upgrade:
             try:
                 filled = upgrade_store(disk)
             except StoreOpenError as exc:
                 fail(str(exc), 2)
             click.echo(
-                f"upgraded to format {STORE_FORMAT_VERSION}: retention and pins on, new records in the "
-                f"aligned layout; {filled} blocks' parents indexed",
+                f"upgraded from format {version} to {STORE_FORMAT_VERSION}: retention and pins on, new "
+                f"records in the aligned layout (faster restores from the page cache); which stored "
+                f"prompts extend which, indexed for {filled} blocks",
                 err=True,
             )
         show = sys.stderr.isatty() and not as_json

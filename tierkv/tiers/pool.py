@@ -43,8 +43,9 @@ log = logging.getLogger("tierkv.pool")
 # Writers (disk, remote) may hold at most this share of the slots: past it they get their own copy, so a
 # writer that falls behind under sustained load never leaves the tier without slots for new blocks.
 MAX_HELD_FRACTION = 0.5
-# Below this much left to populate, a restore promotes again (the rest faults at most this much on the way).
-WARMING_NBYTES = 256 << 20
+# A restore's promotion may fault this much of a pool still being populated on its own path (a small
+# restore right after start-up is promoted as before; a large one stops there: ``_populated``).
+FAULT_AHEAD_NBYTES = 64 << 20
 
 
 class BlockPool(PoolPuts, Tier):
@@ -144,15 +145,18 @@ class BlockPool(PoolPuts, Tier):
             populator.join()
             log.info("%s tier: pages populated in %.2f s", self.name, time.perf_counter() - t0)
 
-    @property
-    def warming(self) -> bool:
-        """Whether the pool's pages are still being populated behind, with more than ``WARMING_NBYTES``
-        left (a server's first seconds): a restore does not promote into it meanwhile. Its copy would
-        fault the pages it writes on the request path, beside the populator (a fresh process's first
-        cold restore of 480 MiB: 1.05 GB/s promoting while a 960 MiB tier was populated behind, 1.47
-        once populated, 1.88 without a host tier; 4 alternated runs each, 2026-12-05)."""
+    def _populated(self, slot: int) -> bool:
+        """Whether ``slot``'s pages are populated, or at most ``FAULT_AHEAD_NBYTES`` past those that are,
+        or left to fault on first use (no populator). Free slots are taken lowest first, the order the
+        populator goes in. A restore promotes only into such slots: a large copy into the rest would
+        fault their pages on the request path, beside the populator (a fresh process's first cold
+        restore of 480 MiB: 1.05 GB/s promoting while a 960 MiB tier was populated behind, 1.47 once
+        populated, 1.88 without a host tier; 4 alternated runs each, 2026-12-05). Caller holds the lock."""
         populator = self._prefault
-        return populator is not None and populator.left_nbytes > WARMING_NBYTES
+        if populator is None or populator.left_nbytes == 0 or self._pool is None:
+            return True
+        frontier = populator.end - populator.left_nbytes
+        return self._pool[slot].data_ptr() + self.slot_nbytes <= frontier + FAULT_AHEAD_NBYTES
 
     @property
     def used_nbytes(self) -> int:
@@ -259,10 +263,14 @@ class BlockPool(PoolPuts, Tier):
                 return self.num_slots or 1 << 30
             return max(0, math.ceil(self.num_slots * MAX_HELD_FRACTION - self._held))
 
-    def _take_slot(self, tenant: bytes | None, incoming: int = 1) -> int | None:
+    def _take_slot(self, tenant: bytes | None, incoming: int = 1, populated_only: bool = False) -> int | None:
         """A free slot, else the slot of a block evicted for it (``tenant``: whose block it is for;
-        ``incoming``: how many of its blocks want a slot now, this one and those taken unpublished)."""
+        ``incoming``: how many of its blocks want a slot now, this one and those taken unpublished). With
+        ``populated_only``, None rather than a free slot whose pages are still to be populated (an
+        evicted block's slot was written: populated)."""
         if self._free:
+            if populated_only and not self._populated(self._free[-1]):
+                return None
             return self._free.pop()
         # For a quota: a clean block, none in use (a block waiting for a slower tier is never lost to one)
         victim = (

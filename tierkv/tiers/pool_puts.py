@@ -48,7 +48,7 @@ class PoolPuts:
     def _refresh(self, key: BlockKey, now: float, created_s: float | None) -> int | None:
         raise NotImplementedError
 
-    def _take_slot(self, tenant: bytes | None, incoming: int = 1) -> int | None:
+    def _take_slot(self, tenant: bytes | None, incoming: int = 1, populated_only: bool = False) -> int | None:
         raise NotImplementedError
 
     def _publish(
@@ -75,8 +75,10 @@ class PoolPuts:
         wait: bool = True,
         tenant: bytes | None = None,
         live: Callable[[], bool] | None = None,
+        populated_only: bool = False,
     ) -> torch.Tensor | None:
-        """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot.
+        """Copy ``block`` into a slot; returns the slot's bytes (referenced if ``hold``), None if it cannot
+        (``populated_only``: nor into a free slot whose pages are not populated yet, see ``prefault``).
 
         None when the tier is off, the block is of another size than the slots, or every slot is in use;
         without ``wait``, also when another thread holds the pool (a reading thread promoting a block
@@ -98,7 +100,7 @@ class PoolPuts:
                 if hold:
                     self._ref(slot)
                 return self._pool[slot]
-            slot = self._take_slot(tenant)
+            slot = self._take_slot(tenant, populated_only=populated_only)
             if slot is None:
                 return None
             self._ref(slot)  # claimed: neither free nor published, so no one else takes, finds or evicts it
@@ -203,6 +205,7 @@ class PoolPuts:
         wait: bool = True,
         tenant: bytes | None = None,
         live: Callable[[BlockKey], bool] | None = None,
+        populated_only: bool = False,
     ) -> list[bool]:
         """``put`` of blocks ``positions`` of ``buf`` (a KV tensor ``[layers, 2, tokens, ...]``): for each key,
         whether the tier holds it now. From a CPU tensor whose slabs are contiguous, the new blocks are
@@ -220,6 +223,7 @@ class PoolPuts:
                     wait=wait,
                     tenant=tenant,
                     live=None if live is None else functools.partial(live, k),
+                    populated_only=populated_only,
                 )
                 is not None
                 if 0 <= p < buf.shape[2] // B
@@ -235,7 +239,9 @@ class PoolPuts:
             assert self._pool is not None
             gather_run(where, nbytes, [self._pool[slot].data_ptr() for slot in slots], pos)
 
-        return self._put_parts(keys, todo, positions, copy, created_s, nbytes, wait, tenant, live)
+        return self._put_parts(
+            keys, todo, positions, copy, created_s, nbytes, wait, tenant, live, populated_only
+        )
 
     def put_blocks(
         self,
@@ -286,6 +292,7 @@ class PoolPuts:
         wait: bool,
         tenant: bytes | None,
         live: Callable[[BlockKey], bool] | None,
+        populated_only: bool = False,
     ) -> list[bool]:
         """Keys ``todo`` (indices) in sub-runs of at most ``PUT_RUN_NBYTES``; ``copy(slots, positions)``
         writes their blocks into the slots taken for them."""
@@ -302,6 +309,7 @@ class PoolPuts:
                 wait,
                 tenant,
                 live,
+                populated_only,
             )
             for j, g in zip(part, got):
                 held[j] = g
@@ -317,6 +325,7 @@ class PoolPuts:
         wait: bool,
         tenant: bytes | None,
         live: Callable[[BlockKey], bool] | None,
+        populated_only: bool = False,
     ) -> list[bool]:
         if not self._lock.acquire(blocking=wait):
             return [False] * len(keys)
@@ -334,7 +343,8 @@ class PoolPuts:
                         continue
                     slot = self._refresh(key, now, created)  # held already: recent again, not rewritten
                     if slot is None and key not in new:  # taken slots are in neither LRU nor free list
-                        slot = self._take_slot(tenant, 1 + len(new))  # the run's unpublished count too
+                        # the run's unpublished count too
+                        slot = self._take_slot(tenant, 1 + len(new), populated_only)
                         if slot is not None:
                             new[key] = (slot, pos, created)
                     held.append(slot is not None or key in new)

@@ -66,7 +66,7 @@ def _pause(stop: threading.Event, seconds: float) -> None:
 _foreground = 0
 _foreground_lock = threading.Lock()
 _YIELD_S = 0.005
-_YIELD_MAX_S = 0.1  # at most this long per chunk: a server that always restores still gets populated (40 MB/s)
+_YIELD_MAX_S = 0.1  # per chunk at most: a server always restoring is still populated (40 MB/s)
 
 
 @contextlib.contextmanager
@@ -94,7 +94,8 @@ class Populator:
 
     def __init__(self, start: int, end: int, name: str, pool: torch.Tensor, paced: bool = True) -> None:
         self._stop = threading.Event()
-        self.left_nbytes = end - start  # not populated yet (the thread lowers it as it goes; 0 at its end)
+        self.end = end  # pages in [end - left_nbytes, end) are not populated yet
+        self.left_nbytes = end - start  # (the thread lowers it as it goes; 0 at its end)
         self.thread = threading.Thread(
             target=_populate,
             args=(start, end, name, pool, self._stop, paced, self),
@@ -144,6 +145,8 @@ def _populate_range(
         n = min(CHUNK_NBYTES, end - addr)
         if paced:
             _yield(stop)
+            if stop.is_set():
+                break
         with normal_priority():
             call_s = time.perf_counter()
             rc = fn(ctypes.c_void_p(addr), ctypes.c_size_t(n), MADV_POPULATE_WRITE)  # type: ignore[operator]
