@@ -259,3 +259,14 @@ class ReadFaults:
         if native.reason() is None:
             native.module().clear_faults()
         self._monkeypatch.undo()
+
+
+def uncache(path: Path) -> None:
+    """Drop a store's segment files' pages from the page cache (synced first: dirty pages are not dropped)."""
+    for seg in sorted(Path(path).glob("**/*.seg")):
+        fd = os.open(seg, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -5,7 +5,6 @@ paths, buffered and with O_DIRECT."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tarfile
@@ -19,7 +18,7 @@ from tierkv import Namespace, TieredStore, codec, native
 from tierkv.cli import main
 from tierkv.keys import BlockChain
 
-from helpers import make_kv
+from helpers import make_kv, uncache
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HOLD = "import sys; from tierkv import TieredStore\nwith TieredStore.open(sys.argv[1], host_bytes=0):\n    print('open', flush=True); sys.stdin.read()"
@@ -41,20 +40,10 @@ def _versions(path: Path, ns: Namespace, toks: list[int]) -> list[int]:
     return out
 
 
-def _uncache(path: Path) -> None:
-    for seg in sorted(path.glob("**/*.seg")):
-        fd = os.open(seg, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _restores_exactly(path: Path, ns: Namespace, toks: list[int], kv: torch.Tensor) -> None:
     paths = [(False, False)] + ([(True, False), (True, True)] if native.enabled() else [])
     for use_native, direct in paths:
-        _uncache(path)
+        uncache(path)
         with native.use(use_native), TieredStore.open(path, host_bytes=0, direct_reads=direct) as store:
             hit, got = store.restore(ns, toks)
             assert hit.num_tokens == len(toks), (use_native, direct)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tierkv import Namespace, TieredStore, codec, native
 from tierkv.keys import BlockChain
 
-from helpers import make_kv
+from helpers import make_kv, uncache
 
 pytestmark = pytest.mark.skipif(
     native.reason() is not None and os.environ.get("TIERKV_REQUIRE_NATIVE") != "1",
@@ -55,20 +55,9 @@ def test_native_xxh3_is_xxhash_s_past_its_blocks_whichever_entry_point(nbytes: i
     assert (int(dispatched), int(digest)) == (0, xxhash.xxh3_64_intdigest(data))
 
 
-def _uncache(path) -> None:
-    """Drop the segments' pages from the page cache (synced first: dirty pages are not dropped)."""
-    for seg in sorted(path.glob("**/*.seg")):
-        fd = os.open(seg, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _restore(path, ns: Namespace, prompts, *, use_native: bool, direct: bool = False, host_bytes: int = 0):
     if direct:
-        _uncache(path)  # else every record is in the page cache and read buffered
+        uncache(path)  # else every record is in the page cache and read buffered
     out = []
     with native.use(use_native), TieredStore.open(path, host_bytes=host_bytes, direct_reads=direct) as store:
         for toks in prompts:
@@ -165,7 +154,7 @@ def test_a_damaged_record_ends_the_prefix_and_is_purged_by_both_readers(tmp_path
             store.flush()
         _damage(path, ns, toks, 4, at)
         if direct:
-            _uncache(path)
+            uncache(path)
         with native.use(use_native), TieredStore.open(path, host_bytes=0, direct_reads=direct) as store:
             hit, got = store.restore(ns, toks)
             if direct and use_native:
@@ -192,7 +181,7 @@ def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, data_pat
     with TieredStore.open(tmp_path, host_bytes=0, direct_reads=direct) as store:
         os.truncate(seg, offset + 100)  # under a running store (an opening store checks segment lengths)
         if direct:
-            _uncache(tmp_path)  # the file now ends inside a page: O_DIRECT's short read
+            uncache(tmp_path)  # the file now ends inside a page: O_DIRECT's short read
         hit, got = store.restore(ns, toks)
         assert hit.num_tokens == 3 * B and torch.equal(got, kv[:, :, : 3 * B])
 
@@ -600,7 +589,7 @@ def test_o_direct_reads_beside_a_writer_appending_to_the_same_segment(tmp_path) 
         checked = 0
         try:
             while t.is_alive() or checked < 4:
-                _uncache(tmp_path)
+                uncache(tmp_path)
                 for i in {0, *flushed[-2:]}:
                     hit, got = store.restore(BIG, toks(i))
                     assert hit.num_tokens == n_tokens and got is not None and torch.equal(got, kvs[i]), i

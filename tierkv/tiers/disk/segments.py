@@ -363,22 +363,30 @@ class SegmentDir:
         ``failed`` as ``(seg_id, offset, nbytes)``.
         """
         groups: list[list[int]] = []
+        # Per group: it lies in a run of adjacent records, read with readahead (as the native reader:
+        # what a read without readahead brings in stays in single pages, slower to copy out later).
+        ahead: list[bool] = []
         for i, (seg_id, offset, _, _) in enumerate(requests):
+            adjacent = False
             if groups:
                 last = requests[groups[-1][-1]]
                 group_nbytes = sum(aligned(requests[j][2]) for j in groups[-1])
+                adjacent = last[0] == seg_id and last[1] + aligned(last[2]) == offset
                 if (
-                    last[0] == seg_id
-                    and last[1] + aligned(last[2]) == offset
+                    adjacent
                     and group_nbytes < READ_CHUNK_NBYTES
                     and sum(len(requests[j][3]) + 1 for j in groups[-1]) + len(requests[i][3]) < _IOV_MAX
                 ):
                     groups[-1].append(i)
+                    ahead[-1] = True
                     continue
+                if adjacent:
+                    ahead[-1] = True
             groups.append([i])
+            ahead.append(adjacent)
         ok = [False] * len(requests)
 
-        def read_group(group: list[int]) -> None:
+        def read_group(group: list[int], sequential: bool = False) -> None:
             seg_id, offset = requests[group[0]][0], requests[group[0]][1]
             views: list[memoryview] = []
             for j in group:
@@ -387,7 +395,7 @@ class SegmentDir:
                 if pad and j != group[-1]:
                     views.append(self._pad[:pad])
             try:
-                if not self._readv_one(seg_id, offset, views, sequential=len(group) > 1):
+                if not self._readv_one(seg_id, offset, views, sequential=sequential):
                     if len(group) > 1:  # the file ends early: which record does it end in? Each alone
                         for j in group:
                             read_group([j])
@@ -406,12 +414,12 @@ class SegmentDir:
                 ok[j] = after(j) if after is not None else True
 
         if len(groups) == 1:
-            read_group(groups[0])
+            read_group(groups[0], ahead[0])
         else:
             # Every group ends before this returns, even after one raised: a read still running once the
             # restore gave up would write into a buffer the next restore takes, or promote a block behind
             # a purge's fence (which waits only for the restore).
-            futures = [self._pool.submit(read_group, g) for g in groups]
+            futures = [self._pool.submit(read_group, g, a) for g, a in zip(groups, ahead)]
             wait(futures)
             for future in futures:
                 future.result()  # the first error, now that none is running
