@@ -97,9 +97,9 @@ def _restores(
             native.use(use_native),
             TieredStore.open(store_dir, host_bytes=host_bytes, direct_reads=direct) as store,
         ):
-            if host_bytes:  # fill the host tier from disk first
-                for toks in prompts:
-                    store.load(NS, toks, out=out)
+            if host_bytes:  # fill the host tier from disk first (a prefetch: a restore promotes only into
+                for toks in prompts:  # the pages populated so far while the tier is populated behind)
+                    store.prefetch(NS, toks)
             if cold:
                 method = drop_page_cache(list((store_dir / "segments").glob("*.seg")))
             elif not host_bytes:
