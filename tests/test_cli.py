@@ -25,7 +25,7 @@ def test_stats_json(store_dir, ns) -> None:
     r = CliRunner().invoke(main, ["stats", "--cache-dir", str(store_dir), "--json"])
     assert r.exit_code == 0, r.output
     report = json.loads(r.output)
-    assert report["blocks"] == 8
+    assert report["blocks"] == 8 and report["format_version"] == 3
     assert report["policy"] == {
         "budget_nbytes": 2**20,
         "ttl_s": 3600,
@@ -50,6 +50,7 @@ def test_stats_text_uses_env_cache_dir(store_dir, monkeypatch) -> None:
     monkeypatch.setenv("TIERKV_CACHE_DIR", str(store_dir))
     r = CliRunner().invoke(main, ["stats"])
     assert r.exit_code == 0 and "blocks     8" in r.output and "test-model@r1" in r.output
+    assert f"{store_dir}   format 3\n" in r.output  # the newest: nothing to upgrade
     from tierkv import native
 
     # Which data path runs here, in words: the native one where it is built, else why not.

@@ -76,6 +76,8 @@ def test_a_store_of_format_2_keeps_version_1_records_until_upgraded_and_serves_b
         tar.extractall(path, filter="data")
     old = list(range(64))
     assert _format_of(path) == 2
+    r = CliRunner().invoke(main, ["stats", "--cache-dir", str(path)])
+    assert "format 2 (`tierkv gc --upgrade` makes it 3" in r.output, r.output
     _restores_exactly(path, ns, old, make_kv(ns, 64, seed=3))
     _restores_exactly(path, ns, list(range(100, 132)), make_kv(ns, 32, seed=4))
 

@@ -56,6 +56,7 @@ def store_stats(disk: DiskTier, now: float | None = None) -> dict[str, Any]:
     usage = disk.usage()
     return {
         "cache_dir": str(disk.path),
+        "format_version": disk.format_version(),  # older than STORE_FORMAT_VERSION: `gc --upgrade`
         "data_path": disk.read_path(),  # which reader and writer this machine uses: native or Python
         "policy": {
             "budget_nbytes": policy.budget_nbytes,

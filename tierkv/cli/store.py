@@ -41,7 +41,13 @@ def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
         click.echo(json.dumps(report, indent=2))
         return
     p = report["policy"]
-    click.echo(f"store      {report['cache_dir']}")
+    from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION
+
+    newest = report["format_version"] >= STORE_FORMAT_VERSION
+    click.echo(
+        f"store      {report['cache_dir']}   format {report['format_version']}"
+        + ("" if newest else f" (`tierkv gc --upgrade` makes it {STORE_FORMAT_VERSION}, see docs/shell.md)")
+    )
     click.echo(f"data path  {report['data_path']}")
     click.echo(
         f"blocks     {report['blocks']}   live {format_size(report['live_nbytes'])}   "
