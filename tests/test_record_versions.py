@@ -68,7 +68,9 @@ def test_a_new_store_writes_records_whose_payload_is_64_byte_aligned(tmp_path, n
     _restores_exactly(tmp_path, ns, toks, kv)
 
 
-def test_a_store_of_format_2_keeps_version_1_records_until_upgraded_and_serves_both(tmp_path, ns) -> None:
+def test_a_store_of_format_2_keeps_version_1_records_until_upgraded_and_serves_both(
+    tmp_path, ns, monkeypatch
+) -> None:
     """The fixture was written by the previous build (3fc9972): prompts 0..63 and 100..131."""
     path = tmp_path / "old"
     path.mkdir()
@@ -90,9 +92,15 @@ def test_a_store_of_format_2_keeps_version_1_records_until_upgraded_and_serves_b
     assert _format_of(path) == 2
     assert _versions(path, ns, longer) == [1] * 6
 
+    import tierkv.archive.export as export
+
+    read, real = [], export.read_parents  # a format-2 store has its parents rows: no record is read
+    monkeypatch.setattr(
+        export, "read_parents", lambda disk, entries: (read.extend(entries), real(disk, entries))[1]
+    )
     r = CliRunner().invoke(main, ["gc", "--upgrade", "--ttl", "3650d", "--cache-dir", str(path)])
     assert r.exit_code == 0, r.output
-    assert "upgraded from format 2 to 3" in r.output
+    assert "upgraded from format 2 to 3" in r.output and "indexed for 0 blocks" in r.output and read == []
     assert _format_of(path) == 3
 
     # After the upgrade, new blocks are version 2; one prefix of both versions restores exactly.

@@ -32,6 +32,10 @@ def upgrade(index: Index, parents: Callable[[list[Entry]], Sequence[bytes | None
         batch: list[tuple[bytes, Entry]] = []
 
         def fill(items: list[tuple[bytes, Entry]]) -> int:
+            with index.read() as txn:  # only those a format-1 build left without the row: a read each
+                items = [(k, e) for k, e in items if txn.get(k, db=index.db["parents"]) is None]
+            if not items:
+                return 0
             keys = [k for k, _ in items]
             found = parents([e for _, e in items])
 
