@@ -579,7 +579,6 @@ def test_a_restore_promotes_only_into_populated_slots_and_a_prefetch_into_any(
     promoted once their slots are ready. A prefetch, off any request's path, promotes into any."""
     import threading
 
-    import tierkv.tiers.pool as pool_mod
     import tierkv.tiers.prefault as prefault
     from tierkv import TieredStore
 
@@ -596,7 +595,7 @@ def test_a_restore_promotes_only_into_populated_slots_and_a_prefetch_into_any(
         real(*args)
 
     monkeypatch.setattr(prefault, "_populate_range", slow)
-    monkeypatch.setattr(pool_mod, "FAULT_AHEAD_NBYTES", 0)  # (a small restore faults its few slots itself)
+    monkeypatch.setattr(prefault, "FAULT_AHEAD_NBYTES", 0)  # (a small restore faults its few slots itself)
     keys = BlockChain.of(ns, toks).keys
     try:
         with TieredStore.open(tmp_path, host_bytes=32 << 20) as store:

@@ -43,9 +43,6 @@ log = logging.getLogger("tierkv.pool")
 # Writers (disk, remote) may hold at most this share of the slots: past it they get their own copy, so a
 # writer that falls behind under sustained load never leaves the tier without slots for new blocks.
 MAX_HELD_FRACTION = 0.5
-# A restore's promotion may fault this much of a pool still being populated on its own path (a small
-# restore right after start-up is promoted as before; a large one stops there: ``_populated``).
-FAULT_AHEAD_NBYTES = 64 << 20
 
 
 class BlockPool(PoolPuts, Tier):
@@ -146,17 +143,14 @@ class BlockPool(PoolPuts, Tier):
             log.info("%s tier: pages populated in %.2f s", self.name, time.perf_counter() - t0)
 
     def _populated(self, slot: int) -> bool:
-        """Whether ``slot``'s pages are populated, or at most ``FAULT_AHEAD_NBYTES`` past those that are,
-        or left to fault on first use (no populator). Free slots are taken lowest first, the order the
-        populator goes in. A restore promotes only into such slots: a large copy into the rest would
-        fault their pages on the request path, beside the populator (a fresh process's first cold
-        restore of 480 MiB: 1.05 GB/s promoting while a 960 MiB tier was populated behind, 1.47 once
-        populated, 1.88 without a host tier; 4 alternated runs each, 2026-12-05). Caller holds the lock."""
-        populator = self._prefault
-        if populator is None or populator.left_nbytes == 0 or self._pool is None:
-            return True
-        frontier = populator.end - populator.left_nbytes
-        return self._pool[slot].data_ptr() + self.slot_nbytes <= frontier + FAULT_AHEAD_NBYTES
+        """Whether a restore may promote into ``slot`` now (``Populator.ready``: free slots are taken
+        lowest first, the order the populator goes in). Caller holds the lock."""
+        populator, pool = self._prefault, self._pool
+        return (
+            populator is None
+            or pool is None
+            or populator.ready(pool.data_ptr() + (slot + 1) * self.slot_nbytes)
+        )
 
     @property
     def used_nbytes(self) -> int:
