@@ -9,6 +9,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -198,6 +199,48 @@ def test_the_native_reader_promotes_what_it_read_into_the_host_tier(tmp_path, ns
         assert hit.by_tier["disk"] == 8 * B
         hit, got = store.restore(ns, toks)
         assert hit.by_tier["host"] == 8 * B and torch.equal(got, kv)
+
+
+@pytest.mark.parametrize("damaged", [None, 5], ids=["whole", "damaged-at-5"])
+def test_a_run_read_in_pieces_promotes_each_piece_on_the_promoting_thread(
+    tmp_path, ns, monkeypatch, damaged
+) -> None:
+    """With a host tier, a disk run is read a piece at a time and each piece's blocks are promoted on the
+    store's promoting thread while the next is read; every piece before a damaged record is promoted,
+    none past it, and the restore waits for them all."""
+    from tierkv.tiers.disk import reader
+    from tierkv.tiers.pool import BlockPool
+
+    B = ns.block_tokens
+    toks = list(range(9 * B))
+    kv = make_kv(ns, 9 * B)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    if damaged is not None:
+        _damage(tmp_path, ns, toks, damaged, "payload-last")
+    block_nbytes = kv[:, :, :B].numel() * kv.element_size()
+    monkeypatch.setattr(reader, "PIECE_NBYTES", 2 * block_nbytes)  # pieces of 2 blocks: 0-1, 2-3, 4-5, ...
+    promoted_on: list[tuple[str, int]] = []
+    put_run = BlockPool.put_run
+
+    def spy(self, keys, *args, **kwargs):  # type: ignore[no-untyped-def]
+        promoted_on.append((threading.current_thread().name, len(keys)))
+        return put_run(self, keys, *args, **kwargs)
+
+    monkeypatch.setattr(BlockPool, "put_run", spy)
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=64 << 20) as store:
+        store.reserve(ns, populate_now=True)
+        hit, got = store.restore(ns, toks)
+        good = 9 if damaged is None else damaged
+        assert hit.num_tokens == good * B and torch.equal(got, kv[:, :, : good * B])
+        # each piece's good blocks, in order, on the promoting thread (done before the restore returned)
+        assert promoted_on == [
+            ("tierkv-promote_0", n) for n in ([2, 2, 2, 2, 1] if damaged is None else [2, 2, 1])
+        ]
+        assert store.lookup(ns, toks).by_tier["host"] == good * B
+        hit, got = store.restore(ns, toks)
+        assert hit.by_tier["host"] == good * B and torch.equal(got, kv[:, :, : good * B])
 
 
 def test_a_compressed_record_of_the_raw_length_goes_to_python_and_is_checked_there(tmp_path, ns) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -27,6 +28,10 @@ log = logging.getLogger("tierkv.disk")
 
 __all__ = ["read_into", "read_records"]
 
+# A run read with its promotions in the background is read in pieces of this size: small enough that most
+# of the copying overlaps the reads, large enough to keep the native reader's requests in flight.
+PIECE_NBYTES = 24 << 20
+
 ReadInto = Callable[[Sequence[tuple[Entry, list[memoryview]]], Callable[[int], bool]], list[bool]]
 ReadWhole = Callable[[Sequence[Entry]], contextlib.AbstractContextManager[list[memoryview]]]
 # The native reader (native_read.read_run without its first arguments): records (i, entry, position) into a
@@ -45,6 +50,7 @@ def read_records(
     verified: Callable[[int, torch.Tensor], None] | None = None,
     read_native: ReadNative | None = None,
     verified_run: Callable[[torch.Tensor, list[int], int], None] | None = None,
+    background: Callable[..., concurrent.futures.Future[None]] | None = None,
 ) -> int:
     """Blocks ``first, first+1, ...`` (their ``entries``) into ``target`` at block positions ``i - base``;
     returns how many leading blocks verified.
@@ -56,7 +62,8 @@ def read_records(
 
     With ``read_native``, the raw records are read and verified by the native reader in one call without
     the GIL; once it returns, ``verified_run(target, good blocks, base)`` gets them at once (else
-    ``verified`` each).
+    ``verified`` each); with ``background`` (an executor's submit), a piece of the run at a time, on that
+    executor while the next piece is read.
     """
     spec = KVSpec.of(chain.ns)
     B = spec.block_tokens
@@ -118,20 +125,45 @@ def read_records(
 
     ok: list[bool] = []
     if scatter and read_native is not None:
-        passed: list[int] = []
-        status, prefixes = read_native([(i, e, i - base) for i, e in scatter], target)
-        for j, st in enumerate(status):
-            if st == ST_PYTHON:  # compressed yet of the raw length: Python decodes it, the header already in
-                ok.append(verify(j, views(j)))
-            else:
-                ok.append(st == ST_OK)
-                if ok[-1]:
-                    passed.append(scatter[j][0])
-        if passed and verified_run is not None:
-            verified_run(target, passed, base)
-        elif verified is not None:
-            for i in passed:
-                verified(i, block(i))
+        # With a background thread for the promotions, the run is read in pieces, each piece's good blocks
+        # promoted there while the next is read; they are all done before this returns (``target`` may be
+        # a chunk buffer that its caller reuses next).
+        step = len(scatter)
+        if verified_run is not None and background is not None:
+            step = max(1, PIECE_NBYTES // spec.block_nbytes)
+        pending: list[concurrent.futures.Future[None]] = []
+        try:
+            for at in range(0, len(scatter), step):
+                part = scatter[at : at + step]
+                status, got = read_native([(i, e, i - base) for i, e in part], target)
+                if step < len(scatter):
+                    prefixes[at * prefix_nbytes : (at + len(part)) * prefix_nbytes] = got
+                else:
+                    prefixes = got
+                passed: list[int] = []
+                for j, st in enumerate(status, at):
+                    if (
+                        st == ST_PYTHON
+                    ):  # compressed yet of the raw length: Python decodes it, header in place
+                        ok.append(verify(j, views(j)))
+                    else:
+                        ok.append(st == ST_OK)
+                        if ok[-1]:
+                            passed.append(scatter[j][0])
+                if passed and verified_run is not None:
+                    if step < len(scatter):  # in order, on the one thread: none refused for the other's lock
+                        assert background is not None
+                        pending.append(background(verified_run, target, passed, base))
+                    else:
+                        verified_run(target, passed, base)
+                elif verified is not None:
+                    for i in passed:
+                        verified(i, block(i))
+                if not all(ok):  # the run ends at the first bad record: the rest is not read
+                    break
+        finally:
+            for fut in pending:
+                fut.result()
     elif scatter:
         pieces = [views(j) for j in range(len(scatter))]
         ok = read_into([(e, pieces[j]) for j, (_, e) in enumerate(scatter)], lambda j: verify(j, pieces[j]))
@@ -175,7 +207,9 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
         part = entries[i0 - first : i0 - first + n]
         verified = target.verified if target.on_verified is not None else None  # no view per block
         run = target.verified_run if target.on_verified_run is not None else None
-        return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native, run)
+        return read_records(
+            chain, part, i0, buf, base, scatter, whole, verified, read_native, run, target.background
+        )
 
     try:
         got = target.fill(first, len(entries), fill)
