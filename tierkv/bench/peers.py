@@ -200,6 +200,8 @@ def _systems() -> list[_System]:
 
 
 def run(base: Path, *, prompts: int = 4, prompt_tokens: int = 4096, runs: int = 3) -> dict[str, Any]:
+    """Each column's runs alternate the systems (in turn, the order reversed every other run): this disk's
+    bandwidth drifts over minutes, and a system measured in a window of its own got that window's disk."""
     gen = torch.Generator().manual_seed(0)
     toks = [[p * 10**6 + t for t in range(prompt_tokens)] for p in range(prompts)]
     kvs = [
@@ -209,46 +211,63 @@ def run(base: Path, *, prompts: int = 4, prompt_tokens: int = 4096, runs: int = 
     nbytes = sum(k.numel() * 4 for k in kvs)
     out = torch.empty_like(kvs[0])
     blocks = prompt_tokens // B
-    rows: dict[str, dict[str, float]] = {}
     systems = _systems()
     if not native.enabled():  # no native build here: the row would be the Python path twice
         systems = [s for s in systems if not (isinstance(s, _Tierkv) and s.use_native)]
-    for system in systems:
-        row: dict[str, float] = {}
-        for layout in ("contiguous", "interleaved"):
-            root = base / "peer"
-            order = _order(prompts, blocks, layout == "interleaved")
-            stores: list[float] = []
-            for _ in range(runs if layout == "contiguous" else 1):
+    speeds: dict[tuple[str, str], list[float]] = {}
+    roots = {s.name: base / f"peer-{i}" for i, s in enumerate(systems)}
+
+    def turns(r: int) -> list[_System]:
+        return systems if r % 2 == 0 else systems[::-1]
+
+    for layout in ("contiguous", "interleaved"):
+        order = _order(prompts, blocks, layout == "interleaved")
+        for r in range(runs if layout == "contiguous" else 1):
+            for system in turns(r):
+                root = roots[system.name]
                 shutil.rmtree(root, ignore_errors=True)
                 t0 = time.perf_counter()
                 system.store(root, kvs, toks, order)
-                stores.append(nbytes / (time.perf_counter() - t0))
-            if layout == "contiguous":
-                row["store"] = statistics.median(stores)
-            for temp in ("cold", "warm"):
-                speeds: list[float] = []
-                for _ in range(runs):
+                if layout == "contiguous":
+                    speeds.setdefault((system.name, "store"), []).append(nbytes / (time.perf_counter() - t0))
+        for temp in ("cold", "warm"):
+            for r in range(runs):
+                for system in turns(r):
+                    root = roots[system.name]
                     if temp == "cold":
                         drop_page_cache([p for p in root.rglob("*") if p.is_file()])
+                    else:  # its files in the page cache, as a recent store or load leaves them
+                        _cache([p for p in root.rglob("*") if p.is_file()])
                     if hasattr(system, "open"):
                         system.open(root)
                     try:
                         t0 = time.perf_counter()
                         for p in range(prompts):
                             system.load(root, p, toks[p], out)
-                        speeds.append(nbytes / (time.perf_counter() - t0))
+                        speed = nbytes / (time.perf_counter() - t0)
                     finally:
                         if hasattr(system, "close"):
                             system.close()
                     assert torch.equal(out, kvs[-1]), f"{system.name}: wrong KV"
-                row[f"{temp} {layout}"] = statistics.median(speeds)
-            shutil.rmtree(root, ignore_errors=True)
-        rows[system.name] = row
+                    speeds.setdefault((system.name, f"{temp} {layout}"), []).append(speed)
+    for root in roots.values():
+        shutil.rmtree(root, ignore_errors=True)
+    rows = {
+        s.name: {col: statistics.median(speeds[s.name, col]) for col in COLUMNS if (s.name, col) in speeds}
+        for s in systems
+    }
     return {
         "config": {"kv_nbytes": nbytes, "prompts": prompts, "prompt_tokens": prompt_tokens, "runs": runs},
         "rows_Bps": rows,
     }
+
+
+def _cache(paths: list[Path]) -> None:
+    """Read ``paths`` into the page cache (a warm run after another system's cold one)."""
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(8 << 20):
+                pass
 
 
 COLUMNS = ("store", "cold contiguous", "cold interleaved", "warm contiguous", "warm interleaved")
