@@ -433,3 +433,41 @@ def test_a_save_s_private_copies_are_made_in_one_native_call_and_match_torch_s(n
     assert calls == [8, 8] and all(
         torch.equal(buf, b.contiguous().view(-1).view(torch.uint8)) for b, buf in zip(mixed, got)
     )
+
+
+def test_prompts_saved_interleaved_are_written_each_in_one_run(tmp_path, ns) -> None:
+    """Block b of every prompt saved before block b+1 of any (a server saving many prompts at once): the
+    disk writer appends each prompt's blocks of a batch one after the other, so that its restore reads a
+    run of adjacent records; what was queued, and a prefix two prompts share, restore exactly."""
+    from tierkv import TieredStore
+
+    B = ns.block_tokens
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        gate, busy = threading.Event(), threading.Event()
+        writer = store.tier("disk").writer
+        handle = writer._handle
+        writer._batches._handle = lambda items: (busy.set(), gate.wait(30), handle(items))
+        try:
+            store.save(ns, list(range(7 * 10**6, 7 * 10**6 + B)), make_kv(ns, B, seed=9))  # the writer's first batch, held
+            assert busy.wait(30)
+            shared = [10**6 + t for t in range(B)]
+            prompts = [shared + [p * 100_000 + t for t in range(5 * B)] for p in range(3)]
+            kvs = [make_kv(ns, 6 * B, seed=p) for p in range(3)]
+            for p in range(3):  # kvs agree on the shared block: a prefix's KV is the prefix's
+                kvs[p][:, :, :B] = kvs[0][:, :, :B]
+            for b in range(6):
+                for p in range(3):
+                    store.save(ns, prompts[p][: (b + 1) * B], kvs[p][:, :, : (b + 1) * B], start_block=b)
+        finally:
+            gate.set()
+        assert store.flush() == 0
+        disk = store.tier("disk")
+        for p in range(3):
+            entries = disk.locate(BlockChain.of(ns, prompts[p]).keys)
+            first = 0 if p == 0 else 1  # the shared block lies before the first prompt's own blocks
+            for a, b in zip(entries[first:], entries[first + 1 :]):
+                assert a.seg_id == b.seg_id and b.offset == a.offset + -(-a.nbytes // 4096) * 4096, p
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for toks, kv in zip(prompts, kvs):
+            hit, got = store.restore(ns, toks)
+            assert hit.by_tier["disk"] == 6 * B and torch.equal(got, kv)
