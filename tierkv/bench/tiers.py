@@ -218,7 +218,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     rows["restore from host tier"] = summary(hosted_bws)
     # A fresh process's first cold restores, with a host tier (allocated, and promoted into, on the way)
     # and without, alternated so that drift favours neither.
-    firsts = [(p, h) for p in paths[:2] for h in (2 * data_nbytes, 0)]
+    firsts = [(p, h) for p in paths for h in (2 * data_nbytes, 0)]
     if data_nbytes < 96 << 20:  # a quick run: each is a fresh process, the native path's alone will do
         firsts = [(paths[0], 2 * data_nbytes)]
     first: dict[tuple[str, int], list[float]] = {k: [] for k in firsts}
@@ -245,7 +245,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             for toks in prompts:
                 store.save(NS, toks[: (b + 1) * 64], kv[:, :, : (b + 1) * 64], start_block=b)
         store.flush()
-    for path in paths[:2]:
+    for path in paths:
         rows[f"restore interleaved prefixes, cold [{path}]"] = summary(
             _restores(store_dir, prompts, out, runs, cold=True, path=path)[0]
         )
@@ -345,7 +345,7 @@ def _ratios(
         out[f"restore cold one-prefix / disk limit [{path}]"] = (
             rows[f"restore one-prefix, cold [{path}]"]["median"] / od
         )
-    for path in paths[:2]:
+    for path in paths:
         if f"first restore in a fresh process, cold, host tier on [{path}]" in rows:
             out[f"first restore, host tier on / disk limit [{path}]"] = (
                 rows[f"first restore in a fresh process, cold, host tier on [{path}]"]["median"] / od
@@ -353,6 +353,8 @@ def _ratios(
         out[f"restore cold interleaved / disk limit [{path}]"] = (
             rows[f"restore interleaved prefixes, cold [{path}]"]["median"] / od
         )
+        if f"restore one-prefix, warm page cache [{path}]" not in rows:
+            continue
         warm_read = next((v for k, v in rows.items() if k.startswith("raw buffered warm read")), None)
         if warm_read:
             out[f"restore warm / the page cache's read [{path}]"] = (
