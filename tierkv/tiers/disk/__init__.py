@@ -1,6 +1,6 @@
 """The durable disk tier: an LMDB index (``index.py``, schema in ``schema.py``) over append-only segment
 files (``segments.py``), written behind by one thread per process (``writer.py``) and swept by
-``sweeps.py``. This module is the façade the store and the CLI use.
+``sweeps.py``. This module is the façade the store and the CLI use; its write side is ``writes.py``.
 
 Several processes share one directory (workers, an engine's processes, ``tierkv gc``): LMDB serialises
 their write transactions, every decision that depends on the index is taken inside the write transaction
@@ -10,7 +10,6 @@ that acts on it, and each writing process appends to a segment of its own, flock
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -25,18 +24,16 @@ from tierkv import native
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
-from tierkv.retention import Retention
 from tierkv.tenancy import Quota
-from tierkv.tiers.base import BlockWrite, Tier
+from tierkv.tiers.base import Tier
 from tierkv.tiers.disk.access_times import Touch
-from tierkv.tiers.disk.index import Index, Txn
+from tierkv.tiers.disk.index import Index
 from tierkv.tiers.disk.pins import check_pin
 from tierkv.tiers.disk.schema import (
     ALIGNED_RECORDS_FORMAT_VERSION,
     RETENTION_FORMAT_VERSION,
     STORE_FORMAT_VERSION,
     Entry,
-    Hole,
     Policy,
     SweepReport,
 )
@@ -47,13 +44,10 @@ from tierkv.tiers.disk.writer import (
     DEFAULT_BATCH_NBYTES,
     DEFAULT_QUEUE_NBYTES,
     DEFAULT_SEGMENT_NBYTES,
-    FLUSH_TIMEOUT_S,
     AccessTimes,
-    Purge,
-    Put,
-    Record,
     Writer,
 )
+from tierkv.tiers.disk.writes import DiskWrites
 from tierkv.units import env_flag, format_size
 
 if TYPE_CHECKING:
@@ -66,7 +60,7 @@ __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "STORE_FORMAT_VERSION", "DiskTier", "Entr
 DEFAULT_MAP_NBYTES = 1 << 30  # the index only (about 200 B per block); a sparse file, grown when full
 
 
-class DiskTier(Tier):
+class DiskTier(DiskWrites, Tier):
     """Durable, content-addressed block store. Thread-safe; one instance per process and directory, any
     number of processes per directory."""
 
@@ -253,68 +247,13 @@ class DiskTier(Tier):
 
         return read_into(self, chain, first, count, target)
 
-    def _accepting(self) -> bool:
-        return not self.read_only and not self._closed and self.writer is not None and self.writer.accepting
-
-    writes_back = True  # a block its queue has no room for may wait in the host tier (write_behind.py)
-
-    def needs(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
-        if self.read_only:
-            return [False] * len(idx)
-        wanted = [not h for h in self.holds([chain.keys[i] for i in idx])]
-        if any(wanted) and not (self._accepting() or self.writer is not None and self.writer.healthy):
-            # Degraded (a full disk) or the writer gone: counted as dropped now, not copied to be dropped.
-            # A full queue is not a drop: the write-behind keeps the block dirty in the host tier.
-            self.counters.add("disk", "dropped_saves", sum(wanted))
-            return [False] * len(idx)
-        return wanted
-
-    def has_room(self, nbytes: int) -> bool:
-        """Whether the writer's queue takes a record of ``nbytes`` now."""
-        return (
-            not self.read_only and not self._closed and self.writer is not None and self.writer.room(nbytes)
-        )
-
-    def on_room(self, refill: Callable[[], object]) -> None:
-        """``refill`` runs on the writer thread after each batch while its queue has room."""
-        if self.writer is not None:
-            self.writer.on_room = refill
-
-    def write(self, block: BlockWrite) -> bool:
-        return bool(self.try_write(block, full_ok=False))
-
-    def try_write(self, block: BlockWrite, full_ok: bool = True) -> bool | None:
-        """``write``; with ``full_ok``, None (nothing counted, nothing released) when the queue is full."""
-        if self.writer is None or self._closed:
-            raise RuntimeError("this DiskTier was opened without a writer")
-        item = Put(
-            block.ns.digest,
-            bytes(block.key),
-            functools.partial(block.unsealed, self.record_version),
-            block.nbytes,
-            block.created_s,
-            block.release,
-            block.ns.spec_bytes,
-            block.live,
-            parent=bytes(block.parent),
-        )
-        return self.writer.put(item, full_ok=full_ok)
-
-    def extend_retention(self, chain: BlockChain, count: int, retention: Retention) -> None:
-        """Blocks ``0..count-1`` of ``chain`` were used with ``retention``: their own retention and pin
-        are extended, never shortened (written behind like access times; a block still on its way gets
-        them once indexed). Pins are checked against the budget by ``check_pin`` first; one that no
-        longer fits when written is not taken (counted as ``pins_refused``)."""
-        if self.read_only or self._closed or not (retention.ttl_s or retention.pin_s):
-            return
-        now = self.clock()
-        pin_until_s = now + retention.pin_s if retention.pin_s else 0.0
-        self.times.touch(chain.keys[:count], now, retention.ttl_s, pin_until_s)
-
     def check_pin(self, chain: BlockChain, count: int, record_nbytes: int) -> None:
         """Raise ``PinBudgetError`` unless pinning blocks ``0..count-1`` of ``chain`` fits in the pin
         budget (``pins.check_pin``)."""
         check_pin(self, chain, count, record_nbytes)
+
+    def drop(self, ns: NamespaceDigest | None) -> int:
+        return self.purge_namespace(ns).purged
 
     def format_version(self) -> int:
         """The store's format version now (``schema.py``: another process may have upgraded it)."""
@@ -334,17 +273,6 @@ class DiskTier(Tier):
                 f"the cache directory {self.path} is format 1 (older tierkv builds may share it): retention "
                 "and pins need `tierkv gc --upgrade --cache-dir DIR` (stop older builds first)"
             )
-
-    def served_above(self, chain: BlockChain, idx: Sequence[int]) -> list[int]:
-        """A hit in memory refreshes the disk copy's TTL; a block whose disk copy is gone (expired,
-        evicted, its save dropped) is wanted again, so a restart does not lose it."""
-        if self.read_only or not idx:
-            return []
-        keys = [chain.keys[i] for i in idx]
-        self.touch(keys)
-        if not self._accepting():
-            return []
-        return [i for i, held in zip(idx, self.holds(keys)) if not held]
 
     def stats(self) -> dict[str, int]:
         usage = self.usage()
@@ -436,103 +364,6 @@ class DiskTier(Tier):
             how = "buffered with readahead"
         writes = ("O_DIRECT" if seg.direct_ok else refused) if seg.direct_writes else "buffered"
         return f"native (reads {how}, {native.READ_THREADS} in flight; writes {writes}, sealed and synced natively)"
-
-    # ---------------------------------------------------------------- writes
-
-    def touch(self, keys: Sequence[BlockKey], nbytes: int = 0) -> None:
-        """Record hits: refreshes the sliding TTL (written in batches by the writer thread)."""
-        self.times.touch(keys, self.clock())
-        if nbytes:
-            self.counters.add("disk", "bytes_read", nbytes)
-
-    def put(
-        self,
-        ns_digest: NamespaceDigest,
-        key: BlockKey,
-        record: bytes | Callable[[], Record],
-        nbytes: int,
-        created_s: float,
-        release: Callable[[], None] | None = None,
-        ns_spec: bytes | None = None,
-        live: Callable[[], bool] | None = None,
-    ) -> bool:
-        """Queue one record (its bytes, or a function the writer thread calls to encode it).
-
-        ``release`` runs on the writer thread once the record is written or skipped. Returns False (and
-        counts a dropped save) when the queue is full, the tier is degraded or its writer is gone; then
-        nothing runs and the caller still owns what ``release`` would have freed. ``ns_spec`` (the
-        namespace's JSON) is recorded with the namespace's first block, for stats. Once ``live()`` is
-        False the record is dropped, not indexed (checked in the transaction that would index it).
-        """
-        if self.writer is None or self._closed:
-            raise RuntimeError("this DiskTier was opened without a writer")
-        if (
-            not callable(record)
-            and len(record) >= 6
-            and (v := int.from_bytes(record[4:6], "little")) > (self.record_version)
-        ):  # older builds may share a store that takes version 1
-            raise ValueError(f"a record of version {v} for a store that takes version {self.record_version}")
-        make: Callable[[], Record] = record if callable(record) else functools.partial(list, (record,))
-        return bool(
-            self.writer.put(Put(ns_digest, bytes(key), make, nbytes, created_s, release, ns_spec, live))
-        )
-
-    def purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
-        """Remove a record that failed verification, if the index still points at what was read."""
-        self.counters.add("disk", "corrupt_blocks")
-        self._purge(key, location)
-
-    def _purge(self, key: BlockKey, location: tuple[int, int, int]) -> None:
-        if self.writer is None or self._closed or not self.writer.purge(Purge(bytes(key), location)):
-            self.segments.release(self.index.remove_at([(bytes(key), location)]))
-
-    def drop(self, ns: NamespaceDigest | None) -> int:
-        return self.purge_namespace(ns).purged
-
-    def invalidate(self, ns: NamespaceDigest, keys: Sequence[BlockKey]) -> list[bool]:
-        """Remove these keys' records now, in one write transaction on the caller's thread: a record the
-        writer committed before it is removed (LMDB serialises write transactions), and the writer refuses
-        any later commit of a save from before the fence (its liveness is checked in that transaction).
-        Per key: indexed, or a save of it was queued."""
-        if self.read_only or self._closed:
-            return [False] * len(keys)
-        pending = self.writer.pending(keys) if self.writer is not None else [False] * len(keys)
-
-        def remove(txn: Txn) -> tuple[list[Hole], list[bool]]:
-            holes: list[Hole] = []
-            held: list[bool] = []
-            for key in keys:
-                raw = txn.get(key, db=self.index.db["index"])
-                held.append(raw is not None)
-                if raw is not None:
-                    e = Entry.unpack(raw)
-                    holes.append((*e.location, self.index.remove(txn, key, e)))
-            return holes, held
-
-        holes, held = self.index.write(remove)
-        self.segments.release(holes)
-        return [h or p for h, p in zip(held, pending)]
-
-    def register_namespace(self, ns: Namespace) -> None:
-        """Record a namespace's spec (for stats). Saves do this themselves, in the transaction that indexes
-        a namespace's first block; the row goes with its last block, so hostile salts cannot grow it."""
-        spec = ns.spec_bytes
-        with self.index.read() as txn:
-            if txn.get(ns.digest, db=self.index.db["namespaces"]) == spec:
-                return  # no write transaction (and no wait for LMDB's write lock) when nothing changes
-        self.index.write(lambda txn: self.index.put_namespace(txn, ns.digest, spec))
-
-    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
-        """Wait until every queued record is durable (or dropped) and access times are written; never for
-        ever (False after ``timeout_s``)."""
-        if self.writer is not None:
-            return self.writer.flush(timeout_s)
-        try:
-            self.times.flush()
-        except (OSError, lmdb.Error) as exc:
-            log.warning("disk tier flush: access times not written: %s", exc)
-            return False
-        return True
 
     # ---------------------------------------------------------------- maintenance (gc, stats)
 
