@@ -448,7 +448,8 @@ def test_prompts_saved_interleaved_are_written_each_in_one_run(tmp_path, ns) -> 
         handle = writer._handle
         writer._batches._handle = lambda items: (busy.set(), gate.wait(30), handle(items))
         try:
-            store.save(ns, list(range(7 * 10**6, 7 * 10**6 + B)), make_kv(ns, B, seed=9))  # the writer's first batch, held
+            held = list(range(7 * 10**6, 7 * 10**6 + B))
+            store.save(ns, held, make_kv(ns, B, seed=9))  # the writer's first batch, held at the gate
             assert busy.wait(30)
             shared = [10**6 + t for t in range(B)]
             prompts = [shared + [p * 100_000 + t for t in range(5 * B)] for p in range(3)]
