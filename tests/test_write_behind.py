@@ -472,3 +472,43 @@ def test_prompts_saved_interleaved_are_written_each_in_one_run(tmp_path, ns) -> 
         for toks, kv in zip(prompts, kvs):
             hit, got = store.restore(ns, toks)
             assert hit.by_tier["disk"] == 6 * B and torch.equal(got, kv)
+
+
+def _put(key: bytes, parent: bytes | None, evict: bool = True):  # type: ignore[no-untyped-def]
+    from tierkv.tiers.disk.writer import Put
+
+    return Put(b"ns", key, list, 1, 0.0, None, parent=parent, evict=evict)
+
+
+def test_by_chain_puts_each_block_after_its_parent_and_keeps_the_rest_in_order() -> None:
+    """Two prompts interleaved, a third forking from the first's second block, a block whose parent is
+    not in the batch: each chain's blocks together, chains in the order they began; the shared block
+    continues the first chain to extend it (here the fork), the other's later blocks a chain of their
+    own after it; nothing lost or duplicated."""
+    from tierkv.tiers.disk.writer import by_chain
+
+    queued = [
+        _put(b"a0", None),
+        _put(b"b0", None),
+        _put(b"a1", b"a0"),
+        _put(b"b1", b"b0"),
+        _put(b"c2", b"a1"),  # forks from a's second block
+        _put(b"a2", b"a1"),
+        _put(b"x5", b"x4"),  # its parent was written in an earlier batch
+        _put(b"b2", b"b1"),
+        _put(b"c3", b"c2"),
+    ]
+    got = [p.key for p in by_chain(queued)]
+    assert got == [b"a0", b"a1", b"c2", b"c3", b"b0", b"b1", b"b2", b"a2", b"x5"]
+    assert sorted(got) == sorted(p.key for p in queued)
+    at = {k: i for i, k in enumerate(got)}
+    assert all(at[p.parent] < at[p.key] for p in queued if p.parent in at)
+
+
+def test_by_chain_keeps_an_import_s_order() -> None:
+    """An import queues records most recently used first and must not evict to fit them: its order is
+    what decides which records a tight budget keeps, so its batches are appended as queued."""
+    from tierkv.tiers.disk.writer import by_chain
+
+    queued = [_put(b"a0", None, evict=False), _put(b"b0", None, evict=False), _put(b"a1", b"a0", evict=False)]
+    assert [p.key for p in by_chain(queued)] == [b"a0", b"b0", b"a1"]

@@ -386,7 +386,7 @@ class TieredStore(TenantQuotas):
             )
             if promote is not None:
                 target.on_verified, target.on_verified_run = promote, promote.run
-                target.background = self._stagers.promoter().submit
+                target.background = target.behind
             for k, first, end in order:
                 if first >= n:
                     continue  # past a block that did not restore: the prefix ends there

@@ -221,6 +221,7 @@ def test_a_run_read_in_pieces_promotes_each_piece_on_the_promoting_thread(
         _damage(tmp_path, ns, toks, damaged, "payload-last")
     block_nbytes = kv[:, :, :B].numel() * kv.element_size()
     monkeypatch.setattr(reader, "PIECE_NBYTES", 2 * block_nbytes)  # pieces of 2 blocks: 0-1, 2-3, 4-5, ...
+    monkeypatch.setattr(native, "READ_THREADS", 2)  # (a piece holds a record for every reading thread)
     promoted_on: list[tuple[str, int]] = []
     put_run = BlockPool.put_run
 
@@ -241,6 +242,95 @@ def test_a_run_read_in_pieces_promotes_each_piece_on_the_promoting_thread(
         assert store.lookup(ns, toks).by_tier["host"] == good * B
         hit, got = store.restore(ns, toks)
         assert hit.by_tier["host"] == good * B and torch.equal(got, kv[:, :, : good * B])
+
+
+def test_a_transient_read_error_in_a_later_piece_is_a_miss_once_the_promotions_are_done(
+    tmp_path, ns, monkeypatch
+) -> None:
+    """A read that fails not for the records' sake (no descriptors, say) in the second piece: the restore
+    is a miss, not an error, and returns only once the first piece's promotion is over (its blocks,
+    verified, are in the host tier; no promoting thread is left)."""
+    from tierkv.tiers.disk import native_read, reader
+    from tierkv.tiers.disk.files import TransientReadError
+
+    B = ns.block_tokens
+    toks = list(range(8 * B))
+    kv = make_kv(ns, 8 * B)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    block_nbytes = kv[:, :, :B].numel() * kv.element_size()
+    monkeypatch.setattr(reader, "PIECE_NBYTES", 2 * block_nbytes)
+    monkeypatch.setattr(native, "READ_THREADS", 2)  # pieces of 2 blocks
+    calls = []
+    real = native_read.read_run
+
+    def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise TransientReadError(24, "opening segments: too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native_read, "read_run", flaky)
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=64 << 20) as store:
+        store.reserve(ns, populate_now=True)
+        hit, got = store.restore(ns, toks)
+        assert hit.num_tokens == 0 and got is None
+        assert store.stats()["disk"]["transient_read_errors"] == 1
+        assert not [t for t in threading.enumerate() if t.name.startswith("tierkv-promote")]
+        assert store.lookup(ns, toks).by_tier["host"] == 2 * B  # the first piece, promoted and kept
+        monkeypatch.setattr(native_read, "read_run", real)
+        hit, got = store.restore(ns, toks)
+        assert hit.num_tokens == 8 * B and torch.equal(got, kv)
+
+
+def test_concurrent_restores_read_in_pieces_each_promote_on_their_own_thread(
+    tmp_path, ns, monkeypatch
+) -> None:
+    """Two threads restoring different prompts at once, each read in pieces: both exact, every block
+    promoted, each restore's promotions on a thread of its own (neither waits behind the other's)."""
+    from tierkv.tiers.disk import reader
+    from tierkv.tiers.pool import BlockPool
+
+    B = ns.block_tokens
+    prompts = [[p * 100_000 + t for t in range(8 * B)] for p in range(2)]
+    kvs = [make_kv(ns, 8 * B, seed=p) for p in range(2)]
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for toks, kv in zip(prompts, kvs):
+            store.save(ns, toks, kv)
+        store.flush()
+    block_nbytes = kvs[0][:, :, :B].numel() * kvs[0].element_size()
+    monkeypatch.setattr(reader, "PIECE_NBYTES", 2 * block_nbytes)
+    monkeypatch.setattr(native, "READ_THREADS", 2)
+    on: dict[int, set[int]] = {0: set(), 1: set()}  # per restore: the promoting threads' idents
+    put_run = BlockPool.put_run
+
+    def spy(self, keys, *args, **kwargs):  # type: ignore[no-untyped-def]
+        for p, toks in enumerate(prompts):
+            if bytes(keys[0]) in {bytes(k) for k in BlockChain.of(ns, toks).keys}:
+                on[p].add(threading.get_ident())
+        return put_run(self, keys, *args, **kwargs)
+
+    monkeypatch.setattr(BlockPool, "put_run", spy)
+    results: list[tuple[int, bool]] = []
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=64 << 20) as store:
+        store.reserve(ns, populate_now=True)
+        go = threading.Barrier(2)
+
+        def restore(p: int) -> None:
+            go.wait()
+            hit, got = store.restore(ns, prompts[p])
+            results.append((hit.num_tokens, got is not None and torch.equal(got, kvs[p])))
+
+        threads = [threading.Thread(target=restore, args=(p,)) for p in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(results) == [(8 * B, True), (8 * B, True)]
+        assert on[0] and on[1] and not on[0] & on[1]
+        for toks in prompts:
+            assert store.lookup(ns, toks).by_tier["host"] == 8 * B
 
 
 def test_a_compressed_record_of_the_raw_length_goes_to_python_and_is_checked_there(tmp_path, ns) -> None:

@@ -61,49 +61,57 @@ def tag(desc: dict[str, Any]) -> str:
 def drop_page_cache(paths: list[Path]) -> str:
     """Make ``paths`` cold: each file synced and dropped from the page cache (``fadvise(DONTNEED)``).
     Returns the method, with how much stayed cached (pages mapped by a process: drop_caches leaves those
-    too), if any.
+    too) or that this could not be told.
 
     Only these files: dropping the machine's whole page cache (drop_caches, which this did when root
     until 2026-12-05) also evicts the benchmark's own code (torch's libraries), and a fresh process's first
     restore then paid about 20 ms reading it back from the disk, charged to the restore (`target[0, 0]`,
     a first indexing in the process, took 22 ms after drop_caches and 0.2 ms after dropping the store's
     files). A server restarted on a warm machine has its code in memory and its cache files on disk."""
-    left = 0
+    left: int | None = 0
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)  # dirty pages are not dropped
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            left += _resident_nbytes(fd)
+            resident = _resident_nbytes(fd)
+            left = None if left is None or resident is None else left + resident
         finally:
             os.close(fd)
     method = "fadvise(DONTNEED) of the files read"
+    if left is None:
+        return f"{method} (what stayed cached unknown: no mincore)"
     return method if left == 0 else f"{method} ({format_size(left)} mapped stayed cached)"
 
 
-def _resident_nbytes(fd: int) -> int:
-    """How much of the open file ``fd`` the page cache holds (mincore over a map of it, which reads
-    nothing); 0 where that cannot be told (an empty file, no mincore)."""
+def _resident_nbytes(fd: int) -> int | None:
+    """How much of the open file ``fd`` the page cache holds (mincore over a read-only map of it, which
+    reads nothing); None where that cannot be told."""
     import ctypes
     import mmap
+
+    import numpy as np
 
     size = os.fstat(fd).st_size
     if size == 0:
         return 0
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        # private and writable only so that ctypes can take its address; nothing is written
-        m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+        m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     except (OSError, ValueError, AttributeError):
-        return 0
+        return None
     page = mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-    buf = ctypes.c_char.from_buffer(m)
+    vec = np.zeros((size + page - 1) // page, dtype=np.uint8)
     try:
-        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
-        return 0 if rc != 0 else sum(v & 1 for v in vec) * page
+        view = np.frombuffer(m, dtype=np.uint8)
+        try:
+            rc = mincore(
+                ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec.ctypes.data_as(ctypes.c_void_p)
+            )
+        finally:
+            del view  # the map's buffer export, before it closes
+        return None if rc != 0 else int(np.count_nonzero(vec & 1)) * page
     finally:
-        del buf
         m.close()
 
 

@@ -126,7 +126,9 @@ def _cycle(
             if phase == "second call":  # restart: SIGTERM flushes the store; then nothing of it in RAM
                 srv.stop()
                 srv = None
-                method = drop_page_cache(list((cache / "segments").glob("*.seg")))
+                method = drop_page_cache(
+                    [*(cache / "segments").glob("*.seg"), *(cache / "index").glob("*.mdb")]
+                )
     finally:
         if srv is not None:  # also when a call failed: no server is left running
             srv.stop()

@@ -90,7 +90,9 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 3) -> dict[str
                 times["restore"].append(time.perf_counter() - t0)
 
         def export() -> None:
-            drop_page_cache(sorted((store_dir / "segments").glob("*.seg")))
+            drop_page_cache(
+                [*sorted((store_dir / "segments").glob("*.seg")), *(store_dir / "index").glob("*.mdb")]
+            )
             t0 = time.perf_counter()
             assert _export(store_dir, archive) == blocks
             times["export"].append(time.perf_counter() - t0)

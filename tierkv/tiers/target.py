@@ -152,8 +152,6 @@ class Stagers:
         self._stager: _Stager | None = None
         self._lock = threading.Lock()
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # a sink's copies, made on need
-        self._promoter: concurrent.futures.ThreadPoolExecutor | None = None  # promotions, made on need
-        self._promoter_lock = threading.Lock()
         self._closed = False
 
     def copier(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -166,19 +164,6 @@ class Stagers:
             )
         return self._copier
 
-    def promoter(self) -> concurrent.futures.ThreadPoolExecutor:
-        """One thread for promotions into the memory tiers, copying what a record tier verified while it
-        reads the rest of the run (a copy into the host tier cost a fresh process's first cold restores
-        about a tenth of their time when it followed the read)."""
-        with self._promoter_lock:
-            if self._closed:
-                raise RuntimeError("the store is closed")
-            if self._promoter is None:
-                self._promoter = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="tierkv-promote", initializer=spread_here
-                )
-            return self._promoter
-
     def reserve(self, spec: KVSpec) -> None:
         """The CPU chunk buffers for ``spec`` and the sinks' copier now (the buffers faulted in), not on
         the first restore that needs them."""
@@ -187,17 +172,14 @@ class Stagers:
             self.copier()
         finally:
             self._lock.release()
-        self.promoter()
 
     def close(self) -> None:
-        with self._lock, self._promoter_lock:  # after any restore using the copier
+        with self._lock:  # after any restore using the copier
             self._closed = True
             copier, self._copier = self._copier, None
-            promoter, self._promoter = self._promoter, None
             self._stager = None  # its buffers (pinned, for a GPU) go with the store
-        for pool in (copier, promoter):
-            if pool is not None:
-                pool.shutdown(wait=True)
+        if copier is not None:
+            copier.shutdown(wait=True)
 
     @contextlib.contextmanager
     def target(self, dest: torch.Tensor | Sink, spec: KVSpec) -> Iterator[Target]:
@@ -208,6 +190,7 @@ class Stagers:
             try:
                 yield target
             finally:
+                target.close_behind()  # the promotions a reader left behind are done (it waits for them)
                 try:
                     if isinstance(dest, torch.Tensor):  # a sink's copies are done when its calls return
                         wait_for_copies(dest)  # before the slots and the chunk buffers are let go
@@ -253,9 +236,25 @@ class Target:
         self.on_verified: Callable[[int, torch.Tensor], None] | None = None
         # The same for a run of blocks verified at once: (buffer, block indices, the buffer's first block).
         self.on_verified_run: Callable[[torch.Tensor, list[int], int], None] | None = None
-        # Where a reader may run ``verified_run`` while it reads on (its caller waits for the future before
-        # the buffer is reused or handed back); None: on the reading thread.
+        # Where a reader may run ``verified_run`` while it reads on (it waits for the futures before the
+        # buffer is reused or handed back); None: on the reading thread. ``behind``, where promoting.
         self.background: Callable[..., concurrent.futures.Future[None]] | None = None
+        self._behind: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def behind(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+        """Run ``fn(*args)`` on this restore's own thread (started on the first call), in order: a
+        promotion copies what was verified while the reader reads on. One thread a restore: concurrent
+        restores do not wait behind each other's copies, and the restore's end joins it."""
+        if self._behind is None:
+            self._behind = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tierkv-promote", initializer=spread_here
+            )
+        return self._behind.submit(fn, *args)
+
+    def close_behind(self) -> None:
+        if self._behind is not None:
+            self._behind.shutdown(wait=True, cancel_futures=True)
+            self._behind = None
 
     def verified(self, i: int, block: torch.Tensor) -> None:
         if self.on_verified is not None:

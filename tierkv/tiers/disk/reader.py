@@ -39,6 +39,23 @@ ReadWhole = Callable[[Sequence[Entry]], contextlib.AbstractContextManager[list[m
 ReadNative = Callable[[Sequence[tuple[int, Entry, int]], torch.Tensor], tuple[list[int], memoryview]]
 
 
+def _settle(pending: list[concurrent.futures.Future[None]]) -> None:
+    """Every promotion left behind is over before ``target`` may be reused, whatever raised meanwhile
+    (here, or on the promoting thread: ``Promoter.run`` logs its own errors; an interrupt waits too)."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            concurrent.futures.wait(pending)
+            break
+        except BaseException as exc:  # KeyboardInterrupt: raised once the copies from target are done
+            interrupted = exc
+    for fut in pending:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("promoting a restored piece failed: %r", fut.exception())
+    if interrupted is not None:
+        raise interrupted
+
+
 def read_records(
     chain: BlockChain,
     entries: Sequence[Entry],
@@ -129,8 +146,8 @@ def read_records(
         # promoted there while the next is read; they are all done before this returns (``target`` may be
         # a chunk buffer that its caller reuses next).
         step = len(scatter)
-        if verified_run is not None and background is not None:
-            step = max(1, PIECE_NBYTES // spec.block_nbytes)
+        if verified_run is not None and background is not None:  # records enough for every reading thread
+            step = max(native.READ_THREADS, PIECE_NBYTES // spec.block_nbytes)
         pending: list[concurrent.futures.Future[None]] = []
         try:
             for at in range(0, len(scatter), step):
@@ -142,9 +159,7 @@ def read_records(
                     prefixes = got
                 passed: list[int] = []
                 for j, st in enumerate(status, at):
-                    if (
-                        st == ST_PYTHON
-                    ):  # compressed yet of the raw length: Python decodes it, header in place
+                    if st == ST_PYTHON:  # compressed, of a raw record's length: Python decodes it
                         ok.append(verify(j, views(j)))
                     else:
                         ok.append(st == ST_OK)
@@ -161,9 +176,12 @@ def read_records(
                         verified(i, block(i))
                 if not all(ok):  # the run ends at the first bad record: the rest is not read
                     break
-        finally:
+        except BaseException:
             for fut in pending:
-                fut.result()
+                fut.cancel()  # not started yet: not wanted any more
+            raise
+        finally:
+            _settle(pending)
     elif scatter:
         pieces = [views(j) for j in range(len(scatter))]
         ok = read_into([(e, pieces[j]) for j, (_, e) in enumerate(scatter)], lambda j: verify(j, pieces[j]))

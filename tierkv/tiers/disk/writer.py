@@ -95,7 +95,10 @@ def by_chain(puts: list[Put]) -> list[Put]:
     in the order their first blocks came. A server saving many prompts at once queues their blocks
     interleaved; appended as queued, a prompt's blocks would lie apart, and its restore would read one
     lone record at a time instead of runs that coalesce and read ahead. Parents stay before children
-    (the index's ``after`` rule), and a prefix shared by two prompts continues only the first."""
+    (the index's ``after`` rule), and a prefix shared by two prompts continues only the first. An
+    import's batch (puts that must not evict) keeps its order: most recently used first, for the budget."""
+    if any(not p.evict for p in puts):
+        return puts
     chains: list[list[Put]] = []
     tails: dict[bytes, int] = {}  # a chain's last key -> the chain
     for p in puts:
