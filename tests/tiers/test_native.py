@@ -97,6 +97,16 @@ def test_native_serves_exactly_what_the_python_reader_serves(tmp_path, ns, direc
         assert stats["read_direct_nbytes"] >= read - stats["read_cached_nbytes"] > 0
 
 
+def _saved(path, ns: Namespace, blocks: int, seed: int = 0) -> tuple[list[int], torch.Tensor]:
+    """A prompt of ``blocks`` blocks saved into a fresh store at ``path`` and flushed: its tokens and KV."""
+    toks = list(range(blocks * ns.block_tokens))
+    kv = make_kv(ns, blocks * ns.block_tokens, seed=seed)
+    with TieredStore.open(path, host_bytes=0) as store:
+        store.save(ns, toks, kv)
+        store.flush()
+    return toks, kv
+
+
 def _damage(path, store_ns: Namespace, toks, block: int, at: str) -> None:
     """Change one record on disk: a flipped byte in a chosen part, or a forged record of another block
     whose checksums are all valid (a foreign block under this key)."""
@@ -189,11 +199,7 @@ def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, data_pat
 
 def test_the_native_reader_promotes_what_it_read_into_the_host_tier(tmp_path, ns) -> None:
     B = ns.block_tokens
-    toks = list(range(8 * B))
-    kv = make_kv(ns, 8 * B)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(ns, toks, kv)
-        store.flush()
+    toks, kv = _saved(tmp_path, ns, 8)
     with native.use(True), TieredStore.open(tmp_path, host_bytes=64 << 20) as store:
         hit, _ = store.restore(ns, toks)
         assert hit.by_tier["disk"] == 8 * B
@@ -212,11 +218,7 @@ def test_a_run_read_in_pieces_promotes_each_piece_on_the_promoting_thread(
     from tierkv.tiers.pool import BlockPool
 
     B = ns.block_tokens
-    toks = list(range(9 * B))
-    kv = make_kv(ns, 9 * B)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(ns, toks, kv)
-        store.flush()
+    toks, kv = _saved(tmp_path, ns, 9)
     if damaged is not None:
         _damage(tmp_path, ns, toks, damaged, "payload-last")
     block_nbytes = kv[:, :, :B].numel() * kv.element_size()
@@ -254,11 +256,7 @@ def test_a_transient_read_error_in_a_later_piece_is_a_miss_once_the_promotions_a
     from tierkv.tiers.disk.files import TransientReadError
 
     B = ns.block_tokens
-    toks = list(range(8 * B))
-    kv = make_kv(ns, 8 * B)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(ns, toks, kv)
-        store.flush()
+    toks, kv = _saved(tmp_path, ns, 8)
     block_nbytes = kv[:, :, :B].numel() * kv.element_size()
     monkeypatch.setattr(reader, "PIECE_NBYTES", 2 * block_nbytes)
     monkeypatch.setattr(native, "READ_THREADS", 2)  # pieces of 2 blocks
