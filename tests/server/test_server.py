@@ -87,6 +87,17 @@ def test_shared_system_prompt_is_cached_in_whole_blocks(server) -> None:
     assert extra["prompt_cache_hit_tokens"] == shared // BLOCK * BLOCK
     assert extra["prompt_cache_miss_tokens"] == r2.usage.prompt_tokens - shared // BLOCK * BLOCK
     assert extra["tierkv"]["cached_tokens_by_tier"]["host"] == shared // BLOCK * BLOCK
+    # the server's log says so too, one line a request
+    hit = shared // BLOCK * BLOCK
+    line = f"prompt of {r2.usage.prompt_tokens} tokens: {hit} cached (host {hit}), {r2.usage.prompt_tokens - hit} computed"
+    deadline = time.monotonic() + 10
+    while line not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert line in server.output()
+    assert (
+        f"prompt of {r1.usage.prompt_tokens} tokens: 0 cached (none), {r1.usage.prompt_tokens} computed"
+        in server.output()
+    )
 
 
 def test_multi_turn_conversation_hits_its_whole_history(server) -> None:

@@ -276,6 +276,17 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
         for tier, n in pre.hit.by_tier.items():
             m.prompt_tokens.labels(tier).inc(n)
         m.prompt_tokens.labels("computed").inc(pre.computed_tokens)
+        # one line a request: what an operator watching the log wants to see (a hit, from where, its cost)
+        tiers = ", ".join(f"{t} {n}" for t, n in pre.hit.by_tier.items() if n) or "none"
+        log.info(
+            "prompt of %d tokens: %d cached (%s), %d computed; restore %.0f ms, prefill %.0f ms",
+            pre.hit.num_tokens + pre.computed_tokens,
+            pre.hit.num_tokens,
+            tiers,
+            pre.computed_tokens,
+            pre.restore_s * 1e3,
+            (pre.restore_s + pre.forward_s) * 1e3,
+        )
 
 
 def _usage(result: GenerateResult) -> dict[str, Any]:
