@@ -249,3 +249,27 @@ def test_an_upgrade_waits_for_the_store_to_be_its_own(tmp_path, ns) -> None:
     assert r.exit_code == 0 and _format_of(tmp_path) == 3
     r = CliRunner().invoke(main, ["gc", "--upgrade", "--cache-dir", str(tmp_path)])
     assert r.exit_code == 0 and "format 3: already the newest" in r.output
+
+
+@pytest.mark.parametrize("block_tokens", [16, 17, 64])
+def test_a_block_write_s_size_bounds_its_record_in_every_version(block_tokens: int) -> None:
+    """The writer queues count a block at ``BlockWrite.nbytes``: never less than its record, whichever
+    version the store writes (version 2 pads its token ids to 64 bytes)."""
+    from tierkv.tiers.base import BlockWrite
+
+    ns = Namespace(
+        model_id="m", revision="r", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,
+        block_tokens=block_tokens,
+    )  # fmt: skip
+    chain = BlockChain.of(ns, list(range(block_tokens)))
+    kv = make_kv(ns, block_tokens)
+    block = BlockWrite(
+        ns,
+        chain.keys[0],
+        chain.parent(0),
+        chain.tokens(0),
+        0.0,
+        kv.contiguous().view(torch.uint8).reshape(-1),
+    )
+    sizes = {v: sum(memoryview(b).nbytes for b in block.encode(v)) for v in codec.RECORD_VERSIONS}
+    assert block.nbytes == max(sizes.values()) >= min(sizes.values())

@@ -53,8 +53,9 @@ class BlockWrite:
 
     @property
     def nbytes(self) -> int:
-        """The record's size before compression (the writer queues' bound)."""
-        return codec.HEADER_NBYTES + len(self.token_bytes) + self.payload.numel()
+        """The record's size before compression, in its longest layout (the writer queues' bound: a
+        version-2 record's payload sits up to 63 bytes further in)."""
+        return codec.payload_at(max(codec.RECORD_VERSIONS), len(self.token_bytes)) + self.payload.numel()
 
     def encode(self, version: int = 1) -> list[bytes | memoryview]:
         return codec.seal(self.unsealed(version))
