@@ -220,7 +220,7 @@ def test_a_restore_the_fence_gave_up_waiting_for_promotes_nothing_it_removed(
     none of what was removed back into the host tier (checked as a block is published), nor writes it
     back; the blocks an invalidation left alone are still promoted."""
     import tierkv.generations
-    import tierkv.store
+    import tierkv.restores
 
     toks = list(range(4 * B))
     kv = make_kv(ns, 4 * B)
@@ -246,9 +246,9 @@ def test_a_restore_the_fence_gave_up_waiting_for_promotes_nothing_it_removed(
             go_on.wait(30)
             self.promote.run(buf, idx, base)
 
-    real = tierkv.store.promoter
+    real = tierkv.restores.promoter
     monkeypatch.setattr(
-        tierkv.store, "promoter", lambda *a, **k: None if (p := real(*a, **k)) is None else Stalled(p)
+        tierkv.restores, "promoter", lambda *a, **k: None if (p := real(*a, **k)) is None else Stalled(p)
     )
     with TieredStore.open(tmp_path, host_bytes=2**22) as store:
         result: list[object] = []
