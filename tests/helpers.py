@@ -24,6 +24,16 @@ def make_kv(ns: Namespace, num_tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(spec.shape(num_tokens), generator=g).to(spec.dtype)
 
 
+def block_write(ns: Namespace, tokens: list[int], kv: torch.Tensor) -> Any:
+    """The ``BlockWrite`` of the first block of ``tokens`` with KV ``kv`` (one block's), as a save makes."""
+    from tierkv.keys import BlockChain
+    from tierkv.tiers.base import BlockWrite
+
+    chain = BlockChain.of(ns, tokens)
+    payload = kv.contiguous().view(-1).view(torch.uint8)
+    return BlockWrite(ns, chain.keys[0], chain.parent(0), chain.tokens(0), 0.0, payload)
+
+
 def save_byte_tokenizer(path: Path | str, chat_template: str | None = None) -> int:
     """A byte-level BPE tokenizer (``<s>`` 0, ``</s>`` 1, then the 256 byte symbols) saved as a Hugging Face
     tokenizer in ``path``, with ``chat_template`` if given; returns its vocabulary size."""

@@ -18,7 +18,7 @@ from tierkv import Namespace, TieredStore, codec, native
 from tierkv.cli import main
 from tierkv.keys import BlockChain
 
-from helpers import make_kv, uncache
+from helpers import block_write, make_kv, uncache
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HOLD = "import sys; from tierkv import TieredStore\nwith TieredStore.open(sys.argv[1], host_bytes=0):\n    print('open', flush=True); sys.stdin.read()"
@@ -255,21 +255,10 @@ def test_an_upgrade_waits_for_the_store_to_be_its_own(tmp_path, ns) -> None:
 def test_a_block_write_s_size_bounds_its_record_in_every_version(block_tokens: int) -> None:
     """The writer queues count a block at ``BlockWrite.nbytes``: never less than its record, whichever
     version the store writes (version 2 pads its token ids to 64 bytes)."""
-    from tierkv.tiers.base import BlockWrite
-
     ns = Namespace(
         model_id="m", revision="r", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,
         block_tokens=block_tokens,
     )  # fmt: skip
-    chain = BlockChain.of(ns, list(range(block_tokens)))
-    kv = make_kv(ns, block_tokens)
-    block = BlockWrite(
-        ns,
-        chain.keys[0],
-        chain.parent(0),
-        chain.tokens(0),
-        0.0,
-        kv.contiguous().view(torch.uint8).reshape(-1),
-    )
+    block = block_write(ns, list(range(block_tokens)), make_kv(ns, block_tokens))
     sizes = {v: sum(memoryview(b).nbytes for b in block.encode(v)) for v in codec.RECORD_VERSIONS}
     assert block.nbytes == max(sizes.values()) >= min(sizes.values())

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tierkv import Namespace, TieredStore, codec, native
 from tierkv.keys import BlockChain
 
-from helpers import make_kv, uncache
+from helpers import block_write, make_kv, uncache
 
 pytestmark = pytest.mark.skipif(
     native.reason() is not None and os.environ.get("TIERKV_REQUIRE_NATIVE") != "1",
@@ -637,22 +637,14 @@ def test_the_disk_writer_runs_python_at_nice_19_and_never_at_idle_priority(tmp_p
         nat.trace_writes(True)
         try:
             for k in range(3):
-                chain = BlockChain.of(ns, list(range(k * 1000, k * 1000 + B)))
-                block = BlockWrite(
-                    ns,
-                    chain.keys[0],
-                    chain.parent(0),
-                    chain.tokens(0),
-                    0.0,
-                    make_kv(ns, B, seed=k).contiguous().view(-1).view(torch.uint8),
-                )
+                block = block_write(ns, list(range(k * 1000, k * 1000 + B)), make_kv(ns, B, seed=k))
 
                 def spy(block: BlockWrite = block) -> codec.Unsealed:  # on the writer thread
                     tid = threading.get_native_id()
                     seen.append((os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))
                     return block.unsealed()
 
-                assert disk.put(ns.digest, chain.keys[0], spy, block.nbytes, 0.0, ns_spec=ns.spec_bytes)
+                assert disk.put(ns.digest, block.key, spy, block.nbytes, 0.0, ns_spec=ns.spec_bytes)
                 store.flush()
         finally:
             ops = nat.trace_writes(False)
