@@ -201,7 +201,6 @@ class StoreRestores:
             )
             if promote is not None:
                 target.on_verified, target.on_verified_run = promote, promote.run
-                target.background = target.behind
             for k, first, end in order:
                 if first >= n:
                     continue  # past a block that did not restore: the prefix ends there

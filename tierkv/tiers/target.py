@@ -236,15 +236,13 @@ class Target:
         self.on_verified: Callable[[int, torch.Tensor], None] | None = None
         # The same for a run of blocks verified at once: (buffer, block indices, the buffer's first block).
         self.on_verified_run: Callable[[torch.Tensor, list[int], int], None] | None = None
-        # Where a reader may run ``verified_run`` while it reads on (it waits for the futures before the
-        # buffer is reused or handed back); None: on the reading thread. ``behind``, where promoting.
-        self.background: Callable[..., concurrent.futures.Future[None]] | None = None
         self._behind: concurrent.futures.ThreadPoolExecutor | None = None
 
     def behind(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
-        """Run ``fn(*args)`` on this restore's own thread (started on the first call), in order: a
-        promotion copies what was verified while the reader reads on. One thread a restore: concurrent
-        restores do not wait behind each other's copies, and the restore's end joins it."""
+        """Run ``fn(*args)`` on this restore's own thread (started on the first call), in order: a reader
+        has ``verified_run`` copy what was verified while it reads on (and waits for the futures before
+        the buffer is reused or handed back). One thread a restore: concurrent restores do not wait behind
+        each other's copies, and the restore's end joins it."""
         if self._behind is None:
             self._behind = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tierkv-promote", initializer=spread_here

@@ -225,9 +225,8 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
         part = entries[i0 - first : i0 - first + n]
         verified = target.verified if target.on_verified is not None else None  # no view per block
         run = target.verified_run if target.on_verified_run is not None else None
-        return read_records(
-            chain, part, i0, buf, base, scatter, whole, verified, read_native, run, target.background
-        )
+        behind = target.behind if run is not None else None  # promotions copied while the reader reads on
+        return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native, run, behind)
 
     try:
         got = target.fill(first, len(entries), fill)
