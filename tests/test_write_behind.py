@@ -485,7 +485,7 @@ def test_by_chain_puts_each_block_after_its_parent_and_keeps_the_rest_in_order()
     not in the batch: each chain's blocks together, chains in the order they began; the shared block
     continues the first chain to extend it (here the fork), the other's later blocks a chain of their
     own after it; nothing lost or duplicated."""
-    from tierkv.tiers.disk.writer import by_chain
+    from tierkv.tiers.disk.batch_order import by_chain
 
     queued = [
         _put(b"a0", None),
@@ -508,7 +508,7 @@ def test_by_chain_puts_each_block_after_its_parent_and_keeps_the_rest_in_order()
 def test_by_chain_keeps_an_import_s_order() -> None:
     """An import queues records most recently used first and must not evict to fit them: its order is
     what decides which records a tight budget keeps, so its batches are appended as queued."""
-    from tierkv.tiers.disk.writer import by_chain
+    from tierkv.tiers.disk.batch_order import by_chain
 
     queued = [_put(b"a0", None, evict=False), _put(b"b0", None, evict=False), _put(b"a1", b"a0", evict=False)]
     assert [p.key for p in by_chain(queued)] == [b"a0", b"b0", b"a1"]

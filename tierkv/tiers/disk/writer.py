@@ -26,6 +26,7 @@ from tierkv.metrics import Counters
 from tierkv.priority import background_priority
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.access_times import AccessTimes  # also exported from here, as before
+from tierkv.tiers.disk.batch_order import by_chain
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import Entry, Hole
 from tierkv.tiers.disk.segment_writer import SegmentWriter
@@ -42,7 +43,6 @@ __all__ = [
     "Item",
     "Purge",
     "Put",
-    "by_chain",
     "Record",
     "TOUCH_FLUSH_INTERVAL_S",
     "Writer",
@@ -88,27 +88,6 @@ class Put:
 
     def is_live(self) -> bool:
         return self.live is None or self.live()
-
-
-def by_chain(puts: list[Put]) -> list[Put]:
-    """The batch with each block right after its parent where the parent is in the batch too, the chains
-    in the order their first blocks came. A server saving many prompts at once queues their blocks
-    interleaved; appended as queued, a prompt's blocks would lie apart, and its restore would read one
-    lone record at a time instead of runs that coalesce and read ahead. Parents stay before children
-    (the index's ``after`` rule), and a prefix shared by two prompts continues only the first. An
-    import's batch (puts that must not evict) keeps its order: most recently used first, for the budget."""
-    if any(not p.evict for p in puts):
-        return puts
-    chains: list[list[Put]] = []
-    tails: dict[bytes, int] = {}  # a chain's last key -> the chain
-    for p in puts:
-        at = tails.pop(p.parent, None) if p.parent is not None else None
-        if at is None:
-            at = len(chains)
-            chains.append([])
-        chains[at].append(p)
-        tails[p.key] = at
-    return puts if len(chains) == 1 else [p for chain in chains for p in chain]
 
 
 @dataclasses.dataclass(slots=True)
@@ -375,7 +354,7 @@ class Writer:
                 raw = txn.get(p.key, db=self.index.db["index"])
                 if raw is None or policy.expired(Entry.unpack(raw), now):
                     fresh.append(p)
-        fresh = by_chain(fresh)
+        fresh = by_chain(fresh)  # each prompt's blocks of the batch together
         for p in fresh:
             p.record = p.make_record()
         budget = policy.budget_nbytes
