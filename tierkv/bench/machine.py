@@ -84,6 +84,15 @@ def drop_page_cache(paths: list[Path]) -> str:
     return method if left == 0 else f"{method} ({format_size(left)} mapped stayed cached)"
 
 
+def warm_page_cache(paths: list[Path]) -> None:
+    """Read ``paths`` into the page cache (the native reader reads what the cache lacks with O_DIRECT,
+    which does not fill it: a warm run's page cache is filled here)."""
+    for p in paths:
+        with open(p, "rb") as fh:
+            while fh.read(8 << 20):
+                pass
+
+
 def _resident_nbytes(fd: int) -> int | None:
     """How much of the open file ``fd`` the page cache holds (mincore over a read-only map of it, which
     reads nothing); None where that cannot be told."""

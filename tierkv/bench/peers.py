@@ -28,7 +28,7 @@ import torch
 
 from tierkv import TieredStore, native
 from tierkv.bench.kv_workload import NS
-from tierkv.bench.machine import drop_page_cache
+from tierkv.bench.machine import drop_page_cache, warm_page_cache
 from tierkv.tiers.target import as_tensor
 
 __all__ = ["markdown", "run"]
@@ -237,7 +237,7 @@ def run(base: Path, *, prompts: int = 4, prompt_tokens: int = 4096, runs: int = 
                     if temp == "cold":
                         drop_page_cache([p for p in root.rglob("*") if p.is_file()])
                     else:  # its files in the page cache, as a recent store or load leaves them
-                        _cache([p for p in root.rglob("*") if p.is_file()])
+                        warm_page_cache([p for p in root.rglob("*") if p.is_file()])
                     if hasattr(system, "open"):
                         system.open(root)
                     try:
@@ -260,14 +260,6 @@ def run(base: Path, *, prompts: int = 4, prompt_tokens: int = 4096, runs: int = 
         "config": {"kv_nbytes": nbytes, "prompts": prompts, "prompt_tokens": prompt_tokens, "runs": runs},
         "rows_Bps": rows,
     }
-
-
-def _cache(paths: list[Path]) -> None:
-    """Read ``paths`` into the page cache (a warm run after another system's cold one)."""
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(8 << 20):
-                pass
 
 
 COLUMNS = ("store", "cold contiguous", "cold interleaved", "warm contiguous", "warm interleaved")

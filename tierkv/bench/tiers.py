@@ -53,7 +53,7 @@ from tierkv.bench.disk_limits import (
 )
 from tierkv.bench.first_restore import in_fresh_process
 from tierkv.bench.kv_workload import NS, PROMPT_TOKENS, workload
-from tierkv.bench.machine import Memcpy, drop_page_cache, summary
+from tierkv.bench.machine import Memcpy, drop_page_cache, summary, warm_page_cache
 
 PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and writers, side by side
 
@@ -61,15 +61,6 @@ PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and w
 def _path(path: str) -> tuple[bool, bool]:
     """Whether a data path is native, and whether it reads with O_DIRECT."""
     return path != "python", path == "native O_DIRECT"
-
-
-def _warm(files: list[Path]) -> None:
-    """Put ``files`` in the page cache (the native reader reads what the cache lacks with O_DIRECT, which
-    does not fill it: a warm restore's page cache is filled here, as by a recent save or a buffered read)."""
-    for f in files:
-        with open(f, "rb") as fh:
-            while fh.read(8 << 20):
-                pass
 
 
 def _restores(
@@ -103,7 +94,7 @@ def _restores(
             if cold:
                 method = drop_page_cache(list((store_dir / "segments").glob("*.seg")))
             elif not host_bytes:
-                _warm(own)
+                warm_page_cache(own)  # as a recent save or a buffered read leaves it
             t0 = time.perf_counter()
             for toks in prompts:
                 n, _ = store.load(NS, toks, out=out)
