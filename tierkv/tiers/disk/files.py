@@ -12,6 +12,7 @@ from pathlib import Path
 
 __all__ = [
     "ALIGN",
+    "IOV_MAX",
     "MEDIA_ERRNOS",
     "TransientReadError",
     "accepts_direct_io",
@@ -20,6 +21,7 @@ __all__ = [
 ]
 
 ALIGN = 4096  # file offsets and record footprints are page multiples: punchable, O_DIRECT-able
+IOV_MAX = 1024  # Linux's limit on buffers per preadv / pwritev
 # Errors that say the medium could not return the record's bytes: the record is purged. Any other error of a
 # read (no descriptors left: EMFILE, ENFILE; no memory) says nothing about the record, which stays.
 MEDIA_ERRNOS = frozenset(

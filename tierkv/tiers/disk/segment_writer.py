@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from tierkv import native
 from tierkv.codec import Unsealed, seal
 from tierkv.priority import native_idle
-from tierkv.tiers.disk.segments import _IOV_MAX, _TEMP, ALIGN, SegmentDir, aligned, fsync_dir
+from tierkv.tiers.disk.files import IOV_MAX
+from tierkv.tiers.disk.segments import _TEMP, ALIGN, SegmentDir, aligned, fsync_dir
 
 __all__ = ["SegmentWriter"]
 
@@ -101,7 +102,7 @@ class SegmentWriter:
             pos += aligned(nbytes)
         at = self.end
         while parts:
-            n = os.pwritev(self.fd, parts[:_IOV_MAX], at)  # at most IOV_MAX buffers per call
+            n = os.pwritev(self.fd, parts[:IOV_MAX], at)  # at most IOV_MAX buffers per call
             if n <= 0:
                 raise OSError(errno.EIO, "short write to segment")
             at += n
