@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -25,6 +24,7 @@ import torch
 from tierkv import kernels
 from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache, use_gqa_sdpa
 from tierkv.cpu_exactness import pin_exact_isa, shape_invariant
+from tierkv.decoding import cut_at_stop, maybe_partial, pick
 from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
 from tierkv.keys import BlockChain, Namespace
@@ -401,7 +401,7 @@ class CachedModel:
         sent = 0
         text = ""
         for step in range(max_new_tokens):
-            tok = _pick(logits, temperature, top_p, rng)
+            tok = pick(logits, temperature, top_p, rng)
             if tok == eos:
                 finish = "stop"
                 break
@@ -411,7 +411,7 @@ class CachedModel:
                 finish = "stop"
                 break
             safe = len(text) - hold
-            while safe > sent and _maybe_partial(text[safe - 1]):
+            while safe > sent and maybe_partial(text[safe - 1]):
                 safe -= 1
             if safe > sent:
                 yield StreamEvent(delta=text[sent:safe], token_id=tok)
@@ -419,7 +419,7 @@ class CachedModel:
             if step + 1 < max_new_tokens:
                 with torch.inference_mode():
                     logits, cache = self._forward([tok], cache)
-        final = _cut_at_stop(text, stop) if finish == "stop" and stop else text
+        final = cut_at_stop(text, stop) if finish == "stop" and stop else text
         if len(final) > sent:
             yield StreamEvent(delta=final[sent:])
         if use_cache:
@@ -432,29 +432,3 @@ class CachedModel:
 
 def _cache_len(cache: Any) -> int:
     return int(cache.get_seq_length())
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
-    # Values float32 cannot compute with are taken for what they ask: a temperature this small is greedy
-    # (1/T overflows), a top_p below the smallest normal keeps the most likely token (it underflows).
-    if temperature < 1e-5 or not math.isfinite(temperature):
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-        return int(torch.argmax(logits))
-    if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < max(top_p, float(torch.finfo(torch.float32).tiny))
-        keep[0] = True  # the most likely token always stays
-        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=rng))
-
-
-def _maybe_partial(ch: str) -> bool:
-    """A replacement character or an escaped byte may still become part of a multi-byte character."""
-    return ch == "\ufffd" or "\udc80" <= ch <= "\udcff" or "\uf780" <= ch <= "\uf7ff"
-
-
-def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    cut = min((text.find(s) for s in stop if s and s in text), default=-1)
-    return text[:cut] if cut >= 0 else text

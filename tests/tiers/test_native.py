@@ -388,13 +388,13 @@ def test_a_host_tier_restore_copies_natively_what_torch_copies(tmp_path, ns) -> 
     """The host tier's native copy and its torch reference put the same bytes in place, into a whole
     destination and into a token-slice of a larger one (slabs contiguous, rows strided), from a first
     block past 0; and the native copy is what runs where it is built."""
-    from tierkv.tiers import pool as pool_mod
+    from tierkv.tiers import slot_copies
 
     B = ns.block_tokens
     toks = list(range(6 * B))
     kv = make_kv(ns, 6 * B)
     calls: list[int] = []
-    real = pool_mod.copy_run
+    real = slot_copies.copy_run
 
     def counting(dest, slots, first, spec):  # type: ignore[no-untyped-def]
         calls.append(len(slots))
@@ -404,7 +404,7 @@ def test_a_host_tier_restore_copies_natively_what_torch_copies(tmp_path, ns) -> 
     for path in ("native", "python"):
         with native.use(path == "native"), TieredStore.open(tmp_path / path, host_bytes=64 << 20) as store:
             store.save(ns, toks, kv)
-            pool_mod.copy_run = counting
+            slot_copies.copy_run = counting
             try:
                 whole = torch.full_like(kv, -1)
                 hit, _ = store.restore(ns, toks, out=whole, start_block=2)
@@ -414,7 +414,7 @@ def test_a_host_tier_restore_copies_natively_what_torch_copies(tmp_path, ns) -> 
                 sliced = wide[:, :, 2 * B : 8 * B]
                 hit2, _ = store.restore(ns, toks, out=sliced)
             finally:
-                pool_mod.copy_run = real
+                slot_copies.copy_run = real
             assert hit.by_tier["host"] == 4 * B and hit2.by_tier["host"] == 6 * B
             got[path] = (whole, wide)
         assert calls == ([4, 6] if path == "native" else []), (path, calls)

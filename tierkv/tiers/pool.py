@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from tierkv import native
 from tierkv.keys import BlockChain, BlockKey, NamespaceDigest
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
@@ -28,12 +27,8 @@ from tierkv.tiers.base import BlockWrite, Tier
 from tierkv.tiers.pool_puts import PoolPuts
 from tierkv.tiers.pool_tenants import PoolTenants
 from tierkv.tiers.prefault import Populator, populate_in_background
-from tierkv.tiers.slot_copies import (
-    copy_run,
-    device_run,
-    upload_run,
-)
-from tierkv.tiers.target import Target, rows_scatterable
+from tierkv.tiers.slot_copies import copy_out
+from tierkv.tiers.target import Target
 from tierkv.units import format_size
 
 __all__ = ["BlockPool", "MAX_HELD_FRACTION"]
@@ -395,38 +390,8 @@ class BlockPool(PoolPuts, Tier):
         keys = chain.keys[first : first + count]
         views = target.hold(self.read(keys))
         n = next((j for j, v in enumerate(views) if v is None), len(views))
-        dest, spec = target.dest, target.spec
-        if (
-            n
-            and target.sink is not None
-            and self.device.type == "cpu"
-            and spec.block_nbytes == self.slot_nbytes
-        ):
-            target.sink.put_slots(views[:n], range(first, first + n))
-        elif n and target.sink is not None:  # a GPU pool: through a canonical copy of each block
-            target.sink.put_rows(
-                torch.cat([views[j].view(spec.dtype).view(spec.block_shape).cpu() for j in range(n)], dim=2),
-                range(n),
-                range(first, first + n),
-            )
-        elif n and dest is not None and dest.device.type == "cuda" and self.device.type == "cpu":
-            upload_run(dest, views[:n], first, spec)
-        elif n and dest is not None and dest.device == self.device and self.device.type == "cuda":
-            device_run(dest, views[:n], first, spec)
-        elif (
-            n
-            and self.device.type == "cpu"
-            and spec.block_nbytes == self.slot_nbytes  # the native copy reads a whole slot per block
-            and dest is not None
-            and rows_scatterable(dest)
-            and native.enabled()
-        ):
-            copy_run(dest, views[:n], first, spec)
-        elif n:  # the reference, and any other device or layout
-            for j in range(n):
-                target.block(first + j).copy_(
-                    views[j].view(spec.dtype).view(spec.block_shape), non_blocking=True
-                )
+        if n:
+            copy_out(target, views[:n], first, self.device, self.slot_nbytes)
         with self._lock:
             now = self.clock()
             target.created_s.update((first + j, self._ctime.get(keys[j], now)) for j in range(n))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,9 +17,14 @@ import torch
 from tierkv import native
 from tierkv.cpus import process_cpus
 from tierkv.layout import KVSpec
+from tierkv.tiers.target import rows_scatterable
+
+if TYPE_CHECKING:
+    from tierkv.tiers.target import Target
 
 __all__ = [
     "MAX_COPY_THREADS",
+    "copy_out",
     "copy_on_caller_only",
     "copy_threads",
     "Slabs",
@@ -183,3 +189,35 @@ def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         index = index.pin_memory().to(device, non_blocking=True)
     return index
+
+
+def copy_out(
+    target: Target, views: Sequence[torch.Tensor], first: int, device: torch.device, slot_nbytes: int
+) -> None:
+    """Held slots ``views`` (of a pool on ``device``, ``slot_nbytes`` each) into a restore's ``target`` as
+    its blocks ``first...``: natively where a CPU pool's slots meet a CPU tensor's slabs, an upload or a
+    device copy where they lie apart, a torch copy per block (the reference) for anything else."""
+    dest, spec, n = target.dest, target.spec, len(views)
+    if target.sink is not None and device.type == "cpu" and spec.block_nbytes == slot_nbytes:
+        target.sink.put_slots(views, range(first, first + n))
+    elif target.sink is not None:  # a GPU pool: through a canonical copy of each block
+        target.sink.put_rows(
+            torch.cat([v.view(spec.dtype).view(spec.block_shape).cpu() for v in views], dim=2),
+            range(n),
+            range(first, first + n),
+        )
+    elif dest is not None and dest.device.type == "cuda" and device.type == "cpu":
+        upload_run(dest, views, first, spec)
+    elif dest is not None and dest.device == device and device.type == "cuda":
+        device_run(dest, views, first, spec)
+    elif (
+        device.type == "cpu"
+        and spec.block_nbytes == slot_nbytes  # the native copy reads a whole slot per block
+        and dest is not None
+        and rows_scatterable(dest)
+        and native.enabled()
+    ):
+        copy_run(dest, views, first, spec)
+    else:  # the reference, and any other device or layout
+        for j, v in enumerate(views):
+            target.block(first + j).copy_(v.view(spec.dtype).view(spec.block_shape), non_blocking=True)

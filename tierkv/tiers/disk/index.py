@@ -1,7 +1,7 @@
 """The disk tier's LMDB index: its environment, tables, format version and policy, transactions, and the
 row updates that keep totals and segment counts exact. (The owners lock and what may be repaired, by
-whom, are ``opening.py``'s; retention and pin rows are ``retention_rows.py``'s, tenants'
-``tenant_rows.py``'s.)
+whom, are ``opening.py``'s; retention and pin rows are ``retention_rows.py``'s, segments'
+``segment_rows.py``'s, tenants' ``tenant_rows.py``'s.)
 
 Several processes share one index. Every decision that depends on it (is this key new or expired, is
 this still the record that was read, is this range dead) is taken inside the write transaction that
@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,8 +30,6 @@ from tierkv.tiers.disk.schema import (
     BASE_FORMAT_VERSION,
     DBS,
     READ_FORMAT_VERSIONS,
-    SEG_ID,
-    SEGMENT,
     STORE_FORMAT_VERSION,
     TIME,
     TOTALS,
@@ -41,6 +38,7 @@ from tierkv.tiers.disk.schema import (
     Policy,
     time_key,
 )
+from tierkv.tiers.disk.segment_rows import SegmentRows
 from tierkv.tiers.disk.tenant_rows import TenantRows
 from tierkv.tiers.disk.txn import TxnGate
 
@@ -54,7 +52,7 @@ T = TypeVar("T")
 Txn = Any  # lmdb.Transaction (py-lmdb ships no type information)
 
 
-class Index(RetentionRows):
+class Index(RetentionRows, SegmentRows):
     def __init__(
         self,
         path: Path,
@@ -305,45 +303,6 @@ class Index(RetentionRows):
             txn.delete(ns, db=self.db["namespaces"])  # its last block: the spec goes too
         else:
             txn.put(ns, TOTALS.pack(b + blocks, max(0, n + nbytes)), db=self.db["totals"])
-
-    def _add_segment(self, txn: Txn, seg_id: int, records: int, nbytes: int) -> bool:
-        k = SEG_ID.pack(seg_id)
-        raw = txn.get(k, db=self.db["segments"])
-        live_nbytes, live_records, pid, sealed = SEGMENT.unpack(raw) if raw else (0, 0, 0, 1)
-        live_nbytes, live_records = max(0, live_nbytes + nbytes), max(0, live_records + records)
-        if live_records == 0 and sealed:
-            txn.delete(k, db=self.db["segments"])
-            return True
-        txn.put(k, SEGMENT.pack(live_nbytes, live_records, pid, sealed), db=self.db["segments"])
-        return False
-
-    def add_segment_row(self, txn: Txn, seg_id: int) -> None:
-        txn.put(SEG_ID.pack(seg_id), SEGMENT.pack(0, 0, os.getpid(), 0), db=self.db["segments"])
-
-    def seal_segment(self, txn: Txn, seg_id: int) -> bool:
-        """Seal a segment's row; True if it is empty (its row is gone: unlink the file)."""
-        k = SEG_ID.pack(seg_id)
-        raw = txn.get(k, db=self.db["segments"])
-        if raw is None:
-            return False
-        live_nbytes, live_records, pid, _ = SEGMENT.unpack(raw)
-        if live_records == 0:
-            txn.delete(k, db=self.db["segments"])
-            return True
-        txn.put(k, SEGMENT.pack(live_nbytes, live_records, pid, 1), db=self.db["segments"])
-        return False
-
-    def allocate_segment(self) -> int:
-        def allocate(txn: Txn) -> int:
-            raw = txn.get(b"next_segment", db=self.db["meta"])
-            seg_id = int(raw) if raw else 1
-            txn.put(b"next_segment", str(seg_id + 1).encode(), db=self.db["meta"])
-            return seg_id
-
-        return self.write(allocate)
-
-    def segment_rows(self, txn: Txn) -> dict[int, tuple[int, int, int, int]]:
-        return {SEG_ID.unpack(bytes(k))[0]: SEGMENT.unpack(v) for k, v in txn.cursor(db=self.db["segments"])}
 
     def put_namespace(self, txn: Txn, digest: bytes, spec: bytes) -> None:
         existing = txn.get(digest, db=self.db["namespaces"])
