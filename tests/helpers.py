@@ -280,3 +280,23 @@ def uncache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def resident_nbytes(t: torch.Tensor) -> int:
+    """How many bytes of ``t``'s own whole pages are resident (mincore): unlike the process's RSS, not moved
+    by another test's pool that the garbage collector frees meanwhile (a pool of the same size freed while
+    this one was populated once left the RSS exactly unchanged)."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end <= start:
+        return 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    vec = (ctypes.c_ubyte * ((end - start) // page))()
+    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec)
+    assert rc == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * page

@@ -13,7 +13,7 @@ from tierkv.tiers.host import HostTier
 from tierkv.tiers.pool import BlockPool
 from tierkv.tiers.target import Stagers
 
-from helpers import make_kv
+from helpers import make_kv, resident_nbytes
 
 
 def _key(i: int) -> BlockKey:
@@ -317,26 +317,6 @@ def test_a_pool_is_named_by_its_owner(ns) -> None:
     assert gpu.put(_key(0), _block(3)) is not None and gpu.contains([_key(0)]) == [True]
 
 
-def _resident_nbytes(t: torch.Tensor) -> int:
-    """How many bytes of ``t``'s own whole pages are resident (mincore): unlike the process's RSS, not moved
-    by another test's pool that the garbage collector frees meanwhile (a pool of the same size freed while
-    this one was populated once left the RSS exactly unchanged)."""
-    import ctypes
-    import ctypes.util
-    import mmap
-
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if end <= start:
-        return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    vec = (ctypes.c_ubyte * ((end - start) // page))()
-    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec)
-    assert rc == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec) * page
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
 def test_a_new_pool_is_populated_in_the_background_without_touching_its_contents() -> None:
     import mmap
@@ -347,11 +327,11 @@ def test_a_new_pool_is_populated_in_the_background_without_touching_its_contents
     buf = mmap.mmap(-1, 256 << 20)
     t = torch.frombuffer(buf, dtype=torch.uint8)
     t[: 1 << 20] = 7  # a block already saved into the pool while the thread runs
-    assert _resident_nbytes(t) < 2 << 20
+    assert resident_nbytes(t) < 2 << 20
     thread = populate_in_background(t, "test")
     assert thread is not None
     thread.join(60)
-    assert _resident_nbytes(t) > 200 << 20  # its pages are resident now
+    assert resident_nbytes(t) > 200 << 20  # its pages are resident now
     assert bool((t[: 1 << 20] == 7).all())  # and what was written is unchanged
     del t
 
@@ -422,7 +402,7 @@ def test_a_pool_reserved_to_populate_now_is_resident_when_reserve_returns(monkey
     pool.reserve(4096, populate_now=True)
     assert pool._prefault is not None and not pool._prefault.thread.is_alive()
     if prefault._madvise() is not None:
-        assert pool._pool is not None and _resident_nbytes(pool._pool) > 100 << 20  # before reserve returned
+        assert pool._pool is not None and resident_nbytes(pool._pool) > 100 << 20  # before reserve returned
     assert pauses == []  # unpaced
     again = BlockPool(16 << 20, name="host")
     again.reserve(4096)  # the default: behind, paced

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,9 @@ def serve(config: ServeConfig) -> None:
         server.store is not None
     ):  # allocate (and pre-fault) the memory tiers now, not during the first request
         server.store.reserve(ns)
+        t0 = time.perf_counter()
+        if tokens := server.cm.reserve_restore():  # and the buffer restores land in (on CPU)
+            log.info("restore buffer: %d tokens, faulted in in %.2f s", tokens, time.perf_counter() - t0)
     tiers = ["none (--no-cache)"] if server.store is None else server.store.describe()
     log.info(
         "tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tierkv.buffers import ReusedBuffers
 from tierkv.cpus import refresh as refresh_cpus
 from tierkv.integrations.vllm.guard import LoadGuard, RankGroup, RanksDisagree, tp_group
 from tierkv.integrations.vllm.layout import PagedLayout, PageShape, UnsupportedLayout, probe
@@ -62,8 +63,9 @@ class WorkerSide:
         self._errors: set[int] = set()
         self.checks = SelfChecks()  # the sampled self-check's copies of restored blocks
         self._reported = False
-        self._save_buffer: torch.Tensor | None = None
-        self._load_buffer: torch.Tensor | None = None
+        self._buffers: ReusedBuffers | None = (
+            None  # the model thread's loads and saves, once caches are known
+        )
         self._moved = False  # blocks loaded or saved since the last metrics payload
         self.loader: Loader | None = None  # asynchronous loads (loader.py), once the caches are known
         self._idle_step = False  # this step computes nothing (TierKVMetadata.idle)
@@ -178,19 +180,11 @@ class WorkerSide:
         return base.with_salt(salt) if salt else base
 
     def _buffer(self, name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
-        """A reused CPU buffer (fresh allocations fault a page per 4 KiB); fresh on a GPU, where the
-        staging ring may still be reading the last one."""
-        device = self.caches[0].device
-        if device.type != "cpu":
-            return torch.empty(shape, dtype=self.spec.dtype, device=device)
-        attr = f"_{name}_buffer"
-        buf = getattr(self, attr)
-        if buf is None or buf.shape[grow_dim] < shape[grow_dim]:
-            grown = list(shape)
-            grown[grow_dim] = max(shape[grow_dim], 2 * (buf.shape[grow_dim] if buf is not None else 0))
-            buf = torch.empty(grown, dtype=self.spec.dtype)
-            setattr(self, attr, buf)
-        return buf.narrow(grow_dim, 0, shape[grow_dim])
+        """A reused CPU buffer (``buffers.py``); fresh on a GPU, where the staging ring may still be reading
+        the last one."""
+        if self._buffers is None:
+            self._buffers = ReusedBuffers(self.spec.dtype, self.caches[0].device)
+        return self._buffers.get(name, shape, grow_dim)
 
     # ------------------------------------------------------------------ loads
 

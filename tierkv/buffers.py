@@ -1,0 +1,53 @@
+"""Buffers an engine's restores and saves go through, kept between calls on CPU.
+
+A fresh large allocation is only address space: its first touch faults a page per 4 KiB, on the request's
+path (a host-tier restore of 66 MiB took 28-34 ms into fresh pages, 10-13 ms into pages touched before).
+So on CPU each named buffer is kept and grown when a call needs more, and a server may reserve one at
+start-up, its pages faulted in before the first request. On a GPU each call gets a fresh one (the caching
+allocator reuses memory there): a restored cache may keep views of it, and the staging ring may still be
+reading the last save's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierkv.tiers.prefault import populate_in_background
+
+__all__ = ["ReusedBuffers"]
+
+
+class ReusedBuffers:
+    def __init__(self, dtype: torch.dtype, device: torch.device, min_len: int = 1) -> None:
+        """``min_len``: the least a buffer is allocated for along its growing dimension."""
+        self.dtype = dtype
+        self.device = device
+        self.min_len = min_len
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], grow_dim: int) -> torch.Tensor:
+        """A tensor of ``shape``: on CPU a view of the buffer ``name``, grown (to at least twice its
+        length, so that growing prompts reallocate rarely) when ``shape[grow_dim]`` exceeds it."""
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        buf = self._kept.get(name)
+        if buf is None or buf.shape[grow_dim] < shape[grow_dim]:
+            grown = list(shape)
+            was = buf.shape[grow_dim] if buf is not None else 0
+            grown[grow_dim] = max(shape[grow_dim], 2 * was, self.min_len)
+            self._kept.pop(name, None)
+            del buf  # the old one is let go before the larger one is allocated
+            buf = torch.empty(grown, dtype=self.dtype)
+            self._kept[name] = buf
+        return buf.narrow(grow_dim, 0, shape[grow_dim])
+
+    def reserve(self, name: str, shape: tuple[int, ...], grow_dim: int) -> bool:
+        """Allocate ``name`` for ``shape`` now and fault its pages in before returning (at full speed: a
+        caller about to serve); whether it did (on CPU only)."""
+        if self.device.type != "cpu":
+            return False
+        buf = self.get(name, shape, grow_dim)
+        populator = populate_in_background(buf, f"{name} buffer", paced=False)
+        if populator is not None:
+            populator.join()
+        return True
