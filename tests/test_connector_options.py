@@ -29,15 +29,18 @@ def test_the_connector_reads_cold_records_with_o_direct_unless_told_not_to(tmp_p
 
 
 @pytest.mark.parametrize("value", [False, "0", "no"])
-def test_a_plain_store_without_a_host_tier_still_reads_buffered_by_default(
-    tmp_path, monkeypatch, value
-) -> None:
-    """Without a host tier the page cache is the memory tier: a store opened directly reads buffered."""
+def test_a_plain_store_still_reads_buffered_by_default(tmp_path, monkeypatch, value) -> None:
+    """Only the connector changes its default: a store opened directly keeps buffered reads, with a host
+    tier too (the page cache keeps what it read across a restart and beyond the host tier's size)."""
     monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
-    with TieredStore.open(tmp_path / "plain", host_bytes=0) as store:
-        assert store._durable().segments.direct_reads is False
-        if native.enabled():
-            assert "reads buffered with readahead" in store._durable().read_path()
+    for host_bytes in (0, 16 << 20):
+        with TieredStore.open(tmp_path / "plain", host_bytes=host_bytes) as store:
+            assert store._durable().segments.direct_reads is False
+            if native.enabled():
+                assert "reads buffered with readahead" in store._durable().read_path()
+    monkeypatch.setenv("TIERKV_DIRECT_READS", "1")
+    with TieredStore.open(tmp_path / "plain", host_bytes=16 << 20) as store:
+        assert store._durable().segments.direct_reads is True
     assert ConnectorOptions.from_extra({"direct_reads": value}).direct_reads is False
 
 
@@ -85,21 +88,3 @@ def test_load_async_takes_a_flag_and_refuses_anything_else() -> None:
     assert ConnectorOptions.from_extra({"load_async": "0"}).load_async is False
     with pytest.raises(ConfigError, match="load_async must be true or false"):
         ConnectorOptions.from_extra({"load_async": "maybe"})
-
-
-def test_a_store_with_a_host_tier_reads_with_o_direct_unless_told_otherwise(tmp_path, monkeypatch) -> None:
-    """With a host tier, what a restore reads is promoted there: O_DIRECT keeps it out of the page cache
-    (held twice otherwise). The caller's ``direct_reads`` and ``TIERKV_DIRECT_READS`` still decide."""
-    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
-    with TieredStore.open(tmp_path / "s", host_bytes=16 << 20) as store:
-        assert store._durable().segments.direct_reads is True
-        if native.enabled():
-            assert "reads O_DIRECT where uncached" in store._durable().read_path()
-    with TieredStore.open(tmp_path / "s", host_bytes=16 << 20, direct_reads=False) as store:
-        assert store._durable().segments.direct_reads is False
-    monkeypatch.setenv("TIERKV_DIRECT_READS", "0")
-    with TieredStore.open(tmp_path / "s", host_bytes=16 << 20) as store:
-        assert store._durable().segments.direct_reads is False
-    monkeypatch.setenv("TIERKV_DIRECT_READS", "1")
-    with TieredStore.open(tmp_path / "s", host_bytes=0) as store:
-        assert store._durable().segments.direct_reads is True

@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.codec import Codec
 from tierkv.errors import ConfigError
-from tierkv.units import env_flag
 
 if TYPE_CHECKING:
     from tierkv.metrics import Counters
     from tierkv.tiers.base import Tier
 
-__all__ = ["DiskConfig", "GpuConfig", "RemoteConfig", "StoreConfig", "default_direct_reads"]
+__all__ = ["DiskConfig", "GpuConfig", "RemoteConfig", "StoreConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +142,6 @@ class StoreConfig:
             tiers.append(HostTier(self.host_bytes, counters=counters, **ages))
         if self.disk is not None:
             d = self.disk
-            options = dict(d.options)
-            if options.get("direct_reads") is None:
-                options["direct_reads"] = default_direct_reads(self.host_bytes > 0)
             tiers.append(
                 DiskTier(
                     d.path,
@@ -154,7 +150,7 @@ class StoreConfig:
                     sync=d.sync,
                     counters=counters,
                     sweep_interval_s=d.sweep_interval_s,
-                    **options,
+                    **d.options,
                 )
             )
         if self.remote is not None:
@@ -167,13 +163,3 @@ class StoreConfig:
             tiers.append(
                 Admission(remote, self.remote.admit_after) if self.remote.admit_after > 1 else remote
             )
-
-
-def default_direct_reads(host_tier: bool) -> bool:
-    """Whether the disk tier reads what the page cache lacks with O_DIRECT, where neither the caller nor
-    ``TIERKV_DIRECT_READS`` says: with a host tier, yes. A restore promotes what it reads into the host
-    tier, so a buffered read would keep the same bytes in the page cache a second time; and on the
-    development VM O_DIRECT was the faster and the steadier (a fresh process's first 480 MiB restore with a
-    host tier: 1.55 GB/s, 1.19-1.86, against 1.05, 0.77-1.63, buffered; 10 alternated runs, 2026-12-05).
-    Without a host tier the page cache is the memory tier: buffered, with readahead."""
-    return env_flag("TIERKV_DIRECT_READS", host_tier)

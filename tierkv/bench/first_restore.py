@@ -39,8 +39,8 @@ def first_restore(store_dir: str, num_prompts: int, prompt_tokens: int, host_byt
 def in_fresh_process(
     store_dir: Path, num_prompts: int, prompt_tokens: int, host_bytes: int, path: str = "native"
 ) -> float:
-    """``first_restore`` in a fresh process on the data path ``path`` (native: the default; python; native
-    O_DIRECT or native buffered); bytes per second."""
+    """``first_restore`` in a fresh process on the data path ``path`` (native, python or native O_DIRECT);
+    bytes per second."""
     code = (
         "import sys; from tierkv.bench.first_restore import first_restore; "
         "print(first_restore(sys.argv[1], *map(int, sys.argv[2:])))"
@@ -50,12 +50,11 @@ def in_fresh_process(
         capture_output=True,
         text=True,
         timeout=600,
-        # "native": the store's own default read path (O_DIRECT with a host tier, buffered without)
+        # "native": the store's own default read path
         env={
             **{k: v for k, v in os.environ.items() if k != "TIERKV_DIRECT_READS"},
             "TIERKV_NATIVE": "0" if path == "python" else "1",
             **({"TIERKV_DIRECT_READS": "1"} if path == "native O_DIRECT" else {}),
-            **({"TIERKV_DIRECT_READS": "0"} if path == "native buffered" else {}),
         },
     )
     if r.returncode != 0:

@@ -21,8 +21,7 @@ Rows (GB/s, medians of ``runs`` with their spread):
                                    buffers on as many threads as there are CPUs (a read plus its checksum)
   restore interleaved cold         prefixes whose blocks were written interleaved
   (each of these for the disk tier's data paths side by side, in brackets: native, the default where the
-  extension is built, which reads buffered without a host tier and with O_DIRECT with one; python,
-  TIERKV_NATIVE=0, the fallback; native O_DIRECT, direct_reads=True; native buffered, direct_reads=False)
+  extension is built; python, TIERKV_NATIVE=0, the fallback; native O_DIRECT, direct_reads=True)
   restore zstd / zstd+shuffle cold the same with compressed records
   host tier restore                TieredStore.load from RAM
   memcpy                           torch copy_ of the same size
@@ -210,9 +209,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     rows["restore from host tier"] = summary(hosted_bws)
     # A fresh process's first cold restores, with a host tier (allocated, and promoted into, on the way)
     # and without, alternated so that drift favours neither.
-    # The third path is the read the default is not: buffered with a host tier, O_DIRECT without one.
-    other = {2 * data_nbytes: "native buffered", 0: "native O_DIRECT"}
-    firsts = [(other[h] if p == "native O_DIRECT" else p, h) for p in paths for h in (2 * data_nbytes, 0)]
+    firsts = [(p, h) for p in paths for h in (2 * data_nbytes, 0)]
     if data_nbytes < 96 << 20:  # a quick run: each is a fresh process, the native path's alone will do
         firsts = [(paths[0], 2 * data_nbytes)]
     first: dict[tuple[str, int], list[float]] = {k: [] for k in firsts}
@@ -339,13 +336,11 @@ def _ratios(
         out[f"restore cold one-prefix / disk limit [{path}]"] = (
             rows[f"restore one-prefix, cold [{path}]"]["median"] / od
         )
-    for path in (*paths, "native buffered"):
+    for path in paths:
         if f"first restore in a fresh process, cold, host tier on [{path}]" in rows:
             out[f"first restore, host tier on / disk limit [{path}]"] = (
                 rows[f"first restore in a fresh process, cold, host tier on [{path}]"]["median"] / od
             )
-        if f"restore interleaved prefixes, cold [{path}]" not in rows:
-            continue
         out[f"restore cold interleaved / disk limit [{path}]"] = (
             rows[f"restore interleaved prefixes, cold [{path}]"]["median"] / od
         )
