@@ -25,6 +25,23 @@ def test_a_cpu_buffer_is_kept_and_grown_at_least_twofold() -> None:
     assert bufs.get("save", (4, 5), grow_dim=0).data_ptr() != d.data_ptr()  # each name its own
 
 
+def test_a_buffer_grows_no_further_than_a_call_can_need() -> None:
+    """Twice its length, but never past ``max_len`` (the context) unless the call itself needs more; and
+    a view of another shape than the buffer's is refused, not served wrong."""
+    bufs = ReusedBuffers(torch.float32, torch.device("cpu"))
+    bufs.get("restore", (2, 100, 3), grow_dim=1, max_len=150)
+    grown = bufs.get("restore", (2, 120, 3), grow_dim=1, max_len=150)
+    assert grown.data_ptr() == bufs.get("restore", (2, 150, 3), grow_dim=1, max_len=150).data_ptr()
+    assert bufs._kept["restore"].shape[1] == 150  # not 200
+    assert bufs.get("restore", (2, 170, 3), grow_dim=1, max_len=150).shape == (2, 170, 3)
+    assert (
+        bufs.get("small", (1, 3), grow_dim=0, min_len=16).data_ptr()
+        == bufs.get("small", (16, 3), 0).data_ptr()
+    )
+    with pytest.raises(AssertionError):
+        bufs.get("restore", (3, 10, 3), grow_dim=1)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux only (mincore)")
 def test_a_reserved_buffer_is_resident_before_reserve_returns() -> None:
     bufs = ReusedBuffers(torch.float32, torch.device("cpu"))
@@ -61,4 +78,36 @@ def test_a_server_reserves_the_restore_buffer_its_restores_then_use(tmp_path) ->
         assert seen == [reserved.data_ptr()]
         cap = cm.model.config.max_position_embeddings
         assert cm.reserve_restore(max_nbytes=1 << 40) == cap // ns.block_tokens * ns.block_tokens
+        # A server's --max-context bounds it (and what a restore buffer later grows to).
+        assert (
+            cm.reserve_restore(context_tokens=100, max_nbytes=1 << 40)
+            == 100 // ns.block_tokens * ns.block_tokens
+        )
+        assert cm.context_tokens == 100
     assert CachedModel.default(None).reserve_restore() == 0  # no store: nothing to restore into
+
+
+def test_a_warm_up_forwards_through_the_model_and_touches_no_store(tmp_path) -> None:
+    with TieredStore.open(tmp_path, host_bytes=16 << 20) as store:
+        cm = CachedModel.default(store)
+        calls = []
+        cm.model.register_forward_hook(lambda module, args, out: calls.append(1))
+        assert cm.warm_up() > 0
+        assert calls == [1, 1]  # a short prefill, then one step after it
+        stats = store.stats()
+        assert stats["store"]["miss_blocks"] == stats["store"]["hit_blocks"] == 0  # no lookup
+        assert stats["disk"]["used_nbytes"] == 0 and stats["host"]["blocks"] == 0  # nothing saved
+
+
+def test_a_repeated_prompt_reports_no_cache_write_for_the_block_it_recomputes(tmp_path) -> None:
+    """The last full block of a prompt made of whole blocks is computed again (a token must be), and saved
+    again: the store already holds it, so no tokens are written (``cache_write_tokens``)."""
+    with TieredStore.open(tmp_path, host_bytes=16 << 20) as store:
+        cm = CachedModel.default(store)
+        B = cm.base_namespace.block_tokens
+        prompt = list(range(1, 4 * B + 1))
+        first = cm.prefill(prompt)
+        store.flush()
+        again = cm.prefill(prompt)
+        assert first.saved_tokens == 4 * B
+        assert again.hit.num_tokens == 3 * B and again.saved_tokens == 0

@@ -105,10 +105,7 @@ def _cycle(
                 srv = ServeProcess(
                     "--model", model, "--cache-dir", str(cache), "--host-cache", "1GiB", *server_args
                 )
-                start_s = time.perf_counter() - t0
-                srv.chat(
-                    [{"role": "user", "content": "warm-up"}], 1
-                )  # the code path, not this prompt's blocks
+                start_s = time.perf_counter() - t0  # (the server warms its model up before it serves)
             r = srv.chat(messages, max_tokens)
             u = r["usage"]
             calls.append(

@@ -8,10 +8,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from tierkv.layout import KVSpec
 from tierkv.server.app import create_app
 from tierkv.server.config import ServeConfig, redact_url
 from tierkv.server.guard import BodyGuard
 from tierkv.server.state import Server, load_server
+from tierkv.units import format_size
 
 log = logging.getLogger("tierkv.server")
 
@@ -25,8 +27,15 @@ def serve(config: ServeConfig) -> None:
     ):  # allocate (and pre-fault) the memory tiers now, not during the first request
         server.store.reserve(ns)
         t0 = time.perf_counter()
-        if tokens := server.cm.reserve_restore():  # and the buffer restores land in (on CPU)
-            log.info("restore buffer: %d tokens, faulted in in %.2f s", tokens, time.perf_counter() - t0)
+        if tokens := server.cm.reserve_restore(server.engine.max_context):  # and where restores land (CPU)
+            log.info(
+                "restore buffer: %d tokens (%s), faulted in in %.2f s",
+                tokens,
+                format_size(tokens * KVSpec.of(ns).token_nbytes),
+                time.perf_counter() - t0,
+            )
+    # The model's first forward, before the first request rather than in it.
+    log.info("model warmed up in %.2f s", server.cm.warm_up())
     tiers = ["none (--no-cache)"] if server.store is None else server.store.describe()
     log.info(
         "tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
