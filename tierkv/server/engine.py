@@ -107,6 +107,12 @@ class Engine:
         finally:
             cancelled.set()
 
+    def warm_up(self) -> float:
+        """``CachedModel.warm_up`` on the model's own thread, before the first request: a thread's first
+        forward sets up its own thread pool (a warm-up on another thread left the first request after a
+        restart at 390 ms of forward for 9 tokens, against 131 ms). Returns its seconds."""
+        return self._executor.submit(self.cm.warm_up).result()
+
     def close(self) -> None:
         """Finish the running request, then stop (queued ones still run: they were accepted)."""
         t0 = time.perf_counter()

@@ -35,7 +35,7 @@ def serve(config: ServeConfig) -> None:
                 time.perf_counter() - t0,
             )
     # The model's first forward, before the first request rather than in it.
-    log.info("model warmed up in %.2f s", server.cm.warm_up())
+    log.info("model warmed up in %.2f s", server.engine.warm_up())
     tiers = ["none (--no-cache)"] if server.store is None else server.store.describe()
     log.info(
         "tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
