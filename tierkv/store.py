@@ -302,13 +302,16 @@ class TieredStore(StoreRestores, TenantQuotas):
         return out
 
     def reserve(self, ns: Namespace, *, restores_into_cpu: bool = False, populate_now: bool = False) -> None:
-        """Allocate (and pre-fault) the memory tiers for ``ns``'s blocks now, not on the first request;
+        """Allocate (and pre-fault) the memory tiers for ``ns``'s blocks now, not on the first request, and
+        read the disk tier's index ahead (``DiskTier.read_ahead``);
         ``restores_into_cpu``: also the chunk buffers of restores from a record tier into anything but a
         CPU tensor with contiguous slabs (an engine's CPU pages, through a ``Sink``); ``populate_now``:
         the memory tiers' pages faulted in before this returns, not behind (``BlockPool.reserve``)."""
         for tier in self.tiers:
             if isinstance(tier, BlockPool):
                 tier.reserve(KVSpec.of(ns).block_nbytes, populate_now=populate_now)
+            elif isinstance(tier, DiskTier):
+                tier.read_ahead()  # its index, so that the first lookups do not read it a page at a time
         if restores_into_cpu and any(not t.memory for t in self.tiers):
             self._stagers.reserve(KVSpec.of(ns))
 
