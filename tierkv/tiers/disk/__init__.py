@@ -363,18 +363,18 @@ class DiskTier(DiskWrites, Tier):
 
         if native.enabled():
             from tierkv.tiers.disk import native_read  # noqa: F401
-        asked = 0
-        for path in sorted((self.path / "index").glob("*.mdb")):
-            with contextlib.suppress(OSError):  # a hint: an error here costs only the first lookups
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    n = min(os.fstat(fd).st_size, max_nbytes - asked)
-                    if n > 0:
-                        os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
-                        asked += n
-                finally:
-                    os.close(fd)
-        return asked
+        # data.mdb only, never lock.mdb: closing any descriptor of a file drops every POSIX lock the process
+        # holds on it, and LMDB marks its live readers with such locks on lock.mdb (another process's
+        # reader check then frees this one's reader slots: MDB_BAD_RSLOT on its next read).
+        with contextlib.suppress(OSError):  # a hint: an error here costs only the first lookups
+            fd = os.open(self.path / "index" / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                n = min(os.fstat(fd).st_size, max_nbytes)
+                os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
+                return n
+            finally:
+                os.close(fd)
+        return 0
 
     def read_path(self) -> str:
         """Which reader serves this tier: native (O_DIRECT or buffered) or Python, and why."""
