@@ -1,5 +1,6 @@
 """The engine's reused buffers (``tierkv/buffers.py``) and a server's restore buffer reserved at start-up."""
 
+import platform
 import sys
 
 import pytest
@@ -113,8 +114,8 @@ def test_a_repeated_prompt_reports_no_cache_write_for_the_block_it_recomputes(tm
         assert again.hit.num_tokens == 3 * B and again.saved_tokens == 0
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
-def test_a_server_process_keeps_what_it_frees_for_its_next_requests() -> None:
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_a_server_process_keeps_what_it_frees_for_its_next_requests(monkeypatch) -> None:
     """``keep_freed_memory``: a freed 24 MiB allocation (a request's KV cache, a few MiB a layer) stays
     with the process, its pages faulted already, where glibc would otherwise unmap it."""
     code = (
@@ -128,3 +129,7 @@ def test_a_server_process_keeps_what_it_frees_for_its_next_requests() -> None:
     given_back = {how: int(run_python(code, how).stdout.split()[-1]) for how in ("keep", "default")}
     assert given_back["default"] > 20 << 20  # unmapped on free
     assert given_back["keep"] < 4 << 20  # kept
+    from tierkv.server.startup import keep_freed_memory
+
+    monkeypatch.setenv("TIERKV_KEEP_FREED_MEMORY", "0")
+    assert not keep_freed_memory()  # the operator's way out

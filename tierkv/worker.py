@@ -241,8 +241,10 @@ class CachedModel:
         self._forward(ids[-1:], cache)
         # And a few tokens after a "restored" prefix, as a hit runs: over a cache made from a KV tensor.
         restored = torch.zeros(
-            (ns.num_layers, 2, 2 * ns.block_tokens, ns.num_kv_heads, ns.head_dim), dtype=self.dtype
-        ).to(self.device)
+            (ns.num_layers, 2, 2 * ns.block_tokens, ns.num_kv_heads, ns.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
         self._forward(ids[:5], cache_from_kv(self.model, restored))
         return time.perf_counter() - t0
 

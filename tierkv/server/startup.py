@@ -13,7 +13,7 @@ from tierkv.server.app import create_app
 from tierkv.server.config import ServeConfig, redact_url
 from tierkv.server.guard import BodyGuard
 from tierkv.server.state import Server, load_server
-from tierkv.units import format_size
+from tierkv.units import env_flag, format_size
 
 log = logging.getLogger("tierkv.server")
 
@@ -26,27 +26,31 @@ TRIM_THRESHOLD_NBYTES = 1 << 30
 
 def keep_freed_memory() -> bool:
     """Keep what the process frees for its next requests (glibc): a request's KV cache, a few MiB a layer,
-    would otherwise be mapped fresh and given back each time, every page of it faulted again; on this
-    project's VM such pages cost a fault in the host too. SmolLM2's first request after a restart
-    (2,864 tokens restored, 9 computed): 258-290 ms in 3 cycles against 305-742. The price: the server's
-    memory stays at its peak. Whether it applied (not on another C library)."""
+    and a forward's temporaries would otherwise be mapped fresh and given back each time, every page of them
+    faulted again; on this project's VM such pages cost a fault in the host too. SmolLM2's first request
+    after a restart (2,864 tokens restored, 9 computed): 274-297 ms in 3 cycles against 305-742. The
+    price: each glibc arena (one per thread that allocates, the model thread's above all) stays at its
+    peak. ``TIERKV_KEEP_FREED_MEMORY=0`` turns it off. Whether it applied (glibc only)."""
     import ctypes
     import ctypes.util
+    import platform
 
+    if not env_flag("TIERKV_KEEP_FREED_MEMORY", True) or platform.libc_ver()[0] != "glibc":
+        return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(
-        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_NBYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_NBYTES)
-    )
+    # both or neither: the threshold alone would keep allocations in heaps that are then trimmed at once
+    if not mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_NBYTES):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_NBYTES))
 
 
 def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    keep_freed_memory()  # before the model allocates anything
+    kept = keep_freed_memory()  # before the model allocates anything
     server = load_server(config)
     ns = server.cm.base_namespace
     if (
@@ -62,7 +66,11 @@ def serve(config: ServeConfig) -> None:
                 time.perf_counter() - t0,
             )
     # The model's first forward, before the first request rather than in it.
-    log.info("model warmed up in %.2f s", server.engine.warm_up())
+    log.info(
+        "model warmed up in %.2f s; freed memory %s",
+        server.engine.warm_up(),
+        "kept for later requests (TIERKV_KEEP_FREED_MEMORY=0: given back)" if kept else "given back",
+    )
     tiers = ["none (--no-cache)"] if server.store is None else server.store.describe()
     log.info(
         "tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",

@@ -370,8 +370,9 @@ class DiskTier(DiskWrites, Tier):
             fd = os.open(self.path / "index" / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 n = min(os.fstat(fd).st_size, max_nbytes)
-                os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
-                return n
+                if n > 0:  # (a length of 0 would mean "to the end")
+                    os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
+                return max(n, 0)
             finally:
                 os.close(fd)
         return 0
