@@ -59,8 +59,9 @@ class ReusedBuffers:
         speed: a caller about to serve); whether it did (on CPU only)."""
         if self.device.type != "cpu":
             return False
-        buf = self.get(name, shape, grow_dim, max_len=shape[grow_dim])
-        populator = populate_in_background(buf, f"{name} buffer", paced=False)
+        self.get(name, shape, grow_dim, max_len=shape[grow_dim])
+        # the whole kept buffer (contiguous), not the view: a narrowed view is strided
+        populator = populate_in_background(self._kept[name], f"{name} buffer", paced=False)
         if populator is not None:
             populator.join()
         return True

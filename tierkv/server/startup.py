@@ -42,7 +42,8 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # both or neither: the threshold alone would keep allocations in heaps that are then trimmed at once
+    # The trim first: alone it only keeps a heap's free top; the threshold alone would move allocations
+    # into heaps that are then trimmed at once.
     if not mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_NBYTES):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_NBYTES))

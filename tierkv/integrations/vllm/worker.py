@@ -63,9 +63,8 @@ class WorkerSide:
         self._errors: set[int] = set()
         self.checks = SelfChecks()  # the sampled self-check's copies of restored blocks
         self._reported = False
-        self._buffers: ReusedBuffers | None = (
-            None  # the model thread's loads and saves, once caches are known
-        )
+        # The model thread's load and save buffers, once the caches are known.
+        self._buffers: ReusedBuffers | None = None
         self._moved = False  # blocks loaded or saved since the last metrics payload
         self.loader: Loader | None = None  # asynchronous loads (loader.py), once the caches are known
         self._idle_step = False  # this step computes nothing (TierKVMetadata.idle)
