@@ -133,3 +133,17 @@ def test_a_server_process_keeps_what_it_frees_for_its_next_requests(monkeypatch)
 
     monkeypatch.setenv("TIERKV_KEEP_FREED_MEMORY", "0")
     assert not keep_freed_memory()  # the operator's way out
+
+
+def test_the_http_warm_up_loads_what_the_first_streamed_answer_would() -> None:
+    """``warm_up_http``: anyio's asyncio backend, which the HTTP stack imports on its first streamed
+    answer, is loaded before the first request (in a fresh process: this one may have loaded it already)."""
+    code = (
+        "import sys\n"
+        "from tierkv.server.startup import warm_up_http\n"
+        "name = 'anyio._backends._asyncio'\n"
+        "before = name in sys.modules\n"
+        "warm_up_http()\n"
+        "print(before, name in sys.modules)\n"
+    )
+    assert run_python(code).stdout.split()[-2:] == ["False", "True"]

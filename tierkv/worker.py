@@ -245,7 +245,11 @@ class CachedModel:
             dtype=self.dtype,
             device=self.device,
         )
-        self._forward(ids[:5], cache_from_kv(self.model, restored))
+        logits, _ = self._forward(ids[:5], cache_from_kv(self.model, restored))
+        # And what follows a prefill: the token picked (greedy and sampled), and its text.
+        for temperature in (0.0, 1.0):
+            pick(logits, temperature, 0.9, torch.Generator().manual_seed(0))
+        self.tokenizer.decode(ids[:5])
         return time.perf_counter() - t0
 
     @torch.inference_mode()
