@@ -33,6 +33,7 @@ from tierkv.layout import DTYPE_NAMES, KVSpec
 from tierkv.retention import NO_CONTROL, CacheControl
 from tierkv.self_check import restore_sound
 from tierkv.store import Hit, TieredStore
+from tierkv.tiers import prefault
 
 __all__ = ["RESTORE_RESERVE_NBYTES", "CachedModel", "GenerateResult", "PrefillResult", "StreamEvent"]
 
@@ -207,7 +208,11 @@ class CachedModel:
 
     def _forward(self, input_ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, Any]:
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.layout.cache_kwarg: cache})
+        # A host tier populated behind pauses meanwhile (``prefault.foreground``): the forward uses every core.
+        with prefault.foreground():
+            out = self.model(
+                input_ids=ids, use_cache=True, logits_to_keep=1, **{self.layout.cache_kwarg: cache}
+            )
         return out.logits[0, -1].float(), getattr(out, self.layout.cache_kwarg, cache)
 
     def reserve_restore(
