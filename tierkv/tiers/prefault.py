@@ -72,7 +72,7 @@ def _pause(stop: threading.Event, seconds: float) -> None:
 
 # Restores and model forwards in progress in this process: a paced populator waits while there are any (a
 # server's first cold restores ran at 1.1 against 1.6-1.9 GB/s beside one; its first forward after a
-# restart, 9 tokens after 2,864 restored, took 179-265 ms beside one against about 100). They are short;
+# restart, 9 tokens after 2,864 restored: 136-159 ms beside one, 133-141 with the pause). They are short;
 # population can wait.
 _foreground = 0
 _foreground_lock = threading.Lock()
