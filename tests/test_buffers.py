@@ -147,3 +147,16 @@ def test_the_http_warm_up_loads_what_the_first_streamed_answer_would() -> None:
         "print(before, name in sys.modules)\n"
     )
     assert run_python(code).stdout.split()[-2:] == ["False", "True"]
+
+
+def test_a_forward_holds_paced_populators_back() -> None:
+    """The model's forwards count as foreground work (``prefault.foreground``), as restores do: a host tier
+    populated behind pauses while they run, and resumes after."""
+    from tierkv.tiers import prefault
+
+    cm = CachedModel.default(None)
+    seen: list[int] = []
+    cm.model.register_forward_hook(lambda module, args, out: seen.append(prefault._foreground))
+    cm.generate(list(range(1, 40)), 3)
+    assert len(seen) == 3 and all(n > 0 for n in seen)  # the prefill and two steps
+    assert prefault._foreground == 0
