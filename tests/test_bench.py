@@ -69,6 +69,13 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
             tiers["rows_Bps"]["restore one-prefix, warm page cache [native]"]["median"] / warm_read["median"]
         )
     )
+    # and beside a read that hashes what it read, as a restore verifies each record: its ceiling
+    (verified,) = [v for k, v in tiers["rows_Bps"].items() if k.startswith("a warm read and its checksum")]
+    assert verified["n"] == runs and tiers["ratios"][
+        "restore warm / a warm read and its checksum [native]"
+    ] == pytest.approx(
+        tiers["rows_Bps"]["restore one-prefix, warm page cache [native]"]["median"] / verified["median"]
+    )
     for row in ttft["rows"]:  # TTFT apart: the restore and the forward, each beside its own baseline
         assert 0 < row["host_restore_s"]["median"] < row["host_s"]["median"]
         assert row["forward_1_contiguous_s"]["median"] > 0

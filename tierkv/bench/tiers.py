@@ -18,7 +18,9 @@ Rows (GB/s, medians of ``runs`` with their spread):
                                    its slots)
   restore one-prefix cold / warm   TieredStore.load of prefixes written in one go; page cache dropped / hot
   raw buffered warm read           the warm restore's own limit: its segment files read, cached, into
-                                   buffers on as many threads as there are CPUs (a read plus its checksum)
+                                   buffers on as many threads as there are CPUs
+  a warm read and its checksum     the same in 1 MiB reads, each hashed (xxh3) after it as a restore
+                                   verifies each record: the ceiling of a verified read
   restore interleaved cold         prefixes whose blocks were written interleaved
   (each of these for the disk tier's data paths side by side, in brackets: native, the default where the
   extension is built; python, TIERKV_NATIVE=0, the fallback; native O_DIRECT, direct_reads=True)
@@ -194,8 +196,13 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         )[0]
         rows[f"restore one-prefix, warm page cache [{path}]"] = summary(warm[path])
     threads = min(native.READ_THREADS, len(os.sched_getaffinity(0)))  # as many as a warm restore runs
+    segments = sorted((store_dir / "segments").glob("*.seg"))
     rows[f"raw buffered warm read of the store's segment files, 8 MiB, {threads} threads"] = summary(
-        buffered_warm(sorted((store_dir / "segments").glob("*.seg")), threads, runs)
+        buffered_warm(segments, threads, runs)
+    )
+    # A verified read's ceiling: what a restore must do at least (read, then hash, each record's bytes).
+    rows[f"a warm read and its checksum: the same files, 1 MiB reads, xxh3 of each, {threads} threads"] = (
+        summary(buffered_warm(segments, threads, runs, chunk=1 << 20, checksum=True))
     )
     hosted_bws = _restores(
         store_dir,
@@ -350,6 +357,11 @@ def _ratios(
         if warm_read:
             out[f"restore warm / the page cache's read [{path}]"] = (
                 rows[f"restore one-prefix, warm page cache [{path}]"]["median"] / warm_read["median"]
+            )
+        verified = next((v for k, v in rows.items() if k.startswith("a warm read and its checksum")), None)
+        if verified:
+            out[f"restore warm / a warm read and its checksum [{path}]"] = (
+                rows[f"restore one-prefix, warm page cache [{path}]"]["median"] / verified["median"]
             )
     for w in ("native", "native buffered", "python"):
         if f"persistence (save+flush, durable) [{w}]" in rows:
