@@ -167,8 +167,11 @@ static int load_xxhash(void) {
 /* ------------------------------------------------------------------ injected faults (tests only) */
 /* A read (or, for a fault listed for writes, a write) that overlaps a listed byte range of a listed file
  * fails with the listed errno, as a bad sector would: the fault tests use the same faults against this
- * path and the Python one. */
-typedef struct { dev_t dev; ino_t ino; int64_t start, end; int err, writes; } fault_t;
+ * path and the Python one. A fault listed for O_DIRECT only (FAULT_DIRECT) fails only the reads or writes
+ * through an O_DIRECT descriptor: a file system refusing O_DIRECT after it opened. */
+#define FAULT_WRITES 1
+#define FAULT_DIRECT 2
+typedef struct { dev_t dev; ino_t ino; int64_t start, end; int err, kind; } fault_t;
 static fault_t faults[64];
 static atomic_int nfaults;
 static pthread_mutex_t faults_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -177,11 +180,12 @@ static int injected(int fd, int64_t off, int64_t len, int writes) {
     if (atomic_load(&nfaults) == 0) return 0;
     struct stat st;
     if (fstat(fd, &st) != 0) return 0;
-    int err = 0;
+    int direct = (fcntl(fd, F_GETFL) & O_DIRECT) != 0, err = 0;
     pthread_mutex_lock(&faults_lock);
     for (int i = 0; i < atomic_load(&nfaults) && !err; i++)
-        if (faults[i].writes == writes && faults[i].dev == st.st_dev && faults[i].ino == st.st_ino &&
-            off < faults[i].end && faults[i].start < off + len)
+        if ((faults[i].kind & FAULT_WRITES) == (writes ? FAULT_WRITES : 0) &&
+            (direct || !(faults[i].kind & FAULT_DIRECT)) && faults[i].dev == st.st_dev &&
+            faults[i].ino == st.st_ino && off < faults[i].end && faults[i].start < off + len)
             err = faults[i].err;
     pthread_mutex_unlock(&faults_lock);
     return err;
@@ -250,6 +254,9 @@ static inline int64_t aligned(int64_t n) { return (n + ALIGN - 1) / ALIGN * ALIG
 static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* A file system refusing O_DIRECT: EINVAL (Linux's own), EOPNOTSUPP (some FUSE and network ones). */
+static int refuses_direct(int err) { return err == EINVAL || err == EOPNOTSUPP; }
 
 static int is_media(int err) {
     return err == EIO || err == ENODATA || err == EBADMSG || err == EUCLEAN || err == EREMOTEIO;
@@ -418,10 +425,12 @@ static int read_group(run_t *r, int64_t first, int64_t count, int ahead, void **
         while (*bounce && pos < end) {
             int64_t start = pos / ALIGN * ALIGN, want = aligned(end) - start;
             size_t len = (size_t)(want < (int64_t)GROUP_NBYTES ? want : (int64_t)GROUP_NBYTES);
-            ssize_t got = pread((int)q0->dfd, *bounce, len, start);
+            int fault = injected((int)q0->dfd, start, (int64_t)len, 0);
+            if (fault) errno = fault;
+            ssize_t got = fault ? -1 : pread((int)q0->dfd, *bounce, len, start);
             if (got < 0) {
                 if (errno == EINTR) continue;
-                if (errno == EINVAL) break; /* this file or range refuses O_DIRECT: buffered below */
+                if (refuses_direct(errno)) break; /* this file or range refuses O_DIRECT: buffered below */
                 return errno;
             }
             if (got == 0) return -1;
@@ -826,7 +835,7 @@ typedef struct {
     int64_t *at;       /* chunk c's offset in the file */
     int nchunks, idle;
     int fd, direct_fd; /* direct_fd >= 0: each chunk written by the thread that sealed it */
-    atomic_int direct; /* O_DIRECT writes still accepted (EINVAL turns them off for the rest) */
+    atomic_int direct; /* O_DIRECT writes still accepted (a refusal, refuses_direct, turns them off for the rest) */
     int *state;        /* per chunk, under lock: 0 not done, 1 sealed (and written, with O_DIRECT), -errno */
     int next;          /* under lock: the next chunk to claim */
     int err;           /* under lock: the first chunk's failure (its errno) */
@@ -954,7 +963,7 @@ static int seal_next(seal_t *s, void *state, int idle) {
     if (!err && s->direct_fd >= 0) {
         if (img) {
             err = atomic_load(&s->direct) ? pwrite_all(s->direct_fd, img, s->nbytes[c], s->at[c]) : EINVAL;
-            if (err == EINVAL) { /* a file system that opens O_DIRECT but refuses this write: buffered */
+            if (refuses_direct(err)) { /* a file system that opens O_DIRECT but refuses this write: buffered */
                 atomic_store(&s->direct, 0);
                 err = pwrite_all(s->fd, img, s->nbytes[c], s->at[c]);
             }
@@ -1524,12 +1533,12 @@ static PyObject *py_xxh3(PyObject *self, PyObject *arg) {
 static PyObject *inject_fault(PyObject *self, PyObject *args) {
     unsigned long long dev, ino;
     long long start, end;
-    int err, writes = 0;
-    if (!PyArg_ParseTuple(args, "KKLLi|p", &dev, &ino, &start, &end, &err, &writes)) return NULL;
+    int err, kind = 0;
+    if (!PyArg_ParseTuple(args, "KKLLi|i", &dev, &ino, &start, &end, &err, &kind)) return NULL;
     pthread_mutex_lock(&faults_lock);
     int i = atomic_load(&nfaults);
     if (i < (int)(sizeof faults / sizeof *faults)) {
-        faults[i] = (fault_t){(dev_t)dev, (ino_t)ino, start, end, err, writes};
+        faults[i] = (fault_t){(dev_t)dev, (ino_t)ino, start, end, err, kind};
         atomic_store(&nfaults, i + 1);
     }
     pthread_mutex_unlock(&faults_lock);
@@ -1557,7 +1566,8 @@ static PyMethodDef methods[] = {
     {"set_work_cpus", set_work_cpus, METH_O, "set_work_cpus(cpus): the CPUs every helper thread runs on."},
     {"xxh3_64", py_xxh3, METH_O, "xxh3-64 of a buffer, as libxxhash computes it (tests compare it with xxhash's)."},
     {"inject_fault", inject_fault, METH_VARARGS,
-     "inject_fault(dev, ino, start, end, errno, writes=False): reads (or writes) of that range fail."},
+     "inject_fault(dev, ino, start, end, errno, kind=0): reads of that range fail (kind 1: writes; + 2:\n"
+     "only through O_DIRECT descriptors)."},
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
     {"can_leave_idle", can_leave_idle, METH_NOARGS, "Whether a thread may go to SCHED_IDLE and come back (probed)."},
     {"trace_writes", trace_writes, METH_O, "trace_writes(on) -> the writes and syncs logged since the last call."},

@@ -722,3 +722,41 @@ def test_o_direct_reads_beside_a_writer_appending_to_the_same_segment(tmp_path) 
             t.join(60)
         segments = {p.name for p in tmp_path.glob("**/*.seg")}
         assert checked >= 4 and store.stats()["disk"]["read_direct_nbytes"] > 0, (checked, segments)
+
+
+@pytest.mark.parametrize("err", ["EINVAL", "EOPNOTSUPP"])
+def test_o_direct_refused_after_open_is_read_and_written_buffered(tmp_path, ns, err: str) -> None:
+    """A file system that opens a file O_DIRECT and then refuses the reads or writes through it (EINVAL from
+    Linux's own, EOPNOTSUPP from some FUSE and network ones; injected here on the O_DIRECT descriptors
+    only): the native writer writes buffered and loses nothing, the native reader reads buffered and
+    serves the same KV."""
+    import errno as errno_
+
+    code = getattr(errno_, err)
+    nat = native.module()
+    B = ns.block_tokens
+    prompts = [list(range(p * 1000, p * 1000 + 8 * B)) for p in range(3)]
+    kvs = [make_kv(ns, 8 * B, seed=p) for p in range(3)]
+    kwargs = {"host_bytes": 0, "direct_reads": True, "direct_writes": True}
+    try:
+        with TieredStore.open(tmp_path, **kwargs) as store:
+            store.save(ns, prompts[0], kvs[0])
+            store.flush()  # the segment exists now: its O_DIRECT writes refuse from here on
+            (seg,) = sorted(tmp_path.glob("segments/*.seg"))
+            st = os.stat(seg)
+            nat.inject_fault(st.st_dev, st.st_ino, 0, 1 << 40, code, 1 | 2)  # writes, O_DIRECT only
+            for toks, kv in zip(prompts[1:], kvs[1:]):
+                store.save(ns, toks, kv)
+            store.flush()
+            disk = store.stats()["disk"]
+            assert disk["blocks_written"] == 3 * 8 and disk["write_errors"] == disk["dropped_saves"] == 0
+        nat.inject_fault(st.st_dev, st.st_ino, 0, 1 << 40, code, 2)  # and its O_DIRECT reads
+        got, stats = _restore(tmp_path, ns, prompts, use_native=True, direct=True)
+    finally:
+        nat.clear_faults()
+    for (n, kv), want in zip(got, kvs):
+        assert n == 8 * B and kv is not None and torch.equal(kv, want)
+    assert stats["read_direct_nbytes"] == 0 and stats["read_blocking_nbytes"] > 0  # read buffered
+    # Without the faults, the same cold reads go through O_DIRECT (the fault is what made them buffered).
+    again, stats = _restore(tmp_path, ns, prompts, use_native=True, direct=True)
+    assert [n for n, _ in again] == [8 * B] * 3 and stats["read_direct_nbytes"] > 0

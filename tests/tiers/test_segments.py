@@ -253,3 +253,27 @@ def test_readv_returns_only_once_every_read_ended_even_after_one_failed(segdir, 
     with pytest.raises(TransientReadError):
         segdir.readv(requests, lambda i: True)
     assert ended.is_set()  # the slow group ended before readv raised
+
+
+@pytest.mark.parametrize("err", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_file_system_refusing_o_direct_at_open_is_told_apart_from_a_failure(
+    tmp_path, monkeypatch, err
+) -> None:
+    """``accepts_direct_io``: an open with O_DIRECT refused (EINVAL from Linux's own file systems,
+    EOPNOTSUPP from some others) says no, and leaves no probe file; any other error cannot tell."""
+    from tierkv.tiers.disk import files
+
+    real_open = os.open
+
+    def refusing(path, flags, *args):
+        if flags & os.O_DIRECT:
+            if flags & os.O_CREAT:
+                os.close(real_open(path, flags & ~os.O_DIRECT, *args))  # created, then the flag refused
+            raise OSError(fake_err, os.strerror(fake_err))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(files.os, "open", refusing)
+    fake_err = err
+    assert files.accepts_direct_io(tmp_path) is False and not list(tmp_path.iterdir())
+    fake_err = errno.EACCES
+    assert files.accepts_direct_io(tmp_path) is None

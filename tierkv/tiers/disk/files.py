@@ -44,6 +44,11 @@ def aligned(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
+# What a file system answers when it refuses O_DIRECT: EINVAL from Linux's own file systems (tmpfs before
+# 6.6), EOPNOTSUPP from some others (FUSE file systems, network ones) at open or at the first read or write.
+DIRECT_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
+
+
 def accepts_direct_io(folder: Path) -> bool | None:
     """Whether files in ``folder`` open with O_DIRECT (tmpfs before Linux 6.6 and some network file systems
     refuse it): probed by opening a segment read-only, or in a folder without one, a scratch file of a name
@@ -57,7 +62,7 @@ def accepts_direct_io(folder: Path) -> bool | None:
     try:
         fd = os.open(probe, flags | os.O_CLOEXEC | os.O_DIRECT, 0o600)
     except OSError as exc:
-        refused = exc.errno == errno.EINVAL
+        refused = exc.errno in DIRECT_REFUSED
         if refused and not existing:  # some file systems create the file, then refuse the flag
             _unlink_quietly(probe)
         return False if refused else None

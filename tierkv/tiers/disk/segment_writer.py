@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from tierkv import native
 from tierkv.codec import Unsealed, seal
 from tierkv.priority import native_idle
-from tierkv.tiers.disk.files import IOV_MAX
+from tierkv.tiers.disk.files import DIRECT_REFUSED, IOV_MAX
 from tierkv.tiers.disk.segments import _TEMP, ALIGN, SegmentDir, aligned, fsync_dir
 
 __all__ = ["SegmentWriter"]
@@ -64,7 +64,7 @@ class SegmentWriter:
             try:
                 self.direct_fd = os.open(final, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
             except OSError as exc:  # written buffered, as without O_DIRECT
-                if exc.errno == errno.EINVAL:
+                if exc.errno in DIRECT_REFUSED:
                     segments.direct_writes = False  # this file system refuses O_DIRECT (tmpfs)
                 log.warning("segment %d: no O_DIRECT descriptor (%s): written buffered", seg_id, exc)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tierkv.cpus import spread_here
 from tierkv.metrics import Counters
-from tierkv.tiers.disk.files import ALIGN, TransientReadError, accepts_direct_io, aligned
+from tierkv.tiers.disk.files import ALIGN, DIRECT_REFUSED, TransientReadError, accepts_direct_io, aligned
 from tierkv.tiers.disk.segment_reads import READ_CHUNK_NBYTES, SegmentReads
 
 __all__ = [
@@ -184,7 +184,7 @@ class SegmentDir(SegmentReads):
         try:
             return os.open(self.file(seg_id), os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno not in DIRECT_REFUSED:
                 raise
             self._direct_ok = False  # this file system refuses O_DIRECT (tmpfs): buffered reads only
             return None
