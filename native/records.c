@@ -42,7 +42,7 @@
 #include <immintrin.h> /* SSE2 only: the x86-64 baseline */
 #endif
 
-#define ABI 9 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 10 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run: hashed, written and sent to the disk in chunks this size */
