@@ -14,17 +14,18 @@ from tierkv.worker import CachedModel
 from test_worker import ARCHS, prompt
 
 
-def _model(arch: str, dtype: torch.dtype) -> CachedModel:
+def _model(arch: str, dtype: torch.dtype, attn: str = "sdpa", **more) -> CachedModel:
     cfg_name, model_name, kwargs = ARCHS[arch]
+    config = getattr(transformers, cfg_name)(**(kwargs | more), attn_implementation=attn)
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kwargs)).to(dtype).eval()
+    model = getattr(transformers, model_name)(config).to(dtype).eval()
     return CachedModel(model, ByteTokenizer(), None, model_id=arch, block_tokens=16)
 
 
-def _concatenating(cm: CachedModel, kv: torch.Tensor | None = None) -> DynamicCache:
+def _concatenating(cm: CachedModel, kv: torch.Tensor | None = None, sliding: bool = False) -> DynamicCache:
     """transformers' own cache, its layers concatenating; ``kv`` (canonical) put in through its API."""
     cache = DynamicCache(config=cm.model.config)
-    assert all(type(layer) is DynamicLayer for layer in cache.layers)
+    assert sliding or all(type(layer) is DynamicLayer for layer in cache.layers)
     if kv is not None:
         for i in range(kv.shape[0]):
             cache.update(kv[i, 0].transpose(0, 1).unsqueeze(0), kv[i, 1].transpose(0, 1).unsqueeze(0), i)
@@ -42,10 +43,13 @@ def _canonical(cm: CachedModel, cache, room: int) -> torch.Tensor:
     return buf[:, :, :n]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "attn"), [(torch.float32, "sdpa"), (torch.bfloat16, "sdpa"), (torch.bfloat16, "eager")]
+)
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_a_restored_cache_appends_in_place_with_the_same_logits(arch, dtype) -> None:
-    cm = _model(arch, dtype)
+def test_a_restored_cache_appends_in_place_with_the_same_logits(arch, dtype, attn) -> None:
+    """(Eager attention is what CPU half precision loads with: its matmuls read the stored views too.)"""
+    cm = _model(arch, dtype, attn)
     ids = prompt(120, salt=3)
     with torch.inference_mode():
         _, prefix = cm._forward(ids[:96], new_cache(cm.model))
@@ -110,3 +114,35 @@ def test_greedy_generation_after_a_restore_matches_transformers_own_cache(tmp_pa
             want.append(int(logits.argmax()))
             logits, cache = cm._forward(want[-1:], cache)
     assert out.token_ids == want
+
+
+def test_sliding_window_layers_and_batches_keep_transformers_own_rules() -> None:
+    """Only plain full-attention layers append in place: a sliding window's layers stay transformers' own
+    (and exact), and a batch of two falls back to concatenating, with the same logits."""
+    cm = _model("mistral", torch.float32, sliding_window=24)
+    ids = prompt(60, salt=6)
+    with torch.inference_mode():
+        cache = new_cache(cm.model)
+        assert {type(layer).__name__ for layer in cache.layers} == {"DynamicSlidingWindowLayer"}
+        a, _ = cm._forward(ids, cache)
+        b, _ = cm._forward(ids, _concatenating(cm, sliding=True))
+        assert torch.equal(a, b)
+    cm = _model("llama", torch.float32)
+    batch = torch.tensor([prompt(30, salt=7), prompt(30, salt=8)])
+    with torch.inference_mode():
+        ours = cm.model(input_ids=batch, use_cache=True, cache=new_cache(cm.model)).logits
+        theirs = cm.model(input_ids=batch, use_cache=True, cache=_concatenating(cm)).logits
+    assert torch.equal(ours, theirs)
+
+
+def test_a_reset_cache_starts_again_from_its_first_token() -> None:
+    cm = _model("qwen3", torch.float32)
+    first, second = prompt(50, salt=9), prompt(40, salt=10)
+    with torch.inference_mode():
+        _, cache = cm._forward(first, new_cache(cm.model))
+        held = cache.layers[0].keys.clone(), cache.layers[0].keys
+        cache.reset()
+        a, cache = cm._forward(second, cache)
+        b, _ = cm._forward(second, _concatenating(cm))
+        assert torch.equal(a, b) and cache.get_seq_length() == 40
+        assert torch.equal(held[1], held[0])  # a view taken before the reset is left as it was

@@ -71,6 +71,8 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     )
     # and beside a read that hashes what it read, as a restore verifies each record: its ceiling
     (verified,) = [v for k, v in tiers["rows_Bps"].items() if k.startswith("a warm read and its checksum")]
+    # (not bounded by the 8 MiB read: on a quick run's small files, 1 MiB reads ran 1.4x faster than those)
+    assert verified["median"] > 0
     assert verified["n"] == runs and tiers["ratios"][
         "restore warm / a warm read and its checksum [native]"
     ] == pytest.approx(

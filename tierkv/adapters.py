@@ -74,18 +74,35 @@ def new_cache(model: Any) -> Any:
 
 
 def _room(tokens: int) -> int:
-    """The tokens a layer's storage is allocated for when it grows: a quarter more (at least 64), so that the
-    tokens decoded next are appended in place, and a long generation reallocates a few times."""
-    return tokens + max(64, tokens // 4)
+    """The tokens a layer's storage is allocated for when it grows: a quarter more, at least 64 and at most
+    1,024, so that the tokens decoded next are appended in place, a long generation reallocates rarely, and
+    a long prompt's cache is not a quarter larger than its KV."""
+    return tokens + min(max(64, tokens // 4), 1024)
+
+
+@functools.cache
+def _layers_take_kv() -> bool:
+    """Whether transformers' ``DynamicLayer`` is the one this module is written for: its
+    ``lazy_initialization`` takes the keys and the values, and it says whether it is initialized
+    (transformers 5; 4.56's takes the keys alone, and 4.55's layers have no such flag)."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # transformers 4.x before cache layers
+        return False
+    try:
+        params = inspect.signature(DynamicLayer.lazy_initialization).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "value_states" in params and "is_initialized" in vars(DynamicLayer())
 
 
 @functools.cache
 def _append_layer() -> type | None:
-    """transformers' ``DynamicLayer``, but appending in place; None where transformers has no such layer."""
-    try:
-        from transformers.cache_utils import DynamicLayer
-    except ImportError:  # transformers 4.x
+    """transformers' ``DynamicLayer``, but appending in place; None where transformers has no such layer (or
+    another one than this is written for)."""
+    if not _layers_take_kv():
         return None
+    from transformers.cache_utils import DynamicLayer
 
     class AppendLayer(DynamicLayer):
         """Keys and values (batch 1, CPU) are views of a storage ``[1, kv_heads, capacity, head_dim]`` with
@@ -104,13 +121,14 @@ def _append_layer() -> type | None:
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            if key_states.shape[0] != 1 or key_states.device.type != "cpu" or key_states.requires_grad:
+            grads = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
+            if key_states.shape[0] != 1 or key_states.device.type != "cpu" or grads:
                 self._k = self._v = None
                 return super().update(key_states, value_states, *args, **kwargs)
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             n, m = self.get_seq_length(), key_states.shape[-2]
-            if not self._holds(n, m):
+            if not self._holds(n, m, key_states, value_states):
                 self._grow(n, m, key_states, value_states)
             assert self._k is not None and self._v is not None
             self._k[:, :, n : n + m].copy_(key_states)
@@ -118,23 +136,37 @@ def _append_layer() -> type | None:
             self.keys, self.values = self._k[:, :, : n + m], self._v[:, :, : n + m]
             return self.keys, self.values
 
-        def _holds(self, n: int, m: int) -> bool:
-            """Whether the storage has room for ``m`` more and the layer's tensors are still its views (a
-            crop, a reorder or an offload replaces them), writable here (an inference tensor is written to
-            in inference mode only)."""
+        def reset(self) -> None:
+            """Dropped, as ``DynamicLayer`` drops its tensors: views of the old storage stay as they were."""
+            self._k = self._v = None
+            super().reset()
+
+        def _holds(self, n: int, m: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+            """Whether the storage takes ``m`` more tokens like these in place: room for them, their heads,
+            head size and dtype, writable here (an inference tensor is written to in inference mode only),
+            and the layer's tensors still its own views (a reorder or an offload replaces them; a crop
+            keeps a shorter one)."""
             k, v = self._k, self._v
-            return (
-                k is not None
-                and v is not None
-                and n + m <= k.shape[2]
-                and torch.is_inference(k) == torch.is_inference_mode_enabled()
-                and self.keys is not None
-                and self.values is not None
-                and (
-                    n == 0
-                    or (self.keys.data_ptr() == k.data_ptr() and self.values.data_ptr() == v.data_ptr())
-                )
-            )
+            if k is None or v is None or n + m > k.shape[2]:
+                return False
+            if torch.is_inference(k) != torch.is_inference_mode_enabled():
+                return False
+            for store, new, held in ((k, key_states, self.keys), (v, value_states, self.values)):
+                if (
+                    store.dtype != new.dtype
+                    or store.shape[1] != new.shape[1]
+                    or store.shape[3] != new.shape[3]
+                ):
+                    return False
+                if n and (
+                    held is None
+                    or held.data_ptr() != store.data_ptr()
+                    or held.stride() != store.stride()
+                    or held.shape[:2] != store.shape[:2]
+                    or held.shape[3] != store.shape[3]
+                ):
+                    return False
+            return True
 
         def _grow(self, n: int, m: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             """A new storage with room for ``n + m`` and more; the ``n`` tokens held so far copied into it."""
@@ -153,14 +185,16 @@ def _append_layer() -> type | None:
 def cache_from_kv(model: Any, kv: torch.Tensor) -> Any:
     """A fresh dynamic cache holding ``kv`` (canonical ``[L, 2, T, H, D]``) for every layer.
 
-    The layers get views of ``kv`` (``[1, H, T, D]``, no copy): the next forward concatenates its new
-    tokens onto them, which makes the cache's own tensors. ``kv`` must stay untouched until then.
+    The layers get views of ``kv`` (``[1, H, T, D]``, no copy): the next forward copies them into the
+    cache's own tensors with its new tokens (``AppendLayer``'s storage, or ``DynamicLayer``'s
+    concatenation). ``kv`` must stay untouched until then.
     """
     cache = new_cache(model)
     layers = getattr(cache, "layers", None)
-    kinds = {"DynamicLayer", "AppendLayer"}  # (AppendLayer copies the restored views at its first update)
+    kinds = {"DynamicLayer", "AppendLayer"}
     direct = (
-        layers is not None
+        _layers_take_kv()
+        and layers is not None
         and len(layers) == kv.shape[0]
         and all(type(layer).__name__ in kinds and hasattr(layer, "lazy_initialization") for layer in layers)
     )

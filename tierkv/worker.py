@@ -11,6 +11,7 @@ prompt that is entirely cached restores all full blocks but the one holding its 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
@@ -208,8 +209,11 @@ class CachedModel:
 
     def _forward(self, input_ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, Any]:
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
-        # A host tier populated behind pauses meanwhile (``prefault.foreground``): the forward uses every core.
-        with prefault.foreground():
+        # A host tier populated behind pauses during a prefill on CPU (``prefault.foreground``), which uses
+        # every core; not during a decoding step, one after another: the populator would starve (it yields
+        # a chunk every 100 ms at most, 40 MB/s), and its tier stays small while it is not populated.
+        busy = self.device.type == "cpu" and len(input_ids) > 1
+        with prefault.foreground() if busy else contextlib.nullcontext():
             out = self.model(
                 input_ids=ids, use_cache=True, logits_to_keep=1, **{self.layout.cache_kwarg: cache}
             )

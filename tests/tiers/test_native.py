@@ -760,3 +760,36 @@ def test_o_direct_refused_after_open_is_read_and_written_buffered(tmp_path, ns, 
     # Without the faults, the same cold reads go through O_DIRECT (the fault is what made them buffered).
     again, stats = _restore(tmp_path, ns, prompts, use_native=True, direct=True)
     assert [n for n, _ in again] == [8 * B] * 3 and stats["read_direct_nbytes"] > 0
+
+
+@pytest.mark.parametrize("err", ["EINVAL", "EOPNOTSUPP"])
+def test_a_run_whose_o_direct_writes_are_refused_is_written_buffered_then_synced(tmp_path, err: str) -> None:
+    """The writer's side of a refusal, one run: every chunk's O_DIRECT write is refused (injected on the
+    O_DIRECT descriptor only), so each is written through the buffered descriptor instead, and the run's
+    sync comes after them all; the file holds the run byte for byte."""
+    import errno as errno_
+
+    rng = np.random.default_rng(5)
+    recs = [codec.Unsealed(_head(2), os.urandom(64), rng.bytes(1 << 20)) for _ in range(20)]
+    want = _sealed_run(recs)
+    path = tmp_path / "run.seg"
+    nat = native.module()
+    with _segment_fds(path, True) as (fd, dfd):
+        st = os.fstat(fd)
+        nat.inject_fault(st.st_dev, st.st_ino, 0, 1 << 40, getattr(errno_, err), 1 | 2)
+        nat.trace_writes(True)
+        try:
+            assert nat.write_run(
+                fd, 4096, [(r.head, r.token_bytes, r.payload) for r in recs], 1, 0, dfd
+            ) == len(want)
+        finally:
+            ops = nat.trace_writes(False)
+            nat.clear_faults()
+    writes = [op for op in ops if op[0] == "write"]
+    assert writes and {op[1] for op in writes} == {fd}  # none through the O_DIRECT descriptor
+    assert sum(op[3] for op in writes) == len(want)
+    kinds = [op[0] for op in ops]
+    assert kinds.count("sync") == 1 and kinds.index("sync") > max(
+        i for i, k in enumerate(kinds) if k == "write"
+    )
+    assert path.read_bytes()[4096:] == bytes(want)

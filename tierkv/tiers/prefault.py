@@ -70,7 +70,7 @@ def _pause(stop: threading.Event, seconds: float) -> None:
     stop.wait(seconds)
 
 
-# Restores and model forwards in progress in this process: a paced populator waits while there are any (a
+# Restores and prefills on CPU in progress in this process: a paced populator waits while there are any (a
 # server's first cold restores ran at 1.1 against 1.6-1.9 GB/s beside one; its first forward after a
 # restart, 9 tokens after 2,864 restored: 136-159 ms beside one, 133-141 with the pause). They are short;
 # population can wait.
@@ -85,7 +85,7 @@ FAULT_AHEAD_NBYTES = 64 << 20
 
 @contextlib.contextmanager
 def foreground() -> Iterator[None]:
-    """Around a restore or a forward: paced populators wait until it is done."""
+    """Around a restore or a prefill: paced populators wait until it is done."""
     global _foreground
     with _foreground_lock:
         _foreground += 1
