@@ -94,6 +94,51 @@ def test_budget_holds_while_writing_ten_times_its_size(tmp_path, ns) -> None:
         assert store.tier("disk").totals() == _totals_by_scan(store.tier("disk"))
 
 
+@pytest.mark.parametrize("how", ["writer", "gc"])
+def test_a_budget_evicts_a_prompts_last_blocks_first_and_keeps_what_a_lookup_reaches(
+    tmp_path, ns, how
+) -> None:
+    """A prompt's blocks share one access time. Over the budget, the writer's eviction and ``tierkv gc
+    --budget``'s take its last blocks first (leaves before their prefixes): what stays is a prefix that
+    hits, none of it unreachable. Before, by time and key alone, they took blocks from anywhere in it."""
+    block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    toks = list(range(40 * 16))
+    budget = 15 * block_footprint
+    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=budget if how == "writer" else None) as store:
+        store.save(ns, toks, make_kv(ns, len(toks)))
+        store.flush()
+        disk = store.tier("disk")
+        if how == "gc":
+            assert disk.usage()["live_nbytes"] == 40 * block_footprint
+            assert disk.enforce_budget(budget).evicted == 25
+        assert disk.usage()["live_nbytes"] == budget
+        assert store.lookup(ns, toks).num_tokens == 15 * 16  # the first 15 blocks: all it holds
+        assert disk.totals() == _totals_by_scan(disk)
+
+
+def test_a_budget_evicts_the_least_recently_used_prompt_first_and_a_shared_prefix_last(tmp_path, ns) -> None:
+    """Leaves first does not undo the time order: of two prompts after a shared prefix, the one used
+    longer ago loses its own blocks (from its end) first; the shared prefix, which the other still
+    needs, stays."""
+    now = [1000.0]
+    shared = list(range(10 * 16))
+    old, new = shared + list(range(5000, 5000 + 10 * 16)), shared + list(range(9000, 9000 + 10 * 16))
+    block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    with TieredStore.open(tmp_path, host_bytes=0, clock=lambda: now[0]) as store:
+        store.save(ns, old, make_kv(ns, len(old), seed=1))
+        store.flush()
+        now[0] = 2000.0
+        store.save(ns, new, make_kv(ns, len(new), seed=2))
+        store.load(ns, new)  # and used: its shared blocks are recent too
+        store.flush()
+        disk = store.tier("disk")
+        assert disk.enforce_budget(24 * block_footprint).evicted == 6
+        assert store.lookup(ns, old).num_tokens == 14 * 16  # its last 6 blocks went
+        assert store.lookup(ns, new).num_tokens == 20 * 16
+        assert disk.enforce_budget(20 * block_footprint).evicted == 4
+        assert store.lookup(ns, old).num_tokens == 10 * 16 and store.lookup(ns, new).num_tokens == 20 * 16
+
+
 def test_full_file_system_degrades_to_no_disk_writes(tmp_path, ns) -> None:
     """RLIMIT_FSIZE makes the kernel refuse writes past 256 KiB (EFBIG): a real write failure."""
     r = run_python(f"""

@@ -24,6 +24,7 @@ from tierkv.errors import NamespaceConflictError, StoreFormatError, StoreOpenErr
 from tierkv.keys import BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
 from tierkv.priority import normal_priority
+from tierkv.tiers.disk.eviction import EVICTION_ORDER, Eviction
 from tierkv.tiers.disk.opening import open_store
 from tierkv.tiers.disk.retention_rows import RetentionRows
 from tierkv.tiers.disk.schema import (
@@ -31,7 +32,6 @@ from tierkv.tiers.disk.schema import (
     DBS,
     READ_FORMAT_VERSIONS,
     STORE_FORMAT_VERSION,
-    TIME,
     TOTALS,
     Entry,
     Hole,
@@ -47,12 +47,11 @@ __all__ = ["EVICTION_ORDER", "Index", "MAP_GROW_ATTEMPTS", "Txn"]
 log = logging.getLogger("tierkv.disk")
 
 MAP_GROW_ATTEMPTS = 8  # doublings of the map within one write before giving up
-EVICTION_ORDER = ("atime", "retained")  # pinned blocks are never evicted
 T = TypeVar("T")
 Txn = Any  # lmdb.Transaction (py-lmdb ships no type information)
 
 
-class Index(RetentionRows, SegmentRows):
+class Index(RetentionRows, SegmentRows, Eviction):
     def __init__(
         self,
         path: Path,
@@ -312,31 +311,6 @@ class Index(RetentionRows, SegmentRows):
             )
         if existing is None:
             txn.put(digest, spec, db=self.db["namespaces"])
-
-    def evict_over(self, txn: Txn, budget: int, now: float | None = None) -> list[Hole]:
-        """Evict blocks until the live bytes fit in ``budget``: first from tenants above their quota
-        (``TenantRows.evict_over_quota``), then least recently used first among those of the store's own
-        retention, then those a request asked to keep, the soonest to lapse first; never a pinned block
-        (pins fit in their own budget, a part of this one)."""
-        total = self.total_nbytes(txn)
-        holes: list[Hole] = []
-        if total > budget and now is not None:
-            self.end_pins(txn, now)
-        if total > budget:
-            holes, total = self.tenants.evict_over_quota(txn, total, budget)
-        for table in EVICTION_ORDER:
-            cur = txn.cursor(db=self.db[table])
-            while total > budget and cur.first():
-                tkey = bytes(cur.key())
-                key = tkey[TIME.size :]
-                raw = txn.get(key, db=self.db["index"])
-                if raw is None:  # stale row (cannot happen in a consistent store): drop it
-                    txn.delete(tkey, db=self.db[table])
-                    continue
-                e = Entry.unpack(raw)
-                holes.append((*e.location, self.remove(txn, key, e)))
-                total -= e.footprint
-        return holes
 
     def remove_at(self, found: Sequence[tuple[bytes, tuple[int, int, int]]]) -> list[Hole]:
         """Remove each key only if the index still points at the location given (a writer may have

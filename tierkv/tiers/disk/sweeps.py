@@ -171,18 +171,17 @@ class Sweeps:
         freed = [0]
         dry_total = [-1]
 
-        def stop(txn: Txn, _t: float, key: bytes) -> bool:
-            if dry_run:  # nothing is deleted: count down a copy of the total
-                if dry_total[0] < 0:
-                    dry_total[0] = self.index.total_nbytes(txn)
-                over = dry_total[0] - freed[0] > budget
-            else:
-                over = self.index.total_nbytes(txn) > budget
-            if not over:
+        def stop(txn: Txn, _t: float, key: bytes) -> bool:  # a dry run's: nothing is deleted
+            if dry_total[0] < 0:
+                dry_total[0] = self.index.total_nbytes(txn)
+            if dry_total[0] - freed[0] <= budget:
                 return True
             raw = txn.get(key, db=self.index.db["index"])
             freed[0] += Entry.unpack(raw).footprint if raw else 0
             return False
+
+        def evict(txn: Txn) -> list[Hole]:
+            return self.index.evict_over(txn, budget, max_blocks=SWEEP_BATCH)
 
         n = 0
         if not dry_run and self.index.has_quotas():
@@ -203,7 +202,17 @@ class Sweeps:
             freed[0] += sum(aligned(h[2]) for h in holes)
             if not holes:  # none above its quota (or a batch that only mended rows: the next sweep goes on)
                 break
-        n += sum(self._sweep(table, stop, dry_run, progress) for table in EVICTION_ORDER)
+        if dry_run:  # counted in time order: as many blocks as leaves first would take, near enough
+            n += sum(self._sweep(table, stop, dry_run, progress) for table in EVICTION_ORDER)
+        while not dry_run:  # in ``Index.evict_over``'s order: leaves before their prefixes
+            holes = self.index.write(evict)
+            self.segments.release(holes)
+            n += len(holes)
+            freed[0] += sum(aligned(h[2]) for h in holes)
+            if progress:
+                progress(len(holes))
+            if len(holes) < SWEEP_BATCH:
+                break
         self.counters.add("disk", "evictions", n)
         return SweepReport(evicted=n, freed_nbytes=freed[0])
 

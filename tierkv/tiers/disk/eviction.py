@@ -1,0 +1,100 @@
+"""The index's eviction (``Index`` inherits it): blocks out, until the live bytes fit a budget, in an order
+that keeps what a lookup can still reach.
+
+Least recently used first, leaves before their prefixes: a block whose next block is stored (a row in
+``children``) waits until that one is gone. A lookup stops at the first block missing, so a block left
+without its prefix is stored for nothing; and a prompt's blocks share one access time, so by time and key
+alone a budget took blocks from anywhere in them (``tierkv gc --budget 100MiB`` left 141 of a 264-block
+prompt's blocks, and the prompt then hit none of them). Only when every block left over the budget has a
+child that is kept (pinned, or asked to be kept longer) is the plain time order used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tierkv.tiers.disk.schema import TIME, Entry, Hole
+
+__all__ = ["EVICTION_ORDER", "Eviction"]
+
+Txn = Any  # lmdb.Transaction
+
+EVICTION_ORDER = ("atime", "retained")  # pinned blocks are never evicted
+
+
+class Eviction:
+    # What ``Index`` provides
+    db: dict[str, Any]
+    tenants: Any
+    total_nbytes: Callable[[Txn], int]
+    end_pins: Callable[[Txn, float], None]
+    children: Callable[..., list[bytes]]
+    remove: Callable[[Txn, bytes, Entry], bool]
+
+    def evict_over(
+        self, txn: Txn, budget: int, now: float | None = None, max_blocks: int | None = None
+    ) -> list[Hole]:
+        """Evict blocks until the live bytes fit in ``budget`` (at most ``max_blocks`` of them, if given):
+        first from tenants above their quota (``TenantRows.evict_over_quota``), then from the store's own
+        retention, least recently used first, then those a request asked to keep, the soonest to lapse
+        first, leaves before their prefixes (above); never a pinned block (pins fit in their own budget,
+        a part of this one)."""
+        total = self.total_nbytes(txn)
+        holes: list[Hole] = []
+        if total > budget and now is not None:
+            self.end_pins(txn, now)
+        if total > budget:
+            holes, total = self.tenants.evict_over_quota(txn, total, budget)
+        limit = None if max_blocks is None else len(holes) + max_blocks
+        for leaves_only in (True, False):
+            while total > budget and (limit is None or len(holes) < limit):
+                before = len(holes)
+                for table in EVICTION_ORDER:
+                    total = self._evict_from(txn, table, total, budget, holes, limit, leaves_only)
+                if len(holes) == before:
+                    break
+        return holes
+
+    def _evict_from(
+        self,
+        txn: Txn,
+        table: str,
+        total: int,
+        budget: int,
+        holes: list[Hole],
+        limit: int | None,
+        leaves_only: bool,
+    ) -> int:
+        """One pass over a time table from its oldest end, each block evicted appended to ``holes``;
+        returns the live bytes left."""
+        cur = txn.cursor(db=self.db[table])
+        ok = cur.first()
+        while ok and total > budget and (limit is None or len(holes) < limit):
+            tkey = bytes(cur.key())
+            key = tkey[TIME.size :]
+            raw = txn.get(key, db=self.db["index"])
+            if raw is None or Entry.unpack(raw).time_row(key) != (table, tkey):
+                txn.delete(tkey, db=self.db[table])  # a stale row (not in a consistent store): dropped
+                ok = cur.set_range(tkey)
+                continue
+            if leaves_only and self.children(txn, key, limit=1):
+                ok = cur.next()  # its next block goes first
+                continue
+            # Then its prefix, while each is a leaf of this table no younger than this row: the scan has
+            # passed it already (it had a child then).
+            while raw is not None and total > budget and (limit is None or len(holes) < limit):
+                e = Entry.unpack(raw)
+                parent = txn.get(key, db=self.db["parents"])
+                holes.append((*e.location, self.remove(txn, key, e)))
+                total -= e.footprint
+                raw = None
+                if parent is not None and leaves_only:
+                    key = bytes(parent)
+                    up = txn.get(key, db=self.db["index"])
+                    if up is not None:
+                        up_table, up_row = Entry.unpack(up).time_row(key)
+                        if up_table == table and up_row <= tkey and not self.children(txn, key, limit=1):
+                            raw = up
+            ok = cur.set_range(tkey)  # from the row evicted on (the deletes moved the cursor)
+        return total
