@@ -20,8 +20,9 @@ for ((i = 0; i < ${#args[@]}; i++)); do
 done
 cat <<MSG
 tierkv: starting on http://127.0.0.1:${port}  (Ctrl-C or SIGTERM stops it cleanly)
-Once the log says "tierkv serve: model ...", try in another shell (send it twice: the second reports
-cached_tokens, its whole 16-token blocks but the one holding the last token, which is always computed):
+Once the server logs that it listens on port ${port} (after the model loads and warms up), try in
+another shell (send it twice: the second reports cached_tokens, its whole 16-token blocks but the one
+holding the last token, which is always computed):
   curl -s http://127.0.0.1:${port}/v1/chat/completions -H 'Content-Type: application/json' -d '{
     "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' | python3 -m json.tool
 Metrics: http://127.0.0.1:${port}/metrics   Store: .venv/bin/tierkv stats${store}

@@ -192,3 +192,30 @@ def test_the_remote_secret_file_signs_the_remote_tier(tmp_path) -> None:
     secrets.write_text("short\n")
     with pytest.raises(ConfigError, match="32 bytes"):
         ServeConfig.load({"remote": "redis://x", "remote_secret_file": str(secrets)}).store_config()
+
+
+def test_the_ready_line_comes_once_listening_and_a_port_in_use_says_what_to_do(tmp_path) -> None:
+    """``tierkv serve: listening on ...`` is logged once the port is bound (a client may connect from that
+    line on, which scripts/serve.sh tells a user to wait for); on a port another process holds, the server
+    never logs it, exits with an error, and says ``--port`` picks another."""
+    import socket
+
+    from helpers import ServerProcess
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "tierkv.cli", "serve", "--model", "tiny", "--port", str(port),
+               "--host-cache", "16MiB", "--cache-dir", str(tmp_path / "busy")]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert f"cannot listen on http://127.0.0.1:{port}" in out and "--port picks another" in out, out
+    assert "listening on" not in out, out
+    srv = ServerProcess(cache_dir=tmp_path / "free")
+    try:
+        (line,) = [x for x in srv.output().splitlines() if "tierkv serve: listening on" in x]
+        assert f"http://127.0.0.1:{srv.port}: model" in line
+    finally:
+        srv.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tierkv.layout import KVSpec
@@ -91,18 +91,21 @@ def serve(config: ServeConfig) -> None:
         "kept for later requests (TIERKV_KEEP_FREED_MEMORY=0: given back)" if kept else "given back",
     )
     tiers = ["none (--no-cache)"] if server.store is None else server.store.describe()
-    log.info(
-        "tierkv serve: model %s on %s (%s), namespace %s (block %d), tiers: %s, http://%s:%d",
-        ns.model_id,
-        server.cm.device,
-        ns.dtype,
-        ns.digest.hex()[:16],
-        ns.block_tokens,
-        redact_url(", ".join(tiers)),  # the remote tier's URL may hold a password
-        config.host,
-        config.port,
-    )
-    _GracefulServer(uvicorn_config(server, log_level="warning")).run()
+
+    def ready() -> None:  # once the port is bound: a client may connect from this line on
+        log.info(
+            "tierkv serve: listening on http://%s:%d: model %s on %s (%s), namespace %s (block %d), tiers: %s",
+            config.host,
+            config.port,
+            ns.model_id,
+            server.cm.device,
+            ns.dtype,
+            ns.digest.hex()[:16],
+            ns.block_tokens,
+            redact_url(", ".join(tiers)),  # the remote tier's URL may hold a password
+        )
+
+    _GracefulServer(uvicorn_config(server, log_level="warning"), on_ready=ready).run()
 
 
 def uvicorn_config(server: Server, **overrides: Any) -> Any:
@@ -134,13 +137,27 @@ class _GracefulServer:
     service managers read that as a failure. We finish the running request and flush the store first.
     """
 
-    def __new__(cls, config: Any) -> Any:
+    def __new__(cls, config: Any, on_ready: Callable[[], None] | None = None) -> Any:
         import signal
         import threading
 
         import uvicorn
 
         class Server(uvicorn.Server):
+            async def startup(self, sockets: Any = None) -> None:
+                try:
+                    await super().startup(sockets)
+                except SystemExit:  # uvicorn logged why (the port in use, say) and stops the process
+                    log.error(
+                        "tierkv serve: cannot listen on http://%s:%s (above); another process may hold "
+                        "the port: --port picks another",
+                        config.host,
+                        config.port,
+                    )
+                    raise
+                if on_ready is not None:
+                    on_ready()
+
             @contextlib.contextmanager
             def capture_signals(self) -> Iterator[None]:
                 if threading.current_thread() is not threading.main_thread():
