@@ -327,3 +327,27 @@ def test_purge_namespace_resumes_its_scan_across_transactions(tmp_path, ns, monk
         assert disk.totals() == _totals_by_scan(disk) and set(disk.totals()) == {other.digest}
         assert disk.totals()[other.digest][0] == 16
         assert disk.purge_namespace(None).purged == 16 and disk.totals() == {}
+
+
+def test_over_its_budget_the_writer_evicts_a_headroom_below_it_at_once(tmp_path, ns) -> None:
+    """``evict_over(headroom_nbytes=...)``: nothing while within the budget; once over it, down to the
+    headroom below it (the writer's: a 64th of a budget of 1 GiB or more, at most 256 MiB), so that a long
+    prompt is taken a stretch at a time, not scanned to its end at every batch."""
+    from tierkv.tiers.disk.writer import headroom
+
+    block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    toks = list(range(40 * 16))
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, toks, make_kv(ns, len(toks)))
+        store.flush()
+        index = store.tier("disk").index
+        assert (
+            index.write(lambda txn: index.evict_over(txn, 40 * block_footprint, headroom_nbytes=8 << 20))
+            == []
+        )
+        holes = index.write(
+            lambda txn: index.evict_over(txn, 39 * block_footprint, headroom_nbytes=5 * block_footprint)
+        )
+        assert len(holes) == 6
+        assert store.lookup(ns, toks).num_tokens == 34 * 16
+    assert headroom(1 << 20) == 0 and headroom(4 << 30) == 64 << 20 and headroom(1 << 40) == 256 << 20

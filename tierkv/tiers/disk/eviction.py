@@ -33,9 +33,16 @@ class Eviction:
     remove: Callable[[Txn, bytes, Entry], bool]
 
     def evict_over(
-        self, txn: Txn, budget: int, now: float | None = None, max_blocks: int | None = None
+        self,
+        txn: Txn,
+        budget: int,
+        now: float | None = None,
+        max_blocks: int | None = None,
+        headroom_nbytes: int = 0,
     ) -> list[Hole]:
-        """Evict blocks until the live bytes fit in ``budget`` (at most ``max_blocks`` of them, if given):
+        """Evict blocks until the live bytes fit in ``budget`` (at most ``max_blocks`` of them, if given;
+        once over it, down to ``headroom_nbytes`` below it: a writer that evicts a little at every batch
+        would scan a long prompt to its end every time, where one call takes a stretch of it at once):
         first from tenants above their quota (``TenantRows.evict_over_quota``), then from the store's own
         retention, least recently used first, then those a request asked to keep, the soonest to lapse
         first, leaves before their prefixes (above); never a pinned block (pins fit in their own budget,
@@ -45,13 +52,19 @@ class Eviction:
         if total > budget and now is not None:
             self.end_pins(txn, now)
         if total > budget:
-            holes, total = self.tenants.evict_over_quota(txn, total, budget)
-        limit = None if max_blocks is None else len(holes) + max_blocks
+            budget = max(0, budget - headroom_nbytes)
+            holes, total = self.tenants.evict_over_quota(txn, total, budget, max_blocks)
+        limit = max_blocks  # (the quota's evictions count)
         for leaves_only in (True, False):
             while total > budget and (limit is None or len(holes) < limit):
                 before = len(holes)
                 for table in EVICTION_ORDER:
-                    total = self._evict_from(txn, table, total, budget, holes, limit, leaves_only)
+                    # A block a request asked to keep goes only while none of the store's own can: after
+                    # each, the store's own again (the one evicted may have left its prefix a leaf there).
+                    once = table != EVICTION_ORDER[0]
+                    total = self._evict_from(txn, table, total, budget, holes, limit, leaves_only, once)
+                    if len(holes) > before and once:
+                        break
                 if len(holes) == before:
                     break
         return holes
@@ -65,12 +78,19 @@ class Eviction:
         holes: list[Hole],
         limit: int | None,
         leaves_only: bool,
+        once: bool = False,
     ) -> int:
-        """One pass over a time table from its oldest end, each block evicted appended to ``holes``;
-        returns the live bytes left."""
+        """One pass over a time table from its oldest end, each block evicted appended to ``holes`` (with
+        ``once``, only the first leaf and its prefix); returns the live bytes left."""
         cur = txn.cursor(db=self.db[table])
         ok = cur.first()
-        while ok and total > budget and (limit is None or len(holes) < limit):
+        start = len(holes)
+        while (
+            ok
+            and total > budget
+            and (limit is None or len(holes) < limit)
+            and not (once and len(holes) > start)
+        ):
             tkey = bytes(cur.key())
             key = tkey[TIME.size :]
             raw = txn.get(key, db=self.db["index"])
@@ -81,8 +101,9 @@ class Eviction:
             if leaves_only and self.children(txn, key, limit=1):
                 ok = cur.next()  # its next block goes first
                 continue
-            # Then its prefix, while each is a leaf of this table no younger than this row: the scan has
-            # passed it already (it had a child then).
+            # Then its prefix, while each is a leaf of this table no younger than this row (the same
+            # millisecond will do: a prompt's blocks share one, in the key's order), so that a prompt is
+            # taken from its end in one walk, not one scan to its next leaf per block.
             while raw is not None and total > budget and (limit is None or len(holes) < limit):
                 e = Entry.unpack(raw)
                 parent = txn.get(key, db=self.db["parents"])
@@ -94,7 +115,8 @@ class Eviction:
                     up = txn.get(key, db=self.db["index"])
                     if up is not None:
                         up_table, up_row = Entry.unpack(up).time_row(key)
-                        if up_table == table and up_row <= tkey and not self.children(txn, key, limit=1):
+                        same_age = up_row[: TIME.size] <= tkey[: TIME.size]
+                        if up_table == table and same_age and not self.children(txn, key, limit=1):
                             raw = up
             ok = cur.set_range(tkey)  # from the row evicted on (the deletes moved the cursor)
         return total

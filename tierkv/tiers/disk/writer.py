@@ -54,8 +54,17 @@ DEFAULT_SEGMENT_NBYTES = 1 << 30  # roll to a new file past this; a fully dead f
 DEFAULT_BATCH_NBYTES = 64 << 20  # one fdatasync + one commit per batch: amortises the sync cost
 DEFAULT_QUEUE_NBYTES = 1 << 30  # write-behind bound; past it saves are dropped (a future miss only)
 TOUCH_FLUSH_INTERVAL_S = 1.0  # access times are coalesced in memory and written at most this often
+
+
 DEGRADED_RETRY_S = 5.0  # after a write error (full disk) the tier drops writes this long, then retries
 FLUSH_TIMEOUT_S = 120.0  # flush() (and so SIGTERM) never waits longer for the writer
+
+
+def headroom(budget_nbytes: int) -> int:
+    """What the writer evicts past its budget once over it (``evict_over``): a 64th of a budget of 1 GiB or
+    more, at most 256 MiB; nothing below (a small budget is filled exactly)."""
+    return min(budget_nbytes // 64, 256 << 20) if budget_nbytes >= 1 << 30 else 0
+
 
 # A record: buffers (bytes or memoryviews) written back to back (codec.encode_parts), or one whose checksums
 # the segment writer computes (codec.Unsealed: natively, off the GIL, where the native module runs).
@@ -408,7 +417,11 @@ class Writer:
                 access_s = now if p.access_s is None else min(p.access_s, now)
                 entry = Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, access_s)
                 self.index.insert(txn, p.key, entry, p.parent)
-            evicted = self.index.evict_over(txn, budget, now) if budget is not None else []
+            evicted = (
+                self.index.evict_over(txn, budget, now, headroom_nbytes=headroom(budget))
+                if budget is not None
+                else []
+            )
             return holes + evicted, unused, len(evicted)
 
         try:
