@@ -209,14 +209,12 @@ class CachedModel:
 
     def _forward(self, input_ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, Any]:
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
-        # A host tier populated behind pauses during a prefill on CPU (``prefault.foreground``), which uses
-        # every core; not during a decoding step, one after another: the populator would starve (it yields
-        # a chunk every 100 ms at most, 40 MB/s), and its tier stays small while it is not populated.
+        # A host tier populated behind pauses during a CPU prefill (it uses every core); not during decoding
+        # steps, one after another, which would starve it (``prefault.foreground``).
         busy = self.device.type == "cpu" and len(input_ids) > 1
+        kwargs = {self.layout.cache_kwarg: cache}
         with prefault.foreground() if busy else contextlib.nullcontext():
-            out = self.model(
-                input_ids=ids, use_cache=True, logits_to_keep=1, **{self.layout.cache_kwarg: cache}
-            )
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[0, -1].float(), getattr(out, self.layout.cache_kwarg, cache)
 
     def reserve_restore(
@@ -238,10 +236,9 @@ class CachedModel:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """A short forward and one step after it, through no store: a server does this before it serves.
-        A process's first forwards pay for what later ones reuse (kernels picked, modules loaded): the
-        first request after a restart took 2.3 s for SmolLM2's 16 tokens after a 592-token restore, 0.1 s
-        after a warm-up request. Returns the seconds it took."""
+        """A short forward, a step, a few tokens after a restored prefix, a token picked and decoded, through
+        no store: a server does this before it serves. A process's first forwards pay for what later ones
+        reuse (a first request after a restart: 2.3 s for SmolLM2's 16 tokens, 0.1 s after one). Its seconds."""
         t0 = time.perf_counter()
         ns = self.base_namespace
         vocab = max(2, int(getattr(self.model.config, "vocab_size", 2) or 2))
@@ -447,11 +444,7 @@ class CachedModel:
             yield StreamEvent(delta=final[sent:])
         if use_cache:
             # The cache holds the prompt and every generated token but the last: save what that completes.
-            held = (prompt_ids + out)[: _cache_len(cache)]
+            held = (prompt_ids + out)[: int(cache.get_seq_length())]
             with torch.inference_mode():  # as the prefill: the reused buffers are inference tensors
                 self._save(BlockChain.of(self.namespace(cache_salt), held), cache, len(prompt_ids), control)
         yield StreamEvent(result=GenerateResult(out, final, finish, pre, len(prompt_ids)))
-
-
-def _cache_len(cache: Any) -> int:
-    return int(cache.get_seq_length())

@@ -333,7 +333,7 @@ def test_over_its_budget_the_writer_evicts_a_headroom_below_it_at_once(tmp_path,
     """``evict_over(headroom_nbytes=...)``: nothing while within the budget; once over it, down to the
     headroom below it (the writer's: a 64th of a budget of 1 GiB or more, at most 256 MiB), so that a long
     prompt is taken a stretch at a time, not scanned to its end at every batch."""
-    from tierkv.tiers.disk.writer import headroom
+    from tierkv.tiers.disk.eviction import headroom
 
     block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)
     toks = list(range(40 * 16))

@@ -16,11 +16,17 @@ from typing import Any
 
 from tierkv.tiers.disk.schema import TIME, Entry, Hole
 
-__all__ = ["EVICTION_ORDER", "Eviction"]
+__all__ = ["EVICTION_ORDER", "Eviction", "headroom"]
 
 Txn = Any  # lmdb.Transaction
 
 EVICTION_ORDER = ("atime", "retained")  # pinned blocks are never evicted
+
+
+def headroom(budget_nbytes: int) -> int:
+    """What the disk writer evicts past its budget once over it (``evict_over``): a 64th of a budget of 1
+    GiB or more, at most 256 MiB; nothing below (a small budget is filled exactly)."""
+    return min(budget_nbytes // 64, 256 << 20) if budget_nbytes >= 1 << 30 else 0
 
 
 class Eviction:

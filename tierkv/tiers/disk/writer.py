@@ -10,7 +10,6 @@ referenced and are released by ``gc --compact``.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import threading
@@ -20,20 +19,20 @@ from typing import Any
 
 import lmdb
 
-from tierkv.codec import Unsealed
 from tierkv.errors import NamespaceConflictError
 from tierkv.metrics import Counters
 from tierkv.priority import background_priority
 from tierkv.tiers.batching import BatchQueue
-from tierkv.tiers.disk.access_times import AccessTimes  # also exported from here, as before
+from tierkv.tiers.disk.access_times import AccessTimes
 from tierkv.tiers.disk.batch_order import by_chain
+from tierkv.tiers.disk.eviction import headroom
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import Entry, Hole
 from tierkv.tiers.disk.segment_writer import SegmentWriter
 from tierkv.tiers.disk.segments import SegmentDir, aligned
+from tierkv.tiers.disk.write_items import Barrier, Item, Purge, Put, Record  # (imported from here too)
 
 __all__ = [
-    "AccessTimes",
     "Barrier",
     "DEFAULT_BATCH_NBYTES",
     "DEFAULT_QUEUE_NBYTES",
@@ -54,66 +53,8 @@ DEFAULT_SEGMENT_NBYTES = 1 << 30  # roll to a new file past this; a fully dead f
 DEFAULT_BATCH_NBYTES = 64 << 20  # one fdatasync + one commit per batch: amortises the sync cost
 DEFAULT_QUEUE_NBYTES = 1 << 30  # write-behind bound; past it saves are dropped (a future miss only)
 TOUCH_FLUSH_INTERVAL_S = 1.0  # access times are coalesced in memory and written at most this often
-
-
 DEGRADED_RETRY_S = 5.0  # after a write error (full disk) the tier drops writes this long, then retries
 FLUSH_TIMEOUT_S = 120.0  # flush() (and so SIGTERM) never waits longer for the writer
-
-
-def headroom(budget_nbytes: int) -> int:
-    """What the writer evicts past its budget once over it (``evict_over``): a 64th of a budget of 1 GiB or
-    more, at most 256 MiB; nothing below (a small budget is filled exactly)."""
-    return min(budget_nbytes // 64, 256 << 20) if budget_nbytes >= 1 << 30 else 0
-
-
-# A record: buffers (bytes or memoryviews) written back to back (codec.encode_parts), or one whose checksums
-# the segment writer computes (codec.Unsealed: natively, off the GIL, where the native module runs).
-Record = list[bytes | memoryview] | Unsealed
-
-
-@dataclasses.dataclass(slots=True)
-class Put:
-    ns_digest: bytes
-    key: bytes
-    make_record: Callable[[], Record]  # called on the writer thread
-    nbytes: int  # estimate, for the queue's bound
-    created_s: float
-    release: Callable[[], None] | None  # called once the record is written or skipped
-    ns_spec: bytes | None = None  # the namespace's JSON, stored with its first block
-    live: Callable[[], bool] | None = None  # False once purged or invalidated: then dropped, not indexed
-    record: Record = dataclasses.field(default_factory=list)
-    access_s: float | None = None  # its last access, if not now (an import keeps the source's LRU order)
-    evict: bool = True  # False: skipped, not indexed, if it would push the store past its budget (import)
-    # With evict False: indexed only if this key (the block's parent) is indexed or indexed in the same
-    # transaction, so that a budget cut never keeps a continuation without its prefix. None: no condition.
-    after: bytes | None = None
-    parent: bytes | None = None  # the key of the block before it (indexed: which prefixes extend which)
-
-    @property
-    def record_nbytes(self) -> int:
-        if isinstance(self.record, Unsealed):
-            return self.record.nbytes
-        return sum(memoryview(b).nbytes for b in self.record)
-
-    def is_live(self) -> bool:
-        return self.live is None or self.live()
-
-
-@dataclasses.dataclass(slots=True)
-class Purge:
-    key: bytes
-    location: tuple[int, int, int]  # purge only if the index still points here (not a concurrent rewrite)
-    nbytes: int = 0
-
-
-@dataclasses.dataclass(slots=True)
-class Barrier:
-    """Queued by ``flush``: done once everything before it is."""
-
-    nbytes: int = 0
-
-
-Item = Put | Purge | Barrier
 
 
 class Writer:
@@ -417,11 +358,9 @@ class Writer:
                 access_s = now if p.access_s is None else min(p.access_s, now)
                 entry = Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, access_s)
                 self.index.insert(txn, p.key, entry, p.parent)
-            evicted = (
-                self.index.evict_over(txn, budget, now, headroom_nbytes=headroom(budget))
-                if budget is not None
-                else []
-            )
+            if budget is None:
+                return holes, unused, 0
+            evicted = self.index.evict_over(txn, budget, now, headroom_nbytes=headroom(budget))
             return holes + evicted, unused, len(evicted)
 
         try:
