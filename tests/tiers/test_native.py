@@ -97,6 +97,33 @@ def test_native_serves_exactly_what_the_python_reader_serves(tmp_path, ns, direc
         assert stats["read_direct_nbytes"] >= read - stats["read_cached_nbytes"] > 0
 
 
+@pytest.mark.parametrize(
+    ("host_bytes", "env", "direct"),
+    [(64 << 20, None, True), (0, None, False), (64 << 20, "0", False), (0, "1", True)],
+    ids=["host-tier", "no-host-tier", "host-tier-env-off", "no-host-tier-env-on"],
+)
+def test_a_store_with_a_host_tier_reads_what_the_page_cache_lacks_with_o_direct(
+    tmp_path, ns, monkeypatch, host_bytes, env, direct
+) -> None:
+    """The default read path: O_DIRECT where a host tier keeps what is read (a buffered read's page-cache
+    copy would be a second one), buffered where the page cache is the only memory cache; the environment
+    decides for every store. The same KV either way."""
+    if env is None:
+        monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    else:
+        monkeypatch.setenv("TIERKV_DIRECT_READS", env)
+    toks, kv = _saved(tmp_path, ns, 6)
+    uncache(tmp_path)
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=host_bytes) as store:
+        hit, got = store.restore(ns, toks)
+        stats = store.stats()["disk"]
+    assert hit.num_tokens == len(toks) and torch.equal(got, kv)
+    if direct:
+        assert stats["read_direct_nbytes"] > 0
+    else:
+        assert stats["read_direct_nbytes"] == 0 and stats["read_blocking_nbytes"] > 0
+
+
 def _saved(path, ns: Namespace, blocks: int, seed: int = 0) -> tuple[list[int], torch.Tensor]:
     """A prompt of ``blocks`` blocks saved into a fresh store at ``path`` and flushed: its tokens and KV."""
     toks = list(range(blocks * ns.block_tokens))
