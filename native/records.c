@@ -42,10 +42,16 @@
 #include <immintrin.h> /* SSE2 only: the x86-64 baseline */
 #endif
 
-#define ABI 10 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 11 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
-#define WRITE_CHUNK_NBYTES (8 << 20) /* write_run: hashed, written and sent to the disk in chunks this size */
+#define WRITE_CHUNK_NBYTES (8 << 20) /* write_run, buffered: hashed, written and sent to the disk in chunks this size */
+/* write_run, O_DIRECT: chunks (and images) this size. Smaller chunks overlap each thread's sealing with the
+ * others' writes more finely: a 480 MiB durable save, warm, 1.30-1.36 against 1.10-1.20 GB/s with 8 MiB
+ * (alternated fresh processes, 2026-12-05), and a fifth of the system time. */
+#ifndef DIRECT_CHUNK_NBYTES
+#define DIRECT_CHUNK_NBYTES (2 << 20)
+#endif
 #ifndef GROUP_NBYTES
 #define GROUP_NBYTES (1u << 20)   /* one read request: adjacent records coalesced up to this */
 #endif
@@ -790,10 +796,10 @@ static PyObject *can_leave_idle(PyObject *self, PyObject *unused) {
 
 typedef struct { Py_buffer head, tokens, payload; int64_t pad; } wrec_t; /* pad: inner_pad of its version */
 
-/* write_run's chunk images (O_DIRECT): page-aligned buffers of WRITE_CHUNK_NBYTES, kept between calls
+/* write_run's chunk images (O_DIRECT): page-aligned buffers of DIRECT_CHUNK_NBYTES, kept between calls
  * and faulted in when allocated, at the caller's own priority: a page fault taken at idle priority holds
- * the process's memory map lock for as long as the cores stay busy. A chunk of one larger record, or one
- * without an image (no memory), is written buffered instead. */
+ * the process's memory map lock for as long as the cores stay busy. A chunk of one larger record goes
+ * through two of them (``seal_write_large``); a chunk without an image (no memory) is written buffered. */
 #define IMAGE_KEEP 8
 static void *image_free[IMAGE_KEEP];
 static int image_nfree;
@@ -805,8 +811,8 @@ static void *image_get(void) {
     if (image_nfree) p = image_free[--image_nfree];
     pthread_mutex_unlock(&image_lock);
     if (!p) {
-        if (posix_memalign(&p, ALIGN, WRITE_CHUNK_NBYTES) != 0) return NULL;
-        memset(p, 0, WRITE_CHUNK_NBYTES); /* its pages faulted in here, not at idle priority */
+        if (posix_memalign(&p, ALIGN, DIRECT_CHUNK_NBYTES) != 0) return NULL;
+        memset(p, 0, DIRECT_CHUNK_NBYTES); /* its pages faulted in here, not at idle priority */
     }
     return p;
 }
@@ -825,7 +831,9 @@ static void image_put(void *p) {
 /* write_run's sealing: the two checksums of each record, chunk by chunk, on a few threads. Buffered, the
  * caller writes the sealed chunks in order; with O_DIRECT, each thread lays the chunk it sealed out in an
  * aligned image and writes it itself, at its offset, so that several writes are in flight at once. */
+#ifndef MAX_SEALERS
 #define MAX_SEALERS 4
+#endif
 #define COPY_PIECE_NBYTES (256 << 10) /* an image's payload is copied and hashed piece by piece, in cache */
 typedef struct {
     wrec_t *recs;
@@ -862,6 +870,16 @@ static void seal_header(uint8_t *h, const wrec_t *r, uint64_t check, void *state
     memcpy(h + FIELDS_NBYTES, &check, 8);
 }
 
+/* nbytes of src copied to dst and hashed into ``state``, piece by piece, so that the hash reads what the
+ * copy just wrote to the cache. */
+static void copy_hashed(uint8_t *dst, const uint8_t *src, int64_t nbytes, void *state) {
+    for (int64_t at = 0; at < nbytes; at += COPY_PIECE_NBYTES) {
+        size_t n = (size_t)(nbytes - at < COPY_PIECE_NBYTES ? nbytes - at : COPY_PIECE_NBYTES);
+        memcpy(dst + at, src + at, n);
+        xxh3_update(state, dst + at, n);
+    }
+}
+
 /* Chunk c laid out in ``img``: each record's header, token ids, payload (copied and hashed piece by
  * piece, so the hash reads what the copy just wrote to the cache) and zero padding, sealed. */
 static void seal_image(seal_t *s, int c, uint8_t *img, void *state) {
@@ -874,13 +892,8 @@ static void seal_image(seal_t *s, int c, uint8_t *img, void *state) {
         memcpy(h + HEADER_NBYTES, r->tokens.buf, (size_t)r->tokens.len);
         memset(h + HEADER_NBYTES + r->tokens.len, 0, (size_t)r->pad);
         uint8_t *dst = h + HEADER_NBYTES + r->tokens.len + r->pad;
-        const uint8_t *src = r->payload.buf;
         xxh3_reset(state);
-        for (int64_t at = 0; at < r->payload.len; at += COPY_PIECE_NBYTES) {
-            size_t n = (size_t)(r->payload.len - at < COPY_PIECE_NBYTES ? r->payload.len - at : COPY_PIECE_NBYTES);
-            memcpy(dst + at, src + at, n);
-            xxh3_update(state, dst + at, n);
-        }
+        copy_hashed(dst, r->payload.buf, r->payload.len, state);
         seal_header(h, r, xxh3_digest(state), state); /* streamed xxh3 equals the one-shot one */
         memset(h + nbytes, 0, (size_t)(aligned(nbytes) - nbytes));
         pos += aligned(nbytes);
@@ -935,6 +948,50 @@ static int write_gathered(seal_t *s, int c, const void *zeros) {
 
 static const uint8_t zero_page[ALIGN];
 
+/* An image of ``nbytes`` written at ``at`` with O_DIRECT, or buffered once the file system refused
+ * O_DIRECT (for the rest of the run); 0 or an errno. */
+static int write_image(seal_t *s, const uint8_t *img, int64_t nbytes, int64_t at) {
+    int err = atomic_load(&s->direct) ? pwrite_all(s->direct_fd, img, nbytes, at) : EINVAL;
+    if (refuses_direct(err)) { /* a file system that opens O_DIRECT but refuses this write: buffered */
+        atomic_store(&s->direct, 0);
+        err = pwrite_all(s->fd, img, nbytes, at);
+    }
+    return err;
+}
+
+/* Chunk c, one record larger than an image, with O_DIRECT: its start (header, token ids, the payload's
+ * first bytes) laid out in ``first``, the rest of it copied and hashed into ``rest`` an image at a time
+ * and written, then ``first`` sealed and written last, once the payload's checksum is known (the record
+ * counts only once indexed, after the run's fdatasync: the order of its writes does not matter). The
+ * layouts at idle priority with ``idle``, the writes at the thread's own. 0 or an errno. */
+static int seal_write_large(seal_t *s, int c, uint8_t *first, uint8_t *rest, void *state, int idle) {
+    const wrec_t *r = &s->recs[s->first[c]];
+    int64_t lead = HEADER_NBYTES + r->tokens.len + r->pad; /* the record's bytes before its payload */
+    int64_t nbytes = lead + r->payload.len, total = s->nbytes[c];
+    if (lead >= DIRECT_CHUNK_NBYTES || total != aligned(nbytes) || total <= DIRECT_CHUNK_NBYTES) return EINVAL;
+    const uint8_t *src = r->payload.buf;
+    prio_t prio = go_idle(idle);
+    memcpy(first, r->head.buf, HEADER_NBYTES);
+    memcpy(first + HEADER_NBYTES, r->tokens.buf, (size_t)r->tokens.len);
+    memset(first + HEADER_NBYTES + r->tokens.len, 0, (size_t)r->pad);
+    xxh3_reset(state);
+    copy_hashed(first + lead, src, DIRECT_CHUNK_NBYTES - lead, state);
+    come_back(prio);
+    int err = 0;
+    for (int64_t pos = DIRECT_CHUNK_NBYTES; !err && pos < total; pos += DIRECT_CHUNK_NBYTES) {
+        int64_t len = total - pos < DIRECT_CHUNK_NBYTES ? total - pos : DIRECT_CHUNK_NBYTES;
+        int64_t pay = nbytes - pos < len ? nbytes - pos : len; /* > 0: total is nbytes rounded up to a page */
+        prio = go_idle(idle);
+        copy_hashed(rest, src + (pos - lead), pay, state);
+        memset(rest + pay, 0, (size_t)(len - pay));
+        come_back(prio);
+        err = write_image(s, rest, len, s->at[c] + pos);
+    }
+    if (err) return err;
+    seal_header(first, r, xxh3_digest(state), state); /* streamed xxh3 equals the one-shot one */
+    return write_image(s, first, DIRECT_CHUNK_NBYTES, s->at[c]);
+}
+
 /* Claims and seals the next unclaimed chunk with ``state`` (a hash state: created before any idle
  * section, as a malloc may take locks others wait for), at idle priority with ``idle``; with O_DIRECT,
  * writes it too, back at this thread's own priority. 0 when none is left. The writer calls it at its own
@@ -945,9 +1002,20 @@ static int seal_next(seal_t *s, void *state, int idle) {
     if (c < s->nchunks) s->next++;
     pthread_mutex_unlock(&s->lock);
     if (c >= s->nchunks) return 0;
-    /* at this thread's own priority; none for a chunk larger than an image: written buffered */
-    uint8_t *img = s->direct_fd >= 0 && s->nbytes[c] <= WRITE_CHUNK_NBYTES ? image_get() : NULL;
+    /* at this thread's own priority; two for a chunk of one record larger than an image */
+    uint8_t *img = s->direct_fd >= 0 ? image_get() : NULL;
+    uint8_t *rest = img && s->nbytes[c] > DIRECT_CHUNK_NBYTES ? image_get() : NULL;
     int err = state ? 0 : ENOMEM;
+    if (rest) {
+        if (!err) err = seal_write_large(s, c, img, rest, state, idle);
+        image_put(rest);
+        image_put(img);
+        goto done;
+    }
+    if (img && s->nbytes[c] > DIRECT_CHUNK_NBYTES) { /* no memory for the second: written buffered */
+        image_put(img);
+        img = NULL;
+    }
     prio_t prio = go_idle(idle && !err);
     if (!err && img) {
         seal_image(s, c, img, state);
@@ -961,17 +1029,10 @@ static int seal_next(seal_t *s, void *state, int idle) {
     }
     come_back(prio);
     if (!err && s->direct_fd >= 0) {
-        if (img) {
-            err = atomic_load(&s->direct) ? pwrite_all(s->direct_fd, img, s->nbytes[c], s->at[c]) : EINVAL;
-            if (refuses_direct(err)) { /* a file system that opens O_DIRECT but refuses this write: buffered */
-                atomic_store(&s->direct, 0);
-                err = pwrite_all(s->fd, img, s->nbytes[c], s->at[c]);
-            }
-        } else {
-            err = write_gathered(s, c, zero_page);
-        }
+        err = img ? write_image(s, img, s->nbytes[c], s->at[c]) : write_gathered(s, c, zero_page);
     }
     image_put(img);
+done:
     pthread_mutex_lock(&s->lock);
     s->state[c] = err ? -err : 1;
     if (err && !s->err) s->err = err;
@@ -1058,7 +1119,7 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     int err = 0;
     int64_t total = 0; /* the run's bytes, padding included */
     Py_BEGIN_ALLOW_THREADS
-    /* Chunks of at most WRITE_CHUNK_NBYTES (or one larger record). Buffered: sealers (a few threads, and
+    /* Chunks of at most WRITE_CHUNK_NBYTES, DIRECT_CHUNK_NBYTES with O_DIRECT (or one larger record). Buffered: sealers (a few threads, and
      * this one when they lag) seal the chunks ahead at idle priority while this thread writes the sealed
      * ones in order at its own priority and starts each one's writeback (sync_file_range). O_DIRECT: the
      * run's space is allocated first (fallocate: the writes then land inside the file, which lets ext4
@@ -1078,13 +1139,14 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     sl.at = PyMem_RawCalloc((size_t)n + 1, sizeof(int64_t));
     sl.state = PyMem_RawCalloc((size_t)n + 1, sizeof(int));
     if (!sl.first || !sl.nbytes || !sl.at || !sl.state) err = ENOMEM;
+    int64_t chunk_nbytes = direct_fd >= 0 ? DIRECT_CHUNK_NBYTES : WRITE_CHUNK_NBYTES;
     for (Py_ssize_t j = 0; !err && j < n;) { /* chunk boundaries: records [first[c], first[c + 1]) */
         int64_t chunk = 0;
         int k = 0;
         sl.first[sl.nchunks] = j;
         for (; j < n; j++, k += 5) {
             int64_t rec = aligned(HEADER_NBYTES + recs[j].tokens.len + recs[j].pad + recs[j].payload.len);
-            if (k > 0 && (chunk + rec > WRITE_CHUNK_NBYTES || k + 5 > IOV_CAP)) break;
+            if (k > 0 && (chunk + rec > chunk_nbytes || k + 5 > IOV_CAP)) break;
             chunk += rec;
         }
         sl.at[sl.nchunks] = offset + total;

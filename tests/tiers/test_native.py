@@ -580,8 +580,9 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
 ) -> None:
     """A run large enough for several chunks (by bytes, by the iovec limit: 300 small records, and one
     record larger than a chunk), sealed on several threads, is byte for byte the Python reference: each
-    record sealed (codec.seal), padded to a page, back to back. With O_DIRECT, every write but the large
-    record's goes through the O_DIRECT descriptor, from the chunks' aligned images."""
+    record sealed (codec.seal), padded to a page, back to back. With O_DIRECT, every write goes through the
+    O_DIRECT descriptor from aligned images of at most 2 MiB: a record larger than one in pieces, its first
+    (header and checksums) written last."""
     import random
 
     from tierkv.priority import native_idle
@@ -608,23 +609,36 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
     assert path.read_bytes()[4096:] == bytes(want)
     writes = [op for op in ops if op[0] == "write"]
     assert sum(n for *_, n in writes) == len(want)
-    # the record larger than a chunk is written buffered, in place (no image of its own to fault in)
-    big = -(-(codec.HEADER_NBYTES + 64 + (9 << 20)) // 4096) * 4096
-    assert sum(n for _, efd, _, n in writes if efd == fd) == (big if direct else len(want))
+    if direct:
+        assert [efd for _, efd, _, _ in writes if efd == fd] == [] and max(n for *_, n in writes) <= 2 << 20
+        lens = [-(-(codec.HEADER_NBYTES + 64 + r.pad_nbytes + len(r.payload)) // 4096) * 4096 for r in recs]
+        assert sum(lens) == len(want)
+        at = 4096 + sum(lens[:-2])  # the 9 MiB record's
+        pieces = [(off, n) for _, _, off, n in writes if at <= off < at + lens[-2]]
+        assert sum(n for _, n in pieces) == lens[-2] and len(pieces) == 5 and pieces[-1][0] == at
+    else:
+        assert {efd for _, efd, _, _ in writes} == {fd}
     assert [op[0] for op in ops].count("sync") == sync
     # with O_DIRECT the run's space is allocated first, at once (its writes then run side by side)
     assert [op[1:] for op in ops if op[0] == "allocate"] == ([(fd, 4096, len(want))] if direct else [])
 
 
+@pytest.mark.parametrize("payload_mib", [1, 5], ids=["records", "records-larger-than-an-image"])
 @pytest.mark.parametrize("direct", [False, True])
-def test_a_failed_run_gives_its_space_back_and_a_retry_writes_it_whole(tmp_path, direct: bool) -> None:
-    """A write that fails in the middle of a run of several chunks (written side by side with O_DIRECT)
-    fails the run with its errno; with O_DIRECT, the space the run allocated is given back (punched);
-    the caller's retry at the same offset then writes every record, byte for byte."""
+def test_a_failed_run_gives_its_space_back_and_a_retry_writes_it_whole(
+    tmp_path, direct: bool, payload_mib: int
+) -> None:
+    """A write that fails in the middle of a run of several chunks (written side by side with O_DIRECT,
+    a record larger than an image in pieces) fails the run with its errno; with O_DIRECT, the space the
+    run allocated is given back (punched); the caller's retry at the same offset then writes every
+    record, byte for byte."""
     import errno as errno_
 
     rng = np.random.default_rng(3)
-    recs = [codec.Unsealed(_head(2), os.urandom(64), rng.bytes(1 << 20)) for _ in range(24)]
+    recs = [
+        codec.Unsealed(_head(2), os.urandom(64), rng.bytes(payload_mib << 20))
+        for _ in range(24 // payload_mib)
+    ]
     want = _sealed_run(recs)
     path = tmp_path / "run.seg"
     nat = native.module()
@@ -789,15 +803,22 @@ def test_o_direct_refused_after_open_is_read_and_written_buffered(tmp_path, ns, 
     assert [n for n, _ in again] == [8 * B] * 3 and stats["read_direct_nbytes"] > 0
 
 
+@pytest.mark.parametrize("payload_mib", [1, 5], ids=["records", "records-larger-than-an-image"])
 @pytest.mark.parametrize("err", ["EINVAL", "EOPNOTSUPP"])
-def test_a_run_whose_o_direct_writes_are_refused_is_written_buffered_then_synced(tmp_path, err: str) -> None:
+def test_a_run_whose_o_direct_writes_are_refused_is_written_buffered_then_synced(
+    tmp_path, err: str, payload_mib: int
+) -> None:
     """The writer's side of a refusal, one run: every chunk's O_DIRECT write is refused (injected on the
-    O_DIRECT descriptor only), so each is written through the buffered descriptor instead, and the run's
-    sync comes after them all; the file holds the run byte for byte."""
+    O_DIRECT descriptor only), so each is written through the buffered descriptor instead (a record
+    larger than an image too, piece by piece), and the run's sync comes after them all; the file holds
+    the run byte for byte."""
     import errno as errno_
 
     rng = np.random.default_rng(5)
-    recs = [codec.Unsealed(_head(2), os.urandom(64), rng.bytes(1 << 20)) for _ in range(20)]
+    recs = [
+        codec.Unsealed(_head(2), os.urandom(64), rng.bytes(payload_mib << 20))
+        for _ in range(20 // payload_mib)
+    ]
     want = _sealed_run(recs)
     path = tmp_path / "run.seg"
     nat = native.module()

@@ -7,7 +7,7 @@ import torch
 
 from tierkv import Namespace
 
-__all__ = ["NS", "PROMPT_TOKENS", "prompts_of", "workload"]
+__all__ = ["LARGE_NS", "NS", "PROMPT_TOKENS", "large_workload", "prompts_of", "workload"]
 
 # The embedded default model's KV layout: 6 layers, 4 KV heads, head dim 64, fp32: 12 KiB per token.
 NS = Namespace(
@@ -20,6 +20,17 @@ NS = Namespace(
     block_tokens=64,
 )
 PROMPT_TOKENS = 8192
+# An 8B model's KV layout (Llama 3 8B: 32 layers, 8 KV heads, head dim 128, bfloat16): 128 KiB per token,
+# a record of 8 MiB per 64-token block, larger than the native writer's chunk.
+LARGE_NS = Namespace(
+    model_id="bench-8b",
+    revision="0",
+    dtype="bfloat16",
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    block_tokens=64,
+)
 
 
 def prompts_of(num_prompts: int, prompt_tokens: int) -> list[list[int]]:
@@ -41,3 +52,19 @@ def workload(total_nbytes: int) -> tuple[list[list[int]], torch.Tensor]:
         generator=torch.Generator().manual_seed(0),
     )
     return prompts_of(num_prompts, prompt_tokens), kv
+
+
+def large_workload(total_nbytes: int) -> tuple[list[list[int]], torch.Tensor]:
+    """About ``total_nbytes`` (at least one prompt) of KV in LARGE_NS's layout: prompts of 1,024 tokens."""
+    prompt_tokens = 1024
+    token_nbytes = LARGE_NS.num_layers * 2 * LARGE_NS.num_kv_heads * LARGE_NS.head_dim * 2
+    num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
+    kv = torch.randn(
+        LARGE_NS.num_layers,
+        2,
+        prompt_tokens,
+        LARGE_NS.num_kv_heads,
+        LARGE_NS.head_dim,
+        generator=torch.Generator().manual_seed(1),
+    ).to(torch.bfloat16)
+    return [[10**8 + p * 10**6 + t for t in range(prompt_tokens)] for p in range(num_prompts)], kv

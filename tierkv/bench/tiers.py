@@ -15,7 +15,7 @@ Rows (GB/s, medians of ``runs`` with their spread):
   persistence                      TieredStore save + flush, a durable commit per batch: without a host
                                    tier (saves copy into private buffers), and with one reserved and
                                    populated before the timer, as a serving store has (saves copy into
-                                   its slots)
+                                   its slots); and records of 8 MiB, an 8B model's 64-token block
   restore one-prefix cold / warm   TieredStore.load of prefixes written in one go; page cache dropped / hot
   raw buffered warm read           the warm restore's own limit: its segment files read, cached, into
                                    buffers on as many threads as there are CPUs
@@ -55,7 +55,7 @@ from tierkv.bench.disk_limits import (
     raw_writes,
 )
 from tierkv.bench.first_restore import in_fresh_process
-from tierkv.bench.kv_workload import NS, PROMPT_TOKENS, workload
+from tierkv.bench.kv_workload import LARGE_NS, NS, PROMPT_TOKENS, large_workload, workload
 from tierkv.bench.machine import Memcpy, drop_page_cache, summary, warm_page_cache
 
 PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and writers, side by side
@@ -137,7 +137,11 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     # And a store that has saved as much before (a running server's: its private copies recycled), where
     # the others are a fresh process's first saves.
     again = f"{writers[0]}, a store that has saved before"
-    kinds = (*writers, hosted, again)
+    # And records of 8 MiB, an 8B model's 64-token block: larger than the native writer's chunk.
+    large = f"{writers[0]}, 8 MiB records (an 8B model's block)"
+    large_prompts, large_kv = large_workload(data_nbytes)
+    large_nbytes = len(large_prompts) * large_kv.numel() * large_kv.element_size()
+    kinds = (*writers, hosted, again, large) if data_nbytes >= 96 << 20 else (*writers, hosted, again)
     times: dict[str, list[float]] = {w: [] for w in kinds}
     beside: list[float] = []  # a raw write of the same bytes next to each run of the first writer
     for r in range(runs):
@@ -159,11 +163,12 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
                     for toks in prompts:
                         store.save(NS, [t + 10**9 for t in toks], kv)
                     store.flush()
+                ns_, saved, kv_ = (LARGE_NS, large_prompts, large_kv) if w == large else (NS, prompts, kv)
                 t0 = time.perf_counter()
-                for toks in prompts:
-                    store.save(NS, toks, kv)
+                for toks in saved:
+                    store.save(ns_, toks, kv_)
                 lost = store.flush()
-                times[w].append(data_nbytes / (time.perf_counter() - t0))
+                times[w].append((large_nbytes if w == large else data_nbytes) / (time.perf_counter() - t0))
                 assert lost == 0, f"{lost} blocks lost for the disk"
             if w == writers[0] and r % 2 == 1:
                 beside.append(raw_write(base / "beside.bin", data_nbytes))
@@ -176,6 +181,10 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     rows[f"persistence (save+flush, durable), a store that has saved before [{writers[0]}]"] = summary(
         times[again]
     )
+    if large in times:
+        rows[f"persistence (save+flush, durable), 8 MiB records (an 8B model's block) [{writers[0]}]"] = (
+            summary(times[large])
+        )
 
     out = torch.empty_like(kv)
     paths = PATHS if native.enabled() else ("python",)
