@@ -800,7 +800,8 @@ typedef struct { Py_buffer head, tokens, payload; int64_t pad; } wrec_t; /* pad:
  * and faulted in when allocated, at the caller's own priority: a page fault taken at idle priority holds
  * the process's memory map lock for as long as the cores stay busy. A chunk of one larger record goes
  * through two of them (``seal_write_large``); a chunk without an image (no memory) is written buffered. */
-#define IMAGE_KEEP 8
+#define MAX_SEALERS 4
+#define IMAGE_KEEP (2 * (MAX_SEALERS + 1)) /* two per sealing thread (a large record's) */
 static void *image_free[IMAGE_KEEP];
 static int image_nfree;
 static pthread_mutex_t image_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -831,9 +832,6 @@ static void image_put(void *p) {
 /* write_run's sealing: the two checksums of each record, chunk by chunk, on a few threads. Buffered, the
  * caller writes the sealed chunks in order; with O_DIRECT, each thread lays the chunk it sealed out in an
  * aligned image and writes it itself, at its offset, so that several writes are in flight at once. */
-#ifndef MAX_SEALERS
-#define MAX_SEALERS 4
-#endif
 #define COPY_PIECE_NBYTES (256 << 10) /* an image's payload is copied and hashed piece by piece, in cache */
 typedef struct {
     wrec_t *recs;
@@ -968,7 +966,7 @@ static int seal_write_large(seal_t *s, int c, uint8_t *first, uint8_t *rest, voi
     const wrec_t *r = &s->recs[s->first[c]];
     int64_t lead = HEADER_NBYTES + r->tokens.len + r->pad; /* the record's bytes before its payload */
     int64_t nbytes = lead + r->payload.len, total = s->nbytes[c];
-    if (lead >= DIRECT_CHUNK_NBYTES || total != aligned(nbytes) || total <= DIRECT_CHUNK_NBYTES) return EINVAL;
+    if (lead >= DIRECT_CHUNK_NBYTES || total != aligned(nbytes) || total <= DIRECT_CHUNK_NBYTES) return EINVAL; /* seal_next's to rule out */
     const uint8_t *src = r->payload.buf;
     prio_t prio = go_idle(idle);
     memcpy(first, r->head.buf, HEADER_NBYTES);
@@ -979,6 +977,7 @@ static int seal_write_large(seal_t *s, int c, uint8_t *first, uint8_t *rest, voi
     come_back(prio);
     int err = 0;
     for (int64_t pos = DIRECT_CHUNK_NBYTES; !err && pos < total; pos += DIRECT_CHUNK_NBYTES) {
+        if (atomic_load(&s->stop)) return ECANCELED; /* another chunk failed: the run is given back */
         int64_t len = total - pos < DIRECT_CHUNK_NBYTES ? total - pos : DIRECT_CHUNK_NBYTES;
         int64_t pay = nbytes - pos < len ? nbytes - pos : len; /* > 0: total is nbytes rounded up to a page */
         prio = go_idle(idle);
@@ -1002,9 +1001,13 @@ static int seal_next(seal_t *s, void *state, int idle) {
     if (c < s->nchunks) s->next++;
     pthread_mutex_unlock(&s->lock);
     if (c >= s->nchunks) return 0;
-    /* at this thread's own priority; two for a chunk of one record larger than an image */
-    uint8_t *img = s->direct_fd >= 0 ? image_get() : NULL;
-    uint8_t *rest = img && s->nbytes[c] > DIRECT_CHUNK_NBYTES ? image_get() : NULL;
+    /* at this thread's own priority; two for a chunk of one record larger than an image, while O_DIRECT
+     * is accepted (else written gathered, buffered, without the copy) and its start fits in one */
+    const wrec_t *r0 = &s->recs[s->first[c]];
+    int large = s->nbytes[c] > DIRECT_CHUNK_NBYTES && atomic_load(&s->direct) &&
+                HEADER_NBYTES + r0->tokens.len + r0->pad < DIRECT_CHUNK_NBYTES;
+    uint8_t *img = s->direct_fd >= 0 && (large || s->nbytes[c] <= DIRECT_CHUNK_NBYTES) ? image_get() : NULL;
+    uint8_t *rest = img && large ? image_get() : NULL;
     int err = state ? 0 : ENOMEM;
     if (rest) {
         if (!err) err = seal_write_large(s, c, img, rest, state, idle);
@@ -1187,6 +1190,11 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         }
         if (st < 0) {
             err = -st;
+            if (err == ECANCELED) { /* cut short by another chunk's failure (set first): report that one */
+                pthread_mutex_lock(&sl.lock);
+                if (sl.err) err = sl.err;
+                pthread_mutex_unlock(&sl.lock);
+            }
             break;
         }
         if (direct_fd >= 0) continue; /* written by whoever sealed it */

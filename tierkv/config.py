@@ -15,22 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.codec import Codec
 from tierkv.errors import ConfigError
-from tierkv.units import env_flag
 
 if TYPE_CHECKING:
     from tierkv.metrics import Counters
     from tierkv.tiers.base import Tier
 
-__all__ = ["DiskConfig", "GpuConfig", "RemoteConfig", "StoreConfig", "direct_reads_default"]
-
-
-def direct_reads_default(host_bytes: int) -> bool:
-    """Whether the disk tier reads what the page cache lacks with O_DIRECT: where a host tier keeps what a
-    restore reads (it is promoted there), a buffered read's page-cache copy is a second copy of the same
-    blocks in the same RAM, and O_DIRECT read faster cold (a fresh process's first restore of 480 MiB with
-    a host tier: 1.33 against 1.00 GB/s, 4 alternated runs, 2026-12-05). Without a host tier the page
-    cache is the only memory cache left: buffered. ``TIERKV_DIRECT_READS=0/1`` decides for every store."""
-    return env_flag("TIERKV_DIRECT_READS", host_bytes > 0)
+__all__ = ["DiskConfig", "GpuConfig", "RemoteConfig", "StoreConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +142,6 @@ class StoreConfig:
             tiers.append(HostTier(self.host_bytes, counters=counters, **ages))
         if self.disk is not None:
             d = self.disk
-            options = dict(d.options)
-            if options.get("direct_reads") is None:
-                options["direct_reads"] = direct_reads_default(self.host_bytes)
             tiers.append(
                 DiskTier(
                     d.path,
@@ -163,7 +150,7 @@ class StoreConfig:
                     sync=d.sync,
                     counters=counters,
                     sweep_interval_s=d.sweep_interval_s,
-                    **options,
+                    **d.options,
                 )
             )
         if self.remote is not None:

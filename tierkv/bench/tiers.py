@@ -23,8 +23,7 @@ Rows (GB/s, medians of ``runs`` with their spread):
                                    verifies each record: the ceiling of a verified read
   restore interleaved cold         prefixes whose blocks were written interleaved
   (each of these for the disk tier's data paths side by side, in brackets: native, the default where the
-  extension is built (O_DIRECT with a host tier, buffered without); python, TIERKV_NATIVE=0, the
-  fallback; native O_DIRECT, direct_reads=True)
+  extension is built; python, TIERKV_NATIVE=0, the fallback; native O_DIRECT, direct_reads=True)
   restore zstd / zstd+shuffle cold the same with compressed records
   host tier restore                TieredStore.load from RAM
   memcpy                           torch copy_ of the same size

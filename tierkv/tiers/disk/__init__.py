@@ -88,9 +88,8 @@ class DiskTier(DiskWrites, Tier):
         direct_writes: bool | None = None,
     ) -> None:
         """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT instead of
-        buffered with readahead (None: ``TIERKV_DIRECT_READS=1`` in the environment; a store with a host
-        tier passes True, ``config.direct_reads_default``). Which is faster is the disk's: ``tierkv bench``
-        measures both. ``direct_writes``: the native writer writes records past the
+        buffered with readahead (None: ``TIERKV_DIRECT_READS=1`` in the environment). Which is faster is the
+        disk's: ``tierkv bench`` measures both. ``direct_writes``: the native writer writes records past the
         page cache, with O_DIRECT, where the file system allows it (None: unless ``TIERKV_DIRECT_WRITES=0``):
         the host tier already holds what was just saved, and the page cache's upkeep of written pages can
         cost more CPU than the copy itself."""
