@@ -153,8 +153,10 @@ def _headline() -> str:
             _when(store, "tiers"),
         ],
         [
-            "durable save (save, then flush) / the disk's write limit",
-            _ratio(ratios, "persistence / disk write limit [native]"),
+            "durable save (save, then flush) / the disk's write limit (a reused buffer's); / a raw write "
+            "from memory of its own, as a store's",
+            f"{_ratio(ratios, 'persistence / disk write limit [native]')}; "
+            f"{_ratio(ratios, 'persistence / a raw write from memory of its own [native]')}",
             _when(store, "tiers"),
         ],
     ]

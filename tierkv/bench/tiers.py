@@ -389,6 +389,14 @@ def _ratios(
             out[f"persistence, host tier populated / disk write limit [{w}]"] = (
                 rows[f"persistence (save+flush, durable), host tier populated [{w}]"]["median"] / write_limit
             )
+    # Against a raw write from distinct memory, as the store's own writes are (disk_limits._odirect_distinct):
+    # this VM's disk writes a reused buffer faster, and the write limit above reuses one.
+    distinct = rows.get("raw O_DIRECT sequential write, 1 MiB, QD 1, each request from memory of its own")
+    if distinct and "persistence (save+flush, durable), host tier populated [native]" in rows:
+        for what in ("", ", host tier populated", ", a store that has saved before"):
+            out[f"persistence{what} / a raw write from memory of its own [native]"] = (
+                rows[f"persistence (save+flush, durable){what} [native]"]["median"] / distinct["median"]
+            )
     out["naive LMDB cold / disk limit"] = rows["naive LMDB get, cold, random order"]["median"] / od
     return out
 
