@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tierkv import Namespace
+from tierkv.layout import KVSpec
 
 __all__ = ["LARGE_NS", "NS", "PROMPT_TOKENS", "large_workload", "prompts_of", "workload"]
 
@@ -37,34 +38,31 @@ def prompts_of(num_prompts: int, prompt_tokens: int) -> list[list[int]]:
     return [[p * 10**6 + t for t in range(prompt_tokens)] for p in range(num_prompts)]
 
 
+def _kv_of(ns: Namespace, total_nbytes: int, prompt_tokens: int, seed: int) -> tuple[int, torch.Tensor]:
+    """How many prompts of ``prompt_tokens`` make about ``total_nbytes`` (at least one) of KV in ``ns``'s
+    layout, and the one random KV tensor (``ns``'s dtype) every prompt saves."""
+    spec = KVSpec.of(ns)
+    kv = torch.randn(
+        ns.num_layers,
+        2,
+        prompt_tokens,
+        ns.num_kv_heads,
+        ns.head_dim,
+        generator=torch.Generator().manual_seed(seed),
+    ).to(spec.dtype)
+    return max(1, total_nbytes // (prompt_tokens * spec.token_nbytes)), kv
+
+
 def workload(total_nbytes: int) -> tuple[list[list[int]], torch.Tensor]:
     """About ``total_nbytes`` of KV in NS's layout: distinct prompts (8K tokens each, 1K in quick runs) and
     the one KV tensor every prompt saves."""
     prompt_tokens = PROMPT_TOKENS if total_nbytes >= 96 << 20 else 1024
-    token_nbytes = NS.num_layers * 2 * NS.num_kv_heads * NS.head_dim * 4
-    num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
-    kv = torch.randn(
-        NS.num_layers,
-        2,
-        prompt_tokens,
-        NS.num_kv_heads,
-        NS.head_dim,
-        generator=torch.Generator().manual_seed(0),
-    )
+    num_prompts, kv = _kv_of(NS, total_nbytes, prompt_tokens, seed=0)
     return prompts_of(num_prompts, prompt_tokens), kv
 
 
 def large_workload(total_nbytes: int) -> tuple[list[list[int]], torch.Tensor]:
-    """About ``total_nbytes`` (at least one prompt) of KV in LARGE_NS's layout: prompts of 1,024 tokens."""
-    prompt_tokens = 1024
-    token_nbytes = LARGE_NS.num_layers * 2 * LARGE_NS.num_kv_heads * LARGE_NS.head_dim * 2
-    num_prompts = max(1, total_nbytes // (prompt_tokens * token_nbytes))
-    kv = torch.randn(
-        LARGE_NS.num_layers,
-        2,
-        prompt_tokens,
-        LARGE_NS.num_kv_heads,
-        LARGE_NS.head_dim,
-        generator=torch.Generator().manual_seed(1),
-    ).to(torch.bfloat16)
-    return [[10**8 + p * 10**6 + t for t in range(prompt_tokens)] for p in range(num_prompts)], kv
+    """About ``total_nbytes`` (at least one prompt) of KV in LARGE_NS's layout: prompts of 1,024 tokens,
+    none of them one of ``workload``'s."""
+    num_prompts, kv = _kv_of(LARGE_NS, total_nbytes, 1024, seed=1)
+    return [[10**8 + t for t in toks] for toks in prompts_of(num_prompts, 1024)], kv
