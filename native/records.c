@@ -46,12 +46,15 @@
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run, buffered: hashed, written and sent to the disk in chunks this size */
-/* write_run, O_DIRECT: chunks (and images) this size. Smaller chunks overlap each thread's sealing with the
+/* write_run, O_DIRECT: chunks this size (in images of IMAGE_NBYTES). Smaller chunks overlap each thread's sealing with the
  * others' writes more finely: a 480 MiB durable save, warm, 1.30-1.36 against 1.10-1.20 GB/s with 8 MiB
  * (alternated fresh processes, 2026-12-05), and a fifth of the system time. */
 #ifndef DIRECT_CHUNK_NBYTES
 #define DIRECT_CHUNK_NBYTES (2 << 20)
 #endif
+/* An image holds a chunk, or one record up to this size (an 8B model's 16-token block, vLLM's, is 2 MiB
+ * and a page: one write, not a second of 4 KiB); a larger record goes through images in pieces this size. */
+#define IMAGE_NBYTES (4 << 20)
 #ifndef GROUP_NBYTES
 #define GROUP_NBYTES (1u << 20)   /* one read request: adjacent records coalesced up to this */
 #endif
@@ -796,7 +799,7 @@ static PyObject *can_leave_idle(PyObject *self, PyObject *unused) {
 
 typedef struct { Py_buffer head, tokens, payload; int64_t pad; } wrec_t; /* pad: inner_pad of its version */
 
-/* write_run's chunk images (O_DIRECT): page-aligned buffers of DIRECT_CHUNK_NBYTES, kept between calls
+/* write_run's chunk images (O_DIRECT): page-aligned buffers of IMAGE_NBYTES, kept between calls
  * and faulted in when allocated, at the caller's own priority: a page fault taken at idle priority holds
  * the process's memory map lock for as long as the cores stay busy. A chunk of one larger record goes
  * through two of them (``seal_write_large``); a chunk without an image (no memory) is written buffered. */
@@ -812,8 +815,8 @@ static void *image_get(void) {
     if (image_nfree) p = image_free[--image_nfree];
     pthread_mutex_unlock(&image_lock);
     if (!p) {
-        if (posix_memalign(&p, ALIGN, DIRECT_CHUNK_NBYTES) != 0) return NULL;
-        memset(p, 0, DIRECT_CHUNK_NBYTES); /* its pages faulted in here, not at idle priority */
+        if (posix_memalign(&p, ALIGN, IMAGE_NBYTES) != 0) return NULL;
+        memset(p, 0, IMAGE_NBYTES); /* its pages faulted in here, not at idle priority */
     }
     return p;
 }
@@ -966,19 +969,19 @@ static int seal_write_large(seal_t *s, int c, uint8_t *first, uint8_t *rest, voi
     const wrec_t *r = &s->recs[s->first[c]];
     int64_t lead = HEADER_NBYTES + r->tokens.len + r->pad; /* the record's bytes before its payload */
     int64_t nbytes = lead + r->payload.len, total = s->nbytes[c];
-    if (lead >= DIRECT_CHUNK_NBYTES || total != aligned(nbytes) || total <= DIRECT_CHUNK_NBYTES) return EINVAL; /* seal_next's to rule out */
+    if (lead >= IMAGE_NBYTES || total != aligned(nbytes) || total <= IMAGE_NBYTES) return EINVAL; /* seal_next's to rule out */
     const uint8_t *src = r->payload.buf;
     prio_t prio = go_idle(idle);
     memcpy(first, r->head.buf, HEADER_NBYTES);
     memcpy(first + HEADER_NBYTES, r->tokens.buf, (size_t)r->tokens.len);
     memset(first + HEADER_NBYTES + r->tokens.len, 0, (size_t)r->pad);
     xxh3_reset(state);
-    copy_hashed(first + lead, src, DIRECT_CHUNK_NBYTES - lead, state);
+    copy_hashed(first + lead, src, IMAGE_NBYTES - lead, state);
     come_back(prio);
     int err = 0;
-    for (int64_t pos = DIRECT_CHUNK_NBYTES; !err && pos < total; pos += DIRECT_CHUNK_NBYTES) {
+    for (int64_t pos = IMAGE_NBYTES; !err && pos < total; pos += IMAGE_NBYTES) {
         if (atomic_load(&s->stop)) return ECANCELED; /* another chunk failed: the run is given back */
-        int64_t len = total - pos < DIRECT_CHUNK_NBYTES ? total - pos : DIRECT_CHUNK_NBYTES;
+        int64_t len = total - pos < IMAGE_NBYTES ? total - pos : IMAGE_NBYTES;
         int64_t pay = nbytes - pos < len ? nbytes - pos : len; /* > 0: total is nbytes rounded up to a page */
         prio = go_idle(idle);
         copy_hashed(rest, src + (pos - lead), pay, state);
@@ -988,7 +991,7 @@ static int seal_write_large(seal_t *s, int c, uint8_t *first, uint8_t *rest, voi
     }
     if (err) return err;
     seal_header(first, r, xxh3_digest(state), state); /* streamed xxh3 equals the one-shot one */
-    return write_image(s, first, DIRECT_CHUNK_NBYTES, s->at[c]);
+    return write_image(s, first, IMAGE_NBYTES, s->at[c]);
 }
 
 /* Claims and seals the next unclaimed chunk with ``state`` (a hash state: created before any idle
@@ -1004,9 +1007,9 @@ static int seal_next(seal_t *s, void *state, int idle) {
     /* at this thread's own priority; two for a chunk of one record larger than an image, while O_DIRECT
      * is accepted (else written gathered, buffered, without the copy) and its start fits in one */
     const wrec_t *r0 = &s->recs[s->first[c]];
-    int large = s->nbytes[c] > DIRECT_CHUNK_NBYTES && atomic_load(&s->direct) &&
-                HEADER_NBYTES + r0->tokens.len + r0->pad < DIRECT_CHUNK_NBYTES;
-    uint8_t *img = s->direct_fd >= 0 && (large || s->nbytes[c] <= DIRECT_CHUNK_NBYTES) ? image_get() : NULL;
+    int large = s->nbytes[c] > IMAGE_NBYTES && atomic_load(&s->direct) &&
+                HEADER_NBYTES + r0->tokens.len + r0->pad < IMAGE_NBYTES;
+    uint8_t *img = s->direct_fd >= 0 && (large || s->nbytes[c] <= IMAGE_NBYTES) ? image_get() : NULL;
     uint8_t *rest = img && large ? image_get() : NULL;
     int err = state ? 0 : ENOMEM;
     if (rest) {
@@ -1015,7 +1018,7 @@ static int seal_next(seal_t *s, void *state, int idle) {
         image_put(img);
         goto done;
     }
-    if (img && s->nbytes[c] > DIRECT_CHUNK_NBYTES) { /* no memory for the second: written buffered */
+    if (img && s->nbytes[c] > IMAGE_NBYTES) { /* no memory for the second: written buffered */
         image_put(img);
         img = NULL;
     }

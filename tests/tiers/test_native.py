@@ -581,8 +581,8 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
     """A run large enough for several chunks (by bytes, by the iovec limit: 300 small records, and one
     record larger than a chunk), sealed on several threads, is byte for byte the Python reference: each
     record sealed (codec.seal), padded to a page, back to back. With O_DIRECT, every write goes through the
-    O_DIRECT descriptor from aligned images of at most 2 MiB: a record larger than one in pieces, its first
-    (header and checksums) written last."""
+    O_DIRECT descriptor from aligned images of at most 4 MiB: a record larger than one in pieces, its first
+    (header and checksums) written last; one that fills one exactly in one write."""
     import random
 
     from tierkv.priority import native_idle
@@ -594,13 +594,14 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
     recs = [  # both record versions, mixed (version 2: zeros between token ids and payload)
         codec.Unsealed(_head(rng.randrange(1, 3), rng), os.urandom(64), os.urandom(n)) for n in sizes
     ]
-    # and records larger than an image, in both versions: ending exactly on an image (no zero tail), a
-    # page past one, 100 bytes past one
+    # and records near an image's 4 MiB, in both versions: filling one exactly (one write), ending on two
+    # (in pieces, no zero tail), a page past one, 100 bytes past one; one just over a chunk's 2 MiB
     lead = {1: codec.HEADER_NBYTES + 64, 2: codec.HEADER_NBYTES + 64 + 16}
     exact = [
-        (1, (4 << 20) - lead[1]),
         (2, (4 << 20) - lead[2]),
-        (1, (2 << 20) + 4096 - lead[1]),
+        (1, (8 << 20) - lead[1]),
+        (1, (4 << 20) + 4096 - lead[1]),
+        (2, 4 << 20),
         (2, 2 << 20),
     ]
     recs[-2:-2] = [codec.Unsealed(_head(v, rng), os.urandom(64), os.urandom(n)) for v, n in exact]
@@ -620,12 +621,18 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
     writes = [op for op in ops if op[0] == "write"]
     assert sum(n for *_, n in writes) == len(want)
     if direct:
-        assert [efd for _, efd, _, _ in writes if efd == fd] == [] and max(n for *_, n in writes) <= 2 << 20
+        assert [efd for _, efd, _, _ in writes if efd == fd] == [] and max(n for *_, n in writes) <= 4 << 20
         lens = [-(-(codec.HEADER_NBYTES + 64 + r.pad_nbytes + len(r.payload)) // 4096) * 4096 for r in recs]
         assert sum(lens) == len(want)
-        at = 4096 + sum(lens[:-2])  # the 9 MiB record's
-        pieces = [(off, n) for _, _, off, n in writes if at <= off < at + lens[-2]]
-        assert sum(n for _, n in pieces) == lens[-2] and len(pieces) == 5 and pieces[-1][0] == at
+
+        def pieces(j: int) -> list[tuple[int, int]]:  # record j's writes, in the order they were made
+            at = 4096 + sum(lens[:j])
+            return [(off - at, n) for _, _, off, n in writes if at <= off < at + lens[j]]
+
+        first_exact = len(recs) - 2 - len(exact)
+        assert pieces(first_exact) == [(0, 4 << 20)]  # fills an image: one write
+        assert pieces(first_exact + 1) == [(4 << 20, 4 << 20), (0, 4 << 20)]  # two images, no zero tail
+        assert pieces(len(recs) - 2) == [(4 << 20, 4 << 20), (8 << 20, lens[-2] - (8 << 20)), (0, 4 << 20)]
     else:
         assert {efd for _, efd, _, _ in writes} == {fd}
     assert [op[0] for op in ops].count("sync") == sync
