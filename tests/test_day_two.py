@@ -253,7 +253,9 @@ def test_gc_every_option_beside_a_writer_destroys_nothing(tmp_path, ns) -> None:
 
 @pytest.mark.slow
 def test_gc_every_option_beside_a_writer_long(tmp_path, ns) -> None:
-    stats = check_gc_beside_a_writer(tmp_path, ns, 1000)
+    # 3,000 prompts (120,000 entries): the native writer saves 1,000 in about 10 s, a dozen gc runs'
+    # time (a gc run is a process of its own, about a second here), where 20 runs are asked for
+    stats = check_gc_beside_a_writer(tmp_path, ns, 3000)
     print(f"gc beside a writer: {stats}")
     assert stats["runs"] >= 20 and stats["segments"] >= 60
 
