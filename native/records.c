@@ -46,9 +46,9 @@
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run, buffered: hashed, written and sent to the disk in chunks this size */
-/* write_run, O_DIRECT: chunks this size (in images of IMAGE_NBYTES). Smaller chunks overlap each thread's sealing with the
- * others' writes more finely: a 480 MiB durable save, warm, 1.30-1.36 against 1.10-1.20 GB/s with 8 MiB
- * (alternated fresh processes, 2026-12-05), and a fifth of the system time. */
+/* write_run, O_DIRECT: chunks this size (in images of IMAGE_NBYTES). Smaller chunks overlap each
+ * thread's sealing with the others' writes more finely: a 480 MiB durable save, warm, 1.27-1.36 against
+ * 1.09-1.18 GB/s with 8 MiB (alternated fresh processes, 2026-12-05), and a fifth of the system time. */
 #ifndef DIRECT_CHUNK_NBYTES
 #define DIRECT_CHUNK_NBYTES (2 << 20)
 #endif
@@ -1125,9 +1125,9 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     int err = 0;
     int64_t total = 0; /* the run's bytes, padding included */
     Py_BEGIN_ALLOW_THREADS
-    /* Chunks of at most WRITE_CHUNK_NBYTES, DIRECT_CHUNK_NBYTES with O_DIRECT (or one larger record). Buffered: sealers (a few threads, and
-     * this one when they lag) seal the chunks ahead at idle priority while this thread writes the sealed
-     * ones in order at its own priority and starts each one's writeback (sync_file_range). O_DIRECT: the
+    /* Chunks of at most WRITE_CHUNK_NBYTES, DIRECT_CHUNK_NBYTES with O_DIRECT (or one larger record).
+     * Buffered: sealers (a few threads, and this one when they lag) seal the chunks ahead at idle
+     * priority while this thread writes the sealed ones in order at its own priority and starts each one's writeback (sync_file_range). O_DIRECT: the
      * run's space is allocated first (fallocate: the writes then land inside the file, which lets ext4
      * and XFS run them side by side instead of one extending write at a time), and every thread seals
      * and writes whole chunks, past the page cache, whose upkeep can cost more CPU than the copy (4 ms
