@@ -55,6 +55,7 @@
 /* An image holds a chunk, or one record up to this size (an 8B model's 16-token block, vLLM's, is 2 MiB
  * and a page: one write, not a second of 4 KiB); a larger record goes through images in pieces this size. */
 #define IMAGE_NBYTES (4 << 20)
+_Static_assert(DIRECT_CHUNK_NBYTES <= IMAGE_NBYTES, "a chunk of several records must fit an image");
 #ifndef GROUP_NBYTES
 #define GROUP_NBYTES (1u << 20)   /* one read request: adjacent records coalesced up to this */
 #endif

@@ -595,7 +595,7 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
         codec.Unsealed(_head(rng.randrange(1, 3), rng), os.urandom(64), os.urandom(n)) for n in sizes
     ]
     # and records near an image's 4 MiB, in both versions: filling one exactly (one write), ending on two
-    # (in pieces, no zero tail), a page past one, 100 bytes past one; one just over a chunk's 2 MiB
+    # (in pieces, no zero tail), a page past one, 256 bytes past one; one 256 bytes over a chunk's 2 MiB
     lead = {1: codec.HEADER_NBYTES + 64, 2: codec.HEADER_NBYTES + 64 + 16}
     exact = [
         (2, (4 << 20) - lead[2]),
@@ -632,6 +632,9 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
         first_exact = len(recs) - 2 - len(exact)
         assert pieces(first_exact) == [(0, 4 << 20)]  # fills an image: one write
         assert pieces(first_exact + 1) == [(4 << 20, 4 << 20), (0, 4 << 20)]  # two images, no zero tail
+        for j in (first_exact + 2, first_exact + 3):  # a page past an image: that page, then the start
+            assert pieces(j) == [(4 << 20, 4096), (0, 4 << 20)]
+        assert pieces(first_exact + 4) == [(0, (2 << 20) + 4096)]  # a chunk of its own, in one image
         assert pieces(len(recs) - 2) == [(4 << 20, 4 << 20), (8 << 20, lens[-2] - (8 << 20)), (0, 4 << 20)]
     else:
         assert {efd for _, efd, _, _ in writes} == {fd}
