@@ -564,6 +564,15 @@ def _head(version: int, rng=None) -> bytes:
     return bytes(fields) + bytes(16)
 
 
+def _mib_records(total_mib: int, payload_mib: int, seed: int) -> list[codec.Unsealed]:
+    """Version-2 records of ``payload_mib`` MiB of random payload each, about ``total_mib`` MiB in all."""
+    rng = np.random.default_rng(seed)
+    return [
+        codec.Unsealed(_head(2), os.urandom(64), rng.bytes(payload_mib << 20))
+        for _ in range(total_mib // payload_mib)
+    ]
+
+
 def test_write_run_refuses_a_record_version_it_does_not_write(tmp_path) -> None:
     with _segment_fds(tmp_path / "run.seg", False) as (fd, _):
         for version in (0, 3):
@@ -654,11 +663,7 @@ def test_a_failed_run_gives_its_space_back_and_a_retry_writes_it_whole(
     record, byte for byte."""
     import errno as errno_
 
-    rng = np.random.default_rng(3)
-    recs = [
-        codec.Unsealed(_head(2), os.urandom(64), rng.bytes(payload_mib << 20))
-        for _ in range(24 // payload_mib)
-    ]
+    recs = _mib_records(24, payload_mib, seed=3)
     want = _sealed_run(recs)
     path = tmp_path / "run.seg"
     nat = native.module()
@@ -834,11 +839,7 @@ def test_a_run_whose_o_direct_writes_are_refused_is_written_buffered_then_synced
     the run byte for byte."""
     import errno as errno_
 
-    rng = np.random.default_rng(5)
-    recs = [
-        codec.Unsealed(_head(2), os.urandom(64), rng.bytes(payload_mib << 20))
-        for _ in range(20 // payload_mib)
-    ]
+    recs = _mib_records(20, payload_mib, seed=5)
     want = _sealed_run(recs)
     path = tmp_path / "run.seg"
     nat = native.module()
