@@ -59,6 +59,12 @@ _Static_assert(DIRECT_CHUNK_NBYTES <= IMAGE_NBYTES, "a chunk of several records 
 #ifndef GROUP_NBYTES
 #define GROUP_NBYTES (1u << 20)   /* one read request: adjacent records coalesced up to this */
 #endif
+/* A read lands, and is hashed, in pieces this size: each piece's checksum reads it from the cache it was
+ * just copied into (L2 holds it), not from memory. Warm 480 MiB, 2 threads: 8.7-9.4 GB/s against 7.9-8.5
+ * with a 768 KiB record hashed after its whole read (2026-12-06). */
+#ifndef HASH_PIECE_NBYTES
+#define HASH_PIECE_NBYTES (256 << 10)
+#endif
 #define MAX_THREADS 64
 #define STREAM_MIN_NBYTES (16ll << 20) /* copy_blocks: runs this large stream past the caches */
 #define MAX_NDIM 6
@@ -254,6 +260,9 @@ typedef struct {
     int64_t *gfirst, *gcount, ngroups;
     uint8_t *gahead;      /* per group: read with readahead (it lies in a run of adjacent records) */
     atomic_long next;
+    /* per record: its payload's xxh3, taken as its bytes arrived (``hashed``), else verify hashes it */
+    uint64_t *checks;
+    uint8_t *hashed;
     /* outputs */
     uint8_t *status;
     int *errnos;
@@ -402,9 +411,44 @@ static int64_t preadv_upto(int fd, struct iovec *iov, int k, int *at, int64_t of
     return done;
 }
 
+/* Where the hashing of a group's payloads stands: record j, hashed up to file offset pos. */
+typedef struct {
+    int64_t j, end, pos;
+} hcur_t;
+
+/* The payload bytes of the group's records now in place up to file offset ``upto``, hashed: each record's
+ * digest into r->checks once its payload is whole. Hashes the destination, what a restore serves. */
+static void hash_arrived(run_t *r, hcur_t *c, int64_t upto, void *state) {
+    int64_t payload_nbytes = r->nrows * r->chunk;
+    while (c->j < c->end) {
+        const req_t *q = &r->reqs[c->j];
+        int64_t p1 = q->offset + q->nbytes, p0 = p1 - payload_nbytes;
+        if (c->pos < p0) { /* this record's payload starts */
+            if (upto <= p0) return;
+            if (xxh3_reset(state) != 0) {
+                c->j = c->end; /* verify hashes them */
+                return;
+            }
+            c->pos = p0;
+        }
+        int64_t stop = upto < p1 ? upto : p1;
+        while (c->pos < stop) {
+            int64_t rel = c->pos - p0, row = rel / r->chunk, within = rel % r->chunk;
+            int64_t m = r->chunk - within < stop - c->pos ? r->chunk - within : stop - c->pos;
+            xxh3_update(state, (const uint8_t *)(uintptr_t)(r->rows[row] + (uint64_t)(q->pos * r->chunk)) + within,
+                        (size_t)m);
+            c->pos += m;
+        }
+        if (c->pos < p1) return;
+        r->checks[c->j] = xxh3_digest(state);
+        r->hashed[c->j++] = 1;
+    }
+}
+
 /* Read one group into place, with readahead if ``ahead``. Returns 0, a positive errno (the read failed),
  * or -1 (short: the file ends before the records do). */
-static int read_group(run_t *r, int64_t first, int64_t count, int ahead, void **bounce, uint8_t *pad) {
+static int read_group(run_t *r, int64_t first, int64_t count, int ahead, void **bounce, uint8_t *pad,
+                      void *state) {
     const req_t *q0 = &r->reqs[first], *ql = &r->reqs[first + count - 1];
     int64_t off = q0->offset, total = ql->offset + ql->nbytes - off;
     /* Readahead only within a run of adjacent records: a lone record's neighbours belong to other
@@ -416,14 +460,19 @@ static int read_group(run_t *r, int64_t first, int64_t count, int ahead, void **
     struct iovec iov[IOV_CAP];
     int k = build_iov(r, first, count, iov, pad), at = 0;
     int64_t done = 0;
+    hcur_t cur = {first, first + count, -1};
+    memset(r->hashed + first, 0, (size_t)count);
     int err = injected(fd, off, total, 0);
     if (err) return err;
     /* What the page cache holds: straight into place, one copy. */
     int64_t cached = r->direct_ok && q0->dfd >= 0 ? resident_prefix(fd, off, total) : 0;
-    if (cached > 0) {
-        int64_t got = preadv_upto(fd, iov, k, &at, off, cached);
+    while (done < cached) {
+        int64_t want = cached - done < HASH_PIECE_NBYTES ? cached - done : HASH_PIECE_NBYTES;
+        int64_t got = preadv_upto(fd, iov, k, &at, off + done, want);
         if (got < 0) return (int)-got;
-        done = got;
+        done += got;
+        hash_arrived(r, &cur, off + done, state);
+        if (got < want) break; /* the file ends: what is left, below */
     }
     atomic_fetch_add(&r->nbytes_cached, done);
     if (done == total) return 0;
@@ -446,9 +495,11 @@ static int read_group(run_t *r, int64_t first, int64_t count, int ahead, void **
             if (got == 0) return -1;
             atomic_fetch_add(&r->nbytes_direct, got);
             int64_t useful = start + got < end ? start + got : end;
-            if (useful > pos) {
-                at = iov_fill(iov, k, at, (uint8_t *)*bounce + (pos - start), (size_t)(useful - pos));
-                pos = useful;
+            while (useful > pos) {
+                int64_t m = useful - pos < HASH_PIECE_NBYTES ? useful - pos : HASH_PIECE_NBYTES;
+                at = iov_fill(iov, k, at, (uint8_t *)*bounce + (pos - start), (size_t)m);
+                pos += m;
+                hash_arrived(r, &cur, pos, state);
             }
             if (got % ALIGN) break; /* the file ends inside a page: what is left, buffered below */
         }
@@ -457,15 +508,13 @@ static int read_group(run_t *r, int64_t first, int64_t count, int ahead, void **
     }
     /* No O_DIRECT here (tmpfs, an unaligned tail, no memory for a bounce): a plain blocking read. */
     while (done < total) {
-        ssize_t got = preadv(fd, iov + at, k - at, off + done);
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
+        int64_t want = total - done < HASH_PIECE_NBYTES ? total - done : HASH_PIECE_NBYTES;
+        int64_t got = preadv_upto(fd, iov, k, &at, off + done, want);
+        if (got < 0) return (int)-got;
         if (got == 0) return -1;
         atomic_fetch_add(&r->nbytes_blocking, got);
         done += got;
-        at = iov_advance(iov, k, at, (size_t)got);
+        hash_arrived(r, &cur, off + done, state);
     }
     return 0;
 }
@@ -499,6 +548,7 @@ static int verify(run_t *r, int64_t j, void *state) {
     if (stored != raw_nbytes) return ST_BAD;
     if ((uint64_t)(r->prefix_nbytes + inner_pad(version, r->token_nbytes)) + stored != (uint64_t)q->nbytes) return ST_BAD;
     if (raw_nbytes != (uint64_t)(r->nrows * r->chunk)) return ST_BAD;
+    if (r->hashed[j]) return r->checks[j] == check ? ST_OK : ST_BAD; /* hashed as it arrived */
     if (xxh3_reset(state) != 0) return ST_BAD;
     for (int64_t row = 0; row < r->nrows; row++)
         xxh3_update(state, (const void *)(uintptr_t)(r->rows[row] + (uint64_t)(q->pos * r->chunk)), (size_t)r->chunk);
@@ -531,10 +581,11 @@ static void *worker(void *arg) {
             settle(r, first, count, ENOMEM, NULL);
             continue;
         }
-        int err = read_group(r, first, count, r->gahead[g], &bounce, pad);
+        int err = read_group(r, first, count, r->gahead[g], &bounce, pad, state);
         if (count > 1 && (err < 0 || (err > 0 && is_media(err)))) {
             /* A bad sector or the file's end: which record is it in? Each alone: the others are served. */
-            for (int64_t j = first; j < first + count; j++) settle(r, j, 1, read_group(r, j, 1, 0, &bounce, pad), state);
+            for (int64_t j = first; j < first + count; j++)
+                settle(r, j, 1, read_group(r, j, 1, 0, &bounce, pad, state), state);
             continue;
         }
         settle(r, first, count, err, state);
@@ -638,7 +689,9 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     r.gahead = PyMem_Calloc((size_t)n + 1, 1);
     r.status = PyMem_Malloc((size_t)n + 1);
     r.errnos = PyMem_Calloc((size_t)n + 1, sizeof(int));
-    if (!r.gfirst || !r.gcount || !r.gahead || !r.status || !r.errnos) {
+    r.checks = PyMem_Calloc((size_t)n + 1, sizeof(uint64_t));
+    r.hashed = PyMem_Calloc((size_t)n + 1, 1);
+    if (!r.gfirst || !r.gcount || !r.gahead || !r.status || !r.errnos || !r.checks || !r.hashed) {
         PyErr_NoMemory();
         goto done;
     }
@@ -709,6 +762,8 @@ done:
     PyMem_Free(r.gahead);
     PyMem_Free(r.status);
     PyMem_Free(r.errnos);
+    PyMem_Free(r.checks);
+    PyMem_Free(r.hashed);
     if (reqs.obj) PyBuffer_Release(&reqs);
     if (rows.obj) PyBuffer_Release(&rows);
     if (prefix.obj) PyBuffer_Release(&prefix);

@@ -206,6 +206,52 @@ def test_a_damaged_record_ends_the_prefix_and_is_purged_by_both_readers(tmp_path
     assert results[0] == results[1]
 
 
+PIECE_NBYTES = 256 << 10  # records.c's HASH_PIECE_NBYTES: a read lands, and is hashed, in pieces this size
+
+
+@pytest.mark.parametrize("where", ["first-piece", "a-later-piece-s-first-byte", "last-byte"])
+@pytest.mark.parametrize("how", ["buffered", "odirect", "odirect-store-cached"])
+def test_a_flipped_byte_in_any_piece_of_a_large_record_is_caught(tmp_path, where, how) -> None:
+    """The native reader hashes a record's payload piece by piece as it lands (read buffered; with O_DIRECT
+    through its bounce buffer; or, by an O_DIRECT store, from the page cache that holds it): a flipped
+    byte in any piece of a 2 MiB record ends the prefix there and is purged; the records before it are
+    served exactly."""
+    B = BIG.block_tokens
+    toks, kv = _saved(tmp_path, BIG, 6)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        disk = store.tier("disk")
+        seg_id, offset, nbytes = disk.locate(BlockChain.of(BIG, toks).keys)[4].location
+        seg = disk.segments.file(seg_id)
+    payload_at = codec.payload_at(2, 4 * B)
+    assert nbytes - payload_at > 4 * PIECE_NBYTES  # several pieces
+    at = {
+        "first-piece": payload_at + 7,
+        "a-later-piece-s-first-byte": PIECE_NBYTES,  # a large record's pieces start at its first byte
+        "last-byte": nbytes - 1,
+    }[where]
+    with open(seg, "r+b") as f:
+        f.seek(offset + at)
+        byte = f.read(1)
+        f.seek(offset + at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    if how == "odirect-store-cached":
+        with open(seg, "rb") as f:
+            f.read()
+    else:
+        uncache(tmp_path)
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0, direct_reads=how != "buffered") as store:
+        hit, got = store.restore(BIG, toks)
+        store.flush()  # the purge
+        stats = store.stats()["disk"]
+        assert hit.num_tokens == 4 * B and torch.equal(got, kv[:, :, : 4 * B])
+        assert stats["corrupt_blocks"] == 1 and stats["read_errors"] == 0
+        assert store.tier("disk").probe(BlockChain.of(BIG, toks), range(6)) == [True] * 4 + [False, True]
+    if how == "odirect-store-cached":
+        assert stats["read_cached_nbytes"] > 0 and stats["read_direct_nbytes"] == 0
+    elif how == "odirect":
+        assert stats["read_direct_nbytes"] > 0
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
 def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, data_path, direct) -> None:
     B = ns.block_tokens
