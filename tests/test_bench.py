@@ -317,3 +317,22 @@ print(json.dumps([str(f) for f in files]))
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [str(tmp_path / "sessions.png")]
     assert (tmp_path / "sessions.png").stat().st_size > 1000
+
+
+def test_the_raw_read_after_fresh_memory_reads_the_store_s_files_in_a_process_of_its_own(tmp_path) -> None:
+    """The first restore's baseline under the same memory (``first_restore.raw_read_after_fresh_memory``):
+    a fresh process writes the new memory, then reads every segment file; its rate is what it read over
+    the time it took (here: more than nothing, and no more than the files in under a microsecond)."""
+    import torch
+
+    from tierkv import Namespace, TieredStore
+    from tierkv.bench.first_restore import raw_read_in_fresh_process
+
+    ns = Namespace(model_id="m", revision="r", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=64)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, list(range(8 * ns.block_tokens)), torch.randn(2, 2, 8 * ns.block_tokens, 2, 64))
+        store.flush()
+    nbytes = sum(p.stat().st_size for p in (tmp_path / "segments").glob("*.seg"))
+    assert nbytes > 0
+    bps = raw_read_in_fresh_process(tmp_path, 32 << 20)
+    assert 0 < bps < nbytes * 1e6

@@ -15,7 +15,7 @@ from tierkv import TieredStore
 from tierkv.bench.kv_workload import NS, prompts_of
 from tierkv.bench.machine import drop_page_cache
 
-__all__ = ["first_restore", "in_fresh_process"]
+__all__ = ["first_restore", "in_fresh_process", "raw_read_after_fresh_memory", "raw_read_in_fresh_process"]
 
 
 def first_restore(store_dir: str, num_prompts: int, prompt_tokens: int, host_bytes: int) -> float:
@@ -35,6 +35,38 @@ def first_restore(store_dir: str, num_prompts: int, prompt_tokens: int, host_byt
             n, _ = store.load(NS, toks, out=out)
             assert n == len(toks), (n, len(toks))
         return num_prompts * out.numel() * out.element_size() / (time.perf_counter() - t0)
+
+
+def raw_read_after_fresh_memory(store_dir: str, touch_nbytes: int) -> float:
+    """In a fresh process (``raw_read_in_fresh_process``): write ``touch_nbytes`` of new memory first, as
+    a host tier's populator does at start-up, then read the store's segment files as ``buffered_cold``
+    does, without tierkv; bytes per second. The first restore's baseline under the same memory: on a VM
+    whose free memory goes back to its host (virtio-balloon free page reporting), the page cache a cold
+    read fills lands on pages the host must back again once a process took the backed ones, and the
+    kernel's copy out of them slows down with tierkv nowhere in the process (2026-12-06: 0.68-1.07
+    against 0.99-1.12 GB/s, system time 0.19-0.96 against 0.20-0.21 s, 4 alternated pairs)."""
+    from tierkv.bench.disk_limits import READ_THREADS, buffered_cold
+
+    memory = torch.empty(touch_nbytes, dtype=torch.uint8)
+    memory.fill_(0)
+    return buffered_cold(sorted(Path(store_dir, "segments").glob("*.seg")), READ_THREADS)
+
+
+def raw_read_in_fresh_process(store_dir: Path, touch_nbytes: int) -> float:
+    """``raw_read_after_fresh_memory`` in a fresh process; bytes per second."""
+    code = (
+        "import sys; from tierkv.bench.first_restore import raw_read_after_fresh_memory as f; "
+        "print(f(sys.argv[1], int(sys.argv[2])))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(store_dir), str(touch_nbytes)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"raw read failed: {r.stderr[-2000:]}")
+    return float(r.stdout.strip().splitlines()[-1])
 
 
 def in_fresh_process(

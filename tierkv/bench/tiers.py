@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -53,11 +52,16 @@ from tierkv.bench.disk_limits import (
     raw_write,
     raw_writes,
 )
-from tierkv.bench.first_restore import in_fresh_process
+from tierkv.bench.first_restore import in_fresh_process, raw_read_in_fresh_process
 from tierkv.bench.kv_workload import LARGE_NS, NS, PROMPT_TOKENS, large_workload, workload
 from tierkv.bench.machine import Memcpy, drop_page_cache, summary, warm_page_cache
+from tierkv.bench.tier_ratios import paired, ratios
 
-PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and writers, side by side
+PATHS = ("native", "python", "native O_DIRECT")
+AFTER_MEMORY = (
+    f"raw buffered cold read of the store's segment files, 8 MiB, {READ_THREADS} threads, in a fresh process "
+    "after writing as much new memory as the host tier"
+)  # the disk tier's readers and writers, side by side
 
 
 def _path(path: str) -> tuple[bool, bool]:
@@ -236,19 +240,28 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     # The first's, with the host tier on, beside a raw read of the same files in the same minute: this
     # disk drifts between the parts of a run more than between two neighbouring reads.
     first_own: list[float] = []
+    # And the same raw read in a fresh process that first wrote as much new memory as the host tier
+    # (``raw_read_after_fresh_memory``: what this VM does to a cold read beside fresh memory).
+    after_memory: list[float] = []
     segs = sorted((store_dir / "segments").glob("*.seg"))
     for r in range(runs):
         if r % 2 == 0:
             first_own.append(buffered_cold(segs, READ_THREADS))
+            if len(firsts) > 1:
+                after_memory.append(raw_read_in_fresh_process(store_dir, firsts[0][1]))
         for path, host_bytes in firsts if r % 2 == 0 else firsts[::-1]:
             first[path, host_bytes].append(
                 in_fresh_process(store_dir, num_prompts, prompt_tokens, host_bytes, path)
             )
         if r % 2 == 1:
             first_own.append(buffered_cold(segs, READ_THREADS))
+            if len(firsts) > 1:
+                after_memory.append(raw_read_in_fresh_process(store_dir, firsts[0][1]))
     for path, host_bytes in firsts:
         on = "host tier on" if host_bytes else "no host tier"
         rows[f"first restore in a fresh process, cold, {on} [{path}]"] = summary(first[path, host_bytes])
+    if after_memory:
+        rows[AFTER_MEMORY] = summary(after_memory)
 
     shutil.rmtree(store_dir)
     with TieredStore.open(store_dir, host_bytes=0) as store:  # every prompt's block b before any block b+1
@@ -313,93 +326,28 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         "disk_read_limit_Bps": read_limit,
         "disk_write_limit_Bps": write_limit,
         "lookup_32k_s": summary(lat),
-        "ratios": _ratios(rows, paths, od, write_limit, bws, own, (first[firsts[0]], first_own))
+        "ratios": ratios(rows, paths, od, write_limit, bws, own, (first[firsts[0]], first_own))
         | {
             f"persistence / a raw write of the same bytes beside it, 1 MiB, QD 1 (median of each run's ratio) "
-            f"[{writers[0]}]": _paired(times[writers[0]], beside)
+            f"[{writers[0]}]": paired(times[writers[0]], beside)
         }
         # Memory's rows, each run beside the memcpy measured next to it.
         | {
-            f"restore warm / memcpy (median of each run's ratio) [{path}]": _paired(
+            f"restore warm / memcpy (median of each run's ratio) [{path}]": paired(
                 warm[path], copies["warm"][i * runs : (i + 1) * runs]
             )
             for i, path in enumerate(paths[:2])
         }
-        | {"host tier / memcpy (median of each run's ratio)": _paired(hosted_bws, copies["host"])},
-    }
-
-
-def _paired(bws: list[float], limits: list[float]) -> float:
-    """The median of each run's ratio to the limit measured beside it."""
-    return statistics.median(b / a for b, a in zip(bws, limits, strict=True))
-
-
-def _ratios(
-    rows: dict[str, dict[str, float]],
-    paths: tuple[str, ...],
-    od: float,
-    write_limit: float,
-    bws: list[float],
-    own: list[float],
-    firsts: tuple[list[float], list[float]],
-) -> dict[str, float]:
-    """The issue's ratios, per data path (the first, native where built, is what a user gets)."""
-    out = {
-        f"restore cold one-prefix / raw read of its own files (median of each run's ratio) [{paths[0]}]": statistics.median(
-            b / a for b, a in zip(bws, own)
-        ),
-        f"first restore, host tier on / raw read of its own files (median of each run's ratio) [{paths[0]}]": (
-            statistics.median(b / a for b, a in zip(*firsts))
+        | {"host tier / memcpy (median of each run's ratio)": paired(hosted_bws, copies["host"])}
+        | (
+            {
+                f"first restore, host tier on / the raw read after as much fresh memory (median of each "
+                f"run's ratio) [{paths[0]}]": paired(first[firsts[0]], after_memory)
+            }
+            if after_memory
+            else {}
         ),
     }
-    for path in paths:
-        out[f"restore cold one-prefix / disk limit [{path}]"] = (
-            rows[f"restore one-prefix, cold [{path}]"]["median"] / od
-        )
-    for path in paths:
-        if f"first restore in a fresh process, cold, host tier on [{path}]" in rows:
-            out[f"first restore, host tier on / disk limit [{path}]"] = (
-                rows[f"first restore in a fresh process, cold, host tier on [{path}]"]["median"] / od
-            )
-        out[f"restore cold interleaved / disk limit [{path}]"] = (
-            rows[f"restore interleaved prefixes, cold [{path}]"]["median"] / od
-        )
-        if f"restore one-prefix, warm page cache [{path}]" not in rows:
-            continue
-        warm_read = next((v for k, v in rows.items() if k.startswith("raw buffered warm read")), None)
-        if warm_read:
-            out[f"restore warm / the page cache's read [{path}]"] = (
-                rows[f"restore one-prefix, warm page cache [{path}]"]["median"] / warm_read["median"]
-            )
-        verified = next((v for k, v in rows.items() if k.startswith("a warm read and its checksum")), None)
-        if verified:
-            out[f"restore warm / a warm read and its checksum [{path}]"] = (
-                rows[f"restore one-prefix, warm page cache [{path}]"]["median"] / verified["median"]
-            )
-    for w in ("native", "native buffered", "python"):
-        if f"persistence (save+flush, durable) [{w}]" in rows:
-            out[f"persistence / disk write limit [{w}]"] = (
-                rows[f"persistence (save+flush, durable) [{w}]"]["median"] / write_limit
-            )
-        if f"persistence (save+flush, durable), a store that has saved before [{w}]" in rows:
-            out[f"persistence, a store that has saved before / disk write limit [{w}]"] = (
-                rows[f"persistence (save+flush, durable), a store that has saved before [{w}]"]["median"]
-                / write_limit
-            )
-        if f"persistence (save+flush, durable), host tier populated [{w}]" in rows:
-            out[f"persistence, host tier populated / disk write limit [{w}]"] = (
-                rows[f"persistence (save+flush, durable), host tier populated [{w}]"]["median"] / write_limit
-            )
-    # Against a raw write from distinct memory, as the store's own writes are (disk_limits._odirect_distinct):
-    # this VM's disk writes a reused buffer faster, and the write limit above reuses one.
-    distinct = rows.get("raw O_DIRECT sequential write, 1 MiB, QD 1, each request from memory of its own")
-    if distinct and "persistence (save+flush, durable), host tier populated [native]" in rows:
-        for what in ("", ", host tier populated", ", a store that has saved before"):
-            out[f"persistence{what} / a raw write from memory of its own [native]"] = (
-                rows[f"persistence (save+flush, durable){what} [native]"]["median"] / distinct["median"]
-            )
-    out["naive LMDB cold / disk limit"] = rows["naive LMDB get, cold, random order"]["median"] / od
-    return out
 
 
 def markdown(res: dict[str, Any]) -> str:
