@@ -42,7 +42,7 @@
 #include <immintrin.h> /* SSE2 only: the x86-64 baseline */
 #endif
 
-#define ABI 11 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 12 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #define WRITE_CHUNK_NBYTES (8 << 20) /* write_run, buffered: hashed, written and sent to the disk in chunks this size */
@@ -865,8 +865,14 @@ static void *image_free[IMAGE_KEEP];
 static int image_nfree;
 static pthread_mutex_t image_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* Tests only (fail_images): the next image_skip calls succeed, then image_fail calls get no image. */
+static atomic_int image_skip, image_fail;
+
 static void *image_get(void) {
     void *p = NULL;
+    if (atomic_load(&image_fail) > 0) {
+        if (atomic_fetch_sub(&image_skip, 1) <= 0 && atomic_fetch_sub(&image_fail, 1) > 0) return NULL;
+    }
     pthread_mutex_lock(&image_lock);
     if (image_nfree) p = image_free[--image_nfree];
     pthread_mutex_unlock(&image_lock);
@@ -1682,6 +1688,15 @@ static PyObject *clear_faults(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *fail_images(PyObject *self, PyObject *args) {
+    int skip, count;
+    if (!PyArg_ParseTuple(args, "ii", &skip, &count)) return NULL;
+    atomic_store(&image_fail, 0); /* no call fails while the two are set */
+    atomic_store(&image_skip, skip);
+    atomic_store(&image_fail, count);
+    Py_RETURN_NONE;
+}
+
 static PyObject *why_unavailable(PyObject *self, PyObject *unused) {
     if (xxh3) Py_RETURN_NONE;
     return PyUnicode_FromString(unavailable);
@@ -1698,6 +1713,9 @@ static PyMethodDef methods[] = {
      "inject_fault(dev, ino, start, end, errno, kind=0): reads of that range fail (kind 1: writes; + 2:\n"
      "only through O_DIRECT descriptors)."},
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
+    {"fail_images", fail_images, METH_VARARGS,
+     "fail_images(skip, count): write_run's next ``skip`` image allocations succeed, the ``count`` after\n"
+     "them find no memory (tests; (0, 0) ends it)."},
     {"can_leave_idle", can_leave_idle, METH_NOARGS, "Whether a thread may go to SCHED_IDLE and come back (probed)."},
     {"trace_writes", trace_writes, METH_O, "trace_writes(on) -> the writes and syncs logged since the last call."},
     {"why_unavailable", why_unavailable, METH_NOARGS, "None if usable, else why not."},
@@ -1720,8 +1738,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
-    PyObject *all = Py_BuildValue("[sssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
-                                  "clear_faults", "trace_writes", "can_leave_idle",
+    PyObject *all = Py_BuildValue("[ssssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
+                                  "clear_faults", "fail_images", "trace_writes", "can_leave_idle",
                                   "why_unavailable");
     if (!all || PyModule_AddObject(m, "__all__", all) != 0) {
         Py_XDECREF(all);

@@ -698,6 +698,39 @@ def test_write_run_in_many_chunks_writes_what_seal_writes(
     assert [op[1:] for op in ops if op[0] == "allocate"] == ([(fd, 4096, len(want))] if direct else [])
 
 
+@pytest.mark.parametrize(
+    ("skip", "fail", "sizes"),
+    [(1, 1, [9 << 20]), (0, 1000, [9 << 20, 3 << 20, 40_000, 100, 100])],
+    ids=["no-second-image-for-a-large-record", "no-image-at-all"],
+)
+def test_a_run_without_memory_for_its_images_is_written_buffered_and_whole(
+    tmp_path, skip: int, fail: int, sizes: list[int]
+) -> None:
+    """write_run lays each chunk out in an aligned image for O_DIRECT, two for a record larger than one.
+    Where an image cannot be had (no memory), that chunk is written buffered, in place, through the
+    plain descriptor: the run is still byte for byte the Python reference."""
+    import random
+
+    rng = random.Random(11)
+    recs = [codec.Unsealed(_head(2, rng), os.urandom(64), os.urandom(n)) for n in sizes]
+    want = _sealed_run(recs)
+    path = tmp_path / "run.seg"
+    nat = native.module()
+    with _segment_fds(path, True) as (fd, dfd):
+        nat.trace_writes(True)
+        nat.fail_images(skip, fail)
+        try:
+            got = nat.write_run(fd, 0, [(r.head, r.token_bytes, r.payload) for r in recs], 1, 0, dfd)
+        finally:
+            nat.fail_images(0, 0)
+            ops = nat.trace_writes(False)
+    assert got == len(want) and path.read_bytes() == want
+    writes = [op for op in ops if op[0] == "write"]
+    assert sum(n for *_, n in writes) == len(want)
+    assert {efd for _, efd, _, _ in writes} == {fd}  # every chunk buffered: none through the O_DIRECT one
+    assert [op[0] for op in ops].count("sync") == 1
+
+
 @pytest.mark.parametrize("payload_mib", [1, 5], ids=["records", "records-larger-than-an-image"])
 @pytest.mark.parametrize("direct", [False, True])
 def test_a_failed_run_gives_its_space_back_and_a_retry_writes_it_whole(
