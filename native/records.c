@@ -65,6 +65,7 @@ _Static_assert(DIRECT_CHUNK_NBYTES <= IMAGE_NBYTES, "a chunk of several records 
 #ifndef HASH_PIECE_NBYTES
 #define HASH_PIECE_NBYTES (256 << 10)
 #endif
+_Static_assert(HASH_PIECE_NBYTES > 0, "the read loops advance by a piece");
 #define MAX_THREADS 64
 #define STREAM_MIN_NBYTES (16ll << 20) /* copy_blocks: runs this large stream past the caches */
 #define MAX_NDIM 6
@@ -411,6 +412,8 @@ static int64_t preadv_upto(int fd, struct iovec *iov, int k, int *at, int64_t of
     return done;
 }
 
+static atomic_llong hashed_total; /* records whose payload was hashed as it arrived (tests: hashed_on_arrival) */
+
 /* Where the hashing of a group's payloads stands: record j, hashed up to file offset pos. */
 typedef struct {
     int64_t j, end, pos;
@@ -442,6 +445,7 @@ static void hash_arrived(run_t *r, hcur_t *c, int64_t upto, void *state) {
         if (c->pos < p1) return;
         r->checks[c->j] = xxh3_digest(state);
         r->hashed[c->j++] = 1;
+        atomic_fetch_add(&hashed_total, 1);
     }
 }
 
@@ -506,9 +510,12 @@ static int read_group(run_t *r, int64_t first, int64_t count, int ahead, void **
         done = pos - off;
         if (done == total) return 0;
     }
-    /* No O_DIRECT here (tmpfs, an unaligned tail, no memory for a bounce): a plain blocking read. */
+    /* No O_DIRECT here (tmpfs, an unaligned tail, no memory for a bounce): a plain blocking read. In pieces
+     * only where the page cache holds it all: a range it lacks is one request, all of it in flight (a lone
+     * record is read without readahead, and pieces would go to the disk one after another). */
+    int64_t piece = cached_whole(fd, off + done, total - done) == 1 ? HASH_PIECE_NBYTES : total - done;
     while (done < total) {
-        int64_t want = total - done < HASH_PIECE_NBYTES ? total - done : HASH_PIECE_NBYTES;
+        int64_t want = total - done < piece ? total - done : piece;
         int64_t got = preadv_upto(fd, iov, k, &at, off + done, want);
         if (got < 0) return (int)-got;
         if (got == 0) return -1;
@@ -659,6 +666,12 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         r.shape[d] = (uint32_t)v;
     }
     const req_t *rq = reqs.buf;
+    /* Each record's own place: two at one position would leave one's bytes where the other's were checked. */
+    uint8_t *taken = PyMem_Calloc((size_t)(row_nbytes / chunk) + 1, 1);
+    if (!taken) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (int64_t j = 0; j < n; j++) {
         int64_t end_nbytes, file_end;
         if (rq[j].fd < 0 || rq[j].rfd < 0 || rq[j].offset < 0 || rq[j].offset % ALIGN || rq[j].pos < 0 ||
@@ -666,9 +679,16 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
             (rq[j].nbytes != record_nbytes && rq[j].nbytes != record_nbytes + inner_pad(2, token_nbytes)) ||
             __builtin_add_overflow(rq[j].offset, aligned(rq[j].nbytes), &file_end)) {
             PyErr_Format(PyExc_ValueError, "read_run: record %lld out of bounds", (long long)j);
+            PyMem_Free(taken);
+            goto done;
+        }
+        if (taken[rq[j].pos]++) {
+            PyErr_Format(PyExc_ValueError, "read_run: records at one position (%lld)", (long long)rq[j].pos);
+            PyMem_Free(taken);
             goto done;
         }
     }
+    PyMem_Free(taken);
     r.reqs = rq;
     r.n = n;
     r.rows = rows.buf;
@@ -1688,6 +1708,10 @@ static PyObject *clear_faults(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *hashed_on_arrival(PyObject *self, PyObject *unused) {
+    return PyLong_FromLongLong(atomic_load(&hashed_total));
+}
+
 static PyObject *fail_images(PyObject *self, PyObject *args) {
     int skip, count;
     if (!PyArg_ParseTuple(args, "ii", &skip, &count)) return NULL;
@@ -1713,6 +1737,8 @@ static PyMethodDef methods[] = {
      "inject_fault(dev, ino, start, end, errno, kind=0): reads of that range fail (kind 1: writes; + 2:\n"
      "only through O_DIRECT descriptors)."},
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
+    {"hashed_on_arrival", hashed_on_arrival, METH_NOARGS,
+     "Records read_run has hashed as their bytes arrived, in this process (tests)."},
     {"fail_images", fail_images, METH_VARARGS,
      "fail_images(skip, count): write_run's next ``skip`` image allocations succeed, the ``count`` after\n"
      "them find no memory (tests; (0, 0) ends it)."},
@@ -1738,8 +1764,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
-    PyObject *all = Py_BuildValue("[ssssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
-                                  "clear_faults", "fail_images", "trace_writes", "can_leave_idle",
+    PyObject *all = Py_BuildValue("[sssssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
+                                  "clear_faults", "fail_images", "hashed_on_arrival", "trace_writes", "can_leave_idle",
                                   "why_unavailable");
     if (!all || PyModule_AddObject(m, "__all__", all) != 0) {
         Py_XDECREF(all);

@@ -210,12 +210,12 @@ PIECE_NBYTES = 256 << 10  # records.c's HASH_PIECE_NBYTES: a read lands, and is 
 
 
 @pytest.mark.parametrize("where", ["first-piece", "a-later-piece-s-first-byte", "last-byte"])
-@pytest.mark.parametrize("how", ["buffered", "odirect", "odirect-store-cached"])
+@pytest.mark.parametrize("how", ["buffered", "buffered-cached", "odirect", "odirect-store-cached"])
 def test_a_flipped_byte_in_any_piece_of_a_large_record_is_caught(tmp_path, where, how) -> None:
-    """The native reader hashes a record's payload piece by piece as it lands (read buffered; with O_DIRECT
-    through its bounce buffer; or, by an O_DIRECT store, from the page cache that holds it): a flipped
-    byte in any piece of a 2 MiB record ends the prefix there and is purged; the records before it are
-    served exactly."""
+    """The native reader hashes a record's payload as it lands (read buffered: in pieces where the page
+    cache holds it, else whole; with O_DIRECT, piece by piece out of its bounce buffer; by an O_DIRECT
+    store, in pieces from the page cache that holds it): a flipped byte in any piece of a 2 MiB record
+    ends the prefix there and is purged; the records before it are served exactly."""
     B = BIG.block_tokens
     toks, kv = _saved(tmp_path, BIG, 6)
     with TieredStore.open(tmp_path, host_bytes=0) as store:
@@ -234,14 +234,18 @@ def test_a_flipped_byte_in_any_piece_of_a_large_record_is_caught(tmp_path, where
         byte = f.read(1)
         f.seek(offset + at)
         f.write(bytes([byte[0] ^ 0x01]))
-    if how == "odirect-store-cached":
+    if how.endswith("cached"):
         with open(seg, "rb") as f:
             f.read()
     else:
         uncache(tmp_path)
-    with native.use(True), TieredStore.open(tmp_path, host_bytes=0, direct_reads=how != "buffered") as store:
+    arrived = native.module().hashed_on_arrival()
+    direct = how.startswith("odirect")
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0, direct_reads=direct) as store:
         hit, got = store.restore(BIG, toks)
         store.flush()  # the purge
+        # the four served were checked against the digests taken as their bytes came in
+        assert native.module().hashed_on_arrival() - arrived >= 4
         stats = store.stats()["disk"]
         assert hit.num_tokens == 4 * B and torch.equal(got, kv[:, :, : 4 * B])
         assert stats["corrupt_blocks"] == 1 and stats["read_errors"] == 0
@@ -438,21 +442,33 @@ def test_a_compressed_record_of_the_raw_length_goes_to_python_and_is_checked_the
 
 
 def test_read_run_refuses_out_of_bounds_requests(tmp_path) -> None:
+    """Checked with the GIL, before any thread reads: a record past the destination's rows, of another
+    length than the layout's, at a negative position, or at the same position as another (one's bytes
+    would lie where the other's were checked); keys or token ids for another number of records."""
     nat = native.module()
     out = np.zeros(4096, dtype=np.uint8)
     rows = np.array([out.ctypes.data], dtype=np.int64)
-    prefix = bytearray(176 + 64)
+    prefix = bytearray(2 * (176 + 64))
     args = (rows, 1024, 4096, prefix, 64, b"\0" * 32, b"\0" * 32, b"\0" * 64, 0, (16,), 1, 0)
-    fd = os.open(tmp_path, os.O_RDONLY)
+    two = (*args[:6], b"\0" * 64, b"\0" * 128, *args[8:])  # keys and token ids for two records
+    fd = os.open(tmp_path / "seg", os.O_RDWR | os.O_CREAT, 0o600)
+    size = 176 + 64 + 1024
     try:
-        for pos, nbytes in [(4, 176 + 64 + 1024), (0, 176 + 64 + 1023), (-1, 176 + 64 + 1024)]:
-            reqs = np.array([[fd, -1, 0, nbytes, pos]], dtype=np.int64)
-            with pytest.raises(ValueError):
+        for pos, nbytes in [(4, size), (0, size - 1), (-1, size)]:
+            reqs = np.array([[fd, fd, -1, 0, nbytes, pos]], dtype=np.int64)
+            with pytest.raises(ValueError, match="out of bounds"):
                 nat.read_run(reqs, *args)
-        with pytest.raises(ValueError):  # keys for two records, one request
+        with pytest.raises(ValueError, match="inconsistent sizes"):  # keys for two records, one request
+            nat.read_run(np.array([[fd, fd, -1, 0, size, 0]], dtype=np.int64), *two)
+        with pytest.raises(ValueError, match="one position"):
             nat.read_run(
-                np.array([[fd, -1, 0, 176 + 64 + 1024, 0]], dtype=np.int64), *args[:6], b"\0" * 64, *args[7:]
+                np.array([[fd, fd, -1, 0, size, 1], [fd, fd, -1, 4096, size, 1]], dtype=np.int64), *two
             )
+        # the same two at positions of their own pass the checks (and miss: the file is empty)
+        status, _, _ = nat.read_run(
+            np.array([[fd, fd, -1, 0, size, 0], [fd, fd, -1, 4096, size, 1]], dtype=np.int64), *two
+        )
+        assert len(status) == 2
     finally:
         os.close(fd)
 
