@@ -18,15 +18,19 @@ from tierkv.bench.machine import drop_page_cache
 __all__ = ["first_restore", "in_fresh_process", "raw_read_after_fresh_memory", "raw_read_in_fresh_process"]
 
 
-def first_restore(store_dir: str, num_prompts: int, prompt_tokens: int, host_bytes: int) -> float:
+def first_restore(
+    store_dir: str, num_prompts: int, prompt_tokens: int, host_bytes: int, populate_first: int = 0
+) -> float:
     """In a fresh process (``in_fresh_process``): open the store and reserve its host tier (as a server does
     at start-up), drop the page cache, restore every prompt once at once; bytes per second. What a
-    server's first cached requests after a restart see."""
+    server's first cached requests after a restart see. ``populate_first``: the host tier's pages are
+    all populated before the page cache is dropped (the memory ``raw_read_after_fresh_memory`` reads
+    beside), not behind."""
     prompts = prompts_of(num_prompts, prompt_tokens)
     out = torch.empty(NS.num_layers, 2, prompt_tokens, NS.num_kv_heads, NS.head_dim)
     out.fill_(0)  # the caller's buffer is the caller's: its pages are not what is measured
     with TieredStore.open(store_dir, host_bytes=host_bytes) as store:
-        store.reserve(NS)  # as a server does at start-up: the host tier's pages are populated behind
+        store.reserve(NS, populate_now=bool(populate_first))  # as a server does at start-up: populated behind
         # The index too: a fresh process has not mapped it yet, as after drop_caches. Its data file only:
         # closing a descriptor of lock.mdb would drop this process's LMDB locks (``DiskTier.read_ahead``).
         drop_page_cache([*Path(store_dir, "segments").glob("*.seg"), Path(store_dir, "index", "data.mdb")])
@@ -38,12 +42,12 @@ def first_restore(store_dir: str, num_prompts: int, prompt_tokens: int, host_byt
 
 
 def raw_read_after_fresh_memory(store_dir: str, touch_nbytes: int) -> float:
-    """In a fresh process (``raw_read_in_fresh_process``): write ``touch_nbytes`` of new memory first, as
-    a host tier's populator does at start-up, then read the store's segment files as ``buffered_cold``
-    does, without tierkv; bytes per second. The first restore's baseline under the same memory: on a VM
+    """In a fresh process (``raw_read_in_fresh_process``): write ``touch_nbytes`` of new memory first (a
+    host tier's, populated before the read: ``first_restore`` with ``populate_first``), then read the
+    store's segment files as ``buffered_cold`` does, reading no record through tierkv; bytes per second. The first restore's baseline under the same memory: on a VM
     whose free memory goes back to its host (virtio-balloon free page reporting), the page cache a cold
     read fills lands on pages the host must back again once a process took the backed ones, and the
-    kernel's copy out of them slows down with tierkv nowhere in the process (2026-12-06: 0.68-1.07
+    kernel's copy out of them slows down with no tierkv read in the process (2026-12-06: 0.68-1.07
     against 0.99-1.12 GB/s, system time 0.19-0.96 against 0.20-0.21 s, 4 alternated pairs)."""
     from tierkv.bench.disk_limits import READ_THREADS, buffered_cold
 
@@ -70,7 +74,12 @@ def raw_read_in_fresh_process(store_dir: Path, touch_nbytes: int) -> float:
 
 
 def in_fresh_process(
-    store_dir: Path, num_prompts: int, prompt_tokens: int, host_bytes: int, path: str = "native"
+    store_dir: Path,
+    num_prompts: int,
+    prompt_tokens: int,
+    host_bytes: int,
+    path: str = "native",
+    populate_first: bool = False,
 ) -> float:
     """``first_restore`` in a fresh process on the data path ``path`` (native, python or native O_DIRECT);
     bytes per second."""
@@ -79,7 +88,16 @@ def in_fresh_process(
         "print(first_restore(sys.argv[1], *map(int, sys.argv[2:])))"
     )
     r = subprocess.run(
-        [sys.executable, "-c", code, str(store_dir), str(num_prompts), str(prompt_tokens), str(host_bytes)],
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(store_dir),
+            str(num_prompts),
+            str(prompt_tokens),
+            str(host_bytes),
+            str(int(populate_first)),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -57,11 +57,11 @@ from tierkv.bench.kv_workload import LARGE_NS, NS, PROMPT_TOKENS, large_workload
 from tierkv.bench.machine import Memcpy, drop_page_cache, summary, warm_page_cache
 from tierkv.bench.tier_ratios import paired, ratios
 
-PATHS = ("native", "python", "native O_DIRECT")
+PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and writers, side by side
 AFTER_MEMORY = (
     f"raw buffered cold read of the store's segment files, 8 MiB, {READ_THREADS} threads, in a fresh process "
     "after writing as much new memory as the host tier"
-)  # the disk tier's readers and writers, side by side
+)
 
 
 def _path(path: str) -> tuple[bool, bool]:
@@ -234,34 +234,49 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     # A fresh process's first cold restores, with a host tier (allocated, and promoted into, on the way)
     # and without, alternated so that drift favours neither.
     firsts = [(p, h) for p in paths for h in (2 * data_nbytes, 0)]
-    if data_nbytes < 96 << 20:  # a quick run: each is a fresh process, the native path's alone will do
+    quick = data_nbytes < 96 << 20  # a quick run: each is a fresh process, the native path's alone will do
+    if quick:
         firsts = [(paths[0], 2 * data_nbytes)]
     first: dict[tuple[str, int], list[float]] = {k: [] for k in firsts}
     # The first's, with the host tier on, beside a raw read of the same files in the same minute: this
     # disk drifts between the parts of a run more than between two neighbouring reads.
     first_own: list[float] = []
-    # And the same raw read in a fresh process that first wrote as much new memory as the host tier
-    # (``raw_read_after_fresh_memory``: what this VM does to a cold read beside fresh memory).
+    # And, in full runs, the same raw read in a fresh process that first wrote as much new memory as the
+    # host tier (``raw_read_after_fresh_memory``: what this VM does to a cold read beside fresh memory),
+    # beside the first restore with its host tier populated before it (the same memory).
     after_memory: list[float] = []
+    populated: list[float] = []
     segs = sorted((store_dir / "segments").glob("*.seg"))
+
+    def beside_fresh_memory() -> None:
+        if quick:
+            return
+        after_memory.append(raw_read_in_fresh_process(store_dir, firsts[0][1]))
+        populated.append(
+            in_fresh_process(
+                store_dir, num_prompts, prompt_tokens, firsts[0][1], paths[0], populate_first=True
+            )
+        )
+
     for r in range(runs):
         if r % 2 == 0:
             first_own.append(buffered_cold(segs, READ_THREADS))
-            if len(firsts) > 1:
-                after_memory.append(raw_read_in_fresh_process(store_dir, firsts[0][1]))
+            beside_fresh_memory()
         for path, host_bytes in firsts if r % 2 == 0 else firsts[::-1]:
             first[path, host_bytes].append(
                 in_fresh_process(store_dir, num_prompts, prompt_tokens, host_bytes, path)
             )
         if r % 2 == 1:
             first_own.append(buffered_cold(segs, READ_THREADS))
-            if len(firsts) > 1:
-                after_memory.append(raw_read_in_fresh_process(store_dir, firsts[0][1]))
+            beside_fresh_memory()
     for path, host_bytes in firsts:
         on = "host tier on" if host_bytes else "no host tier"
         rows[f"first restore in a fresh process, cold, {on} [{path}]"] = summary(first[path, host_bytes])
     if after_memory:
         rows[AFTER_MEMORY] = summary(after_memory)
+        rows[f"first restore in a fresh process, cold, host tier on and populated first [{paths[0]}]"] = (
+            summary(populated)
+        )
 
     shutil.rmtree(store_dir)
     with TieredStore.open(store_dir, host_bytes=0) as store:  # every prompt's block b before any block b+1
@@ -342,7 +357,9 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         | (
             {
                 f"first restore, host tier on / the raw read after as much fresh memory (median of each "
-                f"run's ratio) [{paths[0]}]": paired(first[firsts[0]], after_memory)
+                f"run's ratio) [{paths[0]}]": paired(first[firsts[0]], after_memory),
+                f"first restore, host tier populated first / the raw read after as much fresh memory (median "
+                f"of each run's ratio) [{paths[0]}]": paired(populated, after_memory),
             }
             if after_memory
             else {}
