@@ -1,4 +1,4 @@
-"""Builds the native record reader and writer (``native/records.c`` -> ``tierkv._native``), and on request
+"""Builds the native record reader and writer (``native/*.c`` -> ``tierkv._native``), and on request
 the optional CUDA extension (``TIERKV_BUILD_CUDA=1 pip install -e . --no-build-isolation``: setup
 imports torch).
 
@@ -14,10 +14,12 @@ from setuptools import Extension, setup
 ext_modules = [
     Extension(
         "tierkv._native",
-        ["native/records.c"],
+        [f"native/{part}.c" for part in ("module", "common", "read", "write", "copy")],
+        depends=["native/native.h"],
         extra_compile_args=[
             "-O2",
             "-std=gnu11",
+            "-fvisibility=hidden",  # the parts share their symbols with each other, not with other libraries
             "-Wall",
             "-Wextra",
             "-Wno-unused-parameter",
@@ -34,7 +36,7 @@ if os.environ.get("TIERKV_BUILD_CUDA") == "1":
 
     class Build(BuildExtension):
         """torch's build for the CUDA extension only: with ninja it compiles every source with the C++
-        compiler, and records.c is C (C11 atomics), so the native module takes setuptools' own build."""
+        compiler, and native/*.c is C (C11 atomics), so the native module takes setuptools' own build."""
 
         def build_extensions(self) -> None:
             # The native module first: torch's build_extensions patches the compiler for what follows.

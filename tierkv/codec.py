@@ -198,7 +198,7 @@ def encode_unsealed(
 
 def seal(rec: Unsealed) -> list[bytes | memoryview]:
     """The record as buffers to write back to back (header and token ids, payload): no joining copy.
-    The native writer does the same (``native/records.c``); this is the reference."""
+    The native writer does the same (``native/write.c``); this is the reference."""
     fields = bytearray(rec.head[: _FIELDS.size])
     struct.pack_into("<Q", fields, _FIELDS.size - 8, xxhash.xxh3_64_intdigest(rec.payload))
     check = xxhash.xxh3_64(bytes(fields))

@@ -1,4 +1,4 @@
-"""The native data path (``tierkv._native``, built from ``native/records.c`` by the package's own build):
+"""The native data path (``tierkv._native``, built from ``native/*.c`` by the package's own build):
 whether it runs here, and why not.
 
 It is optional: without a C compiler at install time, or without the system's libxxhash at run time, the
@@ -18,7 +18,7 @@ __all__ = ["READ_THREADS", "describe", "enabled", "module", "reason", "use"]
 # Reads in flight per restore: an NVMe device needs a deep queue, a virtual disk at least several.
 READ_THREADS = 8
 
-ABI = 12  # native/records.c's: a build of another version (stale, in place) is not used
+ABI = 12  # native/native.h's: a build of another version (stale, in place) is not used
 
 _module: ModuleType | None = None
 _why: str | None

@@ -1,5 +1,5 @@
 """The native reader's side in Python: one ``tierkv._native.read_run`` call per run of raw records, with
-the GIL released for all of its reads and checks (see ``native/records.c``). ``reader.read_records`` calls
+the GIL released for all of its reads and checks (see ``native/read.c``). ``reader.read_records`` calls
 it where the native path is usable and keeps its own Python path as the fallback and the reference."""
 
 from __future__ import annotations
