@@ -44,8 +44,8 @@ def first_restore(
 def raw_read_after_fresh_memory(store_dir: str, touch_nbytes: int) -> float:
     """In a fresh process (``raw_read_in_fresh_process``): write ``touch_nbytes`` of new memory first (a
     host tier's, populated before the read: ``first_restore`` with ``populate_first``), then read the
-    store's segment files as ``buffered_cold`` does, reading no record through tierkv; bytes per second. The first restore's baseline under the same memory: on a VM
-    whose free memory goes back to its host (virtio-balloon free page reporting), the page cache a cold
+    store's segment files as ``buffered_cold`` does, reading no record through tierkv; bytes per second.
+    The first restore's baseline under the same memory: on a VM whose free memory goes back to its host (virtio-balloon free page reporting), the page cache a cold
     read fills lands on pages the host must back again once a process took the backed ones, and the
     kernel's copy out of them slows down with no tierkv read in the process (2026-12-06: 0.68-1.07
     against 0.99-1.12 GB/s, system time 0.19-0.96 against 0.20-0.21 s, 4 alternated pairs)."""
@@ -58,18 +58,20 @@ def raw_read_after_fresh_memory(store_dir: str, touch_nbytes: int) -> float:
 
 def raw_read_in_fresh_process(store_dir: Path, touch_nbytes: int) -> float:
     """``raw_read_after_fresh_memory`` in a fresh process; bytes per second."""
+    return _fresh("raw_read_after_fresh_memory", [store_dir, touch_nbytes])
+
+
+def _fresh(fn: str, args: list[object], env: dict[str, str] | None = None) -> float:
+    """This module's ``fn(*args)`` (a path, then integers) in a fresh Python process: what it printed."""
     code = (
-        "import sys; from tierkv.bench.first_restore import raw_read_after_fresh_memory as f; "
-        "print(f(sys.argv[1], int(sys.argv[2])))"
+        f"import sys; from tierkv.bench.first_restore import {fn} as f; "
+        "print(f(sys.argv[1], *map(int, sys.argv[2:])))"
     )
     r = subprocess.run(
-        [sys.executable, "-c", code, str(store_dir), str(touch_nbytes)],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=600, env=env
     )
     if r.returncode != 0:
-        raise RuntimeError(f"raw read failed: {r.stderr[-2000:]}")
+        raise RuntimeError(f"{fn} failed: {r.stderr[-2000:]}")
     return float(r.stdout.strip().splitlines()[-1])
 
 
@@ -83,31 +85,11 @@ def in_fresh_process(
 ) -> float:
     """``first_restore`` in a fresh process on the data path ``path`` (native, python or native O_DIRECT);
     bytes per second."""
-    code = (
-        "import sys; from tierkv.bench.first_restore import first_restore; "
-        "print(first_restore(sys.argv[1], *map(int, sys.argv[2:])))"
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            str(store_dir),
-            str(num_prompts),
-            str(prompt_tokens),
-            str(host_bytes),
-            str(int(populate_first)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        # "native": the store's own default read path
-        env={
-            **{k: v for k, v in os.environ.items() if k != "TIERKV_DIRECT_READS"},
-            "TIERKV_NATIVE": "0" if path == "python" else "1",
-            **({"TIERKV_DIRECT_READS": "1"} if path == "native O_DIRECT" else {}),
-        },
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"first restore failed: {r.stderr[-2000:]}")
-    return float(r.stdout.strip().splitlines()[-1])
+    # "native": the store's own default read path
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "TIERKV_DIRECT_READS"},
+        "TIERKV_NATIVE": "0" if path == "python" else "1",
+        **({"TIERKV_DIRECT_READS": "1"} if path == "native O_DIRECT" else {}),
+    }
+    args = [store_dir, num_prompts, prompt_tokens, host_bytes, int(populate_first)]
+    return _fresh("first_restore", args, env)

@@ -142,7 +142,8 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     again = f"{writers[0]}, a store that has saved before"
     # And records of 8 MiB, an 8B model's 64-token block: larger than the native writer's chunk.
     large = f"{writers[0]}, 8 MiB records (an 8B model's block)"
-    with_large = data_nbytes >= 96 << 20  # not in a quick run: its KV alone is 128 MiB
+    quick = data_nbytes < 96 << 20  # a quick run: fewer rows (each below says what it leaves out)
+    with_large = not quick  # its KV alone is 128 MiB
     large_prompts, large_kv = large_workload(data_nbytes) if with_large else ([], kv)
     large_nbytes = len(large_prompts) * large_kv.numel() * large_kv.element_size()
     # (the restores below read the last store written: first or last of these, never ``large``)
@@ -234,8 +235,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     # A fresh process's first cold restores, with a host tier (allocated, and promoted into, on the way)
     # and without, alternated so that drift favours neither.
     firsts = [(p, h) for p in paths for h in (2 * data_nbytes, 0)]
-    quick = data_nbytes < 96 << 20  # a quick run: each is a fresh process, the native path's alone will do
-    if quick:
+    if quick:  # each is a fresh process: the native path's alone will do
         firsts = [(paths[0], 2 * data_nbytes)]
     first: dict[tuple[str, int], list[float]] = {k: [] for k in firsts}
     # The first's, with the host tier on, beside a raw read of the same files in the same minute: this
