@@ -336,3 +336,42 @@ def test_the_raw_read_after_fresh_memory_reads_the_store_s_files_in_a_process_of
     assert nbytes > 0
     bps = raw_read_in_fresh_process(tmp_path, 32 << 20)
     assert 0 < bps < nbytes * 1e6
+
+
+def _sysfs(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_machine_line_names_the_hypervisor_s_and_damon_s_reclaim(tmp_path) -> None:
+    """A benchmark's machine says what takes memory behind its back: a balloon that reports free pages
+    (feature bit 5 of device 5) and a DAMON pageout scheme (its idle age in aggregation intervals), page
+    cache only where anonymous memory is filtered out; a stopped kdamond or another device is not named."""
+    from tierkv.bench import machine
+
+    ctx = "kernel/mm/damon/admin/kdamonds/0/contexts/0"
+    scheme = f"{ctx}/schemes/0"
+    files = {
+        "bus/virtio/devices/virtio0/device": "0x0005\n",
+        "bus/virtio/devices/virtio0/features": "0110010100000000\n",
+        "bus/virtio/devices/virtio1/device": "0x0002\n",  # a block device: bit 5 means something else
+        "bus/virtio/devices/virtio1/features": "0010011001100100\n",
+        "kernel/mm/damon/admin/kdamonds/0/state": "on\n",
+        f"{ctx}/monitoring_attrs/intervals/aggr_us": "5000000\n",
+        f"{scheme}/action": "pageout\n",
+        f"{scheme}/access_pattern/age/min": "12\n",
+        f"{scheme}/ops_filters/0/type": "anon\n",
+        f"{scheme}/ops_filters/0/allow": "N\n",
+    }
+    root = _sysfs(tmp_path / "sys", files)
+    assert machine.memory_reclaim(root) == [
+        "free pages reported to the hypervisor (virtio-balloon)",
+        "page cache idle 60 s paged out (DAMON)",
+    ]
+    (root / f"{scheme}/ops_filters/0/allow").write_text("Y\n")
+    (root / "bus/virtio/devices/virtio0/features").write_text("0110000100000000\n")
+    assert machine.memory_reclaim(root) == ["memory idle 60 s paged out (DAMON)"]
+    (root / "kernel/mm/damon/admin/kdamonds/0/state").write_text("off\n")
+    assert machine.memory_reclaim(root) == [] and machine.memory_reclaim(tmp_path / "none") == []

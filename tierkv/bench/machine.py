@@ -46,7 +46,42 @@ def describe(path: str | Path = ".") -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "kernel": platform.release(),
+        "memory_reclaim": memory_reclaim(),
     }
+
+
+def memory_reclaim(sys_root: Path = Path("/sys")) -> list[str]:
+    """What takes memory from this machine behind a benchmark's back, as read from sysfs: a virtual
+    machine that hands its free pages to its host (virtio-balloon free page reporting: memory used
+    again must be backed again, which slows the next fresh allocation or page-cache fill) and DAMON
+    schemes that page out memory left idle (page cache dropped that a "warm" row expected)."""
+    found: list[str] = []
+    for dev in sorted(sys_root.glob("bus/virtio/devices/*")):
+        try:
+            balloon = int((dev / "device").read_text().strip(), 16) == 5
+            features = (dev / "features").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if balloon and len(features) > 5 and features[5] == "1":  # VIRTIO_BALLOON_F_REPORTING
+            found.append("free pages reported to the hypervisor (virtio-balloon)")
+    for ctx in sorted(sys_root.glob("kernel/mm/damon/admin/kdamonds/*/contexts/*")):
+        try:
+            if (ctx.parents[1] / "state").read_text().strip() != "on":
+                continue
+            aggr_us = int((ctx / "monitoring_attrs/intervals/aggr_us").read_text())
+            for scheme in sorted(ctx.glob("schemes/*/")):
+                if (scheme / "action").read_text().strip() != "pageout":
+                    continue
+                age = int((scheme / "access_pattern/age/min").read_text())
+                anon_spared = any(
+                    (f / "type").read_text().strip() == "anon" and (f / "allow").read_text().strip() == "N"
+                    for f in scheme.glob("ops_filters/*/")
+                )
+                what = "page cache" if anon_spared else "memory"
+                found.append(f"{what} idle {age * aggr_us / 1e6:.0f} s paged out (DAMON)")
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def tag(desc: dict[str, Any]) -> str:

@@ -93,7 +93,8 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
         f"# tierkv benchmark — {stamp}",
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, disk {machine['disk']}, "
-        f"GPU {machine['gpu'] or 'none'}; torch {machine['torch']}, Python {machine['python']}.",
+        f"GPU {machine['gpu'] or 'none'}; torch {machine['torch']}, Python {machine['python']}."
+        + (f" Memory: {'; '.join(machine['memory_reclaim'])}." if machine.get("memory_reclaim") else ""),
         "",
     ]
     if results.get("quick"):
