@@ -14,6 +14,8 @@ static PyMethodDef methods[] = {
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
     {"hashed_on_arrival", hashed_on_arrival, METH_NOARGS,
      "Records read_run has hashed as their bytes arrived, in this process (tests)."},
+    {"streamed_reads", streamed_reads, METH_NOARGS,
+     "Groups read_run has read from the disk through a reading thread's own file, in this process (tests)."},
     {"fail_images", fail_images, METH_VARARGS,
      "fail_images(skip, count): write_run's next ``skip`` image allocations succeed, the ``count`` after\n"
      "them find no memory (tests; (0, 0) ends it)."},
@@ -39,8 +41,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
-    PyObject *all = Py_BuildValue("[sssssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
-                                  "clear_faults", "fail_images", "hashed_on_arrival", "trace_writes", "can_leave_idle",
+    PyObject *all = Py_BuildValue("[ssssssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
+                                  "clear_faults", "fail_images", "hashed_on_arrival", "streamed_reads", "trace_writes", "can_leave_idle",
                                   "why_unavailable");
     if (!all || PyModule_AddObject(m, "__all__", all) != 0) {
         Py_XDECREF(all);

@@ -45,7 +45,7 @@
 #include <immintrin.h> /* SSE2 only: the x86-64 baseline */
 #endif
 
-#define ABI 12 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 13 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #ifndef GROUP_NBYTES
@@ -123,6 +123,7 @@ PyObject *why_unavailable(PyObject *self, PyObject *unused);
 extern const char read_run_doc[], write_run_doc[], copy_blocks_doc[], copy_paged_doc[];
 PyObject *read_run(PyObject *self, PyObject *args);        /* read.c */
 PyObject *hashed_on_arrival(PyObject *self, PyObject *unused);
+PyObject *streamed_reads(PyObject *self, PyObject *unused);
 PyObject *write_run(PyObject *self, PyObject *args);       /* write.c */
 PyObject *trace_writes(PyObject *self, PyObject *arg);
 PyObject *can_leave_idle(PyObject *self, PyObject *unused);

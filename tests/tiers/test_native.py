@@ -257,6 +257,46 @@ def test_a_flipped_byte_in_any_piece_of_a_large_record_is_caught(tmp_path, where
         assert stats["read_direct_nbytes"] > 0
 
 
+@pytest.mark.parametrize("fault", ["none", "bad-sector", "flipped-byte"])
+def test_a_cold_run_is_read_by_each_thread_in_a_share_of_its_own(tmp_path, read_faults, fault) -> None:
+    """A buffered run the page cache lacks: each reading thread reads one contiguous share of the groups
+    through a file of its own (readahead keeps its state per open file). Served bit for bit; a bad sector
+    or a flipped byte in a later thread's share ends the prefix there, and only that record is purged."""
+    B = BIG.block_tokens
+    toks, kv = _saved(tmp_path, BIG, 24)  # 24 records of 2 MiB: a group each, shares of 3 on 8 threads
+    chain = BlockChain.of(BIG, toks)
+    bad = 17  # in the sixth thread's share
+    if fault == "flipped-byte":
+        with TieredStore.open(tmp_path, host_bytes=0) as store:
+            disk = store.tier("disk")
+            seg_id, offset, nbytes = disk.locate(chain.keys)[bad].location
+            seg = disk.segments.file(seg_id)
+        with open(seg, "r+b") as f:
+            f.seek(offset + nbytes - 1)
+            byte = f.read(1)
+            f.seek(offset + nbytes - 1)
+            f.write(bytes([byte[0] ^ 0x01]))
+    uncache(tmp_path)
+    streamed = native.module().streamed_reads()
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
+        assert native.READ_THREADS == 8
+        if fault == "bad-sector":
+            read_faults.fail(store, chain, [bad])
+        hit, got = store.restore(BIG, toks)
+        store.flush()  # the purge
+        assert native.module().streamed_reads() - streamed == 24
+        served = 24 if fault == "none" else bad
+        assert hit.num_tokens == served * B and torch.equal(got, kv[:, :, : served * B])
+        stats = store.stats()["disk"]
+        assert (stats["read_errors"], stats["corrupt_blocks"]) == {
+            "none": (0, 0),
+            "bad-sector": (1, 0),
+            "flipped-byte": (0, 1),
+        }[fault]
+        read_faults.clear()
+        assert store.tier("disk").probe(chain, range(24)) == [i != bad or fault == "none" for i in range(24)]
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
 def test_a_truncated_segment_is_a_miss_from_where_it_ends(tmp_path, ns, data_path, direct) -> None:
     B = ns.block_tokens
