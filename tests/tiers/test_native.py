@@ -265,7 +265,9 @@ def test_a_cold_run_is_read_by_each_thread_in_a_share_of_its_own(tmp_path, read_
     or a flipped byte in a later thread's share ends the prefix there, and only that record is purged."""
     release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
     if release < (6, 5):
-        pytest.skip("no cachestat(2) before Linux 6.5: a run's residency is not known, and it is read as before")
+        pytest.skip(
+            "no cachestat(2) before Linux 6.5: a run's residency is not known, and it is read as before"
+        )
     B = BIG.block_tokens
     toks, kv = _saved(tmp_path, BIG, 24)  # 24 records of 2 MiB: a group each, shares of 3 on 8 threads
     chain = BlockChain.of(BIG, toks)
