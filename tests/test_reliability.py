@@ -85,9 +85,9 @@ def check_crash_cycles(tmp_path, cycles: int) -> None:
     served = 0
     for cycle in range(cycles):
         srv = ServerProcess(cache_dir=cache)
-        stop = threading.Event()
+        stop, answered = threading.Event(), threading.Event()
 
-        def load(srv=srv, cycle=cycle, stop=stop) -> None:
+        def load(srv=srv, cycle=cycle, stop=stop, answered=answered) -> None:
             nonlocal served
             i = 0
             while not stop.is_set():
@@ -96,16 +96,22 @@ def check_crash_cycles(tmp_path, cycles: int) -> None:
                         srv.url + "/v1/chat/completions", _chat_body(cycle * 1000 + i), timeout=30
                     )
                     served += code == 200
+                    if code == 200:
+                        answered.set()
                 i += 1
 
         t = threading.Thread(target=load)
         t.start()
-        time.sleep(rng.uniform(0.5, 3.0))
+        # Killed at a random moment once it has answered (a loaded machine may take seconds for the first
+        # answer, and a kill before it tests start-up, not a crash under load).
+        if answered.wait(120):
+            time.sleep(rng.uniform(0.0, 2.5))
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait()
         stop.set()
         t.join()
         srv.log.close()
+        assert answered.is_set(), "no answer within 120 s"
         _check_store(cache)
     assert served > 0
     # After all that, greedy answers with the surviving cache equal those without any cache.
