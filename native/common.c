@@ -92,6 +92,26 @@ int load_xxhash(void) {
     return 1;
 }
 
+/* ------------------------------------------------------------------ kept buffers */
+void *pool_take(pool_t *pool) {
+    void *p = NULL;
+    pthread_mutex_lock(&pool->lock);
+    if (pool->nfree) p = pool->free[--pool->nfree];
+    pthread_mutex_unlock(&pool->lock);
+    return p;
+}
+
+void pool_give(pool_t *pool, void *p) {
+    if (!p) return;
+    pthread_mutex_lock(&pool->lock);
+    if (pool->nfree < pool->keep && pool->nfree < POOL_MAX) {
+        pool->free[pool->nfree++] = p;
+        p = NULL;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    free(p);
+}
+
 /* ------------------------------------------------------------------ injected faults (tests only) */
 /* A read (or, for a fault listed for writes, a write) that overlaps a listed byte range of a listed file
  * fails with the listed errno, as a bad sector would: the fault tests use the same faults against this

@@ -114,6 +114,17 @@ int usable_cpus(void);
 int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what);
 int injected(int fd, int64_t off, int64_t len, int writes);
 
+/* Aligned buffers kept between calls (a fresh one pays a page fault per 4 KiB): up to `keep` of them. */
+#define POOL_MAX 16
+typedef struct {
+    pthread_mutex_t lock;
+    int keep, nfree;
+    void *free[POOL_MAX];
+} pool_t;
+#define POOL_INIT(k) {PTHREAD_MUTEX_INITIALIZER, (k), 0, {0}}
+void *pool_take(pool_t *pool);          /* a kept buffer, or NULL */
+void pool_give(pool_t *pool, void *p);  /* kept, or freed where `keep` are already */
+
 /* ------------------------------------------------------------------ the module's functions */
 PyObject *set_work_cpus(PyObject *self, PyObject *arg);
 PyObject *py_xxh3(PyObject *self, PyObject *arg);

@@ -11,29 +11,12 @@ _Static_assert(HASH_PIECE_NBYTES > 0, "the read loops advance by a piece");
 
 /* ------------------------------------------------------------------ bounce buffers */
 /* Aligned O_DIRECT buffers, kept between calls: a fresh one pays a page fault per 4 KiB. */
-#define BOUNCE_KEEP 16
-static void *bounce_free[BOUNCE_KEEP];
-static int bounce_nfree;
-static pthread_mutex_t bounce_lock = PTHREAD_MUTEX_INITIALIZER;
+static pool_t bounces = POOL_INIT(16);
 
 static void *bounce_get(void) {
-    void *p = NULL;
-    pthread_mutex_lock(&bounce_lock);
-    if (bounce_nfree) p = bounce_free[--bounce_nfree];
-    pthread_mutex_unlock(&bounce_lock);
+    void *p = pool_take(&bounces);
     if (!p && posix_memalign(&p, ALIGN, GROUP_NBYTES + ALIGN) != 0) p = NULL;
     return p;
-}
-
-static void bounce_put(void *p) {
-    if (!p) return;
-    pthread_mutex_lock(&bounce_lock);
-    if (bounce_nfree < BOUNCE_KEEP) {
-        bounce_free[bounce_nfree++] = p;
-        p = NULL;
-    }
-    pthread_mutex_unlock(&bounce_lock);
-    free(p);
 }
 
 /* ------------------------------------------------------------------ a run to read */
@@ -409,7 +392,7 @@ static void *worker(void *arg) {
         }
     }
     if (own.fd >= 0) close(own.fd);
-    bounce_put(bounce);
+    pool_give(&bounces, bounce);
     if (state) xxh3_free(state);
     free(pad);
     return NULL;

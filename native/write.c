@@ -101,21 +101,17 @@ typedef struct { Py_buffer head, tokens, payload; int64_t pad; } wrec_t; /* pad:
  * through two of them (``seal_write_large``); a chunk without an image (no memory) is written buffered. */
 #define MAX_SEALERS 4
 #define IMAGE_KEEP (2 * (MAX_SEALERS + 1)) /* two per sealing thread (a large record's) */
-static void *image_free[IMAGE_KEEP];
-static int image_nfree;
-static pthread_mutex_t image_lock = PTHREAD_MUTEX_INITIALIZER;
+_Static_assert(IMAGE_KEEP <= POOL_MAX, "the pool keeps them all");
+static pool_t images = POOL_INIT(IMAGE_KEEP);
 
 /* Tests only (fail_images): the next image_skip calls succeed, then image_fail calls get no image. */
 static atomic_int image_skip, image_fail;
 
 static void *image_get(void) {
-    void *p = NULL;
     if (atomic_load(&image_fail) > 0) {
         if (atomic_fetch_sub(&image_skip, 1) <= 0 && atomic_fetch_sub(&image_fail, 1) > 0) return NULL;
     }
-    pthread_mutex_lock(&image_lock);
-    if (image_nfree) p = image_free[--image_nfree];
-    pthread_mutex_unlock(&image_lock);
+    void *p = pool_take(&images);
     if (!p) {
         if (posix_memalign(&p, ALIGN, IMAGE_NBYTES) != 0) return NULL;
         memset(p, 0, IMAGE_NBYTES); /* its pages faulted in here, not at idle priority */
@@ -123,16 +119,7 @@ static void *image_get(void) {
     return p;
 }
 
-static void image_put(void *p) {
-    if (!p) return;
-    pthread_mutex_lock(&image_lock);
-    if (image_nfree < IMAGE_KEEP) {
-        image_free[image_nfree++] = p;
-        p = NULL;
-    }
-    pthread_mutex_unlock(&image_lock);
-    free(p);
-}
+static void image_put(void *p) { pool_give(&images, p); }
 
 /* write_run's sealing: the two checksums of each record, chunk by chunk, on a few threads. Buffered, the
  * caller writes the sealed chunks in order; with O_DIRECT, each thread lays the chunk it sealed out in an
