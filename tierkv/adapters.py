@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from tierkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tierkv.cache_storage import CacheStorage, Lease
 
 __all__ = [
     "CacheLayout",
@@ -56,8 +59,9 @@ def _first(cfg: Any, *names: str) -> int:
     raise ConfigError(f"model config has none of {names}: cannot infer its KV layout")
 
 
-def new_cache(model: Any) -> Any:
-    """A fresh dynamic cache whose full-attention layers append in place (``_append_layer``)."""
+def new_cache(model: Any, storage: CacheStorage | None = None) -> Any:
+    """A fresh dynamic cache whose full-attention layers append in place (``_append_layer``), in
+    ``storage``'s kept buffer where it can lend it (``cache_storage``)."""
     from transformers import DynamicCache
 
     try:
@@ -68,8 +72,15 @@ def new_cache(model: Any) -> Any:
     if layers and kind is not None:
         from transformers.cache_utils import DynamicLayer
 
+        lease = storage.lease() if storage is not None else None
+
+        def appending() -> Any:
+            layer = kind()
+            layer._lease = lease
+            return layer
+
         # only plain full-attention layers: a sliding window's layer keeps its own rules
-        cache.layers = [kind() if type(layer) is DynamicLayer else layer for layer in layers]
+        cache.layers = [appending() if type(layer) is DynamicLayer else layer for layer in layers]
     return cache
 
 
@@ -117,6 +128,7 @@ def _append_layer() -> type | None:
         _layer_type = None  # never registered as transformers' layer of any type
         _k: torch.Tensor | None = None
         _v: torch.Tensor | None = None
+        _lease: Lease | None = None  # its cache's claim on a kept buffer (``new_cache``), tried once
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -149,7 +161,7 @@ def _append_layer() -> type | None:
             k, v = self._k, self._v
             if k is None or v is None or n + m > k.shape[2]:
                 return False
-            if torch.is_inference(k) != torch.is_inference_mode_enabled():
+            if torch.is_inference(k) and not torch.is_inference_mode_enabled():
                 return False
             for store, new, held in ((k, key_states, self.keys), (v, value_states, self.values)):
                 if (
@@ -169,10 +181,16 @@ def _append_layer() -> type | None:
             return True
 
         def _grow(self, n: int, m: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            """A new storage with room for ``n + m`` and more; the ``n`` tokens held so far copied into it."""
-            cap = _room(n + m)
-            k = key_states.new_empty((1, key_states.shape[1], cap, key_states.shape[3]))
-            v = value_states.new_empty((1, value_states.shape[1], cap, value_states.shape[3]))
+            """A new storage with room for ``n + m`` and more (the kept buffer's slot, the first time, where
+            its cache's lease gets one); the ``n`` tokens held so far copied into it."""
+            lease, self._lease = self._lease, None
+            kept = lease.take(n + m, key_states, value_states) if lease is not None else None
+            if kept is not None:
+                k, v = kept
+            else:
+                cap = _room(n + m)
+                k = key_states.new_empty((1, key_states.shape[1], cap, key_states.shape[3]))
+                v = value_states.new_empty((1, value_states.shape[1], cap, value_states.shape[3]))
             if n:
                 assert self.keys is not None and self.values is not None
                 k[:, :, :n].copy_(self.keys)
@@ -182,14 +200,14 @@ def _append_layer() -> type | None:
     return AppendLayer
 
 
-def cache_from_kv(model: Any, kv: torch.Tensor) -> Any:
+def cache_from_kv(model: Any, kv: torch.Tensor, storage: CacheStorage | None = None) -> Any:
     """A fresh dynamic cache holding ``kv`` (canonical ``[L, 2, T, H, D]``) for every layer.
 
     The layers get views of ``kv`` (``[1, H, T, D]``, no copy): the next forward copies them into the
-    cache's own tensors with its new tokens (``AppendLayer``'s storage, or ``DynamicLayer``'s
-    concatenation). ``kv`` must stay untouched until then.
+    cache's own tensors with its new tokens (``AppendLayer``'s storage, ``storage``'s kept buffer where it
+    lends it, or ``DynamicLayer``'s concatenation). ``kv`` must stay untouched until then.
     """
-    cache = new_cache(model)
+    cache = new_cache(model, storage)
     layers = getattr(cache, "layers", None)
     kinds = {"DynamicLayer", "AppendLayer"}
     direct = (

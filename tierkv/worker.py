@@ -25,6 +25,7 @@ import torch
 from tierkv import kernels
 from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache, use_gqa_sdpa
 from tierkv.buffers import ReusedBuffers
+from tierkv.cache_storage import CacheStorage
 from tierkv.cpu_exactness import pin_exact_isa, shape_invariant
 from tierkv.decoding import cut_at_stop, maybe_partial, pick
 from tierkv.errors import ConfigError
@@ -132,6 +133,13 @@ class CachedModel:
         )
         # Restore and save buffers reused between calls on CPU (on a GPU the caching allocator does this).
         self._buffers = ReusedBuffers(self.dtype, self.device)
+        # Where the caches of prefills keep their keys and values (CPU): a kept buffer, lent to one at a time.
+        layout = self.layout
+        self._cache_storage = (
+            CacheStorage(self.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim)
+            if self.device.type == "cpu"
+            else None
+        )
         # The longest prompt a restore or save buffer is grown for (a server sets its --max-context).
         self.context_tokens = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 4096
 
@@ -234,6 +242,20 @@ class CachedModel:
         shape = (ns.num_layers, 2, tokens, ns.num_kv_heads, ns.head_dim)
         return tokens if tokens > 0 and self._buffers.reserve("restore", shape, grow_dim=2) else 0
 
+    def reserve_cache_storage(
+        self, context_tokens: int | None = None, max_nbytes: int = RESTORE_RESERVE_NBYTES
+    ) -> int:
+        """On CPU, allocate the buffer the caches of prefills keep their keys and values in, for
+        ``context_tokens`` (a request's prompt and its answer; the model's context by default) up to
+        ``max_nbytes``, and fault its pages in now (``cache_storage``). The tokens it holds (0: none)."""
+        if context_tokens is not None:
+            self.context_tokens = context_tokens
+        if self._cache_storage is None:
+            return 0
+        ns = self.base_namespace
+        tokens = min(self.context_tokens, max_nbytes // KVSpec.of(ns).token_nbytes)
+        return tokens if self._cache_storage.reserve(tokens) else 0
+
     @torch.inference_mode()
     def warm_up(self) -> float:
         """A short forward, a step, a few tokens after a restored prefix, a token picked and decoded, through
@@ -243,15 +265,16 @@ class CachedModel:
         ns = self.base_namespace
         vocab = max(2, int(getattr(self.model.config, "vocab_size", 2) or 2))
         ids = [1 + i % (vocab - 1) for i in range(2 * ns.block_tokens)]
-        _, cache = self._forward(ids, new_cache(self.model))
+        _, cache = self._forward(ids, new_cache(self.model, self._cache_storage))
         self._forward(ids[-1:], cache)
+        del cache  # the kept cache storage is free again for the restored prefix below
         # And a few tokens after a "restored" prefix, as a hit runs: over a cache made from a KV tensor.
         restored = torch.zeros(
             (ns.num_layers, 2, 2 * ns.block_tokens, ns.num_kv_heads, ns.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
-        logits, _ = self._forward(ids[:5], cache_from_kv(self.model, restored))
+        logits, _ = self._forward(ids[:5], cache_from_kv(self.model, restored, self._cache_storage))
         # And what follows a prefill: the token picked (greedy and sampled), and its text.
         for temperature in (0.0, 1.0):
             pick(logits, temperature, 0.9, torch.Generator().manual_seed(0))
@@ -311,7 +334,12 @@ class CachedModel:
                 memory_only=control.memory_only or control.no_store,
             )
         n = hit.num_tokens
-        cache = cache_from_kv(self.model, cached) if cached is not None else new_cache(self.model)
+        storage = self._cache_storage
+        cache = (
+            cache_from_kv(self.model, cached, storage)
+            if cached is not None
+            else new_cache(self.model, storage)
+        )
         t1 = time.perf_counter()
         logits, cache = self._forward(token_ids[n:], cache)
         observe = chain is not None and len(token_ids) - n >= B  # a block or more: a measure of speed

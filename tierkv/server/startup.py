@@ -84,6 +84,14 @@ def serve(config: ServeConfig) -> None:
                 format_size(tokens * KVSpec.of(ns).token_nbytes),
                 time.perf_counter() - t0,
             )
+    t0 = time.perf_counter()
+    if tokens := server.cm.reserve_cache_storage(server.engine.max_context):  # and where caches keep their KV
+        log.info(
+            "cache storage: %d tokens (%s), faulted in in %.2f s",
+            tokens,
+            format_size(tokens * KVSpec.of(ns).token_nbytes),
+            time.perf_counter() - t0,
+        )
     # The model's first forward, before the first request rather than in it.
     log.info(
         "model and HTTP warmed up in %.2f s; freed memory %s",

@@ -1,0 +1,128 @@
+"""Where a CPU engine's caches keep their keys and values: one buffer, faulted in at start-up, lent to one
+cache at a time.
+
+A cache's layers (``adapters``' ``AppendLayer``) copy a restored prefix into storage of their own on the
+first forward after the restore, with room for the tokens to come. Into fresh memory that copy faults a
+page per 4 KiB, and on this project's VM the host must back each such page again: SmolLM2's first
+request after a restart (2,864 tokens restored, 126 MiB) spent 190-250 ms of its forward in it, against
+19-27 ms into memory touched before (2026-12-06). So an engine reserves one buffer
+``[layers, 2, kv_heads, tokens, head_dim]`` at start-up (``reserve``, pages faulted in), and each new
+cache may take it (``lease``) for its layers, one layer's keys and values each.
+
+A cache takes the buffer only while no tensor of an earlier cache still views it: the buffer's storage
+counts its holders (``torch._C._storage_Use_Count``), and a cache that is kept (a caller's ``prefill``
+result, a cache still decoding) holds its views. Reuse can then never change the KV another cache sees.
+Where that count is not available (another PyTorch), the buffer is never lent and every cache allocates as
+before.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from tierkv.tiers.prefault import populate_in_background
+
+__all__ = ["CacheStorage", "Lease"]
+
+
+def _use_count(t: torch.Tensor) -> int | None:
+    """Holders of ``t``'s storage (tensors and storage objects), the call's own storage object included;
+    None where this PyTorch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return int(count(t.untyped_storage()._cdata))
+
+
+class CacheStorage:
+    """One kept buffer ``[layers, 2, kv_heads, tokens, head_dim]`` (CPU), lent to one cache at a time."""
+
+    def __init__(self, dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.dtype = dtype
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self._buf: torch.Tensor | None = None
+        self._free_count: int | None = None  # the storage's holders when no cache views it
+        self._owner: weakref.ref[Lease] | None = None  # the lease that took it last
+        self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        """The tokens each layer's keys and values hold in the kept buffer (0: none kept)."""
+        return 0 if self._buf is None else self._buf.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+
+    def reserve(self, tokens: int) -> bool:
+        """Allocate the buffer for ``tokens`` and fault its pages in now (a server about to serve); False,
+        nothing kept, where it cannot be lent safely (see the module) or ``tokens`` is not positive."""
+        shape = (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
+        if tokens <= 0 or _use_count(torch.empty(0)) is None:
+            return False
+        with self._lock:
+            self._buf = None  # an earlier one goes once its last cache lets go of it
+            buf = torch.empty(shape, dtype=self.dtype)
+            populator = populate_in_background(buf, "cache storage", paced=False)
+            if populator is not None:
+                populator.join()
+            self._buf, self._owner = buf, None
+            self._free_count = _use_count(buf)
+        return True
+
+    def lease(self) -> Lease:
+        """A new cache's claim on the buffer, taken by its layers as they first need storage."""
+        return Lease(self)
+
+    def _take(
+        self, lease: Lease, slot: int, tokens: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer slot ``slot``'s keys and values ``[1, kv_heads, capacity, head_dim]`` for ``lease``, with
+        room for ``tokens`` like ``keys`` and ``values`` (heads, head size, dtype); None where the buffer
+        cannot serve: none kept, too small, another shape, or still viewed by another cache."""
+        with self._lock:
+            buf = self._buf
+            if (
+                buf is None
+                or slot >= self.num_layers
+                or tokens > buf.shape[3]
+                or any(
+                    t.dtype != buf.dtype
+                    or t.device != buf.device
+                    or t.shape[1] != buf.shape[2]
+                    or t.shape[3] != buf.shape[4]
+                    for t in (keys, values)
+                )
+            ):
+                return None
+            owner = self._owner() if self._owner is not None else None
+            if owner is not lease:
+                # Taken only when no earlier cache views it; from then on this lease's, until another takes it.
+                if _use_count(buf) != self._free_count:
+                    return None
+                self._owner = weakref.ref(lease)
+            # the views are made under the lock: from here the storage counts them
+            return buf[slot, 0].unsqueeze(0), buf[slot, 1].unsqueeze(0)
+
+
+class Lease:
+    """One cache's claim on a ``CacheStorage``: each of its layers takes one slot, once."""
+
+    def __init__(self, storage: CacheStorage) -> None:
+        self._storage = storage
+        self._next_slot = 0
+        self._lock = threading.Lock()
+
+    def take(
+        self, tokens: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values for a layer of this cache with room for ``tokens`` like ``keys`` and ``values``
+        (``[1, kv_heads, tokens, head_dim]``); None: the layer allocates its own. Each call takes the next
+        slot: a slot is never handed out twice, so no layer's views alias another's."""
+        with self._lock:
+            slot = self._next_slot
+            self._next_slot += 1
+        return self._storage._take(self, slot, tokens, keys, values)
