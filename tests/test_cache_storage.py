@@ -2,6 +2,8 @@
 take it with the same logits, bit for bit, as transformers' own cache; a cache still held keeps it from
 the next one, whose KV then lives elsewhere; what does not fit leaves it, exactly."""
 
+import copy
+
 import pytest
 import torch
 from test_append_layer import _canonical, _concatenating, _model
@@ -36,9 +38,12 @@ def _decode(cm, ours, theirs, logits, steps: int) -> None:
         assert torch.equal(logits, want), step
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_restored_cache_takes_the_kept_buffer_with_the_same_logits(arch) -> None:
-    cm = _model(arch, torch.float32)
+@pytest.mark.parametrize(
+    ("arch", "dtype", "attn"),
+    [("llama", torch.float32, "sdpa"), ("qwen2", torch.float32, "sdpa"), ("qwen2", torch.bfloat16, "eager")],
+)
+def test_a_restored_cache_takes_the_kept_buffer_with_the_same_logits(arch, dtype, attn) -> None:
+    cm = _model(arch, dtype, attn)
     storage = _storage(cm, 256)
     ids = prompt(120, salt=21)
     with torch.inference_mode():
@@ -79,6 +84,74 @@ def test_a_cache_still_held_keeps_the_buffer_from_the_next_one() -> None:
         assert all(_in(storage, fourth))
         want, _ = cm._forward(prompt(70, salt=24), _concatenating(cm))
         assert torch.equal(c, want)
+
+
+def test_a_held_storage_object_keeps_the_buffer_too() -> None:
+    """``untyped_storage()`` of a cache's keys, held with no tensor view: the storage counts that object
+    once however many hold it, and the next cache must still not take the buffer."""
+    cm = _model("llama", torch.float32)
+    storage = _storage(cm, 128)
+    with torch.inference_mode():
+        _, first = cm._forward(prompt(40, salt=30), new_cache(cm.model, storage))
+        assert all(_in(storage, first))
+        keys = first.layers[0].keys
+        kept, at, want = (
+            keys.untyped_storage(),
+            (keys.storage_offset(), keys.shape, keys.stride()),
+            keys.clone(),
+        )
+        del first, keys
+        _, second = cm._forward(prompt(40, salt=31), new_cache(cm.model, storage))
+        assert not any(_in(storage, second))
+        again = torch.empty(0, dtype=want.dtype).set_(kept, *at)
+        assert torch.equal(again, want)
+        del kept, again, second
+        _, third = cm._forward(prompt(40, salt=31), new_cache(cm.model, storage))
+        assert all(_in(storage, third))
+
+
+def test_a_lease_owns_the_buffer_until_its_views_are_gone_and_another_takes_it() -> None:
+    storage = CacheStorage(torch.float32, num_layers=3, num_kv_heads=2, head_dim=8)
+    assert storage.reserve(10) and storage.tokens == 64  # rounded up: slots start 64-byte aligned
+    like = torch.empty(1, 2, 5, 8)
+    a, b = storage.lease(), storage.lease()
+    a0 = a.take(5, like, like)
+    assert a0 is not None and b.take(5, like, like) is None  # b's first try took no slot of a's
+    a1 = a.take(5, like, like)
+    assert a1 is not None and a1[0].data_ptr() != a0[0].data_ptr()  # a's next layer: the next slot
+    assert a.take(65, like, like) is None  # too long for the buffer
+    del a0, a1
+    b1 = b.take(5, like, like)
+    assert b1 is not None  # a's views gone: b takes it, at its own next slot (1: its refused try had 0)
+    assert b1[0].data_ptr() == storage._buf[1, 0].data_ptr()
+    assert a.take(5, like, like) is None  # and a is refused from then on
+    assert b.take(5, like, like) is not None
+    assert b.take(5, like, like) is None  # 3 layers: no slot past the last
+    bf16 = torch.empty(1, 2, 5, 8, dtype=torch.bfloat16)
+    assert storage.lease().take(5, bf16, bf16) is None
+
+
+def test_a_cache_with_a_lease_is_copied_without_it() -> None:
+    cm = _model("llama", torch.float32)
+    storage = _storage(cm, 128)
+    fresh = new_cache(cm.model, storage)
+    other = copy.deepcopy(fresh)
+    assert all(layer._lease is None for layer in other.layers)
+    with torch.inference_mode():
+        a, other = cm._forward(prompt(30, salt=32), other)
+        b, _ = cm._forward(prompt(30, salt=32), _concatenating(cm))
+    assert torch.equal(a, b) and not any(_in(storage, other))
+
+
+def test_a_buffer_reserved_in_inference_mode_serves_forwards_outside_it() -> None:
+    cm = _model("llama", torch.float32)
+    with torch.inference_mode():
+        storage = _storage(cm, 128)
+    assert not torch.is_inference(storage._buf)
+    with torch.no_grad():
+        a, cache = cm._forward(prompt(30, salt=33), new_cache(cm.model, storage))
+        b, _ = cm._forward(prompt(30, salt=33), _concatenating(cm))
+    assert torch.equal(a, b) and all(_in(storage, cache))
 
 
 def test_what_does_not_fit_the_buffer_leaves_it_exactly() -> None:
@@ -134,6 +207,7 @@ def test_the_engine_restores_into_its_reserved_cache_storage(tmp_path) -> None:
         cm = _model("qwen2", torch.float32)
         cm.store = store
         assert cm.reserve_cache_storage(512) == 512
+        cm.warm_up()  # as a server starts: its warm-up's caches let the buffer go
         ids = prompt(150, salt=29)
         cm.prefill(ids)
         store.flush()
@@ -142,6 +216,9 @@ def test_the_engine_restores_into_its_reserved_cache_storage(tmp_path) -> None:
         assert all(_in(cm._cache_storage, pre.cache))
         del pre
         out = cm.generate(ids, 40)
+        assert out.prefill.cache is None  # a finished generation's result holds no cache
+        pre = cm.prefill(ids)  # so the next request takes the buffer while ``out`` is still held
+        assert all(_in(cm._cache_storage, pre.cache))
     with torch.inference_mode():
         logits, cache = cm._forward(ids, _concatenating(cm))
         want = []

@@ -13,11 +13,15 @@ A cache takes the buffer only while no tensor of an earlier cache still views it
 counts its holders (``torch._C._storage_Use_Count``), and a cache that is kept (a caller's ``prefill``
 result, a cache still decoding) holds its views. Reuse can then never change the KV another cache sees.
 Where that count is not available (another PyTorch), the buffer is never lent and every cache allocates as
-before.
+before. What the count cannot see: another process (a cache's tensor moved to shared memory, or sent
+through ``torch.multiprocessing``, takes the whole buffer with it) and native code that keeps a raw
+address without a tensor; and a cache's tensors deep-copied, pickled or saved carry the whole buffer,
+other requests' bytes included (a deep-copied cache itself allocates its own storage). The engine does none of these.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -28,13 +32,16 @@ from tierkv.tiers.prefault import populate_in_background
 __all__ = ["CacheStorage", "Lease"]
 
 
-def _use_count(t: torch.Tensor) -> int | None:
-    """Holders of ``t``'s storage (tensors and storage objects), the call's own storage object included;
-    None where this PyTorch cannot say."""
+def _holders(t: torch.Tensor) -> int | None:
+    """Holders of ``t``'s storage, this call's own included: tensors and storage objects (counted by the
+    storage), and references to its Python storage object (a caller's ``untyped_storage()`` is handed out
+    again, not made anew: the storage counts it once however many hold it). None where this PyTorch
+    cannot say."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return None
-    return int(count(t.untyped_storage()._cdata))
+    storage = t.untyped_storage()
+    return int(count(storage._cdata)) + sys.getrefcount(storage)
 
 
 class CacheStorage:
@@ -58,19 +65,23 @@ class CacheStorage:
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
     def reserve(self, tokens: int) -> bool:
-        """Allocate the buffer for ``tokens`` and fault its pages in now (a server about to serve); False,
-        nothing kept, where it cannot be lent safely (see the module) or ``tokens`` is not positive."""
-        shape = (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
-        if tokens <= 0 or _use_count(torch.empty(0)) is None:
+        """Allocate the buffer for ``tokens`` (rounded up to 64: every slot starts 64-byte aligned, as a
+        fresh tensor does) and fault its pages in now (a server about to serve); False, nothing kept,
+        where it cannot be lent safely (see the module) or ``tokens`` is not positive. An earlier buffer
+        goes once its last cache lets go of it."""
+        if tokens <= 0 or _holders(torch.empty(0)) is None:
             return False
+        tokens = -(-tokens // 64) * 64
+        with torch.inference_mode(False):  # a normal tensor: written in inference mode and outside it
+            buf = torch.empty(
+                (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim), dtype=self.dtype
+            )
+        populator = populate_in_background(buf, "cache storage", paced=False)
+        if populator is not None:
+            populator.join()
+        free = _holders(buf)
         with self._lock:
-            self._buf = None  # an earlier one goes once its last cache lets go of it
-            buf = torch.empty(shape, dtype=self.dtype)
-            populator = populate_in_background(buf, "cache storage", paced=False)
-            if populator is not None:
-                populator.join()
-            self._buf, self._owner = buf, None
-            self._free_count = _use_count(buf)
+            self._buf, self._free_count, self._owner = buf, free, None
         return True
 
     def lease(self) -> Lease:
@@ -98,10 +109,12 @@ class CacheStorage:
                 )
             ):
                 return None
+            if torch.is_inference(buf) and not torch.is_inference_mode_enabled():
+                return None  # not writable here
             owner = self._owner() if self._owner is not None else None
             if owner is not lease:
                 # Taken only when no earlier cache views it; from then on this lease's, until another takes it.
-                if _use_count(buf) != self._free_count:
+                if _holders(buf) != self._free_count:
                     return None
                 self._owner = weakref.ref(lease)
             # the views are made under the lock: from here the storage counts them
@@ -126,3 +139,6 @@ class Lease:
             slot = self._next_slot
             self._next_slot += 1
         return self._storage._take(self, slot, tokens, keys, values)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> None:
+        return None  # a copied cache allocates its own storage

@@ -49,7 +49,7 @@ RESTORE_RESERVE_NBYTES = 512 << 20
 @dataclasses.dataclass
 class PrefillResult:
     logits: torch.Tensor  # [vocab] logits of the next token, float32
-    cache: Any  # the model's cache object, holding every prompt token
+    cache: Any  # the model's cache object, holding every prompt token (None once a ``stream`` has ended)
     hit: Hit  # tokens restored from each tier
     computed_tokens: int
     restore_s: float
@@ -475,4 +475,7 @@ class CachedModel:
             held = (prompt_ids + out)[: int(cache.get_seq_length())]
             with torch.inference_mode():  # as the prefill: the reused buffers are inference tensors
                 self._save(BlockChain.of(self.namespace(cache_salt), held), cache, len(prompt_ids), control)
+        # Let go of the cache before the result goes out: whoever holds the result (or the first event)
+        # must not keep the kept cache storage from the next request (``cache_storage``).
+        pre.cache = cache = None
         yield StreamEvent(result=GenerateResult(out, final, finish, pre, len(prompt_ids)))
