@@ -107,13 +107,18 @@ def test_greedy_generation_after_a_restore_matches_transformers_own_cache(tmp_pa
         store.flush()
         out = cm.generate(ids, 60)
         assert out.prefill.hit.num_tokens == 144
+    assert out.token_ids == greedy(cm, ids, 60)
+
+
+def greedy(cm: CachedModel, ids: list[int], n: int) -> list[int]:
+    """``n`` tokens of greedy generation after ``ids`` through transformers' own cache: the reference."""
     with torch.inference_mode():
         logits, cache = cm._forward(ids, _concatenating(cm))
-        want = []
-        for _ in range(60):
+        want: list[int] = []
+        for _ in range(n):
             want.append(int(logits.argmax()))
             logits, cache = cm._forward(want[-1:], cache)
-    assert out.token_ids == want
+    return want
 
 
 def test_sliding_window_layers_and_batches_keep_transformers_own_rules() -> None:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from test_append_layer import _canonical, _concatenating, _model
+from test_append_layer import _canonical, _concatenating, _model, greedy
 
 from tierkv import TieredStore
 from tierkv.adapters import cache_from_kv, cache_layers, new_cache
@@ -219,10 +219,4 @@ def test_the_engine_restores_into_its_reserved_cache_storage(tmp_path) -> None:
         assert out.prefill.cache is None  # a finished generation's result holds no cache
         pre = cm.prefill(ids)  # so the next request takes the buffer while ``out`` is still held
         assert all(_in(cm._cache_storage, pre.cache))
-    with torch.inference_mode():
-        logits, cache = cm._forward(ids, _concatenating(cm))
-        want = []
-        for _ in range(40):
-            want.append(int(logits.argmax()))
-            logits, cache = cm._forward(want[-1:], cache)
-    assert out.token_ids == want
+    assert out.token_ids == greedy(cm, ids, 40)

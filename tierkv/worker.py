@@ -232,12 +232,10 @@ class CachedModel:
         the model's context by default), up to ``max_nbytes``, and fault its pages in now: a server does this
         at start-up, so that its first restores after a restart do not fault a page per 4 KiB
         (``buffers.py``). Returns the tokens it holds (0: none reserved, on a GPU or without a store)."""
-        if context_tokens is not None:
-            self.context_tokens = context_tokens
+        tokens = self._reserved_tokens(context_tokens, max_nbytes)
         if self.store is None:
             return 0
         ns = self.base_namespace
-        tokens = min(self.context_tokens, max_nbytes // KVSpec.of(ns).token_nbytes)
         tokens = tokens // ns.block_tokens * ns.block_tokens
         shape = (ns.num_layers, 2, tokens, ns.num_kv_heads, ns.head_dim)
         return tokens if tokens > 0 and self._buffers.reserve("restore", shape, grow_dim=2) else 0
@@ -248,13 +246,17 @@ class CachedModel:
         """On CPU, allocate the buffer the caches of prefills keep their keys and values in, for
         ``context_tokens`` (a request's prompt and its answer; the model's context by default) up to
         ``max_nbytes``, and fault its pages in now (``cache_storage``). The tokens it holds (0: none)."""
-        if context_tokens is not None:
-            self.context_tokens = context_tokens
+        tokens = self._reserved_tokens(context_tokens, max_nbytes)
         if self._cache_storage is None:
             return 0
-        ns = self.base_namespace
-        tokens = min(self.context_tokens, max_nbytes // KVSpec.of(ns).token_nbytes)
         return tokens if self._cache_storage.reserve(tokens) else 0
+
+    def _reserved_tokens(self, context_tokens: int | None, max_nbytes: int) -> int:
+        """The tokens a reserved buffer holds: ``context_tokens`` (kept as the engine's context, the model's
+        by default), at most ``max_nbytes`` of KV."""
+        if context_tokens is not None:
+            self.context_tokens = context_tokens
+        return min(self.context_tokens, max_nbytes // KVSpec.of(self.base_namespace).token_nbytes)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
