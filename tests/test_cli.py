@@ -60,6 +60,21 @@ def test_stats_text_uses_env_cache_dir(store_dir, monkeypatch) -> None:
     assert path in r.output
 
 
+def test_stats_of_the_default_store_says_where_a_servers_store_is_named(
+    store_dir, tmp_path, monkeypatch
+) -> None:
+    """A new user's server ran with --cache-dir; ``tierkv stats`` alone reads the default store: say so."""
+    home = tmp_path / "home"
+    shutil.copytree(store_dir, home / ".cache" / "tierkv")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("TIERKV_CACHE_DIR", raising=False)
+    r = CliRunner().invoke(main, ["stats"])
+    assert r.exit_code == 0, r.output
+    assert "(the default: give --cache-dir for a server started with one)" in r.output.splitlines()[0]
+    r = CliRunner().invoke(main, ["stats", "--cache-dir", str(store_dir)])
+    assert r.exit_code == 0 and "the default" not in r.output, r.output
+
+
 def test_stats_says_the_python_path_runs_when_the_native_one_is_off(store_dir) -> None:
     from tierkv import native
 

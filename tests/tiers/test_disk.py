@@ -58,8 +58,12 @@ def test_sliding_ttl_and_max_age_with_injected_clock(tmp_path, ns) -> None:
         now[0] = 1260  # idle 170 s: expired before any sweep
         assert store.lookup(ns, toks).num_tokens == 0
         assert store.load(ns, toks) == (0, None)
+        footprint = sum(e.footprint for _, e in store.tier("disk").index.iter_entries())
+        dry = store.tier("disk").expire(dry_run=True)  # both idle and too old: each block counted once
+        assert (dry.expired, dry.freed_nbytes) == (2, footprint)
         report = store.tier("disk").expire()
         assert report.expired == 2 and store.tier("disk").totals() == {}
+        assert report.freed_nbytes == footprint  # what gc reports as freed
 
         store.save(ns, toks, make_kv(ns, 32))
         store.flush()
@@ -323,7 +327,10 @@ def test_purge_namespace_resumes_its_scan_across_transactions(tmp_path, ns, monk
                 store.save(space, [j * 1000 + t for t in range(64)], make_kv(space, 64, seed=j))
         store.flush()
         disk = store.tier("disk")
-        assert disk.purge_namespace(ns.digest).purged == 16
+        ours = sum(e.footprint for _, e in disk.index.iter_entries() if e.ns_digest == ns.digest)
+        assert disk.purge_namespace(ns.digest, dry_run=True).freed_nbytes == ours
+        report = disk.purge_namespace(ns.digest)
+        assert report.purged == 16 and report.freed_nbytes == ours  # what gc reports as freed
         assert disk.totals() == _totals_by_scan(disk) and set(disk.totals()) == {other.digest}
         assert disk.totals()[other.digest][0] == 16
         assert disk.purge_namespace(None).purged == 16 and disk.totals() == {}

@@ -4,6 +4,7 @@ for gc (both safe while a server writes to it)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ import click
 
 from tierkv.cli.common import cache_dir_option, fail, open_disk, parsed
 from tierkv.errors import ConfigError, StoreOpenError
+from tierkv.paths import CACHE_DIR_ENV
 from tierkv.units import format_duration, format_size, parse_duration, parse_size
 
 __all__ = ["gc", "stats"]
@@ -27,13 +29,16 @@ def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
     directory, as --cache-dir."""
     from tierkv.inspect import store_stats
 
+    source = click.get_current_context().get_parameter_source("cache_dir")
     if folder is not None:
-        if (
-            click.get_current_context().get_parameter_source("cache_dir")
-            == click.core.ParameterSource.COMMANDLINE
-        ):
+        if source == click.core.ParameterSource.COMMANDLINE:
             fail("give the store's directory once: as FOLDER or as --cache-dir", 2)
         cache_dir = folder
+    # the default store (no --cache-dir, no TIERKV_CACHE_DIR): a server started with --cache-dir keeps its
+    # own elsewhere, which a new user then looks for here
+    default = (
+        folder is None and source == click.core.ParameterSource.DEFAULT and not os.environ.get(CACHE_DIR_ENV)
+    )
 
     with open_disk(cache_dir) as disk:
         report = store_stats(disk)
@@ -47,6 +52,7 @@ def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
     click.echo(
         f"store      {report['cache_dir']}   format {report['format_version']}"
         + ("" if newest else f" (`tierkv gc --upgrade` makes it {STORE_FORMAT_VERSION}, see docs/shell.md)")
+        + ("   (the default: give --cache-dir for a server started with one)" if default else "")
     )
     click.echo(f"data path  {report['data_path']}")
     click.echo(

@@ -61,11 +61,16 @@ class Sweeps:
             self.segments.unlink(seg_id)
 
     def _sweep(
-        self, table: str, stop: Callable[[Txn, float, bytes], bool], dry_run: bool, progress: Progress
-    ) -> int:
-        """Delete from the oldest end of a time table until ``stop(txn, time_s, key)``."""
+        self,
+        table: str,
+        stop: Callable[[Txn, float, bytes], bool],
+        dry_run: bool,
+        progress: Progress,
+        seen: set[bytes] | None = None,
+    ) -> tuple[int, int]:
+        """Delete from the oldest end of a time table until ``stop(txn, time_s, key)``; as ``_walk``."""
         return self._walk(
-            table, lambda txn, t, key, _e: STOP if stop(txn, t, key) else None, dry_run, progress
+            table, lambda txn, t, key, _e: STOP if stop(txn, t, key) else None, dry_run, progress, seen
         )
 
     def _walk(
@@ -74,22 +79,30 @@ class Sweeps:
         decide: Callable[[Txn, float, bytes, Entry | None], Entry | object | None],
         dry_run: bool,
         progress: Progress,
-    ) -> int:
+        seen: set[bytes] | None = None,
+    ) -> tuple[int, int]:
         """Walk a time table from its oldest end; per row ``decide(txn, time_s, key, entry)`` says
         ``STOP``, None (remove the entry) or a new entry for it (which leaves this table: a pin or a
-        retention that ended). Returns how many entries were removed."""
+        retention that ended). Returns how many entries were removed and their bytes on disk. A dry run
+        removes nothing: ``seen`` (the keys earlier walks of it counted) keeps a second walk from
+        counting a block again."""
         db = self.index.db
         if dry_run:
-            n = 0
+            n = nbytes = 0
+            seen = set() if seen is None else seen
             with self.index.read() as txn:
                 for tkey, _ in txn.cursor(db=db[table]):
                     key = bytes(tkey[TIME.size :])
                     raw = txn.get(key, db=db["index"])
-                    verdict = decide(txn, time_of(tkey), key, Entry.unpack(raw) if raw else None)
+                    e = Entry.unpack(raw) if raw else None
+                    verdict = decide(txn, time_of(tkey), key, e)
                     if verdict is STOP:
                         break
-                    n += verdict is None
-            return n
+                    if verdict is None and e is not None and key not in seen:
+                        seen.add(key)
+                        n += 1
+                        nbytes += e.footprint
+            return n, nbytes
 
         def batch(txn: Txn) -> tuple[int, list[Hole]]:
             holes: list[Hole] = []
@@ -113,15 +126,16 @@ class Sweeps:
                     self.index.replace(txn, key, e, verdict)
             return n, holes
 
-        removed = 0
+        removed = freed = 0
         while True:
             n, holes = self.index.write(batch)
             self.segments.release(holes)
             removed += len(holes)
+            freed += sum(aligned(h[2]) for h in holes)
             if progress:
                 progress(n)
             if n < SWEEP_BATCH:
-                return removed
+                return removed, freed
 
     def expire(
         self,
@@ -152,14 +166,24 @@ class Sweeps:
 
             return decide
 
-        n = self._walk("pinned", lapsed(lambda e: dataclasses.replace(e, pin_until_s=0.0)), dry_run, progress)
-        n += self._walk("retained", lapsed(lambda e: dataclasses.replace(e, retain_s=0.0)), dry_run, progress)
+        seen: set[bytes] = set()  # a dry run's: a block both idle and too old is counted once
+        unpin, unretain = (
+            lapsed(lambda e: dataclasses.replace(e, pin_until_s=0.0)),
+            lapsed(lambda e: dataclasses.replace(e, retain_s=0.0)),
+        )
+        done = [
+            self._walk("pinned", unpin, dry_run, progress, seen),
+            self._walk("retained", unretain, dry_run, progress, seen),
+        ]
         if ttl_s is not None:
-            n += self._sweep("atime", lambda _txn, t, _k: now - t <= ttl_s, dry_run, progress)
+            done.append(self._sweep("atime", lambda _txn, t, _k: now - t <= ttl_s, dry_run, progress, seen))
         if max_age_s is not None:
-            n += self._sweep("ctime", lambda _txn, t, _k: now - t <= max_age_s, dry_run, progress)
+            done.append(
+                self._sweep("ctime", lambda _txn, t, _k: now - t <= max_age_s, dry_run, progress, seen)
+            )
+        n = sum(removed for removed, _ in done)
         self.counters.add("disk", "expirations", n)
-        return SweepReport(expired=n)
+        return SweepReport(expired=n, freed_nbytes=sum(nbytes for _, nbytes in done))
 
     def enforce_budget(
         self, budget_nbytes: int | None = None, *, dry_run: bool = False, progress: Progress = None
@@ -203,7 +227,7 @@ class Sweeps:
             if not holes:  # none above its quota (or a batch that only mended rows: the next sweep goes on)
                 break
         if dry_run:  # counted in time order: as many blocks as leaves first would take, near enough
-            n += sum(self._sweep(table, stop, dry_run, progress) for table in EVICTION_ORDER)
+            n += sum(self._sweep(table, stop, dry_run, progress)[0] for table in EVICTION_ORDER)
         while not dry_run:  # in ``Index.evict_over``'s order: leaves before their prefixes
             holes = self.index.write(evict)
             self.segments.release(holes)
@@ -239,8 +263,10 @@ class Sweeps:
         store's own saves still on their way are dropped by their writer: ``write_behind.Generations``.)
         """
         if dry_run:
-            n = sum(digest is None or e.ns_digest == digest for _, e in self.index.iter_entries())
-            return SweepReport(purged=n)
+            gone = [
+                e.footprint for _, e in self.index.iter_entries() if digest is None or e.ns_digest == digest
+            ]
+            return SweepReport(purged=len(gone), freed_nbytes=sum(gone))
         db = self.index.db
         last: bytes | None = None
 
@@ -258,15 +284,16 @@ class Sweeps:
             holes = [(*e.location, self.index.remove(txn, k, e)) for k, e in found]  # the cursor is done
             return (key if ok else None), holes
 
-        removed = 0
+        removed = freed = 0
         while True:
             last, holes = self.index.write(batch)
             self.segments.release(holes)
             removed += len(holes)
+            freed += sum(aligned(h[2]) for h in holes)
             if progress and holes:
                 progress(len(holes))
             if last is None:
-                return SweepReport(purged=removed)
+                return SweepReport(purged=removed, freed_nbytes=freed)
 
     def check(self, *, dry_run: bool = False, progress: Progress = None) -> SweepReport:
         """Read and verify every record (header, tokens, key, payload checksum); purge the bad ones.
