@@ -10,7 +10,7 @@ service. TTFT at the client (the first streamed chunk, sent right after the pref
 A first round is run and not counted (reported apart): each server's first prefills at this length pay for
 what later ones reuse (memory faulted, a host tier still being populated behind them), and that round's
 overhead swung from -22.5% to +27.2% between runs of the same code (12 and 16 rounds, 2026-12-06), the
-counted rounds within about +-7%.
+rounds after it from -12.4% to +11.3%.
 """
 
 from __future__ import annotations
