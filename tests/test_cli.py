@@ -75,6 +75,25 @@ def test_stats_of_the_default_store_says_where_a_servers_store_is_named(
     assert r.exit_code == 0 and "the default" not in r.output, r.output
 
 
+def test_progress_bars_are_off_when_stderr_is_no_terminal(store_dir, monkeypatch) -> None:
+    """A model's conversion and loading draw tqdm bars: into a log (serve.sh's, the bench's servers') they
+    are carriage-return updates. Off unless the environment asks for them."""
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    r = CliRunner().invoke(main, ["stats", "--cache-dir", str(store_dir)])  # CliRunner: no terminal
+    assert r.exit_code == 0, r.output
+    assert os.environ.get("TQDM_DISABLE") == "1"
+    monkeypatch.setenv("TQDM_DISABLE", "0")  # asked for: left as it is
+    assert CliRunner().invoke(main, ["stats", "--cache-dir", str(store_dir)]).exit_code == 0
+    assert os.environ["TQDM_DISABLE"] == "0"
+    code = (
+        "import importlib, sys; from tierkv.cli import COMMANDS\n"
+        "for module, _ in COMMANDS.values(): importlib.import_module(module)\n"
+        "print('tqdm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"  # no command's module imports tqdm: it reads TQDM_* later, when imported
+
+
 def test_stats_says_the_python_path_runs_when_the_native_one_is_off(store_dir) -> None:
     from tierkv import native
 

@@ -16,6 +16,8 @@ server or a tokenizer at module level):
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import click
 
@@ -57,3 +59,8 @@ class _LazyGroup(click.Group):
 @click.version_option(package_name="tierkv")
 def main() -> None:
     """tierkv: a tiered KV-cache store for LLM inference."""
+    # Progress bars (a model's conversion, its loading) written to a log rather than a terminal are
+    # carriage-return updates that fill it: off there unless asked for. tqdm reads TQDM_* when first
+    # imported, after this (no command imports it at module level); servers the bench starts inherit it.
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
