@@ -109,6 +109,21 @@ def test_gc_dry_run_changes_nothing(store_dir) -> None:
     assert json.loads(r.output)["blocks"] == 8
 
 
+def test_gc_counts_each_block_once_and_a_dry_run_says_what_the_run_does(store_dir) -> None:
+    """Purge, expiry and budget would each take every block: a dry run, which removes nothing, must not
+    count one twice, nor its bytes; the run frees what it said (this file system punches holes)."""
+    args = ["gc", "--cache-dir", str(store_dir), "--all", "--ttl", "0s", "--budget", "8KiB", "--json"]
+    dry = json.loads(CliRunner().invoke(main, [*args, "--dry-run"]).output)
+    before = json.loads(CliRunner().invoke(main, ["gc", "--cache-dir", str(store_dir), "--json"]).output)
+    real = json.loads(CliRunner().invoke(main, args).output)
+
+    def counts(out: dict) -> tuple[int, int, int, int]:
+        return out["purged"], out["expired"], out["evicted"], out["freed_nbytes"]
+
+    assert counts(dry) == counts(real) == (8, 0, 0, before["live_nbytes"])
+    assert real["live_nbytes"] == 0
+
+
 def test_gc_purge_namespace_by_prefix(store_dir, ns) -> None:
     r = CliRunner().invoke(
         main, ["gc", "--cache-dir", str(store_dir), "--namespace", ns.digest.hex()[:8], "--json"]

@@ -499,9 +499,11 @@ def test_a_file_system_without_hole_punching_is_counted_and_logged_once(
         for p in range(3):
             store.save(ns, _toks(p), make_kv(ns, 64, seed=p))
         store.flush()
-        store.tier("disk").expire(ttl_s=0)
+        expired = store.tier("disk").expire(ttl_s=0)
         store.tier("disk").purge_namespace(None)
         assert store.stats()["disk"]["punch_unsupported"] == 12
+        # nothing was given back (the writer's segment stays until it empties and is sealed): freed says so
+        assert expired.expired > 0 and expired.freed_nbytes == 0
     assert sum("cannot punch holes" in r.message for r in caplog.records) == 1
 
 

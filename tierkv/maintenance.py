@@ -9,6 +9,7 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.tiers.disk import DiskTier, SweepReport
+from tierkv.tiers.disk.sweeps import DryCount
 
 ProgressFactory = Callable[[str], AbstractContextManager[Callable[[int], None] | None]]
 
@@ -44,17 +45,20 @@ def run_gc(
         raise ConfigError("namespace and all exclude each other")
     step = progress or (lambda _label: nullcontext(None))
     report = SweepReport()
+    counted = DryCount()  # a dry run's: a block the purge counted is not counted again by expiry or budget
     if namespace is not None:
         digest = namespace if isinstance(namespace, bytes) else resolve_namespace(disk, namespace)
         with step("purge") as tick:
-            report += disk.purge_namespace(digest, dry_run=dry_run, progress=tick)
+            report += disk.purge_namespace(digest, dry_run=dry_run, progress=tick, counted=counted)
     if purge_all:
         with step("purge") as tick:
-            report += disk.purge_namespace(None, dry_run=dry_run, progress=tick)
+            report += disk.purge_namespace(None, dry_run=dry_run, progress=tick, counted=counted)
     with step("expire") as tick:
-        report += disk.expire(ttl_s=ttl_s, max_age_s=max_age_s, dry_run=dry_run, progress=tick)
+        report += disk.expire(
+            ttl_s=ttl_s, max_age_s=max_age_s, dry_run=dry_run, progress=tick, counted=counted
+        )
     with step("budget") as tick:
-        report += disk.enforce_budget(budget_nbytes, dry_run=dry_run, progress=tick)
+        report += disk.enforce_budget(budget_nbytes, dry_run=dry_run, progress=tick, counted=counted)
     if check:
         with step("check") as tick:
             report += disk.check(dry_run=dry_run, progress=tick)

@@ -101,15 +101,17 @@ def test_release_punches_dead_records_and_unlinks_emptied_segments(segdir, tmp_p
     offsets = _write(segdir, 5, [[r] for r in recs], sync=True)
     before = _allocated(segdir, 5)
     assert before >= 3 * (64 << 10)
-    assert segdir.release([(5, offsets[1], len(recs[1]), False)]) == 0  # not emptied: the file stays
+    freed = segdir.release([(5, offsets[1], len(recs[1]), False)])  # not emptied: the file stays
+    assert freed == 64 << 10  # the bytes given back
     after = _allocated(segdir, 5)
     assert before - after >= 64 << 10 and after >= 2 * (64 << 10)  # the dead record's pages, not the others'
     with segdir.read_lock:
         got = [bytes(v) for v in segdir.read([(5, off, len(r)) for off, r in zip(offsets, recs)])]
     assert got == [recs[0], bytes(len(recs[1])), recs[2]]  # the neighbours are untouched
     assert segdir.counters.snapshot().get("disk", {}).get("punch_unsupported", 0) == 0
-    assert segdir.release([(5, offsets[0], len(recs[0]), False), (5, offsets[2], len(recs[2]), True)]) == 1
+    freed += segdir.release([(5, offsets[0], len(recs[0]), False), (5, offsets[2], len(recs[2]), True)])
     assert not segdir.file(5).exists() and segdir.list_ids() == []
+    assert freed == before  # all the file held: its records punched, then what was left unlinked
     assert segdir.release([]) == 0
 
 
@@ -124,10 +126,12 @@ class _NoPunchLibc:
 def test_release_counts_punch_unsupported_and_still_unlinks(segdir, monkeypatch) -> None:
     offsets = _write(segdir, 6, [[os.urandom(ALIGN)] for _ in range(3)])
     monkeypatch.setattr(seg_mod, "_libc", _NoPunchLibc())
-    assert segdir.release([(6, offsets[0], ALIGN, False), (6, offsets[1], ALIGN, False)]) == 0
+    held = _allocated(segdir, 6)
+    assert segdir.release([(6, offsets[0], ALIGN, False), (6, offsets[1], ALIGN, False)]) == 0  # none back
     assert segdir.counters.snapshot()["disk"]["punch_unsupported"] == 2
     assert segdir.file(6).exists()
-    assert segdir.release([(6, offsets[2], ALIGN, True)]) == 1  # an emptied segment goes all the same
+    # an emptied segment goes all the same, and with it all it held
+    assert segdir.release([(6, offsets[2], ALIGN, True)]) == held >= 3 * ALIGN
     assert not segdir.file(6).exists()
     assert segdir.counters.snapshot()["disk"]["punch_unsupported"] == 3
 

@@ -38,7 +38,7 @@ from tierkv.tiers.disk.schema import (
     SweepReport,
 )
 from tierkv.tiers.disk.segments import SegmentDir
-from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
+from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, DryCount, Progress, Sweeper, Sweeps
 from tierkv.tiers.disk.tenant_rows import TenantUsage
 from tierkv.tiers.disk.writer import (
     DEFAULT_BATCH_NBYTES,
@@ -399,22 +399,39 @@ class DiskTier(DiskWrites, Tier):
         max_age_s: float | None = None,
         dry_run: bool = False,
         progress: Progress = None,
+        counted: DryCount | None = None,
     ) -> SweepReport:
-        """Delete blocks idle longer than ``ttl_s`` or older than ``max_age_s`` (defaults: the policy)."""
+        """Delete blocks idle longer than ``ttl_s`` or older than ``max_age_s`` (defaults: the policy).
+        ``counted``: what a dry run's earlier steps counted (``sweeps.DryCount``)."""
         self.times.flush()
         return self.sweeps.expire(
-            self.clock(), ttl_s=ttl_s, max_age_s=max_age_s, dry_run=dry_run, progress=progress
+            self.clock(),
+            ttl_s=ttl_s,
+            max_age_s=max_age_s,
+            dry_run=dry_run,
+            progress=progress,
+            counted=counted,
         )
 
     def enforce_budget(
-        self, budget_nbytes: int | None = None, *, dry_run: bool = False, progress: Progress = None
+        self,
+        budget_nbytes: int | None = None,
+        *,
+        dry_run: bool = False,
+        progress: Progress = None,
+        counted: DryCount | None = None,
     ) -> SweepReport:
-        return self.sweeps.enforce_budget(budget_nbytes, dry_run=dry_run, progress=progress)
+        return self.sweeps.enforce_budget(budget_nbytes, dry_run=dry_run, progress=progress, counted=counted)
 
     def purge_namespace(
-        self, digest: bytes | None, *, dry_run: bool = False, progress: Progress = None
+        self,
+        digest: bytes | None,
+        *,
+        dry_run: bool = False,
+        progress: Progress = None,
+        counted: DryCount | None = None,
     ) -> SweepReport:
-        return self.sweeps.purge_namespace(digest, dry_run=dry_run, progress=progress)
+        return self.sweeps.purge_namespace(digest, dry_run=dry_run, progress=progress, counted=counted)
 
     def check(self, *, dry_run: bool = False, progress: Progress = None) -> SweepReport:
         return self.sweeps.check(dry_run=dry_run, progress=progress)

@@ -271,31 +271,33 @@ class SegmentDir(SegmentReads):
             str(exc),  # not the exception: its traceback holds views of the read buffer
         )
 
-    def punch(self, holes: Sequence[tuple[int, int, int]]) -> int:
+    def punch(self, holes: Sequence[tuple[int, int, int]]) -> tuple[int, int]:
         """Release ``(seg_id, offset, nbytes)`` ranges; returns how many are released (punched, or in a
-        file already gone: another process unlinked it, its space went with it)."""
-        done = 0
+        file already gone: another process unlinked it, its space went with it) and the bytes punched."""
+        done = released = 0
         for seg_id, offset, nbytes in holes:
             try:
                 fd = os.open(self.file(seg_id), os.O_WRONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                done += 1
+                done += 1  # given back by whoever unlinked it, and counted there
                 continue
             try:
-                done += punch_hole(fd, offset, aligned(nbytes))
+                if punch_hole(fd, offset, aligned(nbytes)):
+                    done, released = done + 1, released + aligned(nbytes)
             finally:
                 os.close(fd)
-        return done
+        return done, released
 
     def release(self, holes: Sequence[tuple[int, int, int, bool]]) -> int:
         """After the commit that freed them: punch dead records ``(seg_id, offset, nbytes, emptied)``, unlink
-        segments that emptied. Returns how many segments were removed.
+        segments that emptied. Returns the bytes given back to the file system: the holes punched, and what
+        the segments it unlinked still held (all of their records where holes cannot be punched).
 
         Emptied segments are punched too: another process may hold the file open, which would keep an
         unlinked file's pages allocated."""
         if not holes:
             return 0
-        done = self.punch([(s, o, n) for s, o, n, _ in holes])
+        done, released = self.punch([(s, o, n) for s, o, n, _ in holes])
         if done < len(holes):
             self.counters.add("disk", "punch_unsupported", len(holes) - done)
             if not self._punch_warned:
@@ -308,13 +310,19 @@ class SegmentDir(SegmentReads):
                 )
         emptied = {s for s, _, _, empty in holes if empty}
         for seg_id in emptied:
-            self.unlink(seg_id)
-        return len(emptied)
+            released += self.unlink(seg_id)
+        return released
 
-    def unlink(self, seg_id: int) -> None:
+    def unlink(self, seg_id: int) -> int:
+        """Remove a segment file; returns the bytes it held (allocated) when unlinked, 0 if it was gone."""
         self.forget(seg_id)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.file(seg_id))
+        path = self.file(seg_id)
+        try:
+            held = os.stat(path).st_blocks * 512
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return held
 
     def disk_nbytes(self) -> tuple[int, int]:
         """(allocated bytes, apparent bytes) of all segment files."""

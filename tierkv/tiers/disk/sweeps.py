@@ -23,7 +23,7 @@ from tierkv.tiers.disk.index import EVICTION_ORDER, Index, Txn
 from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_key, time_of
 from tierkv.tiers.disk.segments import SegmentDir, aligned
 
-__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Progress", "SWEEP_BATCH", "Sweeper", "Sweeps"]
+__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "DryCount", "Progress", "SWEEP_BATCH", "Sweeper", "Sweeps"]
 
 log = logging.getLogger("tierkv.disk")
 
@@ -32,6 +32,23 @@ PURGE_SCAN = 4096  # index entries a purge looks at per transaction (it holds LM
 DEFAULT_SWEEP_INTERVAL_S = 300.0  # a server's own expiry and budget sweep
 Progress = Callable[[int], None] | None
 STOP = object()  # a walk's verdict: this row and all after it stay
+
+
+@dataclasses.dataclass
+class DryCount:
+    """What a dry run's steps (purge, expiry, budget) counted so far: it removes nothing, so each step
+    sees the whole index, and a block two steps would remove counts once."""
+
+    keys: set[bytes] = dataclasses.field(default_factory=set)
+    nbytes: int = 0
+
+    def add(self, key: bytes, e: Entry) -> bool:
+        """Count ``key`` unless an earlier step did; whether it was new."""
+        if key in self.keys:
+            return False
+        self.keys.add(key)
+        self.nbytes += e.footprint
+        return True
 
 
 class Sweeps:
@@ -66,11 +83,11 @@ class Sweeps:
         stop: Callable[[Txn, float, bytes], bool],
         dry_run: bool,
         progress: Progress,
-        seen: set[bytes] | None = None,
+        counted: DryCount | None = None,
     ) -> tuple[int, int]:
         """Delete from the oldest end of a time table until ``stop(txn, time_s, key)``; as ``_walk``."""
         return self._walk(
-            table, lambda txn, t, key, _e: STOP if stop(txn, t, key) else None, dry_run, progress, seen
+            table, lambda txn, t, key, _e: STOP if stop(txn, t, key) else None, dry_run, progress, counted
         )
 
     def _walk(
@@ -79,17 +96,17 @@ class Sweeps:
         decide: Callable[[Txn, float, bytes, Entry | None], Entry | object | None],
         dry_run: bool,
         progress: Progress,
-        seen: set[bytes] | None = None,
+        counted: DryCount | None = None,
     ) -> tuple[int, int]:
         """Walk a time table from its oldest end; per row ``decide(txn, time_s, key, entry)`` says
         ``STOP``, None (remove the entry) or a new entry for it (which leaves this table: a pin or a
-        retention that ended). Returns how many entries were removed and their bytes on disk. A dry run
-        removes nothing: ``seen`` (the keys earlier walks of it counted) keeps a second walk from
-        counting a block again."""
+        retention that ended). Returns how many entries were removed and the bytes given back
+        (``SegmentDir.release``). A dry run removes nothing and counts what it would remove, the
+        records' bytes, each block once across the walks sharing ``counted``."""
         db = self.index.db
         if dry_run:
             n = nbytes = 0
-            seen = set() if seen is None else seen
+            counted = DryCount() if counted is None else counted
             with self.index.read() as txn:
                 for tkey, _ in txn.cursor(db=db[table]):
                     key = bytes(tkey[TIME.size :])
@@ -98,8 +115,7 @@ class Sweeps:
                     verdict = decide(txn, time_of(tkey), key, e)
                     if verdict is STOP:
                         break
-                    if verdict is None and e is not None and key not in seen:
-                        seen.add(key)
+                    if verdict is None and e is not None and counted.add(key, e):
                         n += 1
                         nbytes += e.footprint
             return n, nbytes
@@ -129,9 +145,8 @@ class Sweeps:
         removed = freed = 0
         while True:
             n, holes = self.index.write(batch)
-            self.segments.release(holes)
+            freed += self.segments.release(holes)
             removed += len(holes)
-            freed += sum(aligned(h[2]) for h in holes)
             if progress:
                 progress(n)
             if n < SWEEP_BATCH:
@@ -145,9 +160,11 @@ class Sweeps:
         max_age_s: float | None = None,
         dry_run: bool = False,
         progress: Progress = None,
+        counted: DryCount | None = None,
     ) -> SweepReport:
         """Delete blocks idle longer than ``ttl_s`` (or their own retention, if longer) or older than
-        ``max_age_s`` (defaults: the policy); pins that ended return their blocks to the other classes."""
+        ``max_age_s`` (defaults: the policy); pins that ended return their blocks to the other classes.
+        ``counted``: a dry run's count so far (``DryCount``)."""
         policy = self.index.policy
         ttl_s = policy.ttl_s if ttl_s is None else ttl_s
         max_age_s = policy.max_age_s if max_age_s is None else max_age_s
@@ -166,40 +183,51 @@ class Sweeps:
 
             return decide
 
-        seen: set[bytes] = set()  # a dry run's: a block both idle and too old is counted once
+        counted = DryCount() if counted is None else counted  # a dry run's: each block once
         unpin, unretain = (
             lapsed(lambda e: dataclasses.replace(e, pin_until_s=0.0)),
             lapsed(lambda e: dataclasses.replace(e, retain_s=0.0)),
         )
         done = [
-            self._walk("pinned", unpin, dry_run, progress, seen),
-            self._walk("retained", unretain, dry_run, progress, seen),
+            self._walk("pinned", unpin, dry_run, progress, counted),
+            self._walk("retained", unretain, dry_run, progress, counted),
         ]
         if ttl_s is not None:
-            done.append(self._sweep("atime", lambda _txn, t, _k: now - t <= ttl_s, dry_run, progress, seen))
+            done.append(
+                self._sweep("atime", lambda _txn, t, _k: now - t <= ttl_s, dry_run, progress, counted)
+            )
         if max_age_s is not None:
             done.append(
-                self._sweep("ctime", lambda _txn, t, _k: now - t <= max_age_s, dry_run, progress, seen)
+                self._sweep("ctime", lambda _txn, t, _k: now - t <= max_age_s, dry_run, progress, counted)
             )
         n = sum(removed for removed, _ in done)
         self.counters.add("disk", "expirations", n)
         return SweepReport(expired=n, freed_nbytes=sum(nbytes for _, nbytes in done))
 
     def enforce_budget(
-        self, budget_nbytes: int | None = None, *, dry_run: bool = False, progress: Progress = None
+        self,
+        budget_nbytes: int | None = None,
+        *,
+        dry_run: bool = False,
+        progress: Progress = None,
+        counted: DryCount | None = None,
     ) -> SweepReport:
-        """Evict in ``Index.evict_over``'s order (never a pinned block) until the live bytes fit."""
+        """Evict in ``Index.evict_over``'s order (never a pinned block) until the live bytes fit.
+        ``counted``: a dry run's count so far (``DryCount``): those blocks are gone already."""
         budget = self.index.policy.budget_nbytes if budget_nbytes is None else budget_nbytes
         if budget is None:
             return SweepReport()
+        counted = DryCount() if counted is None else counted
         freed = [0]
         dry_total = [-1]
 
         def stop(txn: Txn, _t: float, key: bytes) -> bool:  # a dry run's: nothing is deleted
             if dry_total[0] < 0:
-                dry_total[0] = self.index.total_nbytes(txn)
+                dry_total[0] = self.index.total_nbytes(txn) - counted.nbytes  # after the steps before
             if dry_total[0] - freed[0] <= budget:
                 return True
+            if key in counted.keys:
+                return False  # gone already (an earlier step's)
             raw = txn.get(key, db=self.index.db["index"])
             freed[0] += Entry.unpack(raw).footprint if raw else 0
             return False
@@ -221,18 +249,16 @@ class Sweeps:
 
         while not dry_run:  # tenants above their quota first (a dry run counts the store-wide order only)
             holes = self.index.write(over_quota)
-            self.segments.release(holes)
+            freed[0] += self.segments.release(holes)
             n += len(holes)
-            freed[0] += sum(aligned(h[2]) for h in holes)
             if not holes:  # none above its quota (or a batch that only mended rows: the next sweep goes on)
                 break
         if dry_run:  # counted in time order: as many blocks as leaves first would take, near enough
-            n += sum(self._sweep(table, stop, dry_run, progress)[0] for table in EVICTION_ORDER)
+            n += sum(self._sweep(table, stop, dry_run, progress, counted)[0] for table in EVICTION_ORDER)
         while not dry_run:  # in ``Index.evict_over``'s order: leaves before their prefixes
             holes = self.index.write(evict)
-            self.segments.release(holes)
+            freed[0] += self.segments.release(holes)
             n += len(holes)
-            freed[0] += sum(aligned(h[2]) for h in holes)
             if progress:
                 progress(len(holes))
             if len(holes) < SWEEP_BATCH:
@@ -253,7 +279,12 @@ class Sweeps:
         return n
 
     def purge_namespace(
-        self, digest: bytes | None, *, dry_run: bool = False, progress: Progress = None
+        self,
+        digest: bytes | None,
+        *,
+        dry_run: bool = False,
+        progress: Progress = None,
+        counted: DryCount | None = None,
     ) -> SweepReport:
         """Delete every block of one namespace (``None``: of all namespaces).
 
@@ -263,10 +294,13 @@ class Sweeps:
         store's own saves still on their way are dropped by their writer: ``write_behind.Generations``.)
         """
         if dry_run:
-            gone = [
-                e.footprint for _, e in self.index.iter_entries() if digest is None or e.ns_digest == digest
-            ]
-            return SweepReport(purged=len(gone), freed_nbytes=sum(gone))
+            counted = DryCount() if counted is None else counted
+            before = counted.nbytes
+            matching = (
+                (k, e) for k, e in self.index.iter_entries() if digest is None or e.ns_digest == digest
+            )
+            n = sum(counted.add(bytes(k), e) for k, e in matching)
+            return SweepReport(purged=n, freed_nbytes=counted.nbytes - before)
         db = self.index.db
         last: bytes | None = None
 
@@ -287,9 +321,8 @@ class Sweeps:
         removed = freed = 0
         while True:
             last, holes = self.index.write(batch)
-            self.segments.release(holes)
+            freed += self.segments.release(holes)
             removed += len(holes)
-            freed += sum(aligned(h[2]) for h in holes)
             if progress and holes:
                 progress(len(holes))
             if last is None:
