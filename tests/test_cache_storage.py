@@ -16,7 +16,7 @@ from test_worker import prompt
 
 
 def _storage(cm, tokens: int) -> CacheStorage:
-    s = CacheStorage(cm.dtype, cm.layout.num_layers, cm.layout.num_kv_heads, cm.layout.head_dim)
+    s = CacheStorage.of(cm.layout, cm.dtype)
     assert s.reserve(tokens) and s.tokens == tokens
     return s
 
@@ -192,7 +192,7 @@ def test_a_layer_reset_does_not_take_a_slot_again() -> None:
 def test_without_a_storage_use_count_the_buffer_is_never_kept(monkeypatch) -> None:
     cm = _model("llama", torch.float32)
     monkeypatch.delattr(torch._C, "_storage_Use_Count")
-    storage = CacheStorage(cm.dtype, cm.layout.num_layers, cm.layout.num_kv_heads, cm.layout.head_dim)
+    storage = CacheStorage.of(cm.layout, cm.dtype)
     assert not storage.reserve(128) and storage.tokens == 0
     with torch.inference_mode():
         a, cache = cm._forward(prompt(40, salt=28), new_cache(cm.model, storage))

@@ -24,10 +24,14 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierkv.tiers.prefault import populate_in_background
+
+if TYPE_CHECKING:
+    from tierkv.adapters import CacheLayout
 
 __all__ = ["CacheStorage", "Lease"]
 
@@ -54,6 +58,11 @@ class CacheStorage:
         self._free_count: int | None = None  # the storage's holders when no cache views it
         self._owner: weakref.ref[Lease] | None = None  # the lease that took it last
         self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, layout: CacheLayout, dtype: torch.dtype) -> CacheStorage:
+        """For a model of this layout and dtype (none reserved yet)."""
+        return cls(dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim)
 
     @property
     def tokens(self) -> int:

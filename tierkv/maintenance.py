@@ -9,7 +9,7 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.tiers.disk import DiskTier, SweepReport
-from tierkv.tiers.disk.sweeps import DryCount
+from tierkv.tiers.disk.schema import DryCount
 
 ProgressFactory = Callable[[str], AbstractContextManager[Callable[[int], None] | None]]
 

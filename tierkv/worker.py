@@ -12,7 +12,6 @@ prompt that is entirely cached restores all full blocks but the one holding its 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import random
 import time
@@ -32,6 +31,7 @@ from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
 from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import DTYPE_NAMES, KVSpec
+from tierkv.results import GenerateResult, PrefillResult, StreamEvent
 from tierkv.retention import NO_CONTROL, CacheControl
 from tierkv.self_check import restore_sound
 from tierkv.store import Hit, TieredStore
@@ -44,36 +44,6 @@ log = logging.getLogger("tierkv.worker")
 # A server's restore buffer, allocated and faulted in at start-up (``reserve_restore``), up to this many
 # bytes: into fresh pages a host-tier restore of 66 MiB took 28-34 ms, into pages already faulted 10-13 ms.
 RESTORE_RESERVE_NBYTES = 512 << 20
-
-
-@dataclasses.dataclass
-class PrefillResult:
-    logits: torch.Tensor  # [vocab] logits of the next token, float32
-    cache: Any  # the model's cache object, holding every prompt token (None once a ``stream`` has ended)
-    hit: Hit  # tokens restored from each tier
-    computed_tokens: int
-    restore_s: float
-    forward_s: float
-    saved_tokens: int = 0  # prompt tokens handed to the store after it (the cache writes they cost)
-
-
-@dataclasses.dataclass
-class StreamEvent:
-    """One step of ``CachedModel.stream``: exactly one field is set."""
-
-    prefill: PrefillResult | None = None
-    delta: str | None = None
-    token_id: int | None = None
-    result: GenerateResult | None = None
-
-
-@dataclasses.dataclass
-class GenerateResult:
-    token_ids: list[int]  # generated tokens only
-    text: str
-    finish_reason: str  # "stop" or "length"
-    prefill: PrefillResult
-    prompt_tokens: int
 
 
 class CachedModel:
@@ -134,12 +104,7 @@ class CachedModel:
         # Restore and save buffers reused between calls on CPU (on a GPU the caching allocator does this).
         self._buffers = ReusedBuffers(self.dtype, self.device)
         # Where the caches of prefills keep their keys and values (CPU): a kept buffer, lent to one at a time.
-        layout = self.layout
-        self._cache_storage = (
-            CacheStorage(self.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim)
-            if self.device.type == "cpu"
-            else None
-        )
+        self._cache_storage = CacheStorage.of(self.layout, self.dtype) if self.device.type == "cpu" else None
         # The longest prompt a restore or save buffer is grown for (a server sets its --max-context).
         self.context_tokens = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 4096
 

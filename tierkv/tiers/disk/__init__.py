@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 
@@ -28,6 +28,7 @@ from tierkv.tenancy import Quota
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk.access_times import Touch
 from tierkv.tiers.disk.index import Index
+from tierkv.tiers.disk.opening import read_index_ahead
 from tierkv.tiers.disk.pins import check_pin
 from tierkv.tiers.disk.schema import (
     ALIGNED_RECORDS_FORMAT_VERSION,
@@ -38,7 +39,7 @@ from tierkv.tiers.disk.schema import (
     SweepReport,
 )
 from tierkv.tiers.disk.segments import SegmentDir
-from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, DryCount, Progress, Sweeper, Sweeps
+from tierkv.tiers.disk.sweeps import DEFAULT_SWEEP_INTERVAL_S, Progress, Sweeper, Sweeps
 from tierkv.tiers.disk.tenant_rows import TenantUsage
 from tierkv.tiers.disk.writer import (
     DEFAULT_BATCH_NBYTES,
@@ -363,19 +364,7 @@ class DiskTier(DiskWrites, Tier):
 
         if native.enabled():
             from tierkv.tiers.disk import native_read  # noqa: F401
-        # data.mdb only, never lock.mdb: closing any descriptor of a file drops every POSIX lock the process
-        # holds on it, and LMDB marks its live readers with such locks on lock.mdb (another process's
-        # reader check then frees this one's reader slots: MDB_BAD_RSLOT on its next read).
-        with contextlib.suppress(OSError):  # a hint: an error here costs only the first lookups
-            fd = os.open(self.path / "index" / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                n = min(os.fstat(fd).st_size, max_nbytes)
-                if n > 0:  # (a length of 0 would mean "to the end")
-                    os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
-                return max(n, 0)
-            finally:
-                os.close(fd)
-        return 0
+        return read_index_ahead(self.path, max_nbytes)
 
     def read_path(self) -> str:
         """Which reader serves this tier: native (O_DIRECT or buffered) or Python, and why."""
@@ -392,46 +381,19 @@ class DiskTier(DiskWrites, Tier):
 
     # ---------------------------------------------------------------- maintenance (gc, stats)
 
-    def expire(
-        self,
-        *,
-        ttl_s: float | None = None,
-        max_age_s: float | None = None,
-        dry_run: bool = False,
-        progress: Progress = None,
-        counted: DryCount | None = None,
-    ) -> SweepReport:
-        """Delete blocks idle longer than ``ttl_s`` or older than ``max_age_s`` (defaults: the policy).
-        ``counted``: what a dry run's earlier steps counted (``sweeps.DryCount``)."""
+    def expire(self, **options: Any) -> SweepReport:
+        """Delete blocks idle longer than their TTL or older than the max age: ``Sweeps.expire``'s options
+        (``ttl_s``, ``max_age_s``, ``dry_run``, ``progress``, ``counted``), now by this tier's clock."""
         self.times.flush()
-        return self.sweeps.expire(
-            self.clock(),
-            ttl_s=ttl_s,
-            max_age_s=max_age_s,
-            dry_run=dry_run,
-            progress=progress,
-            counted=counted,
-        )
+        return self.sweeps.expire(self.clock(), **options)
 
-    def enforce_budget(
-        self,
-        budget_nbytes: int | None = None,
-        *,
-        dry_run: bool = False,
-        progress: Progress = None,
-        counted: DryCount | None = None,
-    ) -> SweepReport:
-        return self.sweeps.enforce_budget(budget_nbytes, dry_run=dry_run, progress=progress, counted=counted)
+    def enforce_budget(self, budget_nbytes: int | None = None, **options: Any) -> SweepReport:
+        """``Sweeps.enforce_budget``, its options (``dry_run``, ``progress``, ``counted``)."""
+        return self.sweeps.enforce_budget(budget_nbytes, **options)
 
-    def purge_namespace(
-        self,
-        digest: bytes | None,
-        *,
-        dry_run: bool = False,
-        progress: Progress = None,
-        counted: DryCount | None = None,
-    ) -> SweepReport:
-        return self.sweeps.purge_namespace(digest, dry_run=dry_run, progress=progress, counted=counted)
+    def purge_namespace(self, digest: bytes | None, **options: Any) -> SweepReport:
+        """``Sweeps.purge_namespace``, its options (``dry_run``, ``progress``, ``counted``)."""
+        return self.sweeps.purge_namespace(digest, **options)
 
     def check(self, *, dry_run: bool = False, progress: Progress = None) -> SweepReport:
         return self.sweeps.check(dry_run=dry_run, progress=progress)

@@ -21,7 +21,7 @@ import lmdb
 from tierkv.errors import StoreOpenError
 from tierkv.tiers.disk.segments import fsync_dir
 
-__all__ = ["CORRUPT", "RELOCK_TIMEOUT_S", "OwnersLock", "make_private_dir", "open_store"]
+__all__ = ["CORRUPT", "RELOCK_TIMEOUT_S", "OwnersLock", "make_private_dir", "open_store", "read_index_ahead"]
 
 log = logging.getLogger("tierkv.disk")
 
@@ -173,3 +173,22 @@ def _lock_owner(path: Path, exclusive: bool) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def read_index_ahead(path: Path, max_nbytes: int) -> int:
+    """The store's index file at ``path`` read into the page cache by the kernel's readahead, up to
+    ``max_nbytes``; returns the bytes asked for (``DiskTier.read_ahead``).
+
+    data.mdb only, never lock.mdb: closing any descriptor of a file drops every POSIX lock the process
+    holds on it, and LMDB marks its live readers with such locks on lock.mdb (another process's reader
+    check then frees this one's reader slots: MDB_BAD_RSLOT on its next read)."""
+    with contextlib.suppress(OSError):  # a hint: an error here costs only the first lookups
+        fd = os.open(path / "index" / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            n = min(os.fstat(fd).st_size, max_nbytes)
+            if n > 0:  # (a length of 0 would mean "to the end")
+                os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
+            return max(n, 0)
+        finally:
+            os.close(fd)
+    return 0

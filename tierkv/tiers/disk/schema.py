@@ -50,6 +50,7 @@ __all__ = [
     "PINNED",
     "READ_FORMAT_VERSIONS",
     "RETENTION_FORMAT_VERSION",
+    "DryCount",
     "Entry",
     "Hole",
     "Policy",
@@ -188,6 +189,23 @@ class SweepReport:
 
     def __add__(self, other: SweepReport) -> SweepReport:
         return SweepReport(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclasses.dataclass
+class DryCount:
+    """What a dry run's steps (purge, expiry, budget) counted so far: it removes nothing, so each step
+    sees the whole index, and a block two steps would remove counts once."""
+
+    keys: set[bytes] = dataclasses.field(default_factory=set)
+    nbytes: int = 0
+
+    def add(self, key: bytes, e: Entry) -> bool:
+        """Count ``key`` unless an earlier step did; whether it was new."""
+        if key in self.keys:
+            return False
+        self.keys.add(key)
+        self.nbytes += e.footprint
+        return True
 
 
 def time_key(t: float, key: bytes) -> bytes:

@@ -20,10 +20,10 @@ from tierkv.keys import BlockKey
 from tierkv.metrics import Counters
 from tierkv.priority import background_priority
 from tierkv.tiers.disk.index import EVICTION_ORDER, Index, Txn
-from tierkv.tiers.disk.schema import TIME, Entry, Hole, SweepReport, time_key, time_of
+from tierkv.tiers.disk.schema import TIME, DryCount, Entry, Hole, SweepReport, time_key, time_of
 from tierkv.tiers.disk.segments import SegmentDir, aligned
 
-__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "DryCount", "Progress", "SWEEP_BATCH", "Sweeper", "Sweeps"]
+__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Progress", "SWEEP_BATCH", "Sweeper", "Sweeps"]
 
 log = logging.getLogger("tierkv.disk")
 
@@ -32,23 +32,6 @@ PURGE_SCAN = 4096  # index entries a purge looks at per transaction (it holds LM
 DEFAULT_SWEEP_INTERVAL_S = 300.0  # a server's own expiry and budget sweep
 Progress = Callable[[int], None] | None
 STOP = object()  # a walk's verdict: this row and all after it stay
-
-
-@dataclasses.dataclass
-class DryCount:
-    """What a dry run's steps (purge, expiry, budget) counted so far: it removes nothing, so each step
-    sees the whole index, and a block two steps would remove counts once."""
-
-    keys: set[bytes] = dataclasses.field(default_factory=set)
-    nbytes: int = 0
-
-    def add(self, key: bytes, e: Entry) -> bool:
-        """Count ``key`` unless an earlier step did; whether it was new."""
-        if key in self.keys:
-            return False
-        self.keys.add(key)
-        self.nbytes += e.footprint
-        return True
 
 
 class Sweeps:
