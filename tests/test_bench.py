@@ -376,3 +376,33 @@ def test_the_machine_line_names_the_hypervisor_s_and_damon_s_reclaim(tmp_path) -
     assert machine.memory_reclaim(root) == ["memory idle 60 s paged out (DAMON)"]
     (root / "kernel/mm/damon/admin/kdamonds/0/state").write_text("off\n")
     assert machine.memory_reclaim(root) == [] and machine.memory_reclaim(tmp_path / "none") == []
+
+
+def test_the_restart_bench_restarts_twice_from_disk_once_buffered_once_with_o_direct(tmp_path) -> None:
+    """A real ``tierkv serve`` (tiny model): cold, the second call from the host tier, then two restarts
+    with the page cache dropped, each served from disk with the same text: the default server reading
+    buffered, the next one (started with TIERKV_DIRECT_READS=1) reading what the page cache lacks with
+    O_DIRECT, as its start-up line says. The table and the speed-ups name both."""
+    from tierkv.bench import restart, serving
+
+    with serving.log_dir(tmp_path / "logs"):
+        res = restart.run(tmp_path / "run", model="tiny", tokens=600, max_tokens=4, runs=1)
+    calls = {c["phase"]: c for c in res["calls"]}
+    assert list(calls) == list(restart.PHASES)
+    cold, second = calls["cold"], calls["second call"]
+    assert sum(cold["cached_tokens_by_tier"].values()) == 0
+    assert second["cached_tokens_by_tier"]["host"] > 0.8 * second["prompt_tokens"]
+    for phase in restart.PHASES[2:]:
+        by_tier = calls[phase]["cached_tokens_by_tier"]
+        assert by_tier["host"] == 0 and by_tier["disk"] == second["cached_tokens_by_tier"]["host"], phase
+    assert res["same_text"]
+    assert res["speedups_after_restart_direct"] == [cold["ttft_s"] / calls[restart.PHASES[3]]["ttft_s"]]
+    logs = sorted((tmp_path / "logs").glob("serve-*.log"), key=lambda p: p.stat().st_mtime)
+    assert len(logs) == 3
+    texts = [p.read_text() for p in logs]
+    assert "reads buffered with readahead" in texts[1] and "TIERKV_DIRECT_READS" not in texts[1]
+    from tierkv.tiers.disk.files import accepts_direct_io
+
+    direct = "O_DIRECT where uncached" if accepts_direct_io(tmp_path) else "refuses O_DIRECT"
+    assert texts[2].startswith("$ TIERKV_DIRECT_READS=1 ") and direct in texts[2]
+    assert "O_DIRECT reads" in restart.markdown({**res, "config": {**res["config"], "runs": 2}})

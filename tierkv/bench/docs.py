@@ -137,7 +137,12 @@ def _headline() -> str:
             f"{med['cold'] * 1e3:,.0f} ms → {med['after a restart, page cache dropped'] * 1e3:,.0f} ms; "
             f"**{rs['speedup_after_restart']:.1f}x** (cycles "
             + ", ".join(f"{x:.1f}x" for x in rs["speedups_after_restart"])
-            + ")",
+            + ")"
+            + (
+                f"; with O_DIRECT reads {rs['speedup_after_restart_direct']:.1f}x"
+                if rs.get("speedup_after_restart_direct")
+                else ""
+            ),
             _when(real, "restart"),
         ],
         [

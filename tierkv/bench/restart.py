@@ -3,7 +3,9 @@
 One server (``tierkv serve --model ...``) answers a chat whose system prompt is about ``tokens`` long
 (greedy, streamed): the first call computes it, the second restores it from the host tier. The server is
 stopped (SIGTERM flushes the store), the store's segment files are dropped from the page cache, and a new
-server answers the same chat: restored from disk. For each call: TTFT at the client (first streamed
+server answers the same chat: restored from disk. Then once more, that server stopped and the page cache
+dropped again, with ``TIERKV_DIRECT_READS=1``: what the page cache lacks read with O_DIRECT (the two
+restarts in turn first, cycle by cycle). For each call: TTFT at the client (first streamed
 chunk), the server's restore and prefill times (``usage.tierkv``), the cached tokens per tier, and the
 text, which must be the same every time.
 
@@ -16,6 +18,7 @@ a fresh cache directory and reports medians.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -55,10 +58,12 @@ def run(
             tokens,
             max_tokens,
             server_args,
+            direct_first=i % 2 == 1,
         )
         for i in range(max(1, runs))
     ]
-    ratios = [c["calls"][0]["ttft_s"] / c["calls"][-1]["ttft_s"] for c in cycles]
+    ratios = [c["calls"][0]["ttft_s"] / c["calls"][2]["ttft_s"] for c in cycles]
+    direct = [c["calls"][0]["ttft_s"] / c["calls"][3]["ttft_s"] for c in cycles if len(c["calls"]) > 3]
     median_run = sorted(range(len(cycles)), key=lambda i: ratios[i])[len(cycles) // 2]
     return {
         "config": {
@@ -75,52 +80,80 @@ def run(
             c["calls"][0]["ttft_s"] / c["calls"][1]["ttft_s"] for c in cycles
         ),
         "speedups_after_restart": ratios,
+        # the same restart with O_DIRECT reads (none where the environment asks for them already)
+        "speedup_after_restart_direct": statistics.median(direct) if direct else None,
+        "speedups_after_restart_direct": direct,
         "ttft_median_s": {
             phase: statistics.median(c["calls"][k]["ttft_s"] for c in cycles)
             for k, phase in enumerate(PHASES)
+            if all(len(c["calls"]) > k for c in cycles)
         },
         "runs_detail": [c["calls"] for c in cycles],
     }
 
 
-PHASES = ("cold", "second call", "after a restart, page cache dropped")
+PHASES = (
+    "cold",
+    "second call",
+    "after a restart, page cache dropped",
+    "after a restart, page cache dropped, O_DIRECT reads",
+)
+# The restarts' environments: the reads as this process's environment has them (the default: buffered),
+# then with what the page cache lacks read with O_DIRECT.
+RESTART_ENV = {PHASES[2]: {}, PHASES[3]: {"TIERKV_DIRECT_READS": "1"}}
 
 
 def _cycle(
-    cache: Path, model: str, tokens: int, max_tokens: int, server_args: tuple[str, ...]
+    cache: Path,
+    model: str,
+    tokens: int,
+    max_tokens: int,
+    server_args: tuple[str, ...],
+    *,
+    direct_first: bool = False,
 ) -> dict[str, Any]:
     system = _system_prompt(int(tokens * 0.62))  # about 1.6 tokens per word with SmolLM2's tokenizer
     messages = [
         {"role": "system", "content": system},
         {"role": "user", "content": "In one sentence: what must I do first?"},
     ]
-    calls: list[dict[str, Any]] = []
+    restarts = list(PHASES[2:])
+    if os.environ.get("TIERKV_DIRECT_READS", "").strip().lower() in ("1", "true", "yes", "on"):
+        restarts = restarts[:1]  # the first restart reads with O_DIRECT already
+    elif direct_first:
+        restarts.reverse()
+    calls: dict[str, dict[str, Any]] = {}
     method = ""
     srv = None
     try:
-        for phase in PHASES:
+        for phase in (*PHASES[:2], *restarts):
             start_s = None
             if srv is None:
                 t0 = time.perf_counter()
                 srv = ServeProcess(
-                    "--model", model, "--cache-dir", str(cache), "--host-cache", "1GiB", *server_args
+                    "--model",
+                    model,
+                    "--cache-dir",
+                    str(cache),
+                    "--host-cache",
+                    "1GiB",
+                    *server_args,
+                    env=RESTART_ENV.get(phase),
                 )
                 start_s = time.perf_counter() - t0  # (the server warms its model up before it serves)
             r = srv.chat(messages, max_tokens)
             u = r["usage"]
-            calls.append(
-                {
-                    "phase": phase,
-                    "ttft_s": r["ttft_s"],
-                    "prompt_tokens": u["prompt_tokens"],
-                    "cached_tokens_by_tier": u["tierkv"]["cached_tokens_by_tier"],
-                    "restore_ms": u["tierkv"]["restore_ms"],
-                    "prefill_ms": u["tierkv"].get("prefill_ms"),
-                    "text": r["text"],
-                    "server_start_s": start_s,
-                }
-            )
-            if phase == "second call":  # restart: SIGTERM flushes the store; then nothing of it in RAM
+            calls[phase] = {
+                "phase": phase,
+                "ttft_s": r["ttft_s"],
+                "prompt_tokens": u["prompt_tokens"],
+                "cached_tokens_by_tier": u["tierkv"]["cached_tokens_by_tier"],
+                "restore_ms": u["tierkv"]["restore_ms"],
+                "prefill_ms": u["tierkv"].get("prefill_ms"),
+                "text": r["text"],
+                "server_start_s": start_s,
+            }
+            if phase != "cold":  # restart: SIGTERM flushes the store; then nothing of it in RAM
                 srv.stop()
                 srv = None
                 method = drop_page_cache(
@@ -129,7 +162,7 @@ def _cycle(
     finally:
         if srv is not None:  # also when a call failed: no server is left running
             srv.stop()
-    return {"calls": calls, "cold_method": method}
+    return {"calls": [calls[p] for p in PHASES if p in calls], "cold_method": method}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -174,6 +207,15 @@ def markdown(res: dict[str, Any]) -> str:
             f"the restart per cycle: {', '.join(f'{r:.1f}x' for r in res['speedups_after_restart'])} "
             f"(median {res['speedup_after_restart']:.1f}x)."
         )
+        if res.get("speedups_after_restart_direct"):
+            spread += (
+                f" The same restart with what the page cache lacks read with O_DIRECT (`TIERKV_DIRECT_READS=1`;"
+                " the two restarts take turns going first; the default reads buffered, docs/architecture.md"
+                " says why): median TTFT "
+                f"{med[PHASES[3]] * 1e3:.0f} ms; per cycle "
+                f"{', '.join(f'{r:.1f}x' for r in res['speedups_after_restart_direct'])} "
+                f"(median {res['speedup_after_restart_direct']:.1f}x)."
+            )
     return (
         f"Model `{res['config']['model']}`{' (' + extra + ')' if extra else ''} through HTTP, greedy, {res['config']['max_tokens']} tokens: {same} "
         f'("{res["calls"][0]["text"].strip()[:80]}"); page cache dropped via {res["config"]["cold_method"]}.'

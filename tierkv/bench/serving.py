@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -125,14 +126,20 @@ class ServeProcess:
 
     Give ``--model``: without it ``tierkv serve`` runs its default model (smollm2)."""
 
-    def __init__(self, *args: str, timeout_s: float = 180, wait: bool = True) -> None:
+    def __init__(
+        self, *args: str, timeout_s: float = 180, wait: bool = True, env: dict[str, str] | None = None
+    ) -> None:
+        """``env``: variables set for the server on top of this process's environment."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path, self.log = _open_log("serve", self.port)
         cmd = [sys.executable, "-m", "tierkv.cli", "serve", "--port", str(self.port), *SERVE_DEFAULTS, *args]
-        self.log.write("$ " + " ".join(cmd) + "\n")
+        shown = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        self.log.write("$ " + (shown + " " if shown else "") + " ".join(cmd) + "\n")
         self.log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env} if env else None
+        )
         self.timeout_s = timeout_s
         if wait:
             self.wait_ready()
