@@ -111,6 +111,13 @@ def test_bench_quick_peers_and_stalls(tmp_path, monkeypatch) -> None:
             "warm interleaved",
         }
         assert all(v > 0 for v in row.values()), name
+    assert "tierkv (native, O_DIRECT reads)" in peers
+    # one bit flipped in a stored block: tierkv serves the blocks before it and never the flipped bytes;
+    # naive LMDB (no checksums) serves them
+    flipped = res["peers"]["flipped_byte"]
+    for name in ("tierkv (native)", "tierkv (native, O_DIRECT reads)", "tierkv (Python path)"):
+        assert flipped[name] == "refused: served the 2 blocks before it", (name, flipped)  # of 4
+    assert flipped["naive LMDB (a value per block)"] == "served it", flipped
     modes = res["stall"]["modes"]
     assert list(modes) == [
         "alone",
