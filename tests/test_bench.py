@@ -50,7 +50,7 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
         v["median"] for k, v in tiers["rows_Bps"].items() if k.startswith("fio O_DIRECT sequential read")
     ]
     assert tiers["disk_read_limit_Bps"] == max(depths) > 0  # the limit is the best of them
-    for path in ("native", "python", "native O_DIRECT"):  # every data path, side by side in one run
+    for path in ("native", "python", "native buffered reads"):  # every data path, side by side in one run
         assert tiers["ratios"][f"restore cold one-prefix / disk limit [{path}]"] == pytest.approx(
             tiers["rows_Bps"][f"restore one-prefix, cold [{path}]"]["median"] / tiers["disk_read_limit_Bps"]
         )
@@ -111,11 +111,11 @@ def test_bench_quick_peers_and_stalls(tmp_path, monkeypatch) -> None:
             "warm interleaved",
         }
         assert all(v > 0 for v in row.values()), name
-    assert "tierkv (native, O_DIRECT reads)" in peers
+    assert "tierkv (native, buffered reads)" in peers
     # one bit flipped in a stored block: tierkv serves the blocks before it and never the flipped bytes;
     # naive LMDB (no checksums) serves them
     flipped = res["peers"]["flipped_byte"]
-    for name in ("tierkv (native)", "tierkv (native, O_DIRECT reads)", "tierkv (Python path)"):
+    for name in ("tierkv (native)", "tierkv (native, buffered reads)", "tierkv (Python path)"):
         assert flipped[name] == "refused: served the 2 blocks before it", (name, flipped)  # of 4
     assert flipped["naive LMDB (a value per block)"] == "served it", flipped
     modes = res["stall"]["modes"]
@@ -385,13 +385,17 @@ def test_the_machine_line_names_the_hypervisor_s_and_damon_s_reclaim(tmp_path) -
     assert machine.memory_reclaim(root) == [] and machine.memory_reclaim(tmp_path / "none") == []
 
 
-def test_the_restart_bench_restarts_twice_from_disk_once_buffered_once_with_o_direct(tmp_path) -> None:
+def test_the_restart_bench_restarts_twice_from_disk_once_with_o_direct_once_buffered(
+    tmp_path, monkeypatch
+) -> None:
     """A real ``tierkv serve`` (tiny model): cold, the second call from the host tier, then two restarts
     with the page cache dropped, each served from disk with the same text: the default server reading
-    buffered, the next one (started with TIERKV_DIRECT_READS=1) reading what the page cache lacks with
-    O_DIRECT, as its start-up line says. The table and the speed-ups name both."""
+    what the page cache lacks with O_DIRECT, the next one (started with TIERKV_DIRECT_READS=0) reading
+    buffered, as their start-up lines say. The table and the speed-ups name both."""
     from tierkv.bench import restart, serving
+    from tierkv.tiers.disk.files import accepts_direct_io
 
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
     with serving.log_dir(tmp_path / "logs"):
         res = restart.run(tmp_path / "run", model="tiny", tokens=600, max_tokens=4, runs=1)
     calls = {c["phase"]: c for c in res["calls"]}
@@ -403,13 +407,11 @@ def test_the_restart_bench_restarts_twice_from_disk_once_buffered_once_with_o_di
         by_tier = calls[phase]["cached_tokens_by_tier"]
         assert by_tier["host"] == 0 and by_tier["disk"] == second["cached_tokens_by_tier"]["host"], phase
     assert res["same_text"]
-    assert res["speedups_after_restart_direct"] == [cold["ttft_s"] / calls[restart.PHASES[3]]["ttft_s"]]
+    assert res["speedups_after_restart_buffered"] == [cold["ttft_s"] / calls[restart.PHASES[3]]["ttft_s"]]
     logs = sorted((tmp_path / "logs").glob("serve-*.log"), key=lambda p: p.stat().st_mtime)
     assert len(logs) == 3
     texts = [p.read_text() for p in logs]
-    assert "reads buffered with readahead" in texts[1] and "TIERKV_DIRECT_READS" not in texts[1]
-    from tierkv.tiers.disk.files import accepts_direct_io
-
     direct = "O_DIRECT where uncached" if accepts_direct_io(tmp_path) else "refuses O_DIRECT"
-    assert texts[2].startswith("$ TIERKV_DIRECT_READS=1 ") and direct in texts[2]
-    assert "O_DIRECT reads" in restart.markdown({**res, "config": {**res["config"], "runs": 2}})
+    assert direct in texts[1] and "TIERKV_DIRECT_READS" not in texts[1].splitlines()[0]
+    assert texts[2].startswith("$ TIERKV_DIRECT_READS=0 ") and "reads buffered with readahead" in texts[2]
+    assert "every read buffered" in restart.markdown({**res, "config": {**res["config"], "runs": 2}})

@@ -52,10 +52,15 @@ def test_stats_text_uses_env_cache_dir(store_dir, monkeypatch) -> None:
     assert r.exit_code == 0 and "blocks     8" in r.output and "test-model@r1" in r.output
     assert f"{store_dir}   format 3\n" in r.output  # the newest: nothing to upgrade
     from tierkv import native
+    from tierkv.tiers.disk.files import accepts_direct_io
 
-    # Which data path runs here, in words: the native one where it is built, else why not.
+    # Which data path runs here, in words: the native one where it is built (by default reading what the
+    # page cache lacks with O_DIRECT, where the file system takes it), else why not.
+    reads = (
+        "O_DIRECT where uncached" if accepts_direct_io(store_dir) else "buffered: this file system refuses"
+    )
     path = (
-        "data path  native (reads buffered" if native.enabled() else f"data path  python ({native.reason()})"
+        f"data path  native (reads {reads}" if native.enabled() else f"data path  python ({native.reason()})"
     )
     assert path in r.output
 

@@ -29,18 +29,21 @@ def test_the_connector_reads_cold_records_with_o_direct_unless_told_not_to(tmp_p
 
 
 @pytest.mark.parametrize("value", [False, "0", "no"])
-def test_a_plain_store_still_reads_buffered_by_default(tmp_path, monkeypatch, value) -> None:
-    """Only the connector changes its default: a store opened directly keeps buffered reads, with a host
-    tier too (the page cache keeps what it read across a restart and beyond the host tier's size)."""
+def test_a_plain_store_reads_with_o_direct_like_the_connector_unless_asked_to_buffer(
+    tmp_path, monkeypatch, value
+) -> None:
+    """A store opened directly reads what the page cache lacks with O_DIRECT by default too, host tier or
+    not; TIERKV_DIRECT_READS=0 reads everything buffered (the page cache then keeps what was read,
+    across a restart and beyond the host tier's size)."""
     monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
     for host_bytes in (0, 16 << 20):
         with TieredStore.open(tmp_path / "plain", host_bytes=host_bytes) as store:
-            assert store._durable().segments.direct_reads is False
-            if native.enabled():
-                assert "reads buffered with readahead" in store._durable().read_path()
-    monkeypatch.setenv("TIERKV_DIRECT_READS", "1")
+            assert store._durable().segments.direct_reads is True
+    monkeypatch.setenv("TIERKV_DIRECT_READS", "0")
     with TieredStore.open(tmp_path / "plain", host_bytes=16 << 20) as store:
-        assert store._durable().segments.direct_reads is True
+        assert store._durable().segments.direct_reads is False
+        if native.enabled():
+            assert "reads buffered with readahead" in store._durable().read_path()
     assert ConnectorOptions.from_extra({"direct_reads": value}).direct_reads is False
 
 

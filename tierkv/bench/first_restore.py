@@ -83,13 +83,12 @@ def in_fresh_process(
     path: str = "native",
     populate_first: bool = False,
 ) -> float:
-    """``first_restore`` in a fresh process on the data path ``path`` (native, python or native O_DIRECT);
-    bytes per second."""
-    # "native": the store's own default read path
+    """``first_restore`` in a fresh process on the data path ``path`` (native, python or native buffered
+    reads); bytes per second."""
     env = {
-        **{k: v for k, v in os.environ.items() if k != "TIERKV_DIRECT_READS"},
+        **os.environ,
         "TIERKV_NATIVE": "0" if path == "python" else "1",
-        **({"TIERKV_DIRECT_READS": "1"} if path == "native O_DIRECT" else {}),
+        "TIERKV_DIRECT_READS": "1" if path == "native" else "0",
     }
     args = [store_dir, num_prompts, prompt_tokens, host_bytes, int(populate_first)]
     return _fresh("first_restore", args, env)

@@ -4,8 +4,8 @@ One server (``tierkv serve --model ...``) answers a chat whose system prompt is 
 (greedy, streamed): the first call computes it, the second restores it from the host tier. The server is
 stopped (SIGTERM flushes the store), the store's segment files are dropped from the page cache, and a new
 server answers the same chat: restored from disk. Then once more, that server stopped and the page cache
-dropped again, with ``TIERKV_DIRECT_READS=1``: what the page cache lacks read with O_DIRECT (the two
-restarts in turn first, cycle by cycle). For each call: TTFT at the client (first streamed
+dropped again, with ``TIERKV_DIRECT_READS=0``: read buffered, where the default reads what the page cache
+lacks with O_DIRECT (the two restarts in turn first, cycle by cycle). For each call: TTFT at the client (first streamed
 chunk), the server's restore and prefill times (``usage.tierkv``), the cached tokens per tier, and the
 text, which must be the same every time.
 
@@ -18,7 +18,6 @@ a fresh cache directory and reports medians.
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time
@@ -29,6 +28,7 @@ from tierkv.bench.machine import drop_page_cache
 from tierkv.bench.serving import ServeProcess
 from tierkv.bench.table import md_table
 from tierkv.bench.workloads import WORDS
+from tierkv.units import env_flag
 
 
 def _system_prompt(nwords: int) -> str:
@@ -63,7 +63,7 @@ def run(
         for i in range(max(1, runs))
     ]
     ratios = [c["calls"][0]["ttft_s"] / c["calls"][2]["ttft_s"] for c in cycles]
-    direct = [c["calls"][0]["ttft_s"] / c["calls"][3]["ttft_s"] for c in cycles if len(c["calls"]) > 3]
+    buffered = [c["calls"][0]["ttft_s"] / c["calls"][3]["ttft_s"] for c in cycles if len(c["calls"]) > 3]
     median_run = sorted(range(len(cycles)), key=lambda i: ratios[i])[len(cycles) // 2]
     return {
         "config": {
@@ -80,9 +80,9 @@ def run(
             c["calls"][0]["ttft_s"] / c["calls"][1]["ttft_s"] for c in cycles
         ),
         "speedups_after_restart": ratios,
-        # the same restart with O_DIRECT reads (none where the environment asks for them already)
-        "speedup_after_restart_direct": statistics.median(direct) if direct else None,
-        "speedups_after_restart_direct": direct,
+        # the same restart with buffered reads (none where the environment asks for them already)
+        "speedup_after_restart_buffered": statistics.median(buffered) if buffered else None,
+        "speedups_after_restart_buffered": buffered,
         "ttft_median_s": {
             phase: statistics.median(c["calls"][k]["ttft_s"] for c in cycles)
             for k, phase in enumerate(PHASES)
@@ -96,11 +96,11 @@ PHASES = (
     "cold",
     "second call",
     "after a restart, page cache dropped",
-    "after a restart, page cache dropped, O_DIRECT reads",
+    "after a restart, page cache dropped, buffered reads",
 )
-# The restarts' environments: the reads as this process's environment has them (the default: buffered),
-# then with what the page cache lacks read with O_DIRECT.
-RESTART_ENV = {PHASES[2]: {}, PHASES[3]: {"TIERKV_DIRECT_READS": "1"}}
+# The restarts' environments: the reads as this process's environment has them (the default: what the page
+# cache lacks with O_DIRECT), then everything buffered.
+RESTART_ENV = {PHASES[2]: {}, PHASES[3]: {"TIERKV_DIRECT_READS": "0"}}
 
 
 def _cycle(
@@ -118,8 +118,8 @@ def _cycle(
         {"role": "user", "content": "In one sentence: what must I do first?"},
     ]
     restarts = list(PHASES[2:])
-    if os.environ.get("TIERKV_DIRECT_READS", "").strip().lower() in ("1", "true", "yes", "on"):
-        restarts = restarts[:1]  # the first restart reads with O_DIRECT already
+    if not env_flag("TIERKV_DIRECT_READS", True):
+        restarts = restarts[:1]  # the first restart reads buffered already
     elif direct_first:
         restarts.reverse()
     calls: dict[str, dict[str, Any]] = {}
@@ -207,14 +207,13 @@ def markdown(res: dict[str, Any]) -> str:
             f"the restart per cycle: {', '.join(f'{r:.1f}x' for r in res['speedups_after_restart'])} "
             f"(median {res['speedup_after_restart']:.1f}x)."
         )
-        if res.get("speedups_after_restart_direct"):
+        if res.get("speedups_after_restart_buffered"):
             spread += (
-                f" The same restart with what the page cache lacks read with O_DIRECT (`TIERKV_DIRECT_READS=1`;"
-                " the two restarts take turns going first; the default reads buffered, docs/architecture.md"
-                " says why): median TTFT "
+                " The same restart with every read buffered (`TIERKV_DIRECT_READS=0`; the default reads what"
+                " the page cache lacks with O_DIRECT; the two restarts take turns going first): median TTFT "
                 f"{med[PHASES[3]] * 1e3:.0f} ms; per cycle "
-                f"{', '.join(f'{r:.1f}x' for r in res['speedups_after_restart_direct'])} "
-                f"(median {res['speedup_after_restart_direct']:.1f}x)."
+                f"{', '.join(f'{r:.1f}x' for r in res['speedups_after_restart_buffered'])} "
+                f"(median {res['speedup_after_restart_buffered']:.1f}x)."
             )
     return (
         f"Model `{res['config']['model']}`{' (' + extra + ')' if extra else ''} through HTTP, greedy, {res['config']['max_tokens']} tokens: {same} "

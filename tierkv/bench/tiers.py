@@ -23,7 +23,8 @@ Rows (GB/s, medians of ``runs`` with their spread):
                                    verifies each record: the ceiling of a verified read
   restore interleaved cold         prefixes whose blocks were written interleaved
   (each of these for the disk tier's data paths side by side, in brackets: native, the default where the
-  extension is built; python, TIERKV_NATIVE=0, the fallback; native O_DIRECT, direct_reads=True)
+  extension is built, what the page cache lacks read with O_DIRECT; python, TIERKV_NATIVE=0, the
+  fallback; native buffered reads, direct_reads=False)
   restore zstd / zstd+shuffle cold the same with compressed records
   host tier restore                TieredStore.load from RAM
   memcpy                           torch copy_ of the same size
@@ -57,7 +58,9 @@ from tierkv.bench.kv_workload import LARGE_NS, NS, PROMPT_TOKENS, large_workload
 from tierkv.bench.machine import Memcpy, drop_page_cache, summary, warm_page_cache
 from tierkv.bench.tier_ratios import paired, ratios
 
-PATHS = ("native", "python", "native O_DIRECT")  # the disk tier's readers and writers, side by side
+# The disk tier's readers and writers, side by side: native (what the page cache lacks read with O_DIRECT,
+# the default), python (the fallback, buffered), native with every read buffered (TIERKV_DIRECT_READS=0)
+PATHS = ("native", "python", "native buffered reads")
 AFTER_MEMORY = (
     f"raw buffered cold read of the store's segment files, 8 MiB, {READ_THREADS} threads, in a fresh process "
     "after writing as much new memory as the host tier"
@@ -65,8 +68,8 @@ AFTER_MEMORY = (
 
 
 def _path(path: str) -> tuple[bool, bool]:
-    """Whether a data path is native, and whether it reads with O_DIRECT."""
-    return path != "python", path == "native O_DIRECT"
+    """Whether a data path is native, and whether it reads what the page cache lacks with O_DIRECT."""
+    return path != "python", path == "native"
 
 
 def _restores(

@@ -88,9 +88,9 @@ class DiskTier(DiskWrites, Tier):
         direct_reads: bool | None = None,
         direct_writes: bool | None = None,
     ) -> None:
-        """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT instead of
-        buffered with readahead (None: ``TIERKV_DIRECT_READS=1`` in the environment). Which is faster is the
-        disk's: ``tierkv bench`` measures both. ``direct_writes``: the native writer writes records past the
+        """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT, and what it
+        holds from it; False: everything buffered with readahead, so that the page cache keeps what was read
+        (None: unless ``TIERKV_DIRECT_READS=0``; docs/architecture.md says when to turn it off). ``direct_writes``: the native writer writes records past the
         page cache, with O_DIRECT, where the file system allows it (None: unless ``TIERKV_DIRECT_WRITES=0``):
         the host tier already holds what was just saved, and the page cache's upkeep of written pages can
         cost more CPU than the copy itself."""
@@ -107,7 +107,7 @@ class DiskTier(DiskWrites, Tier):
         # those refuse a store of format 3. Read at open: an upgrade is made with older builds stopped.
         self.record_version = 2 if store_format >= ALIGNED_RECORDS_FORMAT_VERSION else 1
         if direct_reads is None:
-            direct_reads = env_flag("TIERKV_DIRECT_READS", False)
+            direct_reads = env_flag("TIERKV_DIRECT_READS", True)
         if direct_writes is None:
             direct_writes = env_flag("TIERKV_DIRECT_WRITES", True)
         self.segments = SegmentDir(
