@@ -82,14 +82,16 @@ def _restores(
     raw: list[float] | None = None,
     path: str = "native",
     copies: tuple[Memcpy, list[float]] | None = None,
+    first_run: int = 0,
 ) -> tuple[list[float], str]:
     """Restores of every prompt, ``runs`` times; with ``raw``, each cold run is preceded by a raw read of
     the store's own segment files (the same bytes, the same pattern, no tierkv), appended to ``raw``; with
-    ``copies``, each run by a memcpy of a prompt's KV (memory's bandwidth drifts too), appended there."""
+    ``copies``, each run by a memcpy of a prompt's KV (memory's bandwidth drifts too), appended there.
+    ``first_run``: the number of the first run (where the raw read goes, before or after, alternates)."""
     bws, method = [], ""
     kv_nbytes = out.numel() * out.element_size()
     use_native, direct = _path(path)
-    for r in range(runs):
+    for r in range(first_run, first_run + runs):
         own = sorted((store_dir / "segments").glob("*.seg"))
         if raw is not None and r % 2 == 0:  # before the restore on even runs, after it on odd ones
             raw.append(buffered_cold(own, READ_THREADS))
@@ -114,6 +116,22 @@ def _restores(
         if raw is not None and r % 2 == 1:
             raw.append(buffered_cold(own, READ_THREADS))
     return bws, method
+
+
+def _cold_alternated(
+    store_dir: Path, prompts: list[list[int]], out: torch.Tensor, runs: int, paths: tuple[str, ...], **kw: Any
+) -> tuple[dict[str, list[float]], str]:
+    """Cold restores on each data path, ``runs`` each, the paths taking turns run by run (in order, then
+    reversed): this disk drifts over minutes, and a path measured in a window of its own got that
+    window's disk. ``kw`` (``raw``) goes to the first path's restores."""
+    got: dict[str, list[float]] = {path: [] for path in paths}
+    method = ""
+    for r in range(runs):
+        for path in paths if r % 2 == 0 else paths[::-1]:
+            more = kw if path == paths[0] else {}
+            bws, method = _restores(store_dir, prompts, out, 1, cold=True, path=path, first_run=r, **more)
+            got[path] += bws
+    return got, method
 
 
 def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str, Any]:
@@ -198,14 +216,10 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     out = torch.empty_like(kv)
     paths = PATHS if native.enabled() else ("python",)
     own: list[float] = []
-    bws: list[float] = []
-    method = ""
+    cold, method = _cold_alternated(store_dir, prompts, out, runs, paths, raw=own)
+    bws = cold[paths[0]]
     for path in paths:
-        got, method = _restores(
-            store_dir, prompts, out, runs, cold=True, raw=own if path == paths[0] else None, path=path
-        )
-        bws = bws or got
-        rows[f"restore one-prefix, cold [{path}]"] = summary(got)
+        rows[f"restore one-prefix, cold [{path}]"] = summary(cold[path])
     meter = Memcpy(kv_nbytes)
     copies: dict[str, list[float]] = {"warm": [], "host": []}
     warm: dict[str, list[float]] = {}
@@ -287,10 +301,9 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             for toks in prompts:
                 store.save(NS, toks[: (b + 1) * 64], kv[:, :, : (b + 1) * 64], start_block=b)
         store.flush()
+    interleaved, _ = _cold_alternated(store_dir, prompts, out, runs, paths)
     for path in paths:
-        rows[f"restore interleaved prefixes, cold [{path}]"] = summary(
-            _restores(store_dir, prompts, out, runs, cold=True, path=path)[0]
-        )
+        rows[f"restore interleaved prefixes, cold [{path}]"] = summary(interleaved[path])
 
     for codec_ in ("zstd", "zstd_shuffle"):
         shutil.rmtree(store_dir)
