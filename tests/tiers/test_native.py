@@ -126,6 +126,52 @@ def test_a_store_reads_what_the_page_cache_lacks_with_o_direct_unless_asked_to_b
         assert stats["read_direct_nbytes"] == 0 and stats["read_blocking_nbytes"] > 0
 
 
+def test_without_cachestat_the_default_reads_buffered_and_says_why(tmp_path, ns, monkeypatch) -> None:
+    """Where the kernel lacks cachestat(2) (before Linux 6.5, or refused by seccomp) residency would be
+    asked of mincore, mapping each range: the default then reads buffered, and the data path line says
+    why; TIERKV_DIRECT_READS=1 still asks for O_DIRECT. The same KV either way."""
+    from tierkv.tiers import disk
+
+    monkeypatch.setattr(disk, "has_cachestat", lambda file: False)
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    toks, kv = _saved(tmp_path, ns, 6)
+    for env, direct in ((None, False), ("1", True)):
+        if env is not None:
+            monkeypatch.setenv("TIERKV_DIRECT_READS", env)
+        uncache(tmp_path)
+        with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
+            hit, got = store.restore(ns, toks)
+            stats = store.stats()["disk"]
+            line = store._durable().read_path()
+        assert hit.num_tokens == len(toks) and torch.equal(got, kv)
+        assert (stats["read_direct_nbytes"] > 0) is direct
+        assert ("no cachestat(2)" in line) is not direct, line
+
+
+def test_a_file_system_refusing_o_direct_gets_the_buffered_reader_streaming_per_thread(
+    tmp_path, monkeypatch
+) -> None:
+    """O_DIRECT asked for (the default) where the file system refuses it: the reader runs its buffered
+    mode, each thread streaming its share of a cold run through a file of its own, as with
+    TIERKV_DIRECT_READS=0, not the O_DIRECT mode's unstreamed reads with no O_DIRECT descriptor."""
+    from tierkv.tiers.disk import segments
+
+    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    if release < (6, 5):
+        pytest.skip("no cachestat(2) before Linux 6.5: a run's residency is not known")
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    monkeypatch.setattr(segments, "accepts_direct_io", lambda folder: False)
+    toks, kv = _saved(tmp_path, BIG, 24)
+    uncache(tmp_path)
+    streamed = native.module().streamed_reads()
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
+        assert store._durable().segments.direct_reads and not store._durable().segments.reads_direct
+        hit, got = store.restore(BIG, toks)
+        assert "buffered: this file system refuses O_DIRECT" in store._durable().read_path()
+    assert hit.num_tokens == len(toks) and torch.equal(got, kv)
+    assert native.module().streamed_reads() - streamed == 24
+
+
 def _saved(path, ns: Namespace, blocks: int, seed: int = 0) -> tuple[list[int], torch.Tensor]:
     """A prompt of ``blocks`` blocks saved into a fresh store at ``path`` and flushed: its tokens and KV."""
     toks = list(range(blocks * ns.block_tokens))

@@ -27,6 +27,7 @@ from tierkv.metrics import Counters
 from tierkv.tenancy import Quota
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk.access_times import Touch
+from tierkv.tiers.disk.files import has_cachestat
 from tierkv.tiers.disk.index import Index
 from tierkv.tiers.disk.opening import read_index_ahead
 from tierkv.tiers.disk.pins import check_pin
@@ -90,7 +91,8 @@ class DiskTier(DiskWrites, Tier):
     ) -> None:
         """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT, and what it
         holds from it; False: everything buffered with readahead, so that the page cache keeps what was read
-        (None: unless ``TIERKV_DIRECT_READS=0``; docs/architecture.md says when to turn it off). ``direct_writes``: the native writer writes records past the
+        (None: unless ``TIERKV_DIRECT_READS=0``, or where the kernel lacks cachestat(2) and the environment
+        does not ask for O_DIRECT; docs/architecture.md says when to turn it off). ``direct_writes``: the native writer writes records past the
         page cache, with O_DIRECT, where the file system allows it (None: unless ``TIERKV_DIRECT_WRITES=0``):
         the host tier already holds what was just saved, and the page cache's upkeep of written pages can
         cost more CPU than the copy itself."""
@@ -106,8 +108,16 @@ class DiskTier(DiskWrites, Tier):
         # Records in the newer layout (payload 64-byte aligned) only where no older build shares the store:
         # those refuse a store of format 3. Read at open: an upgrade is made with older builds stopped.
         self.record_version = 2 if store_format >= ALIGNED_RECORDS_FORMAT_VERSION else 1
+        self._reads_note = ""  # why the default reads buffered, for the data path line
         if direct_reads is None:
             direct_reads = env_flag("TIERKV_DIRECT_READS", True)
+            index_file = next((self.path / "index").glob("*.mdb"), None)
+            asked = os.environ.get("TIERKV_DIRECT_READS") is not None
+            if direct_reads and not asked and index_file is not None and not has_cachestat(index_file):
+                # Residency would be asked of mincore, group by group (files.has_cachestat): the default
+                # stays buffered there, as it was before O_DIRECT reads were the default.
+                direct_reads = False
+                self._reads_note = "no cachestat(2) in this kernel; TIERKV_DIRECT_READS=1 for O_DIRECT"
         if direct_writes is None:
             direct_writes = env_flag("TIERKV_DIRECT_WRITES", True)
         self.segments = SegmentDir(
@@ -375,7 +385,7 @@ class DiskTier(DiskWrites, Tier):
         if seg.direct_reads:
             how = "O_DIRECT where uncached" if seg.direct_ok else refused
         else:
-            how = "buffered with readahead"
+            how = "buffered with readahead" + (f" ({self._reads_note})" if self._reads_note else "")
         writes = ("O_DIRECT" if seg.direct_ok else refused) if seg.direct_writes else "buffered"
         return f"native (reads {how}, {native.READ_THREADS} in flight; writes {writes}, sealed and synced natively)"
 

@@ -5,9 +5,11 @@ through that module.)"""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
+import sys
 from pathlib import Path
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "TransientReadError",
     "accepts_direct_io",
     "aligned",
+    "has_cachestat",
     "media_or_raise",
 ]
 
@@ -70,6 +73,37 @@ def accepts_direct_io(folder: Path) -> bool | None:
     if not existing:
         _unlink_quietly(probe)
     return True
+
+
+# cachestat(2), Linux 6.5: the same number on every architecture (the unified syscall table)
+CACHESTAT_NR = 451
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+def has_cachestat(file: Path) -> bool:
+    """Whether this kernel answers cachestat(2) for ``file`` (not before Linux 6.5, nor where a seccomp
+    profile refuses it): the native reader's residency check. Without it that check maps each range and
+    asks ``mincore``, taking the process's memory-map lock for writing and flushing TLBs on every CPU the
+    process runs on, group by group."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        stat = (ctypes.c_uint64 * 5)()  # nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted
+        rng = _CachestatRange(0, 4096)
+        long = ctypes.c_long  # syscall(2) takes its arguments as longs
+        return libc.syscall(long(CACHESTAT_NR), long(fd), ctypes.byref(rng), ctypes.byref(stat), long(0)) == 0
+    except (AttributeError, OSError):
+        return False
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(path: Path) -> None:

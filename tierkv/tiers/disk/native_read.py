@@ -84,7 +84,7 @@ def read_run(
             codec.DTYPE_CODES[chain.ns.dtype],
             spec.block_shape,
             native.READ_THREADS,
-            int(segments.direct_reads),
+            int(segments.reads_direct),
         )
     counters = segments.counters
     counters.add("disk", "read_cached_nbytes", cached)

@@ -116,6 +116,12 @@ class SegmentDir(SegmentReads):
         """False once this file system refused O_DIRECT (probed at start, or at an open since)."""
         return self._direct_ok
 
+    @property
+    def reads_direct(self) -> bool:
+        """Whether the native reader reads what the page cache lacks with O_DIRECT now: asked for, and not
+        refused by the file system (then its buffered mode, each thread streaming a share of a cold run)."""
+        return self.direct_reads and self._direct_ok
+
     def file(self, seg_id: int) -> Path:
         return self.path / f"{seg_id:010d}.seg"
 
@@ -175,8 +181,7 @@ class SegmentDir(SegmentReads):
                 rnd = stack.enter_context(self._read_fd(seg_id, sequential=False))
                 if seq is None or rnd is None:
                     continue
-                direct = self.direct_reads and self._direct_ok
-                dfd = stack.enter_context(self._read_fd(seg_id, direct=True)) if direct else None
+                dfd = stack.enter_context(self._read_fd(seg_id, direct=True)) if self.reads_direct else None
                 out[seg_id] = (seq, rnd, -1 if dfd is None else dfd)
             yield out
 
