@@ -71,6 +71,8 @@ def test_stats_and_gc_on_a_store(tierkv: Path, tmp_path: Path, ns) -> None:
     assert json.loads(_run(tierkv, "stats", "--cache-dir", str(tmp_path), "--json").stdout)["blocks"] == 4
     r = _run(tierkv, "gc", "--cache-dir", str(tmp_path), "--dry-run")
     assert r.returncode == 0 and r.stdout.startswith("would remove"), r.stdout + r.stderr
+    # a dry run: the live bytes are those now, and it empties no segment (none counted)
+    assert "; live now " in r.stdout and "segments" not in r.stdout, r.stdout
     r = _run(tierkv, "gc", "--cache-dir", str(tmp_path), "--all", "--dry-run", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["purged"] == 4, r.stderr
 

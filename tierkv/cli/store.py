@@ -54,7 +54,8 @@ def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
         + ("" if newest else f" (`tierkv gc --upgrade` makes it {STORE_FORMAT_VERSION}, see docs/shell.md)")
         + ("   (the default: give --cache-dir for a server started with one)" if default else "")
     )
-    click.echo(f"data path  {report['data_path']}")
+    # this process's, from its environment: a server's own is on its start-up line
+    click.echo(f"data path  {report['data_path']}   (in this environment; a server logs its own)")
     click.echo(
         f"blocks     {report['blocks']}   live {format_size(report['live_nbytes'])}   "
         f"on disk {format_size(report['segment_allocated_nbytes'] + report['index_file_nbytes'])} "
@@ -217,8 +218,12 @@ def gc(
         click.echo(
             ("would remove" if dry_run else "removed")
             + f": expired {out['expired']}, evicted {out['evicted']}, purged {out['purged']}, "
-            f"corrupt {out['corrupt']} (of {out['checked']} checked), segments {out['segments_removed']}; "
-            f"freed {format_size(out['freed_nbytes'])}; live {format_size(out['live_nbytes'])}"
+            f"corrupt {out['corrupt']} (of {out['checked']} checked)"
+            # a dry run empties no segment; its live bytes are those before
+            + ("" if dry_run else f", segments {out['segments_removed']}")
+            + f"; freed {format_size(out['freed_nbytes'])}; "
+            + ("live now " if dry_run else "live ")
+            + format_size(out["live_nbytes"])
             + (
                 f" ({format_size(out['pinned_nbytes'])} of it pinned: never evicted)"
                 if out["pinned_nbytes"]

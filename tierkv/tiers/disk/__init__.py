@@ -379,7 +379,7 @@ class DiskTier(DiskWrites, Tier):
     def read_path(self) -> str:
         """Which reader serves this tier: native (O_DIRECT or buffered) or Python, and why."""
         if not native.enabled():
-            return native.describe()
+            return native.describe() + ", reads buffered"
         seg = self.segments
         refused = "buffered: this file system refuses O_DIRECT"
         if seg.direct_reads:
