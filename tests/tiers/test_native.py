@@ -132,7 +132,7 @@ def test_without_cachestat_the_default_reads_buffered_and_says_why(tmp_path, ns,
     why; TIERKV_DIRECT_READS=1 still asks for O_DIRECT. The same KV either way."""
     from tierkv.tiers import disk
 
-    monkeypatch.setattr(disk, "has_cachestat", lambda file: False)
+    monkeypatch.setattr(disk, "has_cachestat", lambda: False)
     monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
     toks, kv = _saved(tmp_path, ns, 6)
     for env, direct in ((None, False), ("1", True)):

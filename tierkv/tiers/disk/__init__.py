@@ -111,9 +111,8 @@ class DiskTier(DiskWrites, Tier):
         self._reads_note = ""  # why the default reads buffered, for the data path line
         if direct_reads is None:
             direct_reads = env_flag("TIERKV_DIRECT_READS", True)
-            index_file = next((self.path / "index").glob("*.mdb"), None)
             asked = os.environ.get("TIERKV_DIRECT_READS") is not None
-            if direct_reads and not asked and index_file is not None and not has_cachestat(index_file):
+            if direct_reads and not asked and not has_cachestat():
                 # Residency would be asked of mincore, group by group (files.has_cachestat): the default
                 # stays buffered there, as it was before O_DIRECT reads were the default.
                 direct_reads = False

@@ -83,15 +83,16 @@ class _CachestatRange(ctypes.Structure):
     _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
 
 
-def has_cachestat(file: Path) -> bool:
-    """Whether this kernel answers cachestat(2) for ``file`` (not before Linux 6.5, nor where a seccomp
-    profile refuses it): the native reader's residency check. Without it that check maps each range and
-    asks ``mincore``, taking the process's memory-map lock for writing and flushing TLBs on every CPU the
-    process runs on, group by group."""
+def has_cachestat() -> bool:
+    """Whether this kernel answers cachestat(2) (not before Linux 6.5, nor where a seccomp profile refuses
+    it): the native reader's residency check. Without it that check maps each range and asks ``mincore``,
+    taking the process's memory-map lock for writing and flushing TLBs on every CPU the process runs on,
+    group by group. Asked of this module's own file: never of a store's LMDB files, since closing any
+    descriptor of a file drops every fcntl lock this process holds on it (LMDB's reader table)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(__file__, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
     try:
