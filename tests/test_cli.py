@@ -48,17 +48,20 @@ def test_stats_takes_the_folder_as_an_argument_too(store_dir, tmp_path) -> None:
 
 def test_stats_text_uses_env_cache_dir(store_dir, monkeypatch) -> None:
     monkeypatch.setenv("TIERKV_CACHE_DIR", str(store_dir))
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
     r = CliRunner().invoke(main, ["stats"])
     assert r.exit_code == 0 and "blocks     8" in r.output and "test-model@r1" in r.output
     assert f"{store_dir}   format 3\n" in r.output  # the newest: nothing to upgrade
     from tierkv import native
-    from tierkv.tiers.disk.files import accepts_direct_io
+    from tierkv.tiers.disk.files import accepts_direct_io, has_cachestat
 
     # Which data path runs here, in words: the native one where it is built (by default reading what the
-    # page cache lacks with O_DIRECT, where the file system takes it), else why not.
+    # page cache lacks with O_DIRECT, where the file system and the kernel allow it), else why not.
     # (None, when the probe cannot tell, counts as accepted, as the store counts it)
-    refused = accepts_direct_io(store_dir) is False
+    refused = accepts_direct_io(store_dir / "segments") is False
     reads = "buffered: this file system refuses" if refused else "O_DIRECT where uncached"
+    if not has_cachestat():
+        reads = "buffered with readahead (no cachestat(2)"
     path = (
         f"data path  native (reads {reads}" if native.enabled() else f"data path  python ({native.reason()})"
     )

@@ -110,8 +110,11 @@ def test_a_store_reads_what_the_page_cache_lacks_with_o_direct_unless_asked_to_b
     reads fell behind the disk and cost a restart's first request 2x here: docs/architecture.md);
     ``TIERKV_DIRECT_READS=0`` reads everything buffered, so that the page cache keeps it. The same KV
     either way."""
+    from tierkv.tiers.disk.files import has_cachestat
+
     if env is None:
         monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+        direct = direct and has_cachestat()  # without cachestat(2) the default reads buffered
     else:
         monkeypatch.setenv("TIERKV_DIRECT_READS", env)
     toks, kv = _saved(tmp_path, ns, 6)
@@ -131,7 +134,10 @@ def test_without_cachestat_the_default_reads_buffered_and_says_why(tmp_path, ns,
     asked of mincore, mapping each range: the default then reads buffered, and the data path line says
     why; TIERKV_DIRECT_READS=1 still asks for O_DIRECT. The same KV either way."""
     from tierkv.tiers import disk
+    from tierkv.tiers.disk.files import accepts_direct_io
 
+    if accepts_direct_io(tmp_path) is False:
+        pytest.skip("this file system refuses O_DIRECT: TIERKV_DIRECT_READS=1 reads buffered here")
     monkeypatch.setattr(disk, "has_cachestat", lambda: False)
     monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
     toks, kv = _saved(tmp_path, ns, 6)
@@ -148,6 +154,20 @@ def test_without_cachestat_the_default_reads_buffered_and_says_why(tmp_path, ns,
         assert ("no cachestat(2)" in line) is not direct, line
 
 
+def test_the_cachestat_probe_answers_as_this_kernel_does() -> None:
+    """``has_cachestat`` asks the kernel with no file: yes from Linux 6.5 on, unless a seccomp filter is on
+    this process (it may refuse the call); no before 6.5."""
+    from tierkv.tiers.disk.files import has_cachestat
+
+    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    with open("/proc/self/status") as f:
+        filtered = any(line.split()[:2] == ["Seccomp:", "2"] for line in f)
+    if release < (6, 5):
+        assert has_cachestat() is False
+    elif not filtered:
+        assert has_cachestat() is True
+
+
 def test_a_file_system_refusing_o_direct_gets_the_buffered_reader_streaming_per_thread(
     tmp_path, monkeypatch
 ) -> None:
@@ -155,10 +175,10 @@ def test_a_file_system_refusing_o_direct_gets_the_buffered_reader_streaming_per_
     mode, each thread streaming its share of a cold run through a file of its own, as with
     TIERKV_DIRECT_READS=0, not the O_DIRECT mode's unstreamed reads with no O_DIRECT descriptor."""
     from tierkv.tiers.disk import segments
+    from tierkv.tiers.disk.files import has_cachestat
 
-    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
-    if release < (6, 5):
-        pytest.skip("no cachestat(2) before Linux 6.5: a run's residency is not known")
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): a run's residency is not known")
     monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
     monkeypatch.setattr(segments, "accepts_direct_io", lambda folder: False)
     toks, kv = _saved(tmp_path, BIG, 24)
@@ -310,10 +330,12 @@ def test_a_cold_run_is_read_by_each_thread_in_a_share_of_its_own(tmp_path, read_
     """A buffered run the page cache lacks: each reading thread reads one contiguous share of the groups
     through a file of its own (readahead keeps its state per open file). Served bit for bit; a bad sector
     or a flipped byte in a later thread's share ends the prefix there, and only that record is purged."""
-    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
-    if release < (6, 5):
+    from tierkv.tiers.disk.files import has_cachestat
+
+    if not has_cachestat():
         pytest.skip(
-            "no cachestat(2) before Linux 6.5: a run's residency is not known, and it is read as before"
+            "no cachestat(2) here (before Linux 6.5, or refused): a run's residency is not known, and it is "
+            "read as before"
         )
     B = BIG.block_tokens
     toks, kv = _saved(tmp_path, BIG, 24)  # 24 records of 2 MiB: a group each, shares of 3 on 8 threads

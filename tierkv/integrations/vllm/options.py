@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.units import env_flag, parse_duration, parse_flag, parse_size
+from tierkv.units import parse_duration, parse_flag, parse_size
 
 DEFAULT_HOST_NBYTES = 2 << 30  # the connector's host tier unless told
 
@@ -136,9 +136,8 @@ class ConnectorOptions:
             "remote_admit_after": self.remote_admit_after,
             "sweep_interval_s": self.sweep_interval_s,
             "sync": self.sync,
-            "direct_reads": env_flag("TIERKV_DIRECT_READS", True)
-            if self.direct_reads is None
-            else self.direct_reads,
+            # None: the disk tier's default (O_DIRECT unless TIERKV_DIRECT_READS=0 or no cachestat)
+            "direct_reads": self.direct_reads,
         }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import secrets
 import sys
@@ -79,32 +80,24 @@ def accepts_direct_io(folder: Path) -> bool | None:
 CACHESTAT_NR = 451
 
 
-class _CachestatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
+@functools.cache
 def has_cachestat() -> bool:
     """Whether this kernel answers cachestat(2) (not before Linux 6.5, nor where a seccomp profile refuses
     it): the native reader's residency check. Without it that check maps each range and asks ``mincore``,
     taking the process's memory-map lock for writing and flushing TLBs on every CPU the process runs on,
-    group by group. Asked of this module's own file: never of a store's LMDB files, since closing any
-    descriptor of a file drops every fcntl lock this process holds on it (LMDB's reader table)."""
+    group by group. Asked of no file (descriptor -1): a kernel that has the call answers EBADF, one without
+    it ENOSYS, a seccomp profile EPERM or ENOSYS. Never of a store's files: closing any descriptor of a
+    file drops every fcntl lock this process holds on it (LMDB's reader table's, on its lock file)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        fd = os.open(__file__, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
         libc = ctypes.CDLL(None, use_errno=True)
-        stat = (ctypes.c_uint64 * 5)()  # nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted
-        rng = _CachestatRange(0, 4096)
         long = ctypes.c_long  # syscall(2) takes its arguments as longs
-        return libc.syscall(long(CACHESTAT_NR), long(fd), ctypes.byref(rng), ctypes.byref(stat), long(0)) == 0
+        ctypes.set_errno(0)
+        libc.syscall(long(CACHESTAT_NR), long(-1), None, None, long(0))
+        return ctypes.get_errno() == errno.EBADF
     except (AttributeError, OSError):
         return False
-    finally:
-        os.close(fd)
 
 
 def _unlink_quietly(path: Path) -> None:
