@@ -415,3 +415,39 @@ def test_the_restart_bench_restarts_twice_from_disk_once_with_o_direct_once_buff
     assert direct in texts[1] and "TIERKV_DIRECT_READS" not in texts[1].splitlines()[0]
     assert texts[2].startswith("$ TIERKV_DIRECT_READS=0 ") and "reads buffered with readahead" in texts[2]
     assert "every read buffered" in restart.markdown({**res, "config": {**res["config"], "runs": 2}})
+
+
+def test_making_a_store_cold_or_warm_never_opens_lmdb_s_lock_file(tmp_path, ns, monkeypatch) -> None:
+    """The benches drop and warm a store's files while a store may be open in the same process: closing a
+    descriptor of LMDB's lock file would drop the process's fcntl locks on it (its reader table). Both
+    leave lock.mdb alone and still handle the store's other files."""
+    import builtins
+
+    from tierkv import TieredStore
+    from tierkv.bench import machine
+
+    from helpers import make_kv
+
+    opened: list[str] = []
+    real_os_open, real_open = machine.os.open, builtins.open
+
+    def os_open(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real_os_open(path, *args, **kwargs)
+
+    def open_(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real_open(path, *args, **kwargs)
+
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(ns, list(range(32)), make_kv(ns, 32))
+        store.flush()
+        files = [p for p in tmp_path.rglob("*") if p.is_file()]
+        assert "lock.mdb" in {p.name for p in files}
+        monkeypatch.setattr(machine.os, "open", os_open)
+        monkeypatch.setattr(builtins, "open", open_)
+        machine.drop_page_cache(files)
+        machine.warm_page_cache(files)
+        monkeypatch.undo()
+        assert "lock.mdb" not in opened and "data.mdb" in opened and any(n.endswith(".seg") for n in opened)
+        assert store.lookup(ns, list(range(32))).num_tokens == 32
