@@ -91,9 +91,9 @@ class DiskTier(DiskWrites, Tier):
     ) -> None:
         """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT, and what it
         holds from it; False: everything buffered with readahead, so that the page cache keeps what was read
-        (None: unless ``TIERKV_DIRECT_READS=0``, or where the kernel lacks cachestat(2) and the environment
-        does not ask for O_DIRECT; docs/architecture.md says when to turn it off). ``direct_writes``: the native writer writes records past the
-        page cache, with O_DIRECT, where the file system allows it (None: unless ``TIERKV_DIRECT_WRITES=0``):
+        (None: ``TIERKV_DIRECT_READS`` where set, else O_DIRECT where the kernel has cachestat(2);
+        docs/architecture.md says when to turn it off). ``direct_writes``: the native writer writes records
+        past the page cache, with O_DIRECT, where the file system allows it (None: unless ``TIERKV_DIRECT_WRITES=0``):
         the host tier already holds what was just saved, and the page cache's upkeep of written pages can
         cost more CPU than the copy itself."""
         self.path = Path(path)
@@ -109,13 +109,13 @@ class DiskTier(DiskWrites, Tier):
         # those refuse a store of format 3. Read at open: an upgrade is made with older builds stopped.
         self.record_version = 2 if store_format >= ALIGNED_RECORDS_FORMAT_VERSION else 1
         self._reads_note = ""  # why the default reads buffered, for the data path line
-        if direct_reads is None:
+        if direct_reads is None and "TIERKV_DIRECT_READS" in os.environ:
             direct_reads = env_flag("TIERKV_DIRECT_READS", True)
-            asked = os.environ.get("TIERKV_DIRECT_READS") is not None
-            if direct_reads and not asked and not has_cachestat():
-                # Residency would be asked of mincore, group by group (files.has_cachestat): the default
-                # stays buffered there, as it was before O_DIRECT reads were the default.
-                direct_reads = False
+        elif direct_reads is None:
+            # Without cachestat, residency would be asked of mincore, group by group (files.has_cachestat):
+            # the default stays buffered there, as it was before O_DIRECT reads were the default.
+            direct_reads = has_cachestat()
+            if not direct_reads:
                 self._reads_note = "no cachestat(2) in this kernel; TIERKV_DIRECT_READS=1 for O_DIRECT"
         if direct_writes is None:
             direct_writes = env_flag("TIERKV_DIRECT_WRITES", True)

@@ -84,7 +84,8 @@ def read_run(
             codec.DTYPE_CODES[chain.ns.dtype],
             spec.block_shape,
             native.READ_THREADS,
-            int(segments.reads_direct),
+            # the mode follows the descriptors this run holds (an O_DIRECT one only where reads are direct)
+            int(any(dfd >= 0 for _, _, dfd in fds.values())),
         )
     counters = segments.counters
     counters.add("disk", "read_cached_nbytes", cached)
