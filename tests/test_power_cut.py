@@ -16,6 +16,7 @@ import dataclasses
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,10 @@ class RecordingNative:
     def __init__(self, log: list[Op]) -> None:
         self._log = log
         self.direct_runs = 0  # runs written through an O_DIRECT descriptor
+        # One run at a time: the native trace is one buffer that each run's start clears, and the disk
+        # writer's two appending threads may run two at once (each into its own file range; a batch is
+        # still indexed only after its own run's sync, which the log keeps in order).
+        self._one_run = threading.Lock()
 
     def enabled(self) -> bool:
         return native.enabled()
@@ -102,6 +107,10 @@ class RecordingNative:
         return self
 
     def write_run(self, fd, offset, records, sync, idle, direct_fd=-1):
+        with self._one_run:
+            return self._write_run(fd, offset, records, sync, idle, direct_fd)
+
+    def _write_run(self, fd, offset, records, sync, idle, direct_fd):
         nat = native.module()
         self.direct_runs += direct_fd >= 0
         nat.trace_writes(True)

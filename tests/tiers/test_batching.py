@@ -232,3 +232,29 @@ def test_join_returns_false_at_once_when_the_thread_is_gone() -> None:
     assert not q.join(WAIT_S)
     assert time.monotonic() - t0 < 5  # not the whole timeout: a dead thread handles nothing
     assert q.pending == 1
+
+
+def test_waiting_says_whether_items_are_queued_that_no_batch_took() -> None:
+    rec = Recorder(hold_first=True)
+    q = _held_queue(rec, item_nbytes=lambda _: 1, batch_nbytes=1 << 20)
+    assert not q.waiting  # "first" was taken by the batch in the handler
+    q.put("second")
+    assert q.waiting
+    rec.gate.set()
+    assert q.join(WAIT_S)
+    assert not q.waiting and rec.items == ["first", "second"]
+    assert q.stop(WAIT_S)
+
+
+def test_on_stop_runs_last_on_the_thread_after_what_was_queued() -> None:
+    seen: list[object] = []
+    q = BatchQueue(
+        "test-stop",
+        lambda b: seen.extend(b),
+        item_nbytes=lambda _: 1,
+        batch_nbytes=1,
+        on_stop=lambda: seen.append(("stop", threading.current_thread().name)),
+    )
+    q.put("item")
+    assert q.stop(WAIT_S)
+    assert seen == ["item", ("stop", "test-stop")]

@@ -36,13 +36,14 @@ class BatchQueue(Generic[T]):
         idle_s: float | None = None,
         on_idle: Callable[[], None] | None = None,
         on_start: Callable[[], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         """``handle(batch)`` runs on the thread for up to ``batch_items`` items or ``batch_nbytes`` bytes
         (whichever comes first, at least one item); ``on_idle`` runs after ``idle_s`` without items;
-        ``on_start`` first, on the thread (its scheduling priority, say)."""
+        ``on_start`` first, on the thread (its scheduling priority, say); ``on_stop`` last, on ``stop``."""
         self._handle, self._item_nbytes = handle, item_nbytes
         self.batch_nbytes, self.batch_items = batch_nbytes, batch_items
-        self._idle_s, self._on_idle, self._on_start = idle_s, on_idle, on_start
+        self._idle_s, self._on_idle, self._on_start, self._on_stop = idle_s, on_idle, on_start, on_stop
         self._queue: queue.Queue[T | None] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
@@ -55,6 +56,11 @@ class BatchQueue(Generic[T]):
     def pending(self) -> int:
         """Items queued and not yet handled."""
         return self._queue.unfinished_tasks
+
+    @property
+    def waiting(self) -> bool:
+        """Whether items are queued that no batch has taken yet (a handler may leave work for the next)."""
+        return not self._queue.empty()
 
     def put(self, item: T) -> None:
         self._queue.put(item)
@@ -88,6 +94,8 @@ class BatchQueue(Generic[T]):
                     self._run(self._on_idle)
                 continue
             if item is None:
+                if self._on_stop is not None:
+                    self._run(self._on_stop)
                 self._queue.task_done()
                 return
             batch = [item]

@@ -70,37 +70,47 @@ class SegmentWriter:
 
     def append(self, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> list[int]:
         """Write records (each a list of buffers, or a record still to be sealed) back to back, each padded
-        to a page, with gathered writes (no joining copy); make them durable; return their offsets.
+        to a page, and make them durable; return their offsets (``reserve`` then ``write``)."""
+        start, offsets = self.reserve(records)
+        self.write(start, records)
+        return offsets
+
+    def reserve(self, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> tuple[int, list[int]]:
+        """The file's next bytes for ``records``, taken now (the next reservation follows them, even if
+        their write fails): where they start, and each one's offset."""
+        start = pos = self.end
+        offsets = []
+        for rec in records:
+            offsets.append(pos)
+            pos += aligned(_nbytes(rec))
+        self.end = pos
+        return start, offsets
+
+    def write(self, start: int, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> None:
+        """Write ``records`` back to back at ``start`` (reserved for them), each padded to a page, with
+        gathered writes (no joining copy), and make them durable. May run on another thread than the
+        reservations, one write at a time per file position.
 
         Records to be sealed go to the native writer where it runs: checksums, writes and the sync with the
         GIL released, at SCHED_IDLE where this thread may come back from it."""
+        nbytes = sum(aligned(_nbytes(r)) for r in records)
         if native.enabled() and all(isinstance(r, Unsealed) for r in records):
-            offsets = []
-            pos = self.end
-            for r in records:
-                offsets.append(pos)
-                pos += aligned(r.nbytes)  # type: ignore[union-attr]
             batch = [(r.head, r.token_bytes, r.payload) for r in records]  # type: ignore[union-attr]
             direct_fd = -1 if self.direct_fd is None else self.direct_fd
             written = native.module().write_run(
-                self.fd, self.end, batch, int(self.sync), int(native_idle()), direct_fd
+                self.fd, start, batch, int(self.sync), int(native_idle()), direct_fd
             )
-            if written != pos - self.end:  # the two must agree on every record's footprint
-                raise OSError(errno.EIO, f"native writer wrote {written} bytes, expected {pos - self.end}")
-            self.end = pos
-            return offsets
-        offsets = []
+            if written != nbytes:  # the two must agree on every record's footprint
+                raise OSError(errno.EIO, f"native writer wrote {written} bytes, expected {nbytes}")
+            return
         parts: list[memoryview] = []
-        pos = self.end
         for rec in records:
-            offsets.append(pos)
             views = [memoryview(b).cast("B") for b in (seal(rec) if isinstance(rec, Unsealed) else rec)]
-            nbytes = sum(v.nbytes for v in views)
+            size = sum(v.nbytes for v in views)
             parts += views
-            if aligned(nbytes) > nbytes:
-                parts.append(_ZEROS[: aligned(nbytes) - nbytes])
-            pos += aligned(nbytes)
-        at = self.end
+            if aligned(size) > size:
+                parts.append(_ZEROS[: aligned(size) - size])
+        at = start
         while parts:
             n = os.pwritev(self.fd, parts[:IOV_MAX], at)  # at most IOV_MAX buffers per call
             if n <= 0:
@@ -113,8 +123,6 @@ class SegmentWriter:
                 parts[0] = parts[0][n:]
         if self.sync:
             os.fdatasync(self.fd)
-        self.end = pos
-        return offsets
 
     def close(self) -> None:
         try:
@@ -123,3 +131,10 @@ class SegmentWriter:
                 self.direct_fd = None
         finally:
             os.close(self.fd)  # releases the flock: the segment is now inactive for every process
+
+
+def _nbytes(record: Sequence[bytes | memoryview] | Unsealed) -> int:
+    """A record's bytes before its page padding."""
+    if isinstance(record, Unsealed):
+        return record.nbytes
+    return sum(memoryview(b).nbytes for b in record)

@@ -5,11 +5,14 @@ is dropped, not indexed (``Put.live``, checked in the indexing transaction).
 
 Write order: a batch is appended and fdatasync'ed first, then indexed in one LMDB transaction, so after
 a crash or a power cut every indexed record is complete; bytes a crash left unindexed are never
-referenced and are released by ``gc --compact``.
+referenced and are released by ``gc --compact``. While more batches wait, the next one is appended (on
+the appender thread) as this one is indexed: a record is still indexed only after its own fdatasync, and a
+batch is done (its saves settled, a flush's barrier passed) only once indexed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import threading
@@ -24,6 +27,7 @@ from tierkv.metrics import Counters
 from tierkv.priority import background_priority
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.access_times import AccessTimes
+from tierkv.tiers.disk.appender import Appender, Job
 from tierkv.tiers.disk.batch_order import by_chain
 from tierkv.tiers.disk.eviction import headroom
 from tierkv.tiers.disk.index import Index, Txn
@@ -48,6 +52,19 @@ __all__ = [
 ]
 
 log = logging.getLogger("tierkv.disk")
+
+
+@dataclasses.dataclass(slots=True)
+class _Appending:
+    """A batch whose records are being appended: indexed once its write is done."""
+
+    puts: list[Put]  # the whole batch (settled once indexed)
+    fresh: list[Put]  # those appended
+    seg: SegmentWriter
+    start: int
+    offsets: list[int]
+    job: Job
+
 
 DEFAULT_SEGMENT_NBYTES = 1 << 30  # roll to a new file past this; a fully dead file is unlinked
 DEFAULT_BATCH_NBYTES = 64 << 20  # one fdatasync + one commit per batch: amortises the sync cost
@@ -90,6 +107,8 @@ class Writer:
         # to 16% slower than with the cache off with the writer at nice 0 or 10, on 2 cores). The thread's
         # Python runs at nice 19; its byte work (checksums, writes, syncs) runs in the native writer at
         # SCHED_IDLE, without the GIL (priority.py says why never Python at idle priority).
+        self._appender = Appender("tierkv-disk-append")
+        self._in_flight: _Appending | None = None  # the batch being appended, indexed by the next turn
         self._batches: BatchQueue[Item] = BatchQueue(
             "tierkv-disk-writer",
             self._handle,
@@ -98,6 +117,7 @@ class Writer:
             idle_s=TOUCH_FLUSH_INTERVAL_S,
             on_idle=lambda: self._guarded(self.times.flush),
             on_start=background_priority,
+            on_stop=self._finish_in_flight,
         )
         self.thread = self._batches.thread
         # Called on the writer thread after each batch while the queue has room: the write-behind refills
@@ -205,6 +225,7 @@ class Writer:
                 FLUSH_TIMEOUT_S,
             )
             return False
+        self._appender.stop(FLUSH_TIMEOUT_S)
         seg = self.segment
         if seg is not None:
             try:
@@ -226,7 +247,10 @@ class Writer:
             self._guarded(lambda: self.segments.release(self.index.remove_at(purges)))
         puts = [i for i in items if isinstance(i, Put)]
         self._guarded(self._write_batch, puts)
-        self.times.requeue([p.key for p in puts])  # retention asked for them before they were indexed
+        # The batch appending now is indexed on the next turn, while the batch after it is appended; now
+        # if no batch is waiting, or a flush waits for it.
+        if not self._batches.waiting or any(isinstance(i, Barrier) for i in items):
+            self._finish_in_flight()
         self._guarded(self.times.flush)
         if self.on_room is not None and self.accepting:
             self._guarded(self.on_room)
@@ -250,6 +274,8 @@ class Writer:
         seg = self.segment
         if seg is not None and seg.end + incoming_nbytes <= self.segment_nbytes:
             return seg
+        # The batch in flight is indexed first: sealing its segment before would count it empty.
+        self._finish_in_flight()
         seg_id = self.index.allocate_segment()
         # The file exists (locked) before its row: a process that sees the row unlocked knows it is dead.
         new = SegmentWriter(self.segments, seg_id, sync=self.sync)
@@ -271,24 +297,48 @@ class Writer:
         return new
 
     def _write_batch(self, puts: list[Put]) -> None:
+        """Start appending a batch's records, then index the batch appended before it."""
         if not puts:
             return
+        appending = None
         try:
             if time.monotonic() < self._degraded_until:
                 self.counters.add("disk", "dropped_saves", len(puts))
             else:
-                self._write_fresh(puts)
+                appending = self._write_fresh(puts)
         finally:
-            with self._lock:
-                self._queued_nbytes -= sum(p.nbytes for p in puts)
-                for p in puts:
-                    if self._queued_keys.get(p.key) is p:  # not a later save of the key (this one died)
-                        del self._queued_keys[p.key]
-            for p in puts:
-                if p.release is not None:
-                    p.release()
+            prev, self._in_flight = self._in_flight, appending
+            if appending is None:
+                self._settle(puts)
+            if prev is not None:
+                self._finish(prev)
 
-    def _write_fresh(self, puts: list[Put]) -> None:
+    def _settle(self, puts: list[Put]) -> None:
+        """A batch done (indexed, skipped or dropped): out of the queue's bound, its buffers released."""
+        self.times.requeue([p.key for p in puts])  # retention asked for them before they were indexed
+        with self._lock:
+            self._queued_nbytes -= sum(p.nbytes for p in puts)
+            for p in puts:
+                if self._queued_keys.get(p.key) is p:  # not a later save of the key (this one died)
+                    del self._queued_keys[p.key]
+        for p in puts:
+            if p.release is not None:
+                p.release()
+
+    def _finish_in_flight(self) -> None:
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            self._finish(prev)
+
+    def _finish(self, a: _Appending) -> None:
+        """Wait for a batch's append, index it, settle it. Raises nothing (its steps are guarded)."""
+        try:
+            self._guarded(self._index_appended, a)
+        finally:
+            self._settle(a.puts)
+
+    def _write_fresh(self, puts: list[Put]) -> _Appending | None:
+        """Records not stored yet: their segment space taken and their append started (None: none)."""
         # A first look, outside the write transaction, only saves encoding and appending what is already
         # stored; the decision is taken again inside the write transaction (another process may be
         # writing the same prefix).
@@ -311,13 +361,31 @@ class Writer:
         if budget is not None:
             fresh = [p for p in fresh if aligned(p.record_nbytes) <= budget]
         if not fresh:
-            return
+            return None
+        records = [p.record for p in fresh]
         try:
             seg = self._segment_for(sum(aligned(p.record_nbytes) for p in fresh))
-            offsets = seg.append([p.record for p in fresh])
+            start, offsets = seg.reserve(records)
         except (OSError, lmdb.Error) as exc:
             self._degrade(exc, len(fresh))
+            return None
+        return _Appending(
+            puts, fresh, seg, start, offsets, self._appender.submit(lambda: seg.write(start, records))
+        )
+
+    def _index_appended(self, a: _Appending) -> None:
+        fresh, seg, offsets = a.fresh, a.seg, a.offsets
+        try:
+            a.job.result()
+        except (OSError, lmdb.Error) as exc:
+            self._degrade(exc, len(fresh))
+            # its space was taken: given back (a failed native write has punched it already)
+            self.segments.release(
+                [(seg.seg_id, a.start, sum(aligned(p.record_nbytes) for p in fresh), False)]
+            )
             return
+        budget = self.index.policy.budget_nbytes
+        policy = self.index.policy
 
         def index(txn: Txn) -> tuple[list[Hole], list[Hole], int]:
             now = self.clock()

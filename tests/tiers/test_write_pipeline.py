@@ -1,0 +1,120 @@
+"""The disk writer's pipeline (writer.py, appender.py): while batches wait, the next one is appended as the
+one before it is indexed; a record is indexed only after its own batch's sync, a flush waits for all of it,
+and a failed append loses only its own batch."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import torch
+from test_day_two import check_consistent
+
+from tierkv import TieredStore
+from tierkv.tiers.disk import segment_writer, writer
+from tierkv.tiers.disk.appender import Appender
+
+from helpers import make_kv
+
+PROMPTS = 6
+
+
+def _toks(p: int, n: int) -> list[int]:
+    return [p * 10_000 + t for t in range(n)]
+
+
+def _logged(monkeypatch, events: list[tuple[str, int, float]], slow_s: float, fail_call: int = 0) -> None:
+    """Log each append's start and end and each batch's indexing, by the batch's first file offset; appends
+    take ``slow_s`` longer (a slow disk), and append number ``fail_call`` (1-based) fails as a full disk."""
+    write, index = segment_writer.SegmentWriter.write, writer.Writer._index_appended
+    calls = [0]
+    lock = threading.Lock()
+
+    def slow_write(self, start, records):
+        with lock:
+            calls[0] += 1
+            n = calls[0]
+            events.append(("append", start, time.monotonic()))
+        time.sleep(slow_s)
+        if n == fail_call:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, start, records)
+        with lock:
+            events.append(("synced", start, time.monotonic()))
+
+    def logged_index(self, a):
+        index(self, a)
+        with lock:
+            events.append(("indexed", a.start, time.monotonic()))
+
+    monkeypatch.setattr(segment_writer.SegmentWriter, "write", slow_write)
+    monkeypatch.setattr(writer.Writer, "_index_appended", logged_index)
+
+
+def test_the_next_batch_is_appended_while_the_one_before_it_is_indexed(tmp_path, ns, monkeypatch) -> None:
+    events: list[tuple[str, int, float]] = []
+    _logged(monkeypatch, events, slow_s=0.05)
+    n = 4 * ns.block_tokens
+    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS)]
+    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
+    # a batch per prompt: its 4 blocks
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store:
+        for p in range(PROMPTS):
+            store.save(ns, _toks(p, n), kvs[p])
+        assert store.flush() == 0
+        at = {(kind, start): t for kind, start, t in events}
+        starts = sorted(start for kind, start, _ in events if kind == "append")
+        assert len(starts) >= 3
+        for s in starts:  # every batch indexed, each only after its own sync
+            assert at["synced", s] <= at["indexed", s]
+        # and some batch's append started before the batch before it was indexed
+        assert any(at["append", b] < at["indexed", a] for a, b in zip(starts, starts[1:])), events
+        check_consistent(store.tier("disk"))
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for p in range(PROMPTS):
+            hit, got = store.restore(ns, _toks(p, n))
+            assert hit.by_tier["disk"] == n and torch.equal(got, kvs[p])
+
+
+def test_a_failed_append_in_the_pipeline_loses_only_its_own_batch(tmp_path, ns, monkeypatch) -> None:
+    events: list[tuple[str, int, float]] = []
+    _logged(monkeypatch, events, slow_s=0.05, fail_call=2)
+    monkeypatch.setattr(writer, "DEGRADED_RETRY_S", 0.0)  # the batches after it are written, not dropped
+    n = 4 * ns.block_tokens
+    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS)]
+    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store:
+        for p in range(PROMPTS):
+            store.save(ns, _toks(p, n), kvs[p])
+        store.flush()
+        stats = store.stats()["disk"]
+        assert stats["write_errors"] == 1 and stats["dropped_saves"] == 4
+        hits = [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)]
+        assert sorted(hits) == [0] + [n] * (PROMPTS - 1)  # one prompt's batch lost, no other
+        check_consistent(store.tier("disk"))
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for p in range(PROMPTS):
+            hit, got = store.restore(ns, _toks(p, n))
+            assert hit.num_tokens == hits[p]
+            if hits[p]:
+                assert torch.equal(got, kvs[p])
+
+
+def test_the_appender_runs_jobs_and_stop_joins_its_threads() -> None:
+    appender = Appender("test-append")
+    ran: list[int] = []
+    jobs = [appender.submit(lambda i=i: ran.append(i)) for i in range(5)]
+    boom = appender.submit(lambda: (_ for _ in ()).throw(OSError(errno.EIO, "bad sector")))
+    for job in jobs:
+        job.result()
+    try:
+        boom.result()
+        raise AssertionError("the job's error was not raised")
+    except OSError as exc:
+        assert exc.errno == errno.EIO
+    assert sorted(ran) == list(range(5)) and all(job.fn is None for job in jobs)
+    assert appender.stop(5.0) and not any(t.is_alive() for t in appender.threads)
+    late = appender.submit(lambda: ran.append(99))  # no thread left: run here
+    late.result()
+    assert ran[-1] == 99
