@@ -45,7 +45,7 @@
 #include <immintrin.h> /* SSE2 only: the x86-64 baseline */
 #endif
 
-#define ABI 13 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
+#define ABI 14 /* tierkv/native.py refuses a build of another version (a stale in-place build) */
 #define ALIGN 4096
 #define IOV_CAP 1024              /* Linux's IOV_MAX */
 #ifndef GROUP_NBYTES
@@ -115,7 +115,7 @@ int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what);
 int injected(int fd, int64_t off, int64_t len, int writes);
 
 /* Aligned buffers kept between calls (a fresh one pays a page fault per 4 KiB): up to `keep` of them. */
-#define POOL_MAX 16
+#define POOL_MAX 20
 typedef struct {
     pthread_mutex_t lock;
     int keep, nfree;

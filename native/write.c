@@ -100,7 +100,9 @@ typedef struct { Py_buffer head, tokens, payload; int64_t pad; } wrec_t; /* pad:
  * the process's memory map lock for as long as the cores stay busy. A chunk of one larger record goes
  * through two of them (``seal_write_large``); a chunk without an image (no memory) is written buffered. */
 #define MAX_SEALERS 4
-#define IMAGE_KEEP (2 * (MAX_SEALERS + 1)) /* two per sealing thread (a large record's) */
+/* two per sealing thread (a large record's), of two runs at once (the disk writer appends the next batch
+ * while the one before it drains): kept only once that many were in use */
+#define IMAGE_KEEP (2 * 2 * (MAX_SEALERS + 1))
 _Static_assert(IMAGE_KEEP <= POOL_MAX, "the pool keeps them all");
 static pool_t images = POOL_INIT(IMAGE_KEEP);
 
@@ -348,20 +350,25 @@ static void *sealer(void *arg) {
     return NULL;
 }
 const char write_run_doc[] =
-    "write_run(fd, offset, records, sync, idle, direct_fd=-1) -> bytes written, padding included\n\n"
+    "write_run(fd, offset, records, sync, idle, direct_fd=-1, expect_nbytes=-1) -> bytes written, padding\n"
+    "included\n\n"
     "records: [(head, token_bytes, payload)], head being a record's 176 header bytes whose two checksums\n"
     "(payload, then header) are filled in here. Writes them back to back at offset, each padded to 4 KiB,\n"
-    "then fdatasync if sync. With direct_fd (the same file opened O_DIRECT), the run's space is allocated\n"
-    "first and its chunks are laid out in aligned buffers and written through it, several at once, past\n"
-    "the page cache (buffered through fd if it refuses). With idle, the checksums (and layouts) are\n"
-    "computed at SCHED_IDLE (the caller has made sure the thread may come back). OSError on a failed or\n"
-    "short write.";
+    "then fdatasync if sync is 1 (2: the chunks' writeback started, the fdatasync left to the caller, who\n"
+    "orders one run's sync before the next's). With direct_fd (the same file opened O_DIRECT), the run's\n"
+    "space is allocated first and its chunks are laid out in aligned buffers and written through it,\n"
+    "several at once, past the page cache (buffered through fd if it refuses). With idle, the checksums\n"
+    "(and layouts) are computed at SCHED_IDLE (the caller has made sure the thread may come back).\n"
+    "expect_nbytes: the run's footprint as the caller reserved it; another is refused before any write\n"
+    "(ValueError), since the bytes past it may be another run's. OSError on a failed or short write.";
 
 PyObject *write_run(PyObject *self, PyObject *args) {
     int fd, sync, idle, direct_fd = -1;
-    long long offset;
+    long long offset, expect_nbytes = -1;
     PyObject *o_recs;
-    if (!PyArg_ParseTuple(args, "iLOii|i", &fd, &offset, &o_recs, &sync, &idle, &direct_fd)) return NULL;
+    if (!PyArg_ParseTuple(args, "iLOii|iL", &fd, &offset, &o_recs, &sync, &idle, &direct_fd, &expect_nbytes))
+        return NULL;
+    if (sync < 0 || sync > 2) return PyErr_Format(PyExc_ValueError, "write_run: sync is 0, 1 or 2");
     if (!xxh3) return PyErr_Format(PyExc_RuntimeError, "tierkv._native unavailable: %s", unavailable);
     if (offset < 0 || offset % ALIGN) return PyErr_Format(PyExc_ValueError, "write_run: unaligned offset");
     PyObject *seq = PySequence_Fast(o_recs, "write_run: records must be a sequence");
@@ -402,6 +409,16 @@ PyObject *write_run(PyObject *self, PyObject *args) {
         }
         recs[j].pad = inner_pad(version, recs[j].tokens.len);
     }
+    if (expect_nbytes >= 0) { /* the footprint, as the chunks below add it up */
+        int64_t footprint = 0;
+        for (Py_ssize_t j = 0; j < n; j++)
+            footprint += aligned(HEADER_NBYTES + recs[j].tokens.len + recs[j].pad + recs[j].payload.len);
+        if (footprint != expect_nbytes) {
+            PyErr_Format(PyExc_ValueError, "write_run: the records take %lld bytes, %lld were reserved",
+                         (long long)footprint, expect_nbytes);
+            goto done;
+        }
+    }
     int err = 0;
     int64_t total = 0; /* the run's bytes, padding included */
     Py_BEGIN_ALLOW_THREADS
@@ -411,7 +428,7 @@ PyObject *write_run(PyObject *self, PyObject *args) {
      * run's space is allocated first (fallocate: the writes then land inside the file, which lets ext4
      * and XFS run them side by side instead of one extending write at a time), and every thread seals
      * and writes whole chunks, past the page cache, whose upkeep can cost more CPU than the copy (4 ms
-     * a MiB on some VMs). One fdatasync at the end either way. */
+     * a MiB on some VMs). One fdatasync at the end either way (sync 1), or the caller's (sync 2). */
     seal_t sl;
     memset(&sl, 0, sizeof sl);
     sl.recs = recs;
@@ -499,7 +516,7 @@ PyObject *write_run(PyObject *self, PyObject *args) {
     PyMem_RawFree(sl.nbytes);
     PyMem_RawFree(sl.at);
     PyMem_RawFree(sl.state);
-    if (!err && sync) {
+    if (!err && sync == 1) {
         if (fdatasync(fd) != 0) err = errno;
         else wtrace_add(1, fd, 0, 0);
     }

@@ -106,16 +106,16 @@ class RecordingNative:
     def module(self) -> RecordingNative:
         return self
 
-    def write_run(self, fd, offset, records, sync, idle, direct_fd=-1):
+    def write_run(self, fd, offset, records, sync, idle, direct_fd=-1, expect_nbytes=-1):
         with self._one_run:
-            return self._write_run(fd, offset, records, sync, idle, direct_fd)
+            return self._write_run(fd, offset, records, sync, idle, direct_fd, expect_nbytes)
 
-    def _write_run(self, fd, offset, records, sync, idle, direct_fd):
+    def _write_run(self, fd, offset, records, sync, idle, direct_fd, expect_nbytes):
         nat = native.module()
         self.direct_runs += direct_fd >= 0
         nat.trace_writes(True)
         try:
-            return nat.write_run(fd, offset, records, sync, idle, direct_fd)
+            return nat.write_run(fd, offset, records, sync, idle, direct_fd, expect_nbytes)
         finally:
             events = nat.trace_writes(False)
             path = RecordingOS._path(fd)

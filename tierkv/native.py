@@ -18,7 +18,7 @@ __all__ = ["READ_THREADS", "describe", "enabled", "module", "reason", "use"]
 # Reads in flight per restore: an NVMe device needs a deep queue, a virtual disk at least several.
 READ_THREADS = 8
 
-ABI = 13  # native/native.h's: a build of another version (stale, in place) is not used
+ABI = 14  # native/native.h's: a build of another version (stale, in place) is not used
 
 _module: ModuleType | None = None
 _why: str | None

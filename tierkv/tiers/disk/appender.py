@@ -78,5 +78,7 @@ class Appender:
         except BaseException as exc:  # the caller's to handle (Job.result)
             job.error = exc
         finally:
-            job.fn = None  # its records' buffers are released here, not by whoever drops the job last
+            job.fn = (
+                None  # the job keeps no buffers alive (the writer's batch holds its records until indexed)
+            )
             job.done.set()

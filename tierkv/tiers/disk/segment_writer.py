@@ -56,6 +56,8 @@ class SegmentWriter:
                 os.unlink(temp)
             raise
         self.end = 0
+        # Runs reserved below this were in flight when a write or sync of this file failed: failed too.
+        self.failed_below = 0
         # The O_DIRECT descriptor (no lock of its own: the flock above is on the file's first open).
         # Only where a page is ALIGN: records are padded to ALIGN, and a larger page could hold the end of
         # one record and the start of the next, cached by a reader before the O_DIRECT write of the next.
@@ -73,6 +75,7 @@ class SegmentWriter:
         to a page, and make them durable; return their offsets (``reserve`` then ``write``)."""
         start, offsets = self.reserve(records)
         self.write(start, records)
+        self.sync_data()
         return offsets
 
     def reserve(self, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> tuple[int, list[int]]:
@@ -88,8 +91,8 @@ class SegmentWriter:
 
     def write(self, start: int, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> None:
         """Write ``records`` back to back at ``start`` (reserved for them), each padded to a page, with
-        gathered writes (no joining copy), and make them durable. May run on another thread than the
-        reservations, one write at a time per file position.
+        gathered writes (no joining copy); ``sync_data`` makes them durable. May run on another thread than
+        the reservations, beside another run's write.
 
         Records to be sealed go to the native writer where it runs: checksums, writes and the sync with the
         GIL released, at SCHED_IDLE where this thread may come back from it."""
@@ -97,10 +100,13 @@ class SegmentWriter:
         if native.enabled() and all(isinstance(r, Unsealed) for r in records):
             batch = [(r.head, r.token_bytes, r.payload) for r in records]  # type: ignore[union-attr]
             direct_fd = -1 if self.direct_fd is None else self.direct_fd
+            # its writeback started chunk by chunk where syncs are asked for (2), the sync left to sync_data;
+            # a footprint other than the one reserved is refused before any write (the bytes past it may be
+            # the next run's)
             written = native.module().write_run(
-                self.fd, start, batch, int(self.sync), int(native_idle()), direct_fd
+                self.fd, start, batch, 2 if self.sync else 0, int(native_idle()), direct_fd, nbytes
             )
-            if written != nbytes:  # the two must agree on every record's footprint
+            if written != nbytes:
                 raise OSError(errno.EIO, f"native writer wrote {written} bytes, expected {nbytes}")
             return
         parts: list[memoryview] = []
@@ -121,6 +127,11 @@ class SegmentWriter:
                 parts = parts[1:]
             if n:
                 parts[0] = parts[0][n:]
+
+    def sync_data(self) -> None:
+        """Make what was written durable (with ``sync``). The caller orders the syncs of its runs: a failed
+        writeback is reported to one sync of the file, whichever comes first, so a sync may report an
+        error of a run written beside its own (``Writer._index_appended`` fails every run in flight then)."""
         if self.sync:
             os.fdatasync(self.fd)
 

@@ -225,7 +225,13 @@ class Writer:
                 FLUSH_TIMEOUT_S,
             )
             return False
-        self._appender.stop(FLUSH_TIMEOUT_S)
+        if not self._appender.stop(FLUSH_TIMEOUT_S):  # a write still running (the writer thread died)
+            log.error(
+                "disk tier: a segment write still busy after %.0f s: its segment stays open until the "
+                "process exits",
+                FLUSH_TIMEOUT_S,
+            )
+            return False
         seg = self.segment
         if seg is not None:
             try:
@@ -308,10 +314,12 @@ class Writer:
                 appending = self._write_fresh(puts)
         finally:
             prev, self._in_flight = self._in_flight, appending
-            if appending is None:
-                self._settle(puts)
-            if prev is not None:
-                self._finish(prev)
+            try:
+                if appending is None:
+                    self._settle(puts)
+            finally:
+                if prev is not None:
+                    self._finish(prev)
 
     def _settle(self, puts: list[Put]) -> None:
         """A batch done (indexed, skipped or dropped): out of the queue's bound, its buffers released."""
@@ -374,16 +382,28 @@ class Writer:
         )
 
     def _index_appended(self, a: _Appending) -> None:
-        fresh, seg, offsets = a.fresh, a.seg, a.offsets
+        fresh, seg = a.fresh, a.seg
+        nbytes = sum(aligned(p.record_nbytes) for p in fresh)
+        # A write or sync of this file failed while this run was in flight: that sync may have taken this
+        # run's writeback error (reported once per file), which this run's own sync would then not report.
+        beside = a.start < seg.failed_below
         try:
             a.job.result()
+            if not beside:
+                seg.sync_data()  # in order: one batch's sync before the next's, each before its commit
         except (OSError, lmdb.Error) as exc:
             self._degrade(exc, len(fresh))
-            # its space was taken: given back (a failed native write has punched it already)
-            self.segments.release(
-                [(seg.seg_id, a.start, sum(aligned(p.record_nbytes) for p in fresh), False)]
-            )
-            return
+            seg.failed_below = seg.end  # the runs in flight, reserved after this one, fail too
+        else:
+            if not beside:
+                return self._index_synced(a)
+            self.counters.add("disk", "dropped_saves", len(fresh))
+        if seg.end == a.start + nbytes:  # the last reserved (none in flight): its space is taken again
+            seg.end = seg.failed_below = a.start
+        self.segments.release([(seg.seg_id, a.start, nbytes, False)])  # a failed native write punched it
+
+    def _index_synced(self, a: _Appending) -> None:
+        fresh, seg, offsets = a.fresh, a.seg, a.offsets
         budget = self.index.policy.budget_nbytes
         policy = self.index.policy
 
