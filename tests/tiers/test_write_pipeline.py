@@ -8,12 +8,14 @@ import errno
 import threading
 import time
 
+import pytest
 import torch
 from test_day_two import check_consistent
 
-from tierkv import TieredStore
+from tierkv import TieredStore, native
 from tierkv.tiers.disk import segment_writer, writer
 from tierkv.tiers.disk.appender import Appender
+from tierkv.tiers.disk.files import ALIGN
 
 from helpers import make_kv
 
@@ -33,7 +35,7 @@ def _logged(monkeypatch, events: list[tuple[str, int, float]], slow_s: float, fa
     indexing = [-1]  # the batch being indexed (its start): the one whose sync comes next
     lock = threading.Lock()
 
-    def slow_write(self, start, records):
+    def slow_write(self, start, reserved_nbytes, records):
         with lock:
             calls[0] += 1
             n = calls[0]
@@ -41,7 +43,7 @@ def _logged(monkeypatch, events: list[tuple[str, int, float]], slow_s: float, fa
         time.sleep(slow_s)
         if n == fail_call:
             raise OSError(errno.ENOSPC, "No space left on device")
-        write(self, start, records)
+        write(self, start, reserved_nbytes, records)
         with lock:
             events.append(("written", start, time.monotonic()))
 
@@ -113,6 +115,104 @@ def test_a_failed_append_loses_its_batch_and_the_one_in_flight_beside_it_and_no_
             hit, got = store.restore(ns, _toks(p, n))
             assert hit.num_tokens == hits[p]
             if hits[p]:
+                assert torch.equal(got, kvs[p])
+
+
+def _save_all(store, ns, kvs, n: int) -> int:
+    for p, kv in enumerate(kvs):
+        store.save(ns, _toks(p, n), kv)
+    return store.flush()
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "python"])
+def test_records_that_do_not_fill_their_reservation_exactly_are_refused_and_counted_as_lost(
+    tmp_path, ns, monkeypatch, native_on
+) -> None:
+    """A run whose records would take other bytes than were reserved for it is refused before any write
+    (past them may be the next run's records): a failed write, counted, and flush says so."""
+    if native_on and not native.enabled():
+        pytest.skip(f"native writer not built: {native.reason()}")
+    write = segment_writer.SegmentWriter.write
+    calls = [0]
+
+    def misreserved(self, start, reserved_nbytes, records):
+        calls[0] += 1
+        write(self, start, reserved_nbytes + (ALIGN if calls[0] == 2 else 0), records)
+
+    monkeypatch.setattr(segment_writer.SegmentWriter, "write", misreserved)
+    monkeypatch.setattr(writer, "DEGRADED_RETRY_S", 0.0)
+    n = 4 * ns.block_tokens
+    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS)]
+    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
+    with (
+        native.use(native_on),
+        TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store,
+    ):
+        lost = _save_all(store, ns, kvs, n)
+        stats = store.stats()["disk"]
+        hits = [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)]
+        # the refused batch, and the one in flight beside it where there was one (failed with it)
+        assert stats["write_errors"] == 1 and lost == stats["dropped_saves"] in (4, 8)
+        assert hits[1] == 0 and hits.count(0) * 4 == lost and hits[0] == n
+        check_consistent(store.tier("disk"))
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for p in range(PROMPTS):
+            hit, got = store.restore(ns, _toks(p, n))
+            assert hit.num_tokens == hits[p]
+            if hits[p]:
+                assert torch.equal(got, kvs[p])
+
+
+def test_an_unexpected_error_in_a_write_loses_that_batch_only_and_is_counted(
+    tmp_path, ns, monkeypatch
+) -> None:
+    write = segment_writer.SegmentWriter.write
+    calls = [0]
+
+    def buggy(self, start, reserved_nbytes, records):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("a bug, not the disk")
+        write(self, start, reserved_nbytes, records)
+
+    monkeypatch.setattr(segment_writer.SegmentWriter, "write", buggy)
+    n = 4 * ns.block_tokens
+    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS)]
+    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store:
+        assert _save_all(store, ns, kvs, n) == 4
+        stats = store.stats()["disk"]
+        assert stats["write_errors"] == 1 and stats["dropped_saves"] == 4
+        assert [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)] == [n, 0] + [n] * (
+            PROMPTS - 2
+        )
+        check_consistent(store.tier("disk"))
+
+
+def test_a_failed_last_batch_gives_its_file_range_to_the_next_save_which_restores_exactly(
+    tmp_path, ns, monkeypatch
+) -> None:
+    events: list[tuple[str, int, float]] = []
+    _logged(monkeypatch, events, slow_s=0.0, fail_call=PROMPTS)  # the last prompt's batch
+    monkeypatch.setattr(writer, "DEGRADED_RETRY_S", 0.0)
+    n = 4 * ns.block_tokens
+    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS + 1)]
+    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store:
+        for p in range(PROMPTS):
+            store.save(ns, _toks(p, n), kvs[p])
+            store.flush()  # one batch at a time: the last one fails with none beside it
+        assert store.stats()["disk"]["dropped_saves"] == 4
+        failed_at = [start for kind, start, _ in events if kind == "append"][-1]
+        store.save(ns, _toks(PROMPTS, n), kvs[PROMPTS])
+        assert store.flush() == 0
+        assert [start for kind, start, _ in events if kind == "written"][-1] == failed_at
+        check_consistent(store.tier("disk"))
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for p in range(PROMPTS + 1):
+            hit, got = store.restore(ns, _toks(p, n))
+            assert hit.num_tokens == (0 if p == PROMPTS - 1 else n)
+            if hit.num_tokens:
                 assert torch.equal(got, kvs[p])
 
 

@@ -74,13 +74,13 @@ class SegmentWriter:
         """Write records (each a list of buffers, or a record still to be sealed) back to back, each padded
         to a page, and make them durable; return their offsets (``reserve`` then ``write``)."""
         start, offsets = self.reserve(records)
-        self.write(start, records)
+        self.write(start, self.end - start, records)
         self.sync_data()
         return offsets
 
     def reserve(self, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> tuple[int, list[int]]:
         """The file's next bytes for ``records``, taken now (the next reservation follows them, even if
-        their write fails): where they start, and each one's offset."""
+        their write fails): where they start, and each one's offset; they end at ``self.end``."""
         start = pos = self.end
         offsets = []
         for rec in records:
@@ -89,23 +89,30 @@ class SegmentWriter:
         self.end = pos
         return start, offsets
 
-    def write(self, start: int, records: Sequence[Sequence[bytes | memoryview] | Unsealed]) -> None:
-        """Write ``records`` back to back at ``start`` (reserved for them), each padded to a page, with
-        gathered writes (no joining copy); ``sync_data`` makes them durable. May run on another thread than
-        the reservations, beside another run's write.
+    def write(
+        self, start: int, reserved_nbytes: int, records: Sequence[Sequence[bytes | memoryview] | Unsealed]
+    ) -> None:
+        """Write ``records`` back to back at ``start``, into the ``reserved_nbytes`` reserved for them, each
+        padded to a page, with gathered writes (no joining copy); ``sync_data`` makes them durable. May run
+        on another thread than the reservations, beside another run's write. Records that would take other
+        than the reserved bytes are refused before any write (the bytes past them may be the next run's),
+        with an ``OSError`` (EINVAL), a failed write to its caller.
 
         Records to be sealed go to the native writer where it runs: checksums, writes and the sync with the
         GIL released, at SCHED_IDLE where this thread may come back from it."""
-        nbytes = sum(aligned(_nbytes(r)) for r in records)
+        nbytes = reserved_nbytes
         if native.enabled() and all(isinstance(r, Unsealed) for r in records):
             batch = [(r.head, r.token_bytes, r.payload) for r in records]  # type: ignore[union-attr]
             direct_fd = -1 if self.direct_fd is None else self.direct_fd
             # its writeback started chunk by chunk where syncs are asked for (2), the sync left to sync_data;
             # a footprint other than the one reserved is refused before any write (the bytes past it may be
             # the next run's)
-            written = native.module().write_run(
-                self.fd, start, batch, 2 if self.sync else 0, int(native_idle()), direct_fd, nbytes
-            )
+            try:
+                written = native.module().write_run(
+                    self.fd, start, batch, 2 if self.sync else 0, int(native_idle()), direct_fd, nbytes
+                )
+            except ValueError as exc:  # refused before any write: a failed write all the same
+                raise OSError(errno.EINVAL, f"native writer refused the run: {exc}") from exc
             if written != nbytes:
                 raise OSError(errno.EIO, f"native writer wrote {written} bytes, expected {nbytes}")
             return
@@ -116,6 +123,8 @@ class SegmentWriter:
             parts += views
             if aligned(size) > size:
                 parts.append(_ZEROS[: aligned(size) - size])
+        if (footprint := sum(v.nbytes for v in parts)) != nbytes:
+            raise OSError(errno.EINVAL, f"the records take {footprint} bytes, {nbytes} were reserved")
         at = start
         while parts:
             n = os.pwritev(self.fd, parts[:IOV_MAX], at)  # at most IOV_MAX buffers per call

@@ -7,7 +7,8 @@ Write order: a batch is appended and fdatasync'ed first, then indexed in one LMD
 a crash or a power cut every indexed record is complete; bytes a crash left unindexed are never
 referenced and are released by ``gc --compact``. While more batches wait, the next one is appended (on
 the appender thread) as this one is indexed: a record is still indexed only after its own fdatasync, and a
-batch is done (its saves settled, a flush's barrier passed) only once indexed.
+batch is done (its saves settled, a flush's barrier passed) only once indexed. A turn's purges may so
+run before the batch in flight is indexed: harmless, since a purge names an indexed location only.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class _Appending:
     fresh: list[Put]  # those appended
     seg: SegmentWriter
     start: int
+    nbytes: int  # reserved from start
     offsets: list[int]
     job: Job
 
@@ -377,13 +379,12 @@ class Writer:
         except (OSError, lmdb.Error) as exc:
             self._degrade(exc, len(fresh))
             return None
-        return _Appending(
-            puts, fresh, seg, start, offsets, self._appender.submit(lambda: seg.write(start, records))
-        )
+        nbytes = seg.end - start
+        job = self._appender.submit(lambda: seg.write(start, nbytes, records))
+        return _Appending(puts, fresh, seg, start, nbytes, offsets, job)
 
     def _index_appended(self, a: _Appending) -> None:
-        fresh, seg = a.fresh, a.seg
-        nbytes = sum(aligned(p.record_nbytes) for p in fresh)
+        fresh, seg, nbytes = a.fresh, a.seg, a.nbytes
         # A write or sync of this file failed while this run was in flight: that sync may have taken this
         # run's writeback error (reported once per file), which this run's own sync would then not report.
         beside = a.start < seg.failed_below
@@ -394,6 +395,10 @@ class Writer:
         except (OSError, lmdb.Error) as exc:
             self._degrade(exc, len(fresh))
             seg.failed_below = seg.end  # the runs in flight, reserved after this one, fail too
+        except Exception:  # not the disk's (a bug in a write's arguments, say): this batch only, counted
+            log.exception("disk tier writer: a batch's write failed unexpectedly (its saves dropped)")
+            self.counters.add("disk", "write_errors")
+            self.counters.add("disk", "dropped_saves", len(fresh))
         else:
             if not beside:
                 return self._index_synced(a)
