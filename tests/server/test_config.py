@@ -22,6 +22,7 @@ def test_precedence_cli_over_env_over_file(tmp_path) -> None:
         ({"device": "tpu"}, "device"),
         ({"ttl": "soon"}, "duration"),
         ({"bogus": 1}, "unknown"),
+        ({"threads": -1}, "threads"),
     ],
 )
 def test_bad_options_are_config_errors(cli, text) -> None:
@@ -34,3 +35,12 @@ def test_bad_toml_is_a_config_error(tmp_path) -> None:
     f.write_text("port = = 1")
     with pytest.raises(ConfigError, match="--config"):
         ServeConfig.load({}, str(f), env={})
+
+
+def test_threads_from_each_source_and_0_is_torchs_choice(tmp_path) -> None:
+    f = tmp_path / "tierkv.toml"
+    f.write_text("threads = 3\n")
+    assert ServeConfig.load({}, None, env={}).threads == 0
+    assert ServeConfig.load({}, str(f), env={}).threads == 3
+    assert ServeConfig.load({}, str(f), env={"TIERKV_THREADS": "2"}).threads == 2
+    assert ServeConfig.load({"threads": 1}, str(f), env={"TIERKV_THREADS": "2"}).threads == 1

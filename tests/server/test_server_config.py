@@ -217,5 +217,22 @@ def test_the_ready_line_comes_once_listening_and_a_port_in_use_says_what_to_do(t
     try:
         (line,) = [x for x in srv.output().splitlines() if "tierkv serve: listening on" in x]
         assert f"http://127.0.0.1:{srv.port}: model" in line
+        assert "model threads; --threads to change" in srv.output() or "1 model thread;" in srv.output()
+    finally:
+        srv.stop()
+
+
+def test_threads_sets_the_models_cpu_threads_and_the_start_up_line_says_so(tmp_path) -> None:
+    """On cores shared with other work, fewer threads than cores keep a forward from waiting on a core
+    the scheduler gave away: ``--threads 1`` is torch's count in the serving process, and it serves."""
+    from helpers import ServerProcess
+
+    srv = ServerProcess("--threads", "1", cache_dir=tmp_path / "c")
+    try:
+        assert "(1 model thread (--threads))" in srv.output(), srv.output()
+        reply = srv.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+        )
+        assert reply.usage.completion_tokens == 2
     finally:
         srv.stop()

@@ -112,6 +112,12 @@ __all__ = ["route", "serve"]
 @click.option(
     "--max-connections", type=int, help="Open HTTP connections; past it 503 (uvicorn's).  [default: 256]"
 )
+@click.option(
+    "--threads",
+    type=int,
+    help="CPU threads of the model's forward (torch); fewer than the cores where other work shares them "
+    "(threads that wait for a busy core stall every forward); 0: torch's choice.  [default: 0]",
+)
 @click.pass_context
 def serve(ctx: click.Context, engine: str, config_file: str | None, cache_dir: str, **options: Any) -> None:
     """Run the OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; /metrics; /health)."""

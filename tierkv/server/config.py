@@ -49,6 +49,7 @@ class ServeConfig:
     body_timeout: float = 30.0  # seconds to receive a whole request body; past it: 408
     max_body_total: int = 64 << 20  # bytes of bodies being received at once, all connections; past it: 503
     max_connections: int = 256  # open HTTP connections; past it uvicorn answers 503
+    threads: int = 0  # torch's CPU threads for the model; 0: torch's own choice (a thread per core)
     self_check_rate: float = 0.001  # prefills with a hit also computed cold and compared (worker.py)
 
     def __post_init__(self) -> None:
@@ -170,6 +171,10 @@ def _coerce(name: str, value: Any) -> Any:
             if not 0.0 <= rate <= 1.0:  # NaN included
                 raise ConfigError(f"must be in 0..1, got {value!r}")
             return rate
+        if name == "threads":
+            if (count := int(value)) < 0:
+                raise ConfigError(f"must be 0 (torch's choice) or a number of threads, got {value!r}")
+            return count
         if name == "max_connections":
             if (count := int(value)) < 1:
                 raise ConfigError(f"must be at least 1, got {value!r}")

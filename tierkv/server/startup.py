@@ -67,9 +67,20 @@ def warm_up_http() -> float:
     return time.perf_counter() - t0
 
 
+def _threads_line(asked: int) -> str:
+    import torch
+
+    n = torch.get_num_threads()
+    return f"{n} model thread{'s' if n != 1 else ''}" + (" (--threads)" if asked else "; --threads to change")
+
+
 def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kept = keep_freed_memory()  # before the model allocates anything
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
     server = load_server(config)
     ns = server.cm.base_namespace
     if (
@@ -94,8 +105,9 @@ def serve(config: ServeConfig) -> None:
         )
     # The model's first forward, before the first request rather than in it.
     log.info(
-        "model and HTTP warmed up in %.2f s; freed memory %s",
+        "model and HTTP warmed up in %.2f s (%s); freed memory %s",
         server.engine.warm_up() + warm_up_http(),
+        _threads_line(config.threads),
         "kept for later requests (TIERKV_KEEP_FREED_MEMORY=0: given back)" if kept else "given back",
     )
     tiers = ["none (--no-cache)"] if server.store is None else server.store.describe()
