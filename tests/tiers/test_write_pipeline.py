@@ -26,6 +26,13 @@ def _toks(p: int, n: int) -> list[int]:
     return [p * 10_000 + t for t in range(n)]
 
 
+def _prompts(ns, count: int) -> tuple[int, list[torch.Tensor], int]:
+    """``count`` prompts' KV of 4 blocks each, and the batch size that makes a batch of each prompt."""
+    n = 4 * ns.block_tokens
+    kvs = [make_kv(ns, n, seed=p) for p in range(count)]
+    return n, kvs, 4 * kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
+
+
 def _logged(monkeypatch, events: list[tuple[str, int, float]], slow_s: float, fail_call: int = 0) -> None:
     """Log each append's start and end and each batch's indexing, by the batch's first file offset; appends
     take ``slow_s`` longer (a slow disk), and append number ``fail_call`` (1-based) fails as a full disk."""
@@ -66,11 +73,9 @@ def _logged(monkeypatch, events: list[tuple[str, int, float]], slow_s: float, fa
 def test_the_next_batch_is_appended_while_the_one_before_it_is_indexed(tmp_path, ns, monkeypatch) -> None:
     events: list[tuple[str, int, float]] = []
     _logged(monkeypatch, events, slow_s=0.05)
-    n = 4 * ns.block_tokens
-    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS)]
-    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
+    n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
     # a batch per prompt: its 4 blocks
-    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store:
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
         for p in range(PROMPTS):
             store.save(ns, _toks(p, n), kvs[p])
         assert store.flush() == 0
@@ -98,10 +103,8 @@ def test_a_failed_append_loses_its_batch_and_the_one_in_flight_beside_it_and_no_
     events: list[tuple[str, int, float]] = []
     _logged(monkeypatch, events, slow_s=0.05, fail_call=2)
     monkeypatch.setattr(writer, "DEGRADED_RETRY_S", 0.0)  # the batches after it are written, not dropped
-    n = 4 * ns.block_tokens
-    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS)]
-    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
-    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store:
+    n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
         for p in range(PROMPTS):
             store.save(ns, _toks(p, n), kvs[p])
         store.flush()
@@ -141,12 +144,10 @@ def test_records_that_do_not_fill_their_reservation_exactly_are_refused_and_coun
 
     monkeypatch.setattr(segment_writer.SegmentWriter, "write", misreserved)
     monkeypatch.setattr(writer, "DEGRADED_RETRY_S", 0.0)
-    n = 4 * ns.block_tokens
-    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS)]
-    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
+    n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
     with (
         native.use(native_on),
-        TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store,
+        TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store,
     ):
         lost = _save_all(store, ns, kvs, n)
         stats = store.stats()["disk"]
@@ -176,10 +177,8 @@ def test_an_unexpected_error_in_a_write_loses_that_batch_only_and_is_counted(
         write(self, start, reserved_nbytes, records)
 
     monkeypatch.setattr(segment_writer.SegmentWriter, "write", buggy)
-    n = 4 * ns.block_tokens
-    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS)]
-    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
-    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store:
+    n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
         assert _save_all(store, ns, kvs, n) == 4
         stats = store.stats()["disk"]
         assert stats["write_errors"] == 1 and stats["dropped_saves"] == 4
@@ -195,10 +194,8 @@ def test_a_failed_last_batch_gives_its_file_range_to_the_next_save_which_restore
     events: list[tuple[str, int, float]] = []
     _logged(monkeypatch, events, slow_s=0.0, fail_call=PROMPTS)  # the last prompt's batch
     monkeypatch.setattr(writer, "DEGRADED_RETRY_S", 0.0)
-    n = 4 * ns.block_tokens
-    kvs = [make_kv(ns, n, seed=p) for p in range(PROMPTS + 1)]
-    block_nbytes = kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
-    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=4 * block_nbytes) as store:
+    n, kvs, batch_nbytes = _prompts(ns, PROMPTS + 1)
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
         for p in range(PROMPTS):
             store.save(ns, _toks(p, n), kvs[p])
             store.flush()  # one batch at a time: the last one fails with none beside it
