@@ -23,6 +23,8 @@ def test_precedence_cli_over_env_over_file(tmp_path) -> None:
         ({"ttl": "soon"}, "duration"),
         ({"bogus": 1}, "unknown"),
         ({"threads": -1}, "threads"),
+        ({"threads": 2.7}, "whole number"),
+        ({"threads": True}, "whole number"),
     ],
 )
 def test_bad_options_are_config_errors(cli, text) -> None:

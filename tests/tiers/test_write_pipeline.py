@@ -5,6 +5,7 @@ waits for all of it, and a failed append loses its batch and the one in flight b
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 
@@ -127,34 +128,43 @@ def _save_all(store, ns, kvs, n: int) -> int:
     return store.flush()
 
 
+@pytest.mark.parametrize("delta", [ALIGN, -ALIGN], ids=["records-larger", "records-smaller"])
 @pytest.mark.parametrize("native_on", [True, False], ids=["native", "python"])
-def test_records_that_do_not_fill_their_reservation_exactly_are_refused_and_counted_as_lost(
-    tmp_path, ns, monkeypatch, native_on
+def test_records_that_do_not_fill_their_reservation_exactly_are_refused_before_any_write_and_counted(
+    tmp_path, ns, monkeypatch, native_on, delta
 ) -> None:
-    """A run whose records would take other bytes than were reserved for it is refused before any write
-    (past them may be the next run's records): a failed write, counted, and flush says so."""
+    """A run whose records would take other bytes than were reserved for it (larger: they would spill into
+    the next run's) is refused before any write: a bug, not the disk, so that batch alone is lost,
+    counted, flush says so, and the batches after it are written (the tier is not degraded)."""
     if native_on and not native.enabled():
         pytest.skip(f"native writer not built: {native.reason()}")
     write = segment_writer.SegmentWriter.write
     calls = [0]
+    untouched: list[bool] = []
 
     def misreserved(self, start, reserved_nbytes, records):
         calls[0] += 1
-        write(self, start, reserved_nbytes + (ALIGN if calls[0] == 2 else 0), records)
+        if calls[0] != 2:
+            return write(self, start, reserved_nbytes, records)
+        rfd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY)  # the writer's own is write-only
+        try:
+            write(self, start, reserved_nbytes - delta, records)
+        finally:
+            untouched.append(not any(os.pread(rfd, reserved_nbytes, start)))  # the run's own range
+            os.close(rfd)
 
     monkeypatch.setattr(segment_writer.SegmentWriter, "write", misreserved)
-    monkeypatch.setattr(writer, "DEGRADED_RETRY_S", 0.0)
     n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
     with (
         native.use(native_on),
         TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store,
     ):
-        lost = _save_all(store, ns, kvs, n)
+        assert _save_all(store, ns, kvs, n) == 4
+        assert untouched == [True]  # nothing of the refused run reached the file
         stats = store.stats()["disk"]
+        assert stats["write_errors"] == 1 and stats["dropped_saves"] == 4
         hits = [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)]
-        # the refused batch, and the one in flight beside it where there was one (failed with it)
-        assert stats["write_errors"] == 1 and lost == stats["dropped_saves"] in (4, 8)
-        assert hits[1] == 0 and hits.count(0) * 4 == lost and hits[0] == n
+        assert hits == [n, 0] + [n] * (PROMPTS - 2)
         check_consistent(store.tier("disk"))
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         for p in range(PROMPTS):
@@ -230,3 +240,33 @@ def test_the_appender_runs_jobs_and_stop_joins_its_threads() -> None:
     late = appender.submit(lambda: ran.append(99))  # no thread left: run here
     late.result()
     assert ran[-1] == 99
+
+
+@pytest.mark.parametrize("step", ["preparing", "indexing"])
+def test_a_bug_before_the_append_or_in_the_indexing_loses_that_batch_only_and_is_counted(
+    tmp_path, ns, monkeypatch, step
+) -> None:
+    """Not only the write: a batch that a bug stops while it is prepared (records made, ordered) or
+    indexed is lost alone, counted, and flush says so; the tier is not degraded."""
+    from tierkv.tiers.disk import index as index_mod
+
+    target, name = (writer, "by_chain") if step == "preparing" else (index_mod.Index, "insert")
+    real = getattr(target, name)
+    calls = [0]
+
+    def buggy(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == (2 if step == "preparing" else 5):  # the second batch (4 blocks a batch)
+            raise RuntimeError("a bug, not the disk")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, buggy)
+    n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
+    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
+        assert _save_all(store, ns, kvs, n) == 4
+        stats = store.stats()["disk"]
+        assert stats["write_errors"] == 1 and stats["dropped_saves"] == 4
+        assert [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)] == [n, 0] + [n] * (
+            PROMPTS - 2
+        )
+        check_consistent(store.tier("disk"))

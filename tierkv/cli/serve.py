@@ -115,8 +115,9 @@ __all__ = ["route", "serve"]
 @click.option(
     "--threads",
     type=int,
-    help="CPU threads of the model's forward (torch); fewer than the cores where other work shares them "
-    "(threads that wait for a busy core stall every forward); 0: torch's choice.  [default: 0]",
+    help="torch's CPU threads in the server (the model's forward, the store's own torch work); fewer than "
+    "the cores where other work shares them (a thread waiting for a busy core stalls every forward); 0: "
+    "torch's choice; the transformers engine only.  [default: 0]",
 )
 @click.pass_context
 def serve(ctx: click.Context, engine: str, config_file: str | None, cache_dir: str, **options: Any) -> None:

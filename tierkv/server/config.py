@@ -172,6 +172,8 @@ def _coerce(name: str, value: Any) -> Any:
                 raise ConfigError(f"must be in 0..1, got {value!r}")
             return rate
         if name == "threads":
+            if isinstance(value, (bool, float)):  # TOML's 2.7 or true: no silent rounding
+                raise ConfigError(f"threads: a whole number, got {value!r}")
             if (count := int(value)) < 0:
                 raise ConfigError(f"must be 0 (torch's choice) or a number of threads, got {value!r}")
             return count

@@ -256,6 +256,12 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
             "tierkv: with --engine vllm the admin API is not served; run tierkv stats / gc beside vLLM",
             file=sys.stderr,
         )
+    if _get(config_or_args, "threads"):
+        print(
+            "tierkv: --threads is the transformers engine's; vLLM sets its own (on CPU: "
+            "VLLM_CPU_OMP_THREADS_BIND)",
+            file=sys.stderr,
+        )
     env = vllm_env(config_or_args)
     if "VLLM_CPU_KVCACHE_SPACE" in env:
         print(

@@ -96,7 +96,7 @@ class SegmentWriter:
         padded to a page, with gathered writes (no joining copy); ``sync_data`` makes them durable. May run
         on another thread than the reservations, beside another run's write. Records that would take other
         than the reserved bytes are refused before any write (the bytes past them may be the next run's),
-        with an ``OSError`` (EINVAL), a failed write to its caller.
+        with a ``ValueError``: a bug, not the disk (an ``OSError``).
 
         Records to be sealed go to the native writer where it runs: checksums, writes and the sync with the
         GIL released, at SCHED_IDLE where this thread may come back from it."""
@@ -107,12 +107,9 @@ class SegmentWriter:
             # its writeback started chunk by chunk where syncs are asked for (2), the sync left to sync_data;
             # a footprint other than the one reserved is refused before any write (the bytes past it may be
             # the next run's)
-            try:
-                written = native.module().write_run(
-                    self.fd, start, batch, 2 if self.sync else 0, int(native_idle()), direct_fd, nbytes
-                )
-            except ValueError as exc:  # refused before any write: a failed write all the same
-                raise OSError(errno.EINVAL, f"native writer refused the run: {exc}") from exc
+            written = native.module().write_run(
+                self.fd, start, batch, 2 if self.sync else 0, int(native_idle()), direct_fd, nbytes
+            )
             if written != nbytes:
                 raise OSError(errno.EIO, f"native writer wrote {written} bytes, expected {nbytes}")
             return
@@ -123,8 +120,8 @@ class SegmentWriter:
             parts += views
             if aligned(size) > size:
                 parts.append(_ZEROS[: aligned(size) - size])
-        if (footprint := sum(v.nbytes for v in parts)) != nbytes:
-            raise OSError(errno.EINVAL, f"the records take {footprint} bytes, {nbytes} were reserved")
+        if (footprint := sum(v.nbytes for v in parts)) != nbytes:  # as the native writer's refusal
+            raise ValueError(f"write: the records take {footprint} bytes, {nbytes} were reserved")
         at = start
         while parts:
             n = os.pwritev(self.fd, parts[:IOV_MAX], at)  # at most IOV_MAX buffers per call

@@ -314,6 +314,10 @@ class Writer:
                 self.counters.add("disk", "dropped_saves", len(puts))
             else:
                 appending = self._write_fresh(puts)
+        except (OSError, lmdb.Error) as exc:  # the index unreadable, say: the batch is lost, counted
+            self._degrade(exc, len(puts))
+        except Exception:
+            self._lost_to_a_bug(len(puts))
         finally:
             prev, self._in_flight = self._in_flight, appending
             try:
@@ -396,9 +400,7 @@ class Writer:
             self._degrade(exc, len(fresh))
             seg.failed_below = seg.end  # the runs in flight, reserved after this one, fail too
         except Exception:  # not the disk's (a bug in a write's arguments, say): this batch only, counted
-            log.exception("disk tier writer: a batch's write failed unexpectedly (its saves dropped)")
-            self.counters.add("disk", "write_errors")
-            self.counters.add("disk", "dropped_saves", len(fresh))
+            self._lost_to_a_bug(len(fresh))
         else:
             if not beside:
                 return self._index_synced(a)
@@ -458,8 +460,11 @@ class Writer:
 
         try:
             holes, unused, evicted = self.index.write(index)
-        except (lmdb.Error, NamespaceConflictError) as exc:  # index full, say: the appended bytes are orphans
-            self._degrade(exc, len(fresh))
+        except Exception as exc:  # not committed (index full, say): the appended bytes are orphans
+            if isinstance(exc, (lmdb.Error, NamespaceConflictError)):
+                self._degrade(exc, len(fresh))
+            else:
+                self._lost_to_a_bug(len(fresh))
             self.segments.release(
                 [(seg.seg_id, off, p.record_nbytes, False) for p, off in zip(fresh, offsets)]
             )
@@ -473,6 +478,13 @@ class Writer:
         )
         self.counters.add("disk", "evictions", evicted)
         self.segments.release(holes + unused)
+
+    def _lost_to_a_bug(self, dropped: int) -> None:
+        """A step failed with what no disk raises (a bug): its batch is lost, counted (flush reports it),
+        the writer goes on; the tier is not degraded, since the next batch may well be written."""
+        log.exception("disk tier writer: a batch failed unexpectedly (%d saves dropped)", dropped)
+        self.counters.add("disk", "write_errors")
+        self.counters.add("disk", "dropped_saves", dropped)
 
     def _degrade(self, exc: Exception, dropped: int) -> None:
         """A write failed (a full disk, say): drop saves for a while, then retry. Logged once per episode."""
