@@ -482,7 +482,9 @@ class Writer:
     def _lost_to_a_bug(self, dropped: int) -> None:
         """A step failed with what no disk raises (a bug): its batch is lost, counted (flush reports it),
         the writer goes on; the tier is not degraded, since the next batch may well be written."""
-        log.exception("disk tier writer: a batch failed unexpectedly (%d saves dropped)", dropped)
+        log.exception(
+            "disk tier writer: a batch failed unexpectedly (%d saves dropped; the writer goes on)", dropped
+        )
         self.counters.add("disk", "write_errors")
         self.counters.add("disk", "dropped_saves", dropped)
 
