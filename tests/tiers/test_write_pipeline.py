@@ -34,6 +34,16 @@ def _prompts(ns, count: int) -> tuple[int, list[torch.Tensor], int]:
     return n, kvs, 4 * kvs[0][:, :, : ns.block_tokens].numel() * kvs[0].element_size()
 
 
+def _reopened_restores_exactly(path, ns, kvs: list[torch.Tensor], hits: list[int]) -> None:
+    """After a reopen, each prompt restores the tokens ``hits`` says, each bit-identical to what was saved."""
+    with TieredStore.open(path, host_bytes=0) as store:
+        for p, kv in enumerate(kvs):
+            hit, got = store.restore(ns, _toks(p, kv.shape[2]))
+            assert hit.num_tokens == hits[p]
+            if hits[p]:
+                assert torch.equal(got, kv)
+
+
 def _logged(monkeypatch, events: list[tuple[str, int, float]], slow_s: float, fail_call: int = 0) -> None:
     """Log each append's start and end and each batch's indexing, by the batch's first file offset; appends
     take ``slow_s`` longer (a slow disk), and append number ``fail_call`` (1-based) fails as a full disk."""
@@ -114,12 +124,7 @@ def test_a_failed_append_loses_its_batch_and_the_one_in_flight_beside_it_and_no_
         hits = [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)]
         assert hits == [n, 0, 0] + [n] * (PROMPTS - 3)  # the second append's batch and the third's
         check_consistent(store.tier("disk"))
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        for p in range(PROMPTS):
-            hit, got = store.restore(ns, _toks(p, n))
-            assert hit.num_tokens == hits[p]
-            if hits[p]:
-                assert torch.equal(got, kvs[p])
+    _reopened_restores_exactly(tmp_path, ns, kvs, hits)
 
 
 def _save_all(store, ns, kvs, n: int) -> int:
@@ -166,36 +171,7 @@ def test_records_that_do_not_fill_their_reservation_exactly_are_refused_before_a
         hits = [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)]
         assert hits == [n, 0] + [n] * (PROMPTS - 2)
         check_consistent(store.tier("disk"))
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        for p in range(PROMPTS):
-            hit, got = store.restore(ns, _toks(p, n))
-            assert hit.num_tokens == hits[p]
-            if hits[p]:
-                assert torch.equal(got, kvs[p])
-
-
-def test_an_unexpected_error_in_a_write_loses_that_batch_only_and_is_counted(
-    tmp_path, ns, monkeypatch
-) -> None:
-    write = segment_writer.SegmentWriter.write
-    calls = [0]
-
-    def buggy(self, start, reserved_nbytes, records):
-        calls[0] += 1
-        if calls[0] == 2:
-            raise RuntimeError("a bug, not the disk")
-        write(self, start, reserved_nbytes, records)
-
-    monkeypatch.setattr(segment_writer.SegmentWriter, "write", buggy)
-    n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
-    with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
-        assert _save_all(store, ns, kvs, n) == 4
-        stats = store.stats()["disk"]
-        assert stats["write_errors"] == 1 and stats["dropped_saves"] == 4
-        assert [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)] == [n, 0] + [n] * (
-            PROMPTS - 2
-        )
-        check_consistent(store.tier("disk"))
+    _reopened_restores_exactly(tmp_path, ns, kvs, hits)
 
 
 def test_a_failed_last_batch_gives_its_file_range_to_the_next_save_which_restores_exactly(
@@ -242,21 +218,25 @@ def test_the_appender_runs_jobs_and_stop_joins_its_threads() -> None:
     assert ran[-1] == 99
 
 
-@pytest.mark.parametrize("step", ["preparing", "indexing"])
-def test_a_bug_before_the_append_or_in_the_indexing_loses_that_batch_only_and_is_counted(
+@pytest.mark.parametrize("step", ["preparing", "writing", "indexing"])
+def test_a_bug_while_a_batch_is_prepared_written_or_indexed_loses_that_batch_only_and_is_counted(
     tmp_path, ns, monkeypatch, step
 ) -> None:
-    """Not only the write: a batch that a bug stops while it is prepared (records made, ordered) or
-    indexed is lost alone, counted, and flush says so; the tier is not degraded."""
+    """A batch that a bug stops while it is prepared (records made, ordered), written or indexed is lost
+    alone, counted, and flush says so; the tier is not degraded (the batches after it are written)."""
     from tierkv.tiers.disk import index as index_mod
 
-    target, name = (writer, "by_chain") if step == "preparing" else (index_mod.Index, "insert")
+    target, name, failing_call = {
+        "preparing": (writer, "by_chain", 2),  # a call a batch
+        "writing": (segment_writer.SegmentWriter, "write", 2),
+        "indexing": (index_mod.Index, "insert", 5),  # a call a block, 4 blocks a batch
+    }[step]
     real = getattr(target, name)
     calls = [0]
 
     def buggy(*args, **kwargs):
         calls[0] += 1
-        if calls[0] == (2 if step == "preparing" else 5):  # the second batch (4 blocks a batch)
+        if calls[0] == failing_call:  # the second batch
             raise RuntimeError("a bug, not the disk")
         return real(*args, **kwargs)
 
@@ -266,7 +246,6 @@ def test_a_bug_before_the_append_or_in_the_indexing_loses_that_batch_only_and_is
         assert _save_all(store, ns, kvs, n) == 4
         stats = store.stats()["disk"]
         assert stats["write_errors"] == 1 and stats["dropped_saves"] == 4
-        assert [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)] == [n, 0] + [n] * (
-            PROMPTS - 2
-        )
+        hits = [store.lookup(ns, _toks(p, n)).num_tokens for p in range(PROMPTS)]
+        assert hits == [n, 0] + [n] * (PROMPTS - 2)
         check_consistent(store.tier("disk"))
