@@ -14,7 +14,7 @@ import torch
 from test_day_two import check_consistent
 
 from tierkv import TieredStore, native
-from tierkv.tiers.disk import segment_writer, writer
+from tierkv.tiers.disk import batch_index, segment_writer, writer
 from tierkv.tiers.disk.appender import Appender
 from tierkv.tiers.disk.files import ALIGN
 
@@ -227,7 +227,7 @@ def test_a_bug_while_a_batch_is_prepared_written_or_indexed_loses_that_batch_onl
     from tierkv.tiers.disk import index as index_mod
 
     target, name, failing_call = {
-        "preparing": (writer, "by_chain", 2),  # a call a batch
+        "preparing": (batch_index, "by_chain", 2),  # a call a batch
         "writing": (segment_writer.SegmentWriter, "write", 2),
         "indexing": (index_mod.Index, "insert", 5),  # a call a block, 4 blocks a batch
     }[step]

@@ -29,10 +29,9 @@ from tierkv.priority import background_priority
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.access_times import AccessTimes
 from tierkv.tiers.disk.appender import Appender, Job
-from tierkv.tiers.disk.batch_order import by_chain
-from tierkv.tiers.disk.eviction import headroom
+from tierkv.tiers.disk.batch_index import fresh_records, index_batch
 from tierkv.tiers.disk.index import Index, Txn
-from tierkv.tiers.disk.schema import Entry, Hole
+from tierkv.tiers.disk.schema import Hole
 from tierkv.tiers.disk.segment_writer import SegmentWriter
 from tierkv.tiers.disk.segments import SegmentDir, aligned
 from tierkv.tiers.disk.write_items import Barrier, Item, Purge, Put, Record  # (imported from here too)
@@ -353,27 +352,7 @@ class Writer:
 
     def _write_fresh(self, puts: list[Put]) -> _Appending | None:
         """Records not stored yet: their segment space taken and their append started (None: none)."""
-        # A first look, outside the write transaction, only saves encoding and appending what is already
-        # stored; the decision is taken again inside the write transaction (another process may be
-        # writing the same prefix).
-        policy = self.index.policy
-        now = self.clock()
-        fresh: list[Put] = []
-        seen: set[bytes] = set()
-        with self.index.read() as txn:
-            for p in puts:
-                if p.key in seen or not p.is_live():  # dead first: a live save of its key may follow
-                    continue
-                seen.add(p.key)
-                raw = txn.get(p.key, db=self.index.db["index"])
-                if raw is None or policy.expired(Entry.unpack(raw), now):
-                    fresh.append(p)
-        fresh = by_chain(fresh)  # each prompt's blocks of the batch together
-        for p in fresh:
-            p.record = p.make_record()
-        budget = policy.budget_nbytes
-        if budget is not None:
-            fresh = [p for p in fresh if aligned(p.record_nbytes) <= budget]
+        fresh = fresh_records(self.index, puts, self.clock())
         if not fresh:
             return None
         records = [p.record for p in fresh]
@@ -411,52 +390,9 @@ class Writer:
 
     def _index_synced(self, a: _Appending) -> None:
         fresh, seg, offsets = a.fresh, a.seg, a.offsets
-        budget = self.index.policy.budget_nbytes
-        policy = self.index.policy
 
         def index(txn: Txn) -> tuple[list[Hole], list[Hole], int]:
-            now = self.clock()
-            holes: list[Hole] = []
-            unused: list[Hole] = []  # appended, but another writer stored the key first
-            # Room for records that must not evict, taken in this transaction: another process's writes
-            # since any earlier look count.
-            room = None if budget is None else budget - self.index.total_nbytes(txn)
-            idx = self.index.db["index"]
-            indexed: set[bytes] = set()  # in this transaction
-            for p, off in zip(fresh, offsets):
-                if not p.is_live():
-                    # Purged or invalidated since the first look. Checked in the transaction: one that
-                    # purges after this commit sees the record (LMDB serialises write transactions),
-                    # and every later one here sees the purge.
-                    unused.append((seg.seg_id, off, p.record_nbytes, False))
-                    continue
-                raw = txn.get(p.key, db=self.index.db["index"])
-                if raw is not None:
-                    old = Entry.unpack(raw)
-                    if not policy.expired(old, now):
-                        unused.append((seg.seg_id, off, p.record_nbytes, False))
-                        continue
-                    holes.append((*old.location, self.index.remove(txn, p.key, old)))  # replaced, atomically
-                    if room is not None:
-                        room += old.footprint
-                if p.after is not None and p.after not in indexed and txn.get(p.after, db=idx) is None:
-                    unused.append((seg.seg_id, off, p.record_nbytes, False))  # its prefix did not fit
-                    continue
-                if room is not None:
-                    if not p.evict and aligned(p.record_nbytes) > room:
-                        unused.append((seg.seg_id, off, p.record_nbytes, False))
-                        continue
-                    room -= aligned(p.record_nbytes)
-                indexed.add(p.key)
-                if p.ns_spec is not None:
-                    self.index.put_namespace(txn, p.ns_digest, p.ns_spec)
-                access_s = now if p.access_s is None else min(p.access_s, now)
-                entry = Entry(p.ns_digest, seg.seg_id, off, p.record_nbytes, p.created_s, access_s)
-                self.index.insert(txn, p.key, entry, p.parent)
-            if budget is None:
-                return holes, unused, 0
-            evicted = self.index.evict_over(txn, budget, now, headroom_nbytes=headroom(budget))
-            return holes + evicted, unused, len(evicted)
+            return index_batch(self.index, txn, fresh, offsets, seg.seg_id, self.clock())
 
         try:
             holes, unused, evicted = self.index.write(index)

@@ -1,0 +1,90 @@
+"""What of a write batch the disk tier stores: a first look before the append (what is not stored yet), and
+the indexing transaction after its sync, which decides again (another process may have stored the same
+prefix meanwhile, or a purge come) and indexes, replaces, or leaves each appended record unused."""
+
+from __future__ import annotations
+
+from tierkv.tiers.disk.batch_order import by_chain
+from tierkv.tiers.disk.eviction import headroom
+from tierkv.tiers.disk.index import Index, Txn
+from tierkv.tiers.disk.schema import Entry, Hole
+from tierkv.tiers.disk.segments import aligned
+from tierkv.tiers.disk.write_items import Put
+
+__all__ = ["fresh_records", "index_batch"]
+
+
+def fresh_records(index: Index, puts: list[Put], now: float) -> list[Put]:
+    """The puts to append, their records made, each prompt's together: live, not stored (or expired), one
+    per key, each fitting the budget. A first look outside the write transaction: it only saves encoding
+    and appending what is already stored; ``index_batch`` decides again."""
+    policy = index.policy
+    fresh: list[Put] = []
+    seen: set[bytes] = set()
+    with index.read() as txn:
+        for p in puts:
+            if p.key in seen or not p.is_live():  # dead first: a live save of its key may follow
+                continue
+            seen.add(p.key)
+            raw = txn.get(p.key, db=index.db["index"])
+            if raw is None or policy.expired(Entry.unpack(raw), now):
+                fresh.append(p)
+    fresh = by_chain(fresh)  # each prompt's blocks of the batch together
+    for p in fresh:
+        p.record = p.make_record()
+    budget = policy.budget_nbytes
+    if budget is not None:
+        fresh = [p for p in fresh if aligned(p.record_nbytes) <= budget]
+    return fresh
+
+
+def index_batch(
+    index: Index, txn: Txn, fresh: list[Put], offsets: list[int], seg_id: int, now: float
+) -> tuple[list[Hole], list[Hole], int]:
+    """In ``txn``: index the appended records (at ``offsets`` of segment ``seg_id``) still worth it, over the
+    budget evict. Returns the holes to punch after the commit (records replaced or evicted), the appended
+    records left unused, and how many were evicted."""
+    policy = index.policy
+    budget = policy.budget_nbytes
+    holes: list[Hole] = []
+    unused: list[Hole] = []  # appended, but another writer stored the key first
+    # Room for records that must not evict, taken in this transaction: another process's writes since any
+    # earlier look count.
+    room = None if budget is None else budget - index.total_nbytes(txn)
+    idx = index.db["index"]
+    indexed: set[bytes] = set()  # in this transaction
+    for p, off in zip(fresh, offsets):
+        if not p.is_live():
+            # Purged or invalidated since the first look. Checked in the transaction: one that purges after
+            # this commit sees the record (LMDB serialises write transactions), and every later one here
+            # sees the purge.
+            unused.append((seg_id, off, p.record_nbytes, False))
+            continue
+        raw = txn.get(p.key, db=idx)
+        if raw is not None:
+            old = Entry.unpack(raw)
+            if not policy.expired(old, now):
+                unused.append((seg_id, off, p.record_nbytes, False))
+                continue
+            holes.append((*old.location, index.remove(txn, p.key, old)))  # replaced, atomically
+            if room is not None:
+                room += old.footprint
+        if p.after is not None and p.after not in indexed and txn.get(p.after, db=idx) is None:
+            unused.append((seg_id, off, p.record_nbytes, False))  # its prefix did not fit
+            continue
+        if room is not None:
+            if not p.evict and aligned(p.record_nbytes) > room:
+                unused.append((seg_id, off, p.record_nbytes, False))
+                continue
+            room -= aligned(p.record_nbytes)
+        indexed.add(p.key)
+        if p.ns_spec is not None:
+            index.put_namespace(txn, p.ns_digest, p.ns_spec)
+        access_s = now if p.access_s is None else min(p.access_s, now)
+        index.insert(
+            txn, p.key, Entry(p.ns_digest, seg_id, off, p.record_nbytes, p.created_s, access_s), p.parent
+        )
+    if budget is None:
+        return holes, unused, 0
+    evicted = index.evict_over(txn, budget, now, headroom_nbytes=headroom(budget))
+    return holes + evicted, unused, len(evicted)
