@@ -273,6 +273,7 @@ def test_overhead_interval_is_exact_without_noise_and_widens_with_it() -> None:
     assert low < 0.05 < high and high - low > 0.05  # what 20% noise over 8 rounds allows one to claim
 
 
+@pytest.mark.slow  # a benchmark variant (about 25 s): .ci/run runs it with --runslow
 def test_bench_sessions_serves_later_rounds_from_the_tiers_and_a_restart_from_disk(
     tmp_path, monkeypatch
 ) -> None:
@@ -385,6 +386,7 @@ def test_the_machine_line_names_the_hypervisor_s_and_damon_s_reclaim(tmp_path) -
     assert machine.memory_reclaim(root) == [] and machine.memory_reclaim(tmp_path / "none") == []
 
 
+@pytest.mark.slow  # a benchmark variant (about 25 s): .ci/run runs it with --runslow
 def test_the_restart_bench_restarts_twice_from_disk_once_with_o_direct_once_buffered(
     tmp_path, monkeypatch
 ) -> None:
