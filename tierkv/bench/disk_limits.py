@@ -8,6 +8,7 @@ import mmap
 import os
 import random
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -19,9 +20,13 @@ __all__ = [
     "REQUEST_SIZES",
     "buffered_cold",
     "buffered_warm",
+    "best_pattern",
     "naive_lmdb",
+    "pattern_name",
+    "raw_read",
     "raw_reads",
     "raw_rows",
+    "raw_write",
     "raw_writes",
     "sequential_read_limit",
 ]
@@ -249,17 +254,40 @@ def raw_writes(path: Path, nbytes: int, runs: int) -> dict[str, list[float]]:
     return out
 
 
-def raw_write(path: Path, nbytes: int) -> float:
-    """One O_DIRECT sequential write of ``nbytes`` in 1 MiB requests into a new file, then fsync: beside
-    each durable save (this disk's write speed drifts between minutes more than between neighbours)."""
-    src = mmap.mmap(-1, 1 << 20)
+def best_pattern(raw: dict[str, list[float]], rw: str) -> tuple[int, int]:
+    """The (request bytes, queue depth) of the raw sequential ``rw`` ("read" or "write") pattern with the
+    best median in ``raw`` (``raw_writes``' and ``raw_reads``' keys)."""
+    best = max(
+        ((size, d) for size in REQUEST_SIZES for d in QUEUE_DEPTHS if f"{rw}_{size >> 20}m_qd{d}" in raw),
+        key=lambda sd: statistics.median(raw[f"{rw}_{sd[0] >> 20}m_qd{sd[1]}"]),
+    )
+    return best
+
+
+def pattern_name(pattern: tuple[int, int]) -> str:
+    return f"{pattern[0] >> 20} MiB, QD {pattern[1]}"
+
+
+def raw_write(path: Path, nbytes: int, pattern: tuple[int, int] = (1 << 20, 1)) -> float:
+    """One O_DIRECT sequential write of ``nbytes`` into a new file in ``pattern``'s requests (bytes, queue
+    depth), then fsync: beside each durable save (this disk's write speed drifts between minutes more than
+    between neighbours)."""
+    request_nbytes, depth = pattern
+    src = mmap.mmap(-1, request_nbytes)
     src.write(os.urandom(len(src)))
     try:
         path.unlink(missing_ok=True)
-        return _odirect_stream(path, nbytes, 1, src, 1 << 20)
+        return _odirect_stream(path, nbytes, depth, src, request_nbytes)
     finally:
         src.close()
         path.unlink(missing_ok=True)
+
+
+def raw_read(path: Path, nbytes: int, pattern: tuple[int, int]) -> float:
+    """One cold O_DIRECT sequential read of ``path``'s first ``nbytes`` in ``pattern``'s requests: beside
+    each first restore, as ``raw_write`` beside each save."""
+    drop_page_cache([path])
+    return _odirect_stream(path, nbytes, pattern[1], None, pattern[0])
 
 
 def raw_reads(path: Path, nbytes: int, runs: int, record_nbytes: int, out: dict[str, list[float]]) -> None:
