@@ -420,6 +420,14 @@ def test_flush_returns_when_the_writer_is_stuck(tmp_path, ns, monkeypatch) -> No
 # ------------------------------------------------------------------------------------------ 5: opening
 
 
+def test_a_cache_dir_that_is_a_file_says_so_and_is_left_as_it_is(tmp_path) -> None:
+    path = tmp_path / "notes.json"
+    path.write_text("{}")
+    with pytest.raises(StoreOpenError, match="it is a file, not a directory"):
+        TieredStore.open(path, host_bytes=0)
+    assert path.read_text() == "{}"
+
+
 def test_a_store_that_cannot_be_opened_is_left_where_it_is(tmp_path, ns) -> None:
     with TieredStore.open(tmp_path / "cache", host_bytes=0) as store:
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))

@@ -240,6 +240,9 @@ def test_not_a_model_directory_is_a_clear_error(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="no config.json"):
         CachedModel.from_pretrained(tmp_path, None)
+    # a typo of a built-in name: the error names the built-in ones
+    with pytest.raises(ConfigError, match="smollm does not exist; the built-in models are tiny, smollm2"):
+        CachedModel.from_pretrained("smollm", None)
 
 
 def test_stream_deltas_add_up_to_the_final_text_and_honour_stop() -> None:

@@ -25,6 +25,9 @@ def test_precedence_cli_over_env_over_file(tmp_path) -> None:
         ({"threads": -1}, "threads"),
         ({"threads": 2.7}, "whole number"),
         ({"threads": True}, "whole number"),
+        ({"port": 99999}, "1 to 65535"),
+        ({"port": 0}, "1 to 65535"),
+        ({"port": "http"}, "port"),
     ],
 )
 def test_bad_options_are_config_errors(cli, text) -> None:

@@ -164,7 +164,11 @@ def _coerce(name: str, value: Any) -> Any:
             if not seconds >= 0:  # also NaN
                 raise ConfigError(f"must be 0 (no background sweep) or a positive duration, got {value!r}")
             return seconds
-        if name in ("port", "block_tokens", "max_queue", "max_context", "remote_admit_after"):
+        if name == "port":  # checked here, not by bind() after the model has loaded
+            if isinstance(value, (bool, float)) or not 1 <= (port := int(value)) <= 65535:
+                raise ConfigError(f"a TCP port, 1 to 65535, got {value!r}")
+            return port
+        if name in ("block_tokens", "max_queue", "max_context", "remote_admit_after"):
             return int(value)
         if name == "self_check_rate":
             rate = float(value)

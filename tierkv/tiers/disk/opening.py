@@ -77,6 +77,8 @@ def open_store(path: Path, writer: bool, open_env: Callable[[], None]) -> Owners
     """Create the store's directories, take the owners lock shared and run ``open_env`` (which opens the
     LMDB environment), repairing what may be repaired. Anything else (permissions, read-only media,
     memory) is a ``StoreOpenError``: the data stays. Returns the owners lock, held until closed."""
+    if path.exists() and not path.is_dir():
+        raise StoreOpenError(f"cannot open the store at {path}: it is a file, not a directory")
     try:
         make_private_dir(path)
         owners = OwnersLock(path)
