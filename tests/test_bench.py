@@ -268,6 +268,31 @@ def test_bench_default_model_is_smollm2_and_names_its_folder(tmp_path, monkeypat
         )
 
 
+def test_a_run_of_your_own_goes_to_bench_runs_and_leaves_the_committed_results_and_docs(
+    tmp_path, monkeypatch
+) -> None:
+    """By default a run lands in bench/runs/ (ignored by git), never in the committed bench/results/, and
+    the README's and docs' tables, which quote the committed runs, are not rewritten."""
+    from tierkv.bench import docs, machine
+
+    monkeypatch.setattr(plan, "measured", lambda cm, base, context: None)
+    monkeypatch.setattr(plan, "markdown", lambda measured, computed: "the plan")
+    rewrites = []
+    monkeypatch.setattr(docs, "main", lambda argv: rewrites.append(argv))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["bench", "--plan", "--model", "tiny"])
+    assert r.exit_code == 0, r.output
+    tag = machine.tag(machine.describe("."))
+    assert (tmp_path / "bench" / "runs" / tag / "results.json").exists()
+    assert not (tmp_path / "bench" / "results").exists() and rewrites == []
+    assert "--out bench/results records a run there" in r.output
+    # recording into the checkout's committed folder rewrites the tables from it
+    monkeypatch.setattr(docs, "RESULTS", tmp_path / "committed")
+    r = CliRunner().invoke(main, ["bench", "--plan", "--model", "tiny", "--out", str(tmp_path / "committed")])
+    assert r.exit_code == 0, r.output
+    assert rewrites == [[]]
+
+
 def test_bench_without_the_default_models_package_is_one_line_and_exit_2(tmp_path, monkeypatch) -> None:
     from tierkv import models
     from tierkv.errors import ConfigError

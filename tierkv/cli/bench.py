@@ -106,9 +106,11 @@ EXIT_STATUS = (
 @click.option(
     "--out",
     "out_dir",
-    default="bench/results",
+    default="bench/runs",
     show_default=True,
-    help="Results folder (a machine tag, the model's name unless tiny, and -quick are appended).",
+    help="Results folder (a machine tag, the model's name unless tiny, and -quick are appended). The "
+    "project's committed results are in bench/results: --out bench/results records a run there and "
+    "rewrites the README's and docs' tables from it.",
 )
 @click.option(
     "--runs", type=int, help="Repetitions per measurement (default 5, quick 2); overhead: rounds (default 6)."
@@ -199,16 +201,22 @@ def bench(
 
 
 def _update_docs(target: Path) -> None:
-    """Results written into this checkout's bench/results/: its README's and docs' tables follow them."""
+    """Results written into this checkout's bench/results/ (asked for with ``--out bench/results``): its
+    README's and docs' tables follow them. Elsewhere (the default, bench/runs/) nothing tracked changes."""
     from tierkv.bench import docs
 
-    if target.resolve().is_relative_to(docs.RESULTS) and (docs.ROOT / "docs").is_dir():
-        try:
-            docs.main([])
-        except (OSError, KeyError, ValueError) as exc:  # the results are written; the tables can wait
-            click.echo(
-                f"the docs' tables were not rewritten ({exc}); run python -m tierkv.bench.docs", err=True
-            )
+    if not (docs.ROOT / "docs").is_dir():  # an installed package, not a checkout: no tables to follow
+        return
+    if not target.resolve().is_relative_to(docs.RESULTS):
+        click.echo(
+            "(the project's README and docs quote its committed runs in bench/results/, left as they are; "
+            "--out bench/results records a run there)"
+        )
+        return
+    try:
+        docs.main([])
+    except (OSError, KeyError, ValueError) as exc:  # the results are written; the tables can wait
+        click.echo(f"the docs' tables were not rewritten ({exc}); run python -m tierkv.bench.docs", err=True)
 
 
 def _run_part(name: str, run: Callable[[Path], Any], base: Path, target: Path) -> tuple[Any, dict[str, Any]]:
