@@ -366,6 +366,12 @@ def markdown(res: dict[str, Any]) -> str:
             "diskcache was not installed for this run: its row is missing (pip install 'tierkv[bench]'; in a clone, pip install -e '.[bench]').",
         ]
     others = {name: r for name, r in rows.items() if not name.startswith("tierkv")}
+    if others:
+        lines += [
+            "",
+            "Bold marks each column's best row, tierkv's own variants included; below, each tierkv variant "
+            f"against the other systems ({', '.join(n.split(' (')[0] for n in others)}).",
+        ]
     for name in ("tierkv (native)", "tierkv (native, buffered reads)"):
         lead = rows.get(name)
         if lead and others:
