@@ -106,13 +106,7 @@ def write(out_dir: Path, machine: dict[str, Any], results: dict[str, Any]) -> li
     for res in [] if is_failure(results.get("ttft")) else results.get("ttft", []):
         md += [f"## TTFT: `{res['config']['model']}`", "", ttft.markdown(res), ""]
         if results.get("model") not in (None, "tiny"):
-            md += [
-                "Beside the project's founding headline, a figure given when it began, not measured in this run (a hit from the host tier; from disk after a restart with the page "
-                "cache dropped in brackets):",
-                "",
-                ttft.beside_seeds(res),
-                "",
-            ]
+            md += [ttft.beside_seeds(res), ""]  # with its legend, as the console prints it
     sections: list[tuple[str, str, Callable[[Any], str]]] = [
         ("tiers", "Tier bandwidth", tiers.markdown),
         ("peers", "Beside what a user could pick instead", peers.markdown),

@@ -278,6 +278,9 @@ def beside_seeds(res: dict[str, Any]) -> str:
     """Tokens, cold, hit (the host tier; disk after a restart in brackets) and ratio, beside the seeds' headline."""
     s = SEED_HEADLINE
     lines = [
+        "Beside the project's founding headline, a figure given when it began, not measured in this run (a "
+        "hit from the host tier; from disk after a restart with the page cache dropped in brackets):",
+        "",
         "| | tokens | cold prefill | cache hit | ratio |",
         "|---|---:|---:|---:|---:|",
         f"| the project's founding headline (given, not measured here) | {s['tokens']:,} | {s['cold_s'] * 1e3:,.0f} ms | {s['hit_s'] * 1e3:.0f} ms | "
