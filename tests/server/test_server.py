@@ -315,6 +315,8 @@ def test_restart_serves_disk_hits_and_sigterm_finishes_the_running_request(tmp_p
         {"role": "user", "content": "hi"},
     ]
     srv = ServerProcess(cache_dir=cache)
+    # the start-up log says what the disk tier holds: here, nothing yet
+    assert "disk tier: 0 blocks (0 B) cached, 0 of them for this model (0 namespaces in all)" in srv.output()
     results: dict = {}
     t = threading.Thread(target=lambda: results.update(r=_chat(srv.client(), msgs, max_tokens=4)))
     t.start()
@@ -324,6 +326,10 @@ def test_restart_serves_disk_hits_and_sigterm_finishes_the_running_request(tmp_p
     assert results["r"].usage.completion_tokens == 4
     srv = ServerProcess(cache_dir=cache)
     try:
+        # the start-up log says the cache survived, before any request
+        (line,) = [x for x in srv.output().splitlines() if "disk tier: " in x and " cached, " in x]
+        blocks, mine = re.search(r"disk tier: ([\d,]+) blocks .* cached, ([\d,]+) of them", line).groups()
+        assert int(mine.replace(",", "")) == int(blocks.replace(",", "")) > 0, line
         r = _chat(srv.client(), msgs, max_tokens=4)
         by_tier = r.usage.model_extra["tierkv"]["cached_tokens_by_tier"]
         assert by_tier["disk"] == r.usage.prompt_tokens_details.cached_tokens > 1000

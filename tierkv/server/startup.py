@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tierkv.keys import NamespaceDigest
 from tierkv.layout import KVSpec
 from tierkv.server.app import create_app
 from tierkv.server.config import ServeConfig, redact_url
@@ -74,6 +75,23 @@ def _threads_line(asked: int) -> str:
     return f"{n} model thread{'s' if n != 1 else ''}" + (" (--threads)" if asked else "; --threads to change")
 
 
+def _cached_line(store: Any, digest: NamespaceDigest) -> str | None:
+    """What the disk tier holds at start-up (a restart's cache is there, or it is empty), from the index's
+    exact totals: no scan. None without a disk tier."""
+    from tierkv.tiers.disk import DiskTier
+
+    disk = next((t for t in store.tiers if isinstance(t, DiskTier)), None)
+    if disk is None:
+        return None
+    totals = disk.totals()
+    blocks, nbytes = sum(b for b, _ in totals.values()), sum(n for _, n in totals.values())
+    mine = totals.get(digest, (0, 0))[0]
+    return (
+        f"disk tier: {blocks:,} blocks ({format_size(nbytes)}) cached, {mine:,} of them for this model "
+        f"({len(totals)} namespace{'s' if len(totals) != 1 else ''} in all)"
+    )
+
+
 def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kept = keep_freed_memory()  # before the model allocates anything
@@ -87,6 +105,11 @@ def serve(config: ServeConfig) -> None:
         server.store is not None
     ):  # allocate (and pre-fault) the memory tiers now, not during the first request
         server.store.reserve(ns)
+        try:
+            if line := _cached_line(server.store, ns.digest):
+                log.info(line)
+        except Exception as exc:  # a line of the log: never a reason not to start
+            log.warning("disk tier: could not read its totals: %s", exc)
         t0 = time.perf_counter()
         if tokens := server.cm.reserve_restore(server.engine.max_context):  # and where restores land (CPU)
             log.info(
