@@ -213,6 +213,7 @@ def test_the_ready_line_comes_once_listening_and_a_port_in_use_says_what_to_do(t
     assert r.returncode != 0, out
     assert f"cannot listen on http://127.0.0.1:{port}" in out and "--port picks another" in out, out
     assert "listening on" not in out, out
+    assert "warmed up" not in out, out  # said before the model loads, not seconds after
     srv = ServerProcess(cache_dir=tmp_path / "free")
     try:
         (line,) = [x for x in srv.output().splitlines() if "tierkv serve: listening on" in x]

@@ -92,8 +92,32 @@ def _cached_line(store: Any, digest: NamespaceDigest) -> str | None:
     )
 
 
+def _port_free(host: str, port: int) -> OSError | None:
+    """Whether ``host:port`` can be bound now, asked before the model loads (seconds) rather than found
+    after it; uvicorn binds it again later, and a process that takes it meanwhile still fails there."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(addr)
+    except OSError as exc:
+        return exc
+    return None
+
+
 def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (exc := _port_free(config.host, config.port)) is not None:
+        log.error(
+            "tierkv serve: cannot listen on http://%s:%s (%s); another process may hold the port: --port "
+            "picks another",
+            config.host,
+            config.port,
+            exc,
+        )
+        raise SystemExit(3)
     kept = keep_freed_memory()  # before the model allocates anything
     if config.threads:
         import torch
