@@ -23,8 +23,19 @@ def _quick(tmp_path, monkeypatch, only: str) -> tuple[dict, object]:
 
 
 def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> None:
+    from tierkv.bench import ttft as ttft_bench
+
+    warmed: list[list[str]] = []  # the disk-warm restores' page cache, filled before each (writes never do)
+    real_warm = ttft_bench.warm_page_cache
+    monkeypatch.setattr(
+        ttft_bench,
+        "warm_page_cache",
+        lambda paths: (warmed.append([p.suffix for p in paths]), real_warm(paths)),
+    )
     res, folder = _quick(tmp_path, monkeypatch, "ttft,tiers,plan")
     (ttft,) = res["ttft"]
+    assert len(warmed) == len(ttft["rows"]) * res["ttft"][0]["config"]["runs"]
+    assert all(w and set(w) == {".seg"} for w in warmed), warmed
     for row in ttft["rows"]:
         assert row["host_s"]["median"] < row["cold_s"]["median"]  # restoring beats recomputing
     tiers = res["tiers"]
