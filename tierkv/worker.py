@@ -157,12 +157,8 @@ class CachedModel:
 
         path = Path(path)
         if not (path / "config.json").exists():
-            missing = (
-                "does not exist"
-                if not path.exists()
-                else "is not a Hugging Face model directory (no config.json)"
-            )
-            raise ConfigError(f"{path} {missing}; the built-in models are {', '.join(models.NAMES)}")
+            why = "is not a model directory (no config.json)" if path.exists() else "does not exist"
+            raise ConfigError(f"{path} {why}; the built-in models are {', '.join(models.NAMES)}")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
             pin_exact_isa()  # before any matmul of the model (see cpu_exactness)

@@ -4,8 +4,9 @@ the limit it is held to, from the rows measured in the same run."""
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
-__all__ = ["paired", "ratios"]
+__all__ = ["in_words", "paired", "ratios"]
 
 
 def paired(bws: list[float], limits: list[float]) -> float:
@@ -79,3 +80,27 @@ def ratios(
             )
     out["naive LMDB cold / disk limit"] = rows["naive LMDB get, cold, random order"]["median"] / od
     return out
+
+
+def in_words(res: dict[str, Any]) -> str:
+    """The few ratios a user asks first, in words (each one found in the tables below)."""
+    rows, ratios = res["rows_Bps"], res["ratios"]
+
+    def ratio(prefix: str) -> str:
+        return next((f"{v:.2f}" for k, v in ratios.items() if k.startswith(prefix)), "-")
+
+    def rate(name: str) -> str:
+        return f"{rows[name]['median'] / 1e9:.2f} GB/s" if name in rows else "-"
+
+    return (
+        f"**In short.** A cold restore of one prefix: {rate('restore one-prefix, cold [native]')}, "
+        f"{ratio('restore cold one-prefix / disk limit [native]')} of the disk's read limit (the best raw "
+        "read pattern of this run; above 1 where the store's pattern beat every raw one). A fresh process's "
+        f"first restore, host tier on: {ratio('first restore, host tier on / the best raw read beside it')} of "
+        f"the best raw read measured beside it. Warm, from the page cache: "
+        f"{ratio('restore warm / memcpy (median')} of memcpy; from the host tier: "
+        f"{ratio('host tier / memcpy')} of memcpy (above 1: its large copies stream past the CPU's cache, "
+        f"torch's copy does not). A durable save (save, then flush): "
+        f"{ratio('persistence / the best raw write beside it')} of the best raw write measured beside it. "
+        "Whether a restore beats recomputing the prefix: the ttft part, and `tierkv bench --plan`."
+    )

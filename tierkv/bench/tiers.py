@@ -60,7 +60,7 @@ from tierkv.bench.disk_limits import (
 from tierkv.bench.first_restore import in_fresh_process, raw_read_in_fresh_process
 from tierkv.bench.kv_workload import LARGE_NS, NS, PROMPT_TOKENS, large_workload, workload
 from tierkv.bench.machine import Memcpy, drop_page_cache, summary, warm_page_cache
-from tierkv.bench.tier_ratios import paired, ratios
+from tierkv.bench.tier_ratios import in_words, paired, ratios
 
 # The disk tier's readers and writers, side by side: native (what the page cache lacks read with O_DIRECT,
 # the default), python (the fallback, buffered), native with every read buffered (TIERKV_DIRECT_READS=0)
@@ -403,34 +403,10 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     }
 
 
-def _summary(res: dict[str, Any]) -> str:
-    """The few ratios a user asks first, in words (each one found in the tables below)."""
-    rows, ratios = res["rows_Bps"], res["ratios"]
-
-    def ratio(prefix: str) -> str:
-        return next((f"{v:.2f}" for k, v in ratios.items() if k.startswith(prefix)), "-")
-
-    def rate(name: str) -> str:
-        return f"{rows[name]['median'] / 1e9:.2f} GB/s" if name in rows else "-"
-
-    return (
-        f"**In short.** A cold restore of one prefix: {rate('restore one-prefix, cold [native]')}, "
-        f"{ratio('restore cold one-prefix / disk limit [native]')} of the disk's read limit (the best raw "
-        "read pattern of this run; above 1 where the store's pattern beat every raw one). A fresh process's "
-        f"first restore, host tier on: {ratio('first restore, host tier on / the best raw read beside it')} of "
-        f"the best raw read measured beside it. Warm, from the page cache: "
-        f"{ratio('restore warm / memcpy (median')} of memcpy; from the host tier: "
-        f"{ratio('host tier / memcpy')} of memcpy (above 1: its large copies stream past the CPU's cache, "
-        f"torch's copy does not). A durable save (save, then flush): "
-        f"{ratio('persistence / the best raw write beside it')} of the best raw write measured beside it. "
-        "Whether a restore beats recomputing the prefix: the ttft part, and `tierkv bench --plan`."
-    )
-
-
 def markdown(res: dict[str, Any]) -> str:
     c = res["config"]
     lines = [
-        _summary(res),
+        in_words(res),
         "",
         f"KV {c['kv_nbytes'] / 2**20:.0f} MiB in {c['prompts']} prompts of {c['prompt_tokens']} tokens, "
         f"blocks of {c['block_tokens']} tokens ({c['block_nbytes'] / 2**10:.0f} KiB); {c['runs']} runs; "

@@ -80,8 +80,8 @@ def _cached_line(store: Any, digest: NamespaceDigest) -> str | None:
     exact totals: no scan. None without a disk tier."""
     from tierkv.tiers.disk import DiskTier
 
-    disk = next((t for t in store.tiers if isinstance(t, DiskTier)), None)
-    if disk is None:
+    disk = store.tier("disk")
+    if not isinstance(disk, DiskTier):
         return None
     totals = disk.totals()
     blocks, nbytes = sum(b for b, _ in totals.values()), sum(n for _, n in totals.values())
@@ -107,17 +107,21 @@ def _port_free(host: str, port: int) -> OSError | None:
     return None
 
 
+def _cannot_listen(config: Any, why: str) -> None:
+    log.error(
+        "tierkv serve: cannot listen on http://%s:%s %s; another process may hold the port: --port picks "
+        "another",
+        config.host,
+        config.port,
+        why,
+    )
+
+
 def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (exc := _port_free(config.host, config.port)) is not None:
-        log.error(
-            "tierkv serve: cannot listen on http://%s:%s (%s); another process may hold the port: --port "
-            "picks another",
-            config.host,
-            config.port,
-            exc,
-        )
-        raise SystemExit(3)
+        _cannot_listen(config, f"({exc})")
+        raise SystemExit(3)  # uvicorn's status for a failed start
     kept = keep_freed_memory()  # before the model allocates anything
     if config.threads:
         import torch
@@ -215,12 +219,7 @@ class _GracefulServer:
                 try:
                     await super().startup(sockets)
                 except SystemExit:  # uvicorn logged why (the port in use, say) and stops the process
-                    log.error(
-                        "tierkv serve: cannot listen on http://%s:%s (above); another process may hold "
-                        "the port: --port picks another",
-                        config.host,
-                        config.port,
-                    )
+                    _cannot_listen(config, "(above)")
                     raise
                 if on_ready is not None:
                     on_ready()
