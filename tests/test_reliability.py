@@ -37,7 +37,8 @@ def _post(url: str, body: bytes | str, timeout: float = 120) -> tuple[int, dict]
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        with e:  # closes its response (its socket), as the with above does
+            return e.code, json.loads(e.read() or b"{}")
 
 
 def _chat_body(i: int, max_tokens: int = 4) -> str:

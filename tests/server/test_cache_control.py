@@ -77,7 +77,8 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        with e:  # closes its response (its socket), as the with above does
+            return e.code, json.loads(e.read())
 
 
 def _usage(response) -> dict:
@@ -360,4 +361,5 @@ def _delete(url: str, body: dict) -> tuple[int, dict]:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        with e:  # closes its response (its socket), as the with above does
+            return e.code, json.loads(e.read())

@@ -29,7 +29,8 @@ def _post(url: str, body: bytes | str, headers: dict | None = None) -> tuple[int
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, {**json.loads(e.read()), "_headers": {k.lower(): v for k, v in e.headers.items()}}
+        with e:  # closes its response (its socket), as the with above does
+            return e.code, {**json.loads(e.read()), "_headers": {k.lower(): v for k, v in e.headers.items()}}
 
 
 def _get(url: str, headers: dict | None = None) -> tuple[int, str]:
@@ -38,7 +39,8 @@ def _get(url: str, headers: dict | None = None) -> tuple[int, str]:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+        with e:  # closes its response (its socket), as the with above does
+            return e.code, e.read().decode()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
