@@ -212,17 +212,23 @@ class DiskTier(DiskWrites, Tier):
 
     def probe(self, chain: BlockChain, idx: Sequence[int]) -> list[bool]:
         now = self.clock()
-        out = []
         found: dict[BlockKey, Entry] = {}
         keys = [chain.keys[i] for i in idx]
         with self.index.read() as txn:
             db = self.index.db["index"]
             raws = [txn.get(key, db=db) for key in keys]
-        for key, raw, pending in zip(keys, raws, self.times.last_many(keys)):
-            e = Entry.unpack(raw) if raw is not None else None
-            out.append(e is not None and not self._expired_after(e, pending, now))
-            if out[-1] and e is not None:
-                found[key] = e
+        # One pass, no call per block on the common path (a restore probes every block of a prompt).
+        # Without a TTL or a maximum age nothing expires: what a hit or a request adds only extends them.
+        unpack, expiring = Entry.unpack, self.policy.ttl_s is not None or self.policy.max_age_s is not None
+        pendings = self.times.last_many(keys) if expiring else [None] * len(keys)
+        for key, raw, pending in zip(keys, raws, pendings):
+            if raw is None:
+                continue
+            e = unpack(raw)
+            if expiring and self._expired_after(e, pending, now):
+                continue
+            found[key] = e
+        out = [key in found for key in keys]
         # A restore probes, then reads what it found on the same thread: the read reuses these entries
         # instead of reading the index again (a record changed since is caught by its verification).
         self._probed.found = (chain.keys, found)

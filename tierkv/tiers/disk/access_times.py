@@ -57,6 +57,15 @@ class AccessTimes:
         self, keys: Sequence[bytes], now: float, retain_s: float = 0.0, pin_until_s: float = 0.0
     ) -> None:
         with self._lock:
+            if not retain_s and not pin_until_s:  # a hit's: a time only (a restore touches a whole prompt)
+                touched = self._touched
+                for key in keys:
+                    old = touched.get(key)
+                    if old is None:
+                        touched[bytes(key)] = Touch(now)
+                    elif old.t < now:
+                        old.t = now
+                return
             for key in keys:
                 k = bytes(key)
                 new = Touch(now, retain_s, pin_until_s)

@@ -57,13 +57,13 @@ def read_run(
     prefix = bytearray((codec.HEADER_NBYTES + token_nbytes) * len(records))
     status = [ST_BAD] * len(records)
     try:
-        held = segments.held_fds(sorted({e.location[0] for _, e, _ in records}))
+        held = segments.held_fds(sorted({e.seg_id for _, e, _ in records}))
         fds = held.__enter__()
     except OSError as exc:  # no descriptors left, say: nothing to do with the records
         raise TransientReadError(exc.errno, f"opening segments: {exc.strerror}") from None
     with contextlib.ExitStack() as stack:
         stack.push(held)
-        present = [j for j, (_, e, _) in enumerate(records) if e.location[0] in fds]  # else unlinked: a miss
+        present = [j for j, (_, e, _) in enumerate(records) if e.seg_id in fds]  # else unlinked: a miss
         if not present:
             return status, memoryview(prefix)
         flat: list[int] = []  # one flat list: numpy converts it far faster than tuples or rows

@@ -14,7 +14,7 @@ import torch
 
 from tierkv import codec, native
 from tierkv.errors import RecordError
-from tierkv.keys import BlockChain
+from tierkv.keys import BlockChain, BlockKey
 from tierkv.layout import KVSpec
 from tierkv.tiers.disk.files import TransientReadError
 from tierkv.tiers.disk.native_read import ST_OK, ST_PYTHON
@@ -158,13 +158,17 @@ def read_records(
                 else:
                     prefixes = got
                 passed: list[int] = []
-                for j, st in enumerate(status, at):
-                    if st == ST_PYTHON:  # compressed, of a raw record's length: Python decodes it
-                        ok.append(verify(j, views(j)))
-                    else:
-                        ok.append(st == ST_OK)
-                        if ok[-1]:
-                            passed.append(scatter[j][0])
+                if status.count(ST_OK) == len(status):  # the common case, with no call per record
+                    ok += [True] * len(status)
+                    passed = [i for i, _ in part]
+                else:
+                    for j, st in enumerate(status, at):
+                        if st == ST_PYTHON:  # compressed, of a raw record's length: Python decodes it
+                            ok.append(verify(j, views(j)))
+                        else:
+                            ok.append(st == ST_OK)
+                            if ok[-1]:
+                                passed.append(scatter[j][0])
                 if passed and verified_run is not None:
                     if step < len(scatter):  # in order, on the one thread: none refused for the other's lock
                         assert background is not None
@@ -186,10 +190,8 @@ def read_records(
         pieces = [views(j) for j in range(len(scatter))]
         ok = read_into([(e, pieces[j]) for j, (_, e) in enumerate(scatter)], lambda j: verify(j, pieces[j]))
     end = first + len(entries)
-    for (i, _), good in zip(scatter, ok):
-        if not good:
-            end = i
-            break
+    if not all(ok):
+        end = scatter[ok.index(False)][0]
     if again:
         whole = sorted(whole + [scatter[j] for j in again], key=lambda ie: ie[0])
     if whole:
@@ -236,7 +238,9 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
             disk._transient_logged = True
             log.warning("disk tier read failed (%s): a miss, nothing purged; further ones are counted", exc)
         return 0
-    bad = {e.location: chain.keys[first + j] for j, e in enumerate(entries) if e.location in failed}
+    bad: dict[tuple[int, int, int], BlockKey] = {}
+    if failed:
+        bad = {e.location: chain.keys[first + j] for j, e in enumerate(entries) if e.location in failed}
     if got < len(entries):  # the one that ended the run, and any other an I/O error hit
         bad[entries[got].location] = chain.keys[first + got]
     for location, key in bad.items():
