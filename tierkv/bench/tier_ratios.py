@@ -92,13 +92,15 @@ def in_words(res: dict[str, Any]) -> str:
     def rate(name: str) -> str:
         return f"{rows[name]['median'] / 1e9:.2f} GB/s" if name in rows else "-"
 
+    large = ratio("restore warm, 8 MiB records")
+    large = f" ({large} with an 8B model's 8 MiB blocks)" if large != "-" else ""
     return (
         f"**In short.** A cold restore of one prefix: {rate('restore one-prefix, cold [native]')}, "
         f"{ratio('restore cold one-prefix / disk limit [native]')} of the disk's read limit (the best raw "
         "read pattern of this run; above 1 where the store's pattern beat every raw one). A fresh process's "
         f"first restore, host tier on: {ratio('first restore, host tier on / the best raw read beside it')} of "
         f"the best raw read measured beside it. Warm, from the page cache: "
-        f"{ratio('restore warm / memcpy (median')} of memcpy; from the host tier: "
+        f"{ratio('restore warm / memcpy (median')} of memcpy{large}; from the host tier: "
         f"{ratio('host tier / memcpy')} of memcpy (above 1: its large copies stream past the CPU's cache, "
         f"torch's copy does not). A durable save (save, then flush): "
         f"{ratio('persistence / the best raw write beside it')} of the best raw write measured beside it. "

@@ -16,7 +16,9 @@ Rows (GB/s, medians of ``runs`` with their spread):
                                    tier (saves copy into private buffers), and with one reserved and
                                    populated before the timer, as a serving store has (saves copy into
                                    its slots); and records of 8 MiB, an 8B model's 64-token block
-  restore one-prefix cold / warm   TieredStore.load of prefixes written in one go; page cache dropped / hot
+  restore one-prefix cold / warm   TieredStore.load of prefixes written in one go; page cache dropped / hot;
+                                   warm also with 8 MiB records (an 8B model's block: a block's fixed costs,
+                                   its Python included, spread over 10x the bytes)
   raw buffered warm read           the warm restore's own limit: its segment files read, cached, into
                                    buffers on as many threads as there are CPUs
   a warm read and its checksum     the same in 1 MiB reads, each hashed (xxh3) after it as a restore
@@ -42,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tierkv import TieredStore, native
+from tierkv import Namespace, TieredStore, native
 from tierkv.bench.disk_limits import (
     READ_THREADS,
     REQUEST_SIZES,
@@ -87,6 +89,7 @@ def _restores(
     path: str = "native",
     copies: tuple[Memcpy, list[float]] | None = None,
     first_run: int = 0,
+    ns: Namespace = NS,
 ) -> tuple[list[float], str]:
     """Restores of every prompt, ``runs`` times; with ``raw``, each cold run is preceded by a raw read of
     the store's own segment files (the same bytes, the same pattern, no tierkv), appended to ``raw``; with
@@ -112,7 +115,7 @@ def _restores(
                 warm_page_cache(own)  # as a recent save or a buffered read leaves it
             t0 = time.perf_counter()
             for toks in prompts:
-                n, _ = store.load(NS, toks, out=out)
+                n, _ = store.load(ns, toks, out=out)
                 assert n == len(toks), (n, len(toks))
             bws.append(len(prompts) * kv_nbytes / (time.perf_counter() - t0))
         if copies is not None:  # with the store closed: its background threads would slow the copy
@@ -238,6 +241,28 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             store_dir, prompts, out, runs, cold=False, path=path, copies=(meter, copies["warm"])
         )[0]
         rows[f"restore one-prefix, warm page cache [{path}]"] = summary(warm[path])
+    if with_large:  # the same with an 8B model's blocks, each run beside a memcpy of as many bytes
+        large_dir, large_out = base / "store-large", torch.zeros_like(large_kv)  # faulted in, as memcpy's
+        with TieredStore.open(large_dir, host_bytes=0) as store:
+            for toks in large_prompts:
+                store.save(LARGE_NS, toks, large_kv)
+            store.flush()
+        copies["large"] = []
+        warm["large"] = _restores(
+            large_dir,
+            large_prompts,
+            large_out,
+            runs,
+            cold=False,
+            path=paths[0],
+            copies=(Memcpy(large_out.numel() * large_out.element_size()), copies["large"]),
+            ns=LARGE_NS,
+        )[0]
+        rows[f"restore one-prefix, warm page cache, 8 MiB records (an 8B model's block) [{paths[0]}]"] = (
+            summary(warm["large"])
+        )
+        shutil.rmtree(large_dir)
+        del large_out
     threads = min(native.READ_THREADS, len(os.sched_getaffinity(0)))  # as many as a warm restore runs
     segments = sorted((store_dir / "segments").glob("*.seg"))
     rows[f"raw buffered warm read of the store's segment files, 8 MiB, {threads} threads"] = summary(
@@ -389,6 +414,14 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             )
             for i, path in enumerate(paths[:2])
         }
+        | (
+            {
+                f"restore warm, 8 MiB records (an 8B model's block) / memcpy of as many bytes (median of each "
+                f"run's ratio) [{paths[0]}]": paired(warm["large"], copies["large"])
+            }
+            if "large" in warm
+            else {}
+        )
         | {"host tier / memcpy (median of each run's ratio)": paired(hosted_bws, copies["host"])}
         | (
             {
