@@ -13,7 +13,6 @@ import torch
 from tierkv import Namespace, NamespaceConflictError, StoreFormatError, TieredStore
 from tierkv.codec import HEADER_NBYTES
 from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.disk.batch_index import CUT_MEMORY_KEYS, CUT_MEMORY_S, CutKeys
 from tierkv.tiers.disk.segments import aligned
 from tierkv.tiers.disk.write_items import Barrier
 
@@ -136,8 +135,8 @@ def test_a_save_larger_than_the_budget_in_several_batches_keeps_a_prefix_that_hi
 ) -> None:
     """A save the writer takes in several batches, larger than the whole budget: the first batch's
     eviction takes its own last blocks, and the batches after it, whose prefix on disk now ends before
-    them, are not indexed (counted as evicted). Before, they were: unreachable, and the next eviction, by
-    the oldest leaf, took the reachable prefix's end instead, until no block of the prompt hit."""
+    them, are evicted first. Before, they stayed (younger than the prefix), and the next eviction, by the
+    oldest leaf, took the reachable prefix's end instead, until no block of the prompt hit."""
     block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)
     toks = list(range(40 * 16))
     budget = 15 * block_footprint
@@ -155,7 +154,8 @@ def test_a_save_larger_than_the_budget_in_several_batches_keeps_a_prefix_that_hi
         held = store.lookup(ns, toks).num_tokens // 16
         assert held * block_footprint == disk.usage()["live_nbytes"]  # every block kept is reachable
         assert held == 15  # the budget, filled exactly (no headroom below 1 GiB)
-        assert store.stats()["disk"]["evictions"] == 40 - held
+        stats = store.stats()["disk"]
+        assert stats["evictions"] == 40 - held and stats["blocks_written"] == 40
         assert disk.totals() == _totals_by_scan(disk)
         # Saved again, whole: what fits of it is kept again, reachable.
         store.save(ns, toks, make_kv(ns, len(toks)))
@@ -163,20 +163,40 @@ def test_a_save_larger_than_the_budget_in_several_batches_keeps_a_prefix_that_hi
         assert store.lookup(ns, toks).num_tokens // 16 * block_footprint == disk.usage()["live_nbytes"] > 0
 
 
-def test_the_writers_memory_of_cut_blocks_is_bounded_in_time_and_size() -> None:
-    """A block cut for the budget keeps its continuations out for the rest of that save only: later, a
-    save that sends them alone (an engine's own prefix cache holding the prefix) is stored again."""
-    now = [0.0]
-    cut = CutKeys(clock=lambda: now[0])
-    cut.add([b"a", b"b"])
-    now[0] = CUT_MEMORY_S / 2
-    cut.add([b"a"])  # cut again: remembered from now
-    assert b"a" in cut and b"b" in cut and b"c" not in cut
-    now[0] = CUT_MEMORY_S + 1.0
-    assert b"a" in cut and b"b" not in cut
-    cut.add([i.to_bytes(4, "little") for i in range(CUT_MEMORY_KEYS + 10)])  # the oldest go first
-    assert b"a" not in cut and (0).to_bytes(4, "little") not in cut
-    assert (CUT_MEMORY_KEYS + 9).to_bytes(4, "little") in cut and len(cut._at) == CUT_MEMORY_KEYS
+def test_prompts_saved_chunk_by_chunk_past_the_budget_keep_only_blocks_that_hit(tmp_path, ns) -> None:
+    """Two long prompts saved in chunks of 8 blocks, alternately (an engine's chunked prefill, each chunk a
+    save from ``start_block``), past a budget of 15 blocks: one chunk's eviction takes the other prompt's
+    end, and that prompt's next chunk, with no prefix on disk, goes before any block a lookup reaches."""
+    block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    p, q = list(range(40 * 16)), [100_000 + t for t in range(40 * 16)]
+    kp, kq = make_kv(ns, len(p), seed=1), make_kv(ns, len(q), seed=2)
+    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=15 * block_footprint) as store:
+        for c in range(0, 40, 8):
+            for toks, kv in ((p, kp), (q, kq)):
+                store.save(
+                    ns, toks[: (c + 8) * 16], kv[:, :, c * 16 : (c + 8) * 16], start_block=c, kv_start=c * 16
+                )
+                assert store.flush() == 0
+        disk = store.tier("disk")
+        held = (store.lookup(ns, p).num_tokens + store.lookup(ns, q).num_tokens) // 16
+        assert held * block_footprint == disk.usage()["live_nbytes"] == 15 * block_footprint
+        stats = store.stats()["disk"]
+        assert stats["blocks_written"] - stats["evictions"] == held
+        assert disk.totals() == _totals_by_scan(disk)
+
+
+def test_a_continuation_saved_without_its_prefix_is_kept_where_the_budget_has_room(tmp_path, ns) -> None:
+    """Blocks saved from ``start_block`` whose prefix is not on disk (an engine's own cache holds it) are
+    stored while the budget has room, and a restore from ``start_block`` reads them."""
+    toks = list(range(50 * 16))
+    kv = make_kv(ns, len(toks))
+    block_footprint = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=60 * block_footprint) as store:
+        store.save(ns, toks, kv[:, :, 40 * 16 :], start_block=40, kv_start=40 * 16)
+        assert store.flush() == 0
+        assert store.lookup(ns, toks).num_tokens == 0  # nothing from block 0
+        hit, _ = store.restore(ns, toks, torch.zeros_like(kv), start_block=40)
+        assert hit.num_blocks == 50 and store.stats()["disk"]["evictions"] == 0
 
 
 def test_a_budget_evicts_the_least_recently_used_prompt_first_and_a_shared_prefix_last(tmp_path, ns) -> None:

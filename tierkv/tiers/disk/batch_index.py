@@ -4,10 +4,7 @@ prefix meanwhile, or a purge come) and indexes, replaces, or leaves each appende
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import Callable
-
+from tierkv.keys import NamespaceDigest, root_key
 from tierkv.tiers.disk.batch_order import by_chain
 from tierkv.tiers.disk.eviction import headroom
 from tierkv.tiers.disk.index import Index, Txn
@@ -15,52 +12,7 @@ from tierkv.tiers.disk.schema import Entry, Hole
 from tierkv.tiers.disk.segments import aligned
 from tierkv.tiers.disk.write_items import Put
 
-__all__ = ["CUT_MEMORY_KEYS", "CUT_MEMORY_S", "CutKeys", "Indexed", "fresh_records", "index_batch"]
-
-# How long, and how many, of the blocks its budget cut from a save the writer remembers: the rest of that
-# save comes in the batches that follow (seconds behind, even with a long queue).
-CUT_MEMORY_S = 60.0
-CUT_MEMORY_KEYS = 1 << 14
-
-
-class CutKeys:
-    """Blocks the writer's budget just cut from a save: evicted from their own batch, or not indexed since
-    their prefix was cut. A save larger than what the budget leaves arrives in several batches; the first
-    one's eviction takes its last blocks (leaves first, ``eviction.py``), and without this the next batch,
-    whose prefix on disk now ends before it, was indexed for nothing: no lookup reaches it, and the
-    budget's next eviction, oldest leaves first, then took the reachable prefix's end instead (a prompt
-    larger than the budget kept none of its blocks reachable). Written by the writer thread only."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._at: dict[bytes, float] = {}  # key -> when cut, oldest first
-
-    def __contains__(self, key: object) -> bool:
-        t = self._at.get(key) if isinstance(key, bytes) else None
-        return t is not None and self.clock() - t <= CUT_MEMORY_S
-
-    def add(self, keys: list[bytes]) -> None:
-        now = self.clock()
-        for key in keys:
-            self._at.pop(key, None)  # to the young end
-            self._at[key] = now
-        while self._at:
-            key, t = next(iter(self._at.items()))
-            if now - t <= CUT_MEMORY_S and len(self._at) <= CUT_MEMORY_KEYS:
-                break
-            del self._at[key]
-
-
-@dataclasses.dataclass
-class Indexed:
-    """What a batch's indexing did: the holes to punch after its commit (records replaced or evicted), the
-    appended records left unused, how many blocks the budget took (evicted, or cut on arrival), and the
-    keys this batch's budget cut (``CutKeys``)."""
-
-    holes: list[Hole]
-    unused: list[Hole]
-    evicted: int
-    cut: list[bytes]
+__all__ = ["fresh_records", "index_batch"]
 
 
 def fresh_records(index: Index, puts: list[Put], now: float) -> list[Put]:
@@ -88,18 +40,12 @@ def fresh_records(index: Index, puts: list[Put], now: float) -> list[Put]:
 
 
 def index_batch(
-    index: Index,
-    txn: Txn,
-    fresh: list[Put],
-    offsets: list[int],
-    seg_id: int,
-    now: float,
-    cut_before: CutKeys | frozenset[bytes] = frozenset(),
-) -> Indexed:
+    index: Index, txn: Txn, fresh: list[Put], offsets: list[int], seg_id: int, now: float
+) -> tuple[list[Hole], list[Hole], int]:
     """In ``txn``: index the appended records (at ``offsets`` of segment ``seg_id``) still worth it, over the
-    budget evict. A block whose prefix the budget cut from an earlier batch (``cut_before``) or this one is
-    not indexed: no lookup would reach it. ``index.write`` may run this twice: it changes nothing outside
-    ``txn``, and the caller records ``cut`` once committed."""
+    budget evict (this batch's blocks that no lookup from the disk reaches first, ``_evict_unreachable``).
+    Returns the holes to punch after the commit (records replaced or evicted), the appended records left
+    unused, and how many were evicted."""
     policy = index.policy
     budget = policy.budget_nbytes
     holes: list[Hole] = []
@@ -108,8 +54,7 @@ def index_batch(
     # earlier look count.
     room = None if budget is None else budget - index.total_nbytes(txn)
     idx = index.db["index"]
-    indexed: set[bytes] = set()  # in this transaction
-    cut: set[bytes] = set()  # in this transaction
+    indexed: dict[bytes, Put] = {}  # in this transaction, in order
     for p, off in zip(fresh, offsets):
         if not p.is_live():
             # Purged or invalidated since the first look. Checked in the transaction: one that purges after
@@ -129,21 +74,12 @@ def index_batch(
         if p.after is not None and p.after not in indexed and txn.get(p.after, db=idx) is None:
             unused.append((seg_id, off, p.record_nbytes, False))  # its prefix did not fit
             continue
-        if (
-            p.parent is not None
-            and p.parent not in indexed
-            and (p.parent in cut or p.parent in cut_before)
-            and txn.get(p.parent, db=idx) is None
-        ):
-            unused.append((seg_id, off, p.record_nbytes, False))  # its prefix was cut for the budget
-            cut.add(p.key)
-            continue
         if room is not None:
             if not p.evict and aligned(p.record_nbytes) > room:
                 unused.append((seg_id, off, p.record_nbytes, False))
                 continue
             room -= aligned(p.record_nbytes)
-        indexed.add(p.key)
+        indexed[p.key] = p
         if p.ns_spec is not None:
             index.put_namespace(txn, p.ns_digest, p.ns_spec)
         access_s = now if p.access_s is None else min(p.access_s, now)
@@ -151,9 +87,44 @@ def index_batch(
             txn, p.key, Entry(p.ns_digest, seg_id, off, p.record_nbytes, p.created_s, access_s), p.parent
         )
     if budget is None:
-        return Indexed(holes, unused, len(cut), list(cut))
-    evicted = index.evict_over(txn, budget, now, headroom_nbytes=headroom(budget))
-    skipped = len(cut)  # the budget took them on arrival: counted as evicted
-    if evicted:  # this batch's own blocks it took: what follows them in the save is cut too
-        cut.update(k for k in indexed if txn.get(k, db=idx) is None)
-    return Indexed(holes + evicted, unused, len(evicted) + skipped, list(cut))
+        return holes, unused, 0
+    evicted = _evict_unreachable(index, txn, list(indexed.values()), budget)
+    evicted += index.evict_over(txn, budget, now, headroom_nbytes=headroom(budget))
+    return holes + evicted, unused, len(evicted)
+
+
+def _evict_unreachable(index: Index, txn: Txn, batch: list[Put], budget: int) -> list[Hole]:
+    """Over ``budget``, this batch's blocks whose prefix is not on disk go first, each chain from its end.
+
+    A save larger than what the budget leaves comes in several batches: the first one's eviction takes its
+    own last blocks (leaves first, ``eviction.py``), and the next batch's prefix on disk then ends before
+    it. Indexed like any other, such a block is reached only while its prefix is in a memory tier or an
+    engine's own cache; to the budget's next eviction, by the oldest leaf, it was younger than the prefix,
+    whose end went instead, until none of the prompt hit. Where there is room they stay (a restore from
+    ``start_block``, or a prefix held in the host tier, still reaches them)."""
+    total = index.total_nbytes(txn)
+    if total <= budget:
+        return []
+    idx = index.db["index"]
+    unreachable: list[bytes] = []
+    below: set[bytes] = set()  # of those, for their continuations in the batch
+    for p in batch:  # in chain order (``by_chain``): a prefix before its continuations
+        if p.parent is None:
+            continue
+        if p.parent in below or (
+            txn.get(p.parent, db=idx) is None
+            and p.parent != root_key(NamespaceDigest(p.ns_digest))  # block 0's
+        ):
+            unreachable.append(p.key)
+            below.add(p.key)
+    holes: list[Hole] = []
+    for key in reversed(unreachable):  # from each chain's end
+        if total <= budget:
+            break
+        raw = txn.get(key, db=idx)
+        if raw is None:
+            continue
+        e = Entry.unpack(raw)
+        holes.append((*e.location, index.remove(txn, key, e)))
+        total -= e.footprint
+    return holes

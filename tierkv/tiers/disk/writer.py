@@ -29,8 +29,9 @@ from tierkv.priority import background_priority
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.access_times import AccessTimes
 from tierkv.tiers.disk.appender import Appender, Job
-from tierkv.tiers.disk.batch_index import CutKeys, Indexed, fresh_records, index_batch
+from tierkv.tiers.disk.batch_index import fresh_records, index_batch
 from tierkv.tiers.disk.index import Index, Txn
+from tierkv.tiers.disk.schema import Hole
 from tierkv.tiers.disk.segment_writer import SegmentWriter
 from tierkv.tiers.disk.segments import SegmentDir, aligned
 from tierkv.tiers.disk.write_items import Barrier, Item, Purge, Put, Record  # (imported from here too)
@@ -103,7 +104,6 @@ class Writer:
         self._lock = threading.Lock()
         self._degraded_until = 0.0
         self._degraded = False  # in a failure episode (logged once)
-        self._cut = CutKeys()  # what the budget cut from the saves just indexed
         # Background persistence must not slow the model down (measured: a server with no cache hits was 9
         # to 16% slower than with the cache off with the writer at nice 0 or 10, on 2 cores). The thread's
         # Python runs at nice 19; its byte work (checksums, writes, syncs) runs in the native writer at
@@ -391,11 +391,11 @@ class Writer:
     def _index_synced(self, a: _Appending) -> None:
         fresh, seg, offsets = a.fresh, a.seg, a.offsets
 
-        def index(txn: Txn) -> Indexed:
-            return index_batch(self.index, txn, fresh, offsets, seg.seg_id, self.clock(), self._cut)
+        def index(txn: Txn) -> tuple[list[Hole], list[Hole], int]:
+            return index_batch(self.index, txn, fresh, offsets, seg.seg_id, self.clock())
 
         try:
-            done = self.index.write(index)
+            holes, unused, evicted = self.index.write(index)
         except Exception as exc:  # not committed (index full, say): the appended bytes are orphans
             if isinstance(exc, (lmdb.Error, NamespaceConflictError)):
                 self._degrade(exc, len(fresh))
@@ -408,13 +408,12 @@ class Writer:
         if self._degraded:
             self._degraded = False
             log.warning("disk tier writes resumed")
-        self._cut.add(done.cut)
-        self.counters.add("disk", "blocks_written", len(fresh) - len(done.unused))
+        self.counters.add("disk", "blocks_written", len(fresh) - len(unused))
         self.counters.add(
-            "disk", "bytes_written", sum(p.record_nbytes for p in fresh) - sum(h[2] for h in done.unused)
+            "disk", "bytes_written", sum(p.record_nbytes for p in fresh) - sum(h[2] for h in unused)
         )
-        self.counters.add("disk", "evictions", done.evicted)
-        self.segments.release(done.holes + done.unused)
+        self.counters.add("disk", "evictions", evicted)
+        self.segments.release(holes + unused)
 
     def _lost_to_a_bug(self, dropped: int) -> None:
         """A step failed with what no disk raises (a bug): its batch is lost, counted (flush reports it),
