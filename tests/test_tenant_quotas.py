@@ -1,6 +1,8 @@
 """Tenant quotas in the store (a real LMDB disk tier, an injected clock): eviction takes from tenants
 above their quota first, pins stay within a tenant's pin quota, usage is counted per tenant."""
 
+import threading
+
 import lmdb
 import pytest
 
@@ -9,6 +11,7 @@ from tierkv.errors import PinBudgetError
 from tierkv.retention import Retention
 from tierkv.tenancy import Quota, namespace_salt, tenant_id
 from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk.write_items import Barrier
 
 from helpers import make_kv
 
@@ -83,6 +86,34 @@ def test_a_tenant_without_a_quota_is_evicted_before_one_within_its_quota(tmp_pat
         _fill(store, now, c, 100, 6)  # c writes 24 blocks
         assert _held(store, a, 0, 4) == 4
         assert _held(store, c, 104, 2) == 2  # c keeps its newest in the 8 blocks left
+
+
+@pytest.mark.parametrize("how", ["writer", "gc"])
+def test_a_tenant_over_its_quota_loses_a_prompts_last_blocks_first(tmp_path, ns, how) -> None:
+    """The quota's eviction takes a prompt from its end, as the budget's own does: what the tenant keeps
+    of a long prompt is a prefix that hits. Before, it took the tenant's blocks in key order (a prompt's
+    blocks share one time): 8 of 20 kept, a lookup reached none or one of them."""
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    b, b_id = _tenant(ns, B_SALT)
+    long_prompt = [7 + t for t in range(20 * 16)]
+    budget = 16 * RECORD
+    with _open(tmp_path, now, disk_bytes=budget if how == "writer" else None) as store:
+        store.set_quotas({a_id: Quota("a", disk_nbytes=8 * RECORD), b_id: Quota("b", disk_nbytes=8 * RECORD)})
+        _fill(store, now, b, 0, 2)  # 8 blocks, the oldest, within b's quota
+        now[0] += 1
+        batches = _disk(store).writer._batches  # the prompt in one batch: one eviction decides
+        gate, handle = threading.Event(), batches._handle
+        batches._handle = lambda batch: (gate.wait(30), handle(batch))
+        batches.put(Barrier())
+        store.save(a, long_prompt, make_kv(a, len(long_prompt)))
+        gate.set()
+        store.flush()
+        if how == "gc":
+            assert _disk(store).enforce_budget(budget).evicted == 12
+        assert _held(store, b, 0, 2) == 2
+        assert store.lookup(a, long_prompt).num_tokens == 8 * 16  # its first 8 blocks: all a holds
+        assert _disk(store).usage()["live_nbytes"] == budget
 
 
 def test_budget_sweeps_of_gc_take_from_tenants_over_their_quota_first(tmp_path, ns) -> None:

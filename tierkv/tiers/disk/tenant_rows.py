@@ -161,9 +161,10 @@ class TenantRows:
     ) -> tuple[list[Hole], int]:
         """Evict while the live bytes exceed ``budget``, from tenants above their disk quota only (a
         tenant without one is above it with any block): across them, every tenant's blocks of the
-        store's own retention before any kept by a request, the oldest first; never a pinned block.
-        Nothing when no tenant has a disk quota. At most ``limit`` blocks. Returns the holes and the live
-        bytes left."""
+        store's own retention before any kept by a request, the oldest first, leaves before their
+        prefixes (as the budget's own eviction, ``eviction.py``: a prompt from its end, so that what stays
+        is a prefix a lookup reaches); never a pinned block. Nothing when no tenant has a disk quota. At
+        most ``limit`` blocks. Returns the holes and the live bytes left."""
         quotas = self.quotas(txn)
         if total <= budget or not any(q.disk_nbytes is not None for q in quotas.values()):
             return [], total
@@ -177,7 +178,7 @@ class TenantRows:
             steps += 1
             oldest: bytes | None = None
             for tid in list(over):
-                row = _first(cur, tid)
+                row = self._first_leaf(txn, cur, tid)
                 if row is None:  # nothing evictable left (all pinned)
                     over.discard(tid)
                 elif oldest is None or row[TENANT_ID_NBYTES:] < oldest[TENANT_ID_NBYTES:]:
@@ -193,12 +194,53 @@ class TenantRows:
                 if right is not None:
                     txn.put(right, b"", db=db)
                 continue
-            holes.append((*e.location, self.index.remove(txn, key, e)))
-            total -= e.footprint
-            used[tid] -= e.footprint
-            if used[tid] <= _disk_quota(quotas.get(tid)):
-                over.discard(tid)
+            # Then its prefix, while each is a leaf of the tenant's same class no younger than this row (a
+            # prompt's blocks share one time): the prompt is taken from its end in one walk.
+            while e is not None:
+                parent = txn.get(key, db=self.index.db["parents"])
+                holes.append((*e.location, self.index.remove(txn, key, e)))
+                total -= e.footprint
+                used[tid] -= e.footprint
+                if used[tid] <= _disk_quota(quotas.get(tid)):
+                    over.discard(tid)
+                if parent is None or tid not in over or total <= budget:
+                    break
+                if limit is not None and steps >= limit:
+                    break
+                key, e = bytes(parent), self._evictable_prefix(txn, tid, bytes(parent), oldest)
+                steps += e is not None
         return holes, total
+
+    def _first_leaf(self, txn: Txn, cur: object, tid: bytes) -> bytes | None:
+        """The tenant's first row (``_first``) whose block has no stored continuation; its first row where
+        every one has (their continuations pinned, say)."""
+        first = row = _first(cur, tid)
+        while row is not None:
+            if not self.index.children(txn, row[HEAD + TIME.size :], limit=1):
+                return row
+            row = bytes(cur.key()) if cur.next() else None  # type: ignore[attr-defined]
+            if row is not None and row[:TENANT_ID_NBYTES] != tid:
+                row = None
+        return first
+
+    def _evictable_prefix(self, txn: Txn, tid: bytes, key: bytes, below: bytes) -> Entry | None:
+        """``key``'s entry if it is next in the walk from the row ``below``: the tenant's, of the same class,
+        no younger, with its own row in place, and now a leaf."""
+        raw = txn.get(key, db=self.index.db["index"])
+        if raw is None:
+            return None
+        e = Entry.unpack(raw)
+        row = _row(tid, key, e)
+        if (
+            row is None  # pinned
+            or row[:HEAD] != below[:HEAD]
+            or row[HEAD : HEAD + TIME.size] > below[HEAD : HEAD + TIME.size]
+            or self.of(txn, e.ns_digest) != tid
+            or txn.get(row, db=self.index.db["tenant_time"]) is None
+            or self.index.children(txn, key, limit=1)
+        ):
+            return None
+        return e
 
     # ---------------------------------------------------------------- repair
 
