@@ -114,6 +114,33 @@ def test_a_tenant_over_its_quota_loses_a_prompts_last_blocks_first(tmp_path, ns,
         assert _held(store, b, 0, 2) == 2
         assert store.lookup(a, long_prompt).num_tokens == 8 * 16  # its first 8 blocks: all a holds
         assert _disk(store).usage()["live_nbytes"] == budget
+        assert {tid: u for tid, (u, _) in _disk(store).tenants().items() if u[0]} == _recount(store)
+
+
+def test_the_quotas_eviction_scans_a_long_shared_prefix_once_not_once_a_block(tmp_path, ns) -> None:
+    """A tenant's old prefix of 200 blocks, each with a stored continuation, and 40 one-block
+    continuations younger than it: evicting half of them asks for each row's continuations about once,
+    where restarting the scan at the tenant's first row asked 200 times a block (3,000 blocks took 3 s
+    in one write transaction)."""
+    now = [10_000.0]
+    a, a_id = _tenant(ns, A_SALT)
+    prefix = list(range(200 * 16))
+    with _open(tmp_path, now) as store:
+        store.save(a, prefix, make_kv(a, len(prefix)))
+        store.flush()
+        for i in range(40):
+            now[0] += 1
+            toks = prefix + [1_000_000 + 16 * i + t for t in range(16)]
+            store.save(a, toks, make_kv(a, 16, seed=i), start_block=200, kv_start=200 * 16)
+        store.flush()
+        store.set_quotas({a_id: Quota("a", disk_nbytes=RECORD)})
+        index = _disk(store).index
+        calls, children = [0], index.children
+        index.children = lambda *args, **kw: (calls.__setitem__(0, calls[0] + 1), children(*args, **kw))[1]
+        assert _disk(store).enforce_budget(220 * RECORD).evicted == 20
+        assert calls[0] < 3 * (200 + 40)
+        assert store.lookup(a, prefix).num_tokens == len(prefix)  # the continuations went, oldest first
+        assert {tid: u for tid, (u, _) in _disk(store).tenants().items() if u[0]} == _recount(store)
 
 
 def test_budget_sweeps_of_gc_take_from_tenants_over_their_quota_first(tmp_path, ns) -> None:

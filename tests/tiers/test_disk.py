@@ -199,6 +199,38 @@ def test_a_continuation_saved_without_its_prefix_is_kept_where_the_budget_has_ro
         assert hit.num_blocks == 50 and store.stats()["disk"]["evictions"] == 0
 
 
+def test_blocks_whose_prefix_is_not_all_on_disk_go_before_a_reachable_prompt(tmp_path, ns) -> None:
+    """Over the budget, a batch's blocks that no lookup from disk reaches go before an older prompt that
+    hits, whether their parent is missing, later in the same batch, or stored but itself unreachable."""
+    fp = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    now = [10_000.0]
+    p = list(range(25 * 16))
+    kv = make_kv(ns, len(p), seed=1)
+    r = [500_000 + t for t in range(10 * 16)]
+    with TieredStore.open(tmp_path, host_bytes=0, clock=lambda: now[0], disk_bytes=20 * fp) as store:
+        store.save(ns, p[: 15 * 16], kv[:, :, 10 * 16 : 15 * 16], start_block=10, kv_start=10 * 16)
+        store.flush()  # blocks 10..14 with room: kept, though nothing before them is stored
+        now[0] += 1
+        store.save(ns, r, make_kv(ns, len(r), seed=9))
+        store.flush()  # R: 10 blocks that hit, older than what comes next
+        now[0] += 1
+        # In one batch: blocks 20..24, then 15..24 again (kept from the first: 15..19 come after 20..24).
+        batches = store.tier("disk").writer._batches
+        gate, handle = threading.Event(), batches._handle
+        batches._handle = lambda batch: (gate.wait(30), handle(batch))
+        batches.put(Barrier())
+        store.save(ns, p, kv[:, :, 20 * 16 :], start_block=20, kv_start=20 * 16)
+        store.save(ns, p, kv[:, :, 15 * 16 :], start_block=15, kv_start=15 * 16)
+        gate.set()
+        assert store.flush() == 0
+        disk = store.tier("disk")
+        assert store.lookup(ns, r).num_tokens == 10 * 16  # over by 5: five of P's went, none of R's
+        assert disk.usage()["live_nbytes"] == 20 * fp
+        hit, _ = store.restore(ns, p, torch.zeros_like(kv), start_block=10)
+        assert hit.num_blocks == 20  # P taken from its end: 10..19 stay, 20..24 went
+        assert disk.totals() == _totals_by_scan(disk)
+
+
 def test_a_budget_evicts_the_least_recently_used_prompt_first_and_a_shared_prefix_last(tmp_path, ns) -> None:
     """Leaves first does not undo the time order: of two prompts after a shared prefix, the one used
     longer ago loses its own blocks (from its end) first; the shared prefix, which the other still

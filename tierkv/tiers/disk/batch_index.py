@@ -94,7 +94,8 @@ def index_batch(
 
 
 def _evict_unreachable(index: Index, txn: Txn, batch: list[Put], budget: int) -> list[Hole]:
-    """Over ``budget``, this batch's blocks whose prefix is not on disk go first, each chain from its end.
+    """Over ``budget``, this batch's blocks whose prefix is not all on disk go first, each chain from its
+    end.
 
     A save larger than what the budget leaves comes in several batches: the first one's eviction takes its
     own last blocks (leaves first, ``eviction.py``), and the next batch's prefix on disk then ends before
@@ -103,22 +104,54 @@ def _evict_unreachable(index: Index, txn: Txn, batch: list[Put], budget: int) ->
     whose end went instead, until none of the prompt hit. Where there is room they stay (a restore from
     ``start_block``, or a prefix held in the host tier, still reaches them)."""
     total = index.total_nbytes(txn)
-    if total <= budget:
+    if total <= budget or not batch:
         return []
-    idx = index.db["index"]
-    unreachable: list[bytes] = []
-    below: set[bytes] = set()  # of those, for their continuations in the batch
-    for p in batch:  # in chain order (``by_chain``): a prefix before its continuations
-        if p.parent is None:
-            continue
-        if p.parent in below or (
-            txn.get(p.parent, db=idx) is None
-            and p.parent != root_key(NamespaceDigest(p.ns_digest))  # block 0's
-        ):
-            unreachable.append(p.key)
-            below.add(p.key)
+    idx, parents = index.db["index"], index.db["parents"]
+    in_batch = {p.key: p.parent for p in batch}
+    roots = {root_key(NamespaceDigest(d)) for d in {p.ns_digest for p in batch}}
+    reachable: dict[bytes, bool] = dict.fromkeys(roots, True)
+
+    def reaches(key: bytes) -> bool:
+        """Whether every block from ``key`` up to its chain's root is stored (each asked once a batch)."""
+        path: list[bytes] = []
+        got: bool | None = None
+        while got is None:
+            if key in reachable:
+                got = reachable[key]
+                break
+            path.append(key)
+            if key in in_batch:
+                up = in_batch[key]
+            elif txn.get(key, db=idx) is None:
+                got = False
+                break
+            else:
+                raw = txn.get(key, db=parents)
+                up = bytes(raw) if raw is not None else None
+            if up is None:  # no parent recorded (an older format's block): taken as reached
+                got = True
+                break
+            key = up
+        for k in path:
+            reachable[k] = got
+        return got
+
+    depths: dict[bytes, int] = {}
+
+    def depth(key: bytes) -> int:  # how far into the batch's own blocks: a chain's end is the deepest
+        path: list[bytes] = []
+        while key in in_batch and key not in depths:
+            path.append(key)
+            key = in_batch[key] or b""
+        n = depths.get(key, -1)
+        for k in reversed(path):
+            n += 1
+            depths[k] = n
+        return depths[path[0]] if path else n
+
+    unreachable = sorted((p.key for p in batch if not reaches(p.key)), key=depth, reverse=True)
     holes: list[Hole] = []
-    for key in reversed(unreachable):  # from each chain's end
+    for key in unreachable:
         if total <= budget:
             break
         raw = txn.get(key, db=idx)
