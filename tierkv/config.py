@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.codec import Codec
 from tierkv.errors import ConfigError
+from tierkv.units import format_size
 
 if TYPE_CHECKING:
     from tierkv.metrics import Counters
@@ -115,7 +116,10 @@ class StoreConfig:
             if self.disk.pin_budget_nbytes < 0 or (
                 budget is not None and self.disk.pin_budget_nbytes > budget
             ):
-                raise ConfigError("the pin budget must be >= 0 and at most the disk budget")
+                raise ConfigError(
+                    f"the pin budget (--pin-budget, {format_size(self.disk.pin_budget_nbytes)}) must be >= 0 "
+                    f"and at most the disk budget (--disk-budget, {format_size(budget or 0)})"
+                )
 
     def build(self, counters: Counters) -> list[Tier]:
         """The tiers, fastest first."""

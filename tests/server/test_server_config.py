@@ -237,3 +237,27 @@ def test_threads_sets_the_models_cpu_threads_and_the_start_up_line_says_so(tmp_p
         assert reply.usage.completion_tokens == 2
     finally:
         srv.stop()
+
+
+def test_a_disk_budget_below_one_block_is_said_at_start_up_and_the_pin_budget_names_its_options(
+    tmp_path,
+) -> None:
+    """A budget that can keep no block of the model (the embedded model's are 768 KiB) starts, and says
+    so in its log at once; a pin budget above the disk budget names both options and sizes."""
+    from helpers import ServerProcess
+
+    srv = ServerProcess("--disk-budget", "1KiB", cache_dir=tmp_path / "c")
+    try:
+        out = srv.output()
+        assert "its budget (1.0 KiB) is smaller than one block of this model's KV (768.0 KiB)" in out, out
+        assert "nothing will be kept on disk (--disk-budget)" in out, out
+    finally:
+        srv.stop()
+    config = ServeConfig.load(
+        {"cache_dir": str(tmp_path / "p"), "disk_budget": "1MiB", "pin_budget": "2MiB", "host_cache": "1MiB"},
+        env={},
+    )
+    with pytest.raises(
+        ConfigError, match=r"pin budget \(--pin-budget, 2\.0 MiB\).*disk budget \(--disk-budget, 1\.0 MiB\)"
+    ):
+        state.open_store(config).close()

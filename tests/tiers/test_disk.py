@@ -231,6 +231,25 @@ def test_blocks_whose_prefix_is_not_all_on_disk_go_before_a_reachable_prompt(tmp
         assert disk.totals() == _totals_by_scan(disk)
 
 
+def test_a_hit_just_before_a_batch_counts_for_that_batchs_eviction(tmp_path, ns) -> None:
+    """Hits are written to the index in batches (at most once a second, and after each write batch): the
+    writer applies those pending before a batch's eviction reads the access times. Before, the prompt hit
+    last was evicted as if it had not been, because its hit was written just after."""
+    fp = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    now = [1000.0]
+    x, y, z = (list(range(k * 1000, k * 1000 + 4 * 16)) for k in (1, 2, 3))
+    with TieredStore.open(tmp_path, host_bytes=0, clock=lambda: now[0], disk_bytes=8 * fp) as store:
+        for toks in (x, y):
+            store.save(ns, toks, make_kv(ns, len(toks)))
+            store.flush()
+            now[0] += 1000
+        assert store.load(ns, x)[0] == len(x)  # x: the one hit last (its hit not written yet)
+        now[0] += 1000
+        store.save(ns, z, make_kv(ns, len(z)))  # over the budget by one prompt
+        store.flush()
+        assert [store.lookup(ns, t).num_tokens for t in (x, y, z)] == [len(x), 0, len(z)]
+
+
 def test_a_budget_evicts_the_least_recently_used_prompt_first_and_a_shared_prefix_last(tmp_path, ns) -> None:
     """Leaves first does not undo the time order: of two prompts after a shared prefix, the one used
     longer ago loses its own blocks (from its end) first; the shared prefix, which the other still

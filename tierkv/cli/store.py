@@ -69,6 +69,11 @@ def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
         f"max age {format_duration(p['max_age_s']) if p['max_age_s'] else 'none'}   "
         f"pin budget {format_size(p['pin_budget_nbytes']) if p['pin_budget_nbytes'] else 'none'}"
     )
+    if p["budget_nbytes"]:  # what a user watching the files with du asks next
+        click.echo(
+            "           (the files may pass it by up to two write batches while a save is written, until "
+            "it is indexed; evictions: a server's /metrics, tierkv_tier_evictions_total)"
+        )
     r = report["retention"]
     kept = "".join(
         f", {ttl} {row['blocks']}" for ttl, row in r["retained"]["by_ttl"].items()

@@ -92,6 +92,21 @@ def _cached_line(store: Any, digest: NamespaceDigest) -> str | None:
     )
 
 
+def _budget_too_small(store: Any, ns: Any) -> str | None:
+    """A disk budget below one block of the model's KV keeps nothing: said at start-up, not found later."""
+    from tierkv.tiers.disk import DiskTier
+
+    disk = store.tier("disk")
+    budget = disk.policy.budget_nbytes if isinstance(disk, DiskTier) else None
+    block = KVSpec.of(ns).block_nbytes
+    if budget is None or budget >= block:
+        return None
+    return (
+        f"disk tier: its budget ({format_size(budget)}) is smaller than one block of this model's KV "
+        f"({format_size(block)}): nothing will be kept on disk (--disk-budget)"
+    )
+
+
 def _port_free(host: str, port: int) -> OSError | None:
     """Whether ``host:port`` can be bound now, asked before the model loads (seconds) rather than found
     after it; uvicorn binds it again later, and a process that takes it meanwhile still fails there."""
@@ -136,6 +151,8 @@ def serve(config: ServeConfig) -> None:
         try:
             if line := _cached_line(server.store, ns.digest):
                 log.info(line)
+            if line := _budget_too_small(server.store, ns):
+                log.warning(line)
         except Exception as exc:  # a line of the log: never a reason not to start
             log.warning("disk tier: could not read its totals: %s", exc)
         t0 = time.perf_counter()

@@ -252,6 +252,10 @@ class Writer:
         purges = [(i.key, i.location) for i in items if isinstance(i, Purge)]
         if purges:
             self._guarded(lambda: self.segments.release(self.index.remove_at(purges)))
+        if self.index.policy.budget_nbytes is not None:
+            # The hits since the last batch, before a budget's eviction reads the access times: without
+            # them, a block hit while the batch before was written was evicted as if it had not been.
+            self._guarded(self.times.flush)
         puts = [i for i in items if isinstance(i, Put)]
         self._guarded(self._write_batch, puts)
         # The batch appending now is indexed on the next turn, while the batch after it is appended; now
