@@ -38,11 +38,17 @@ def test_stats_json(store_dir, ns) -> None:
     assert sum(row["last_access_histogram"].values()) == 8
 
 
-def test_stats_takes_the_folder_as_an_argument_too(store_dir, tmp_path) -> None:
-    """``tierkv stats DIR`` (a new user's first guess) is ``--cache-dir DIR``; both at once is an error."""
-    r = CliRunner().invoke(main, ["stats", str(store_dir), "--json"])
-    assert r.exit_code == 0 and json.loads(r.output)["blocks"] == 8, r.output
-    r = CliRunner().invoke(main, ["stats", str(store_dir), "--cache-dir", str(tmp_path)])
+@pytest.mark.parametrize("command", ["stats", "gc"])
+def test_stats_and_gc_take_the_folder_as_an_argument_too(store_dir, tmp_path, command) -> None:
+    """``tierkv stats DIR`` (a new user's first guess) is ``--cache-dir DIR``, and so is ``tierkv gc DIR``;
+    both at once is an error."""
+    if command == "stats":
+        r = CliRunner().invoke(main, ["stats", str(store_dir), "--json"])
+        assert r.exit_code == 0 and json.loads(r.output)["blocks"] == 8, r.output
+    else:
+        r = CliRunner().invoke(main, ["gc", str(store_dir), "--budget", "1", "--dry-run", "--json"])
+        assert r.exit_code == 0 and json.loads(r.output)["evicted"] == 8, r.output
+    r = CliRunner().invoke(main, [command, str(store_dir), "--cache-dir", str(tmp_path)])
     assert r.exit_code == 2 and "give the store's directory once" in r.output, r.output
 
 

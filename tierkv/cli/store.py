@@ -20,6 +20,18 @@ from tierkv.units import format_duration, format_size, parse_duration, parse_siz
 __all__ = ["gc", "stats"]
 
 
+def _store_dir(cache_dir: str, folder: str | None) -> str:
+    """The store's directory: FOLDER, or --cache-dir (its default, or TIERKV_CACHE_DIR), not both."""
+    if folder is None:
+        return cache_dir
+    if (
+        click.get_current_context().get_parameter_source("cache_dir")
+        == click.core.ParameterSource.COMMANDLINE
+    ):
+        fail("give the store's directory once: as FOLDER or as --cache-dir", 2)
+    return folder
+
+
 @click.command()
 @cache_dir_option
 @click.argument("folder", required=False)
@@ -30,10 +42,7 @@ def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
     from tierkv.inspect import store_stats
 
     source = click.get_current_context().get_parameter_source("cache_dir")
-    if folder is not None:
-        if source == click.core.ParameterSource.COMMANDLINE:
-            fail("give the store's directory once: as FOLDER or as --cache-dir", 2)
-        cache_dir = folder
+    cache_dir = _store_dir(cache_dir, folder)
     # the default store (no --cache-dir, no TIERKV_CACHE_DIR): a server started with --cache-dir keeps its
     # own elsewhere, which a new user then looks for here
     default = (
@@ -166,8 +175,10 @@ def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
 )
 @click.option("--dry-run", is_flag=True, help="Count what would go; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.argument("folder", required=False)
 def gc(
     cache_dir: str,
+    folder: str | None,
     ttl: float | None,
     max_age: float | None,
     budget: int | None,
@@ -179,12 +190,13 @@ def gc(
     dry_run: bool,
     as_json: bool,
 ) -> None:
-    """Sweep expired blocks, hold the byte budget, purge, verify, compact."""
+    """Sweep expired blocks, hold the byte budget, purge, verify, compact. FOLDER: the store's directory,
+    as --cache-dir."""
     from tierkv.maintenance import run_gc
     from tierkv.maintenance import upgrade as upgrade_store
     from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION
 
-    with open_disk(cache_dir) as disk:
+    with open_disk(_store_dir(cache_dir, folder)) as disk:
         version = disk.format_version()
         if upgrade and version >= STORE_FORMAT_VERSION:
             click.echo(f"format {version}: already the newest, nothing to upgrade", err=True)
