@@ -250,6 +250,34 @@ def test_a_hit_just_before_a_batch_counts_for_that_batchs_eviction(tmp_path, ns)
         assert [store.lookup(ns, t).num_tokens for t in (x, y, z)] == [len(x), 0, len(z)]
 
 
+def test_a_blocks_access_time_is_when_it_was_saved_not_when_the_writer_indexed_it(tmp_path, ns) -> None:
+    """A prompt hit (from the host tier) after another was saved, but before the writer indexed that save,
+    is the more recently used one: the budget takes from the other. Before, a new block's access time was
+    the indexing's, up to a batch or a full queue after its save, and the prompt hit last was evicted
+    (found by a new user: three requests in a second on a 5-block budget, the last one's prompt lost)."""
+    fp = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    now = [1000.0]
+    one, two = list(range(3 * 16)), [9000 + t for t in range(5 * 16)]
+    with TieredStore.open(tmp_path, host_bytes=1 << 20, clock=lambda: now[0], disk_bytes=5 * fp) as store:
+        store.save(ns, one, make_kv(ns, len(one), seed=1))
+        store.flush()
+        now[0] = 2000.0
+        batches = store.tier("disk").writer._batches
+        gate, handle = threading.Event(), batches._handle
+        batches._handle = lambda batch: (gate.wait(30), handle(batch))
+        batches.put(Barrier())  # the writer waits here: two's save stays queued
+        store.save(ns, two, make_kv(ns, len(two), seed=2))
+        now[0] = 3000.0
+        hit, _ = store.restore(ns, one)
+        assert hit.by_tier["host"] == len(one)  # one is hit last
+        now[0] = 4000.0  # the writer indexes two's save only now
+        gate.set()
+        assert store.flush() == 0
+    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=5 * fp) as store:
+        assert store.lookup(ns, one).num_tokens == len(one)  # kept whole
+        assert store.lookup(ns, two).num_tokens == 2 * 16  # gave its last 3 blocks
+
+
 def test_a_budget_evicts_the_least_recently_used_prompt_first_and_a_shared_prefix_last(tmp_path, ns) -> None:
     """Leaves first does not undo the time order: of two prompts after a shared prefix, the one used
     longer ago loses its own blocks (from its end) first; the shared prefix, which the other still

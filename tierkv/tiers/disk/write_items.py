@@ -26,7 +26,7 @@ class Put:
     ns_spec: bytes | None = None  # the namespace's JSON, stored with its first block
     live: Callable[[], bool] | None = None  # False once purged or invalidated: then dropped, not indexed
     record: Record = dataclasses.field(default_factory=list)
-    access_s: float | None = None  # its last access, if not now (an import keeps the source's LRU order)
+    access_s: float | None = None  # its last access (when queued; an import's keeps the source's LRU order)
     evict: bool = True  # False: skipped, not indexed, if it would push the store past its budget (import)
     # With evict False: indexed only if this key (the block's parent) is indexed or indexed in the same
     # transaction, so that a budget cut never keeps a continuation without its prefix. None: no condition.

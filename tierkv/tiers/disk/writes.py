@@ -86,6 +86,9 @@ class DiskWrites:
             block.release,
             block.ns.spec_bytes,
             block.live,
+            # when it was used (saved, or hit and written back), not when the writer indexes it, up to a
+            # batch or a full queue later: a prompt hit meanwhile is the more recent one
+            access_s=self.clock(),
             parent=bytes(block.parent),
         )
         return self.writer.put(item, full_ok=full_ok)
