@@ -278,6 +278,56 @@ def test_a_blocks_access_time_is_when_it_was_saved_not_when_the_writer_indexed_i
         assert store.lookup(ns, two).num_tokens == 2 * 16  # gave its last 3 blocks
 
 
+def test_a_hit_on_a_block_still_queued_for_the_disk_counts_once_it_is_indexed(tmp_path, ns) -> None:
+    """A prompt hit (from the host tier) while its save waits for the writer is the more recently used
+    one when that save is indexed: the hit is kept for it, not dropped as a hit on an absent block, and
+    the budget takes from the prompt hit before it (found by a cold review)."""
+    fp = aligned(HEADER_NBYTES + 4 * 16 + 1024)
+    now = [1000.0]
+    one, two = list(range(3 * 16)), [9000 + t for t in range(5 * 16)]
+    with TieredStore.open(tmp_path, host_bytes=1 << 20, clock=lambda: now[0], disk_bytes=5 * fp) as store:
+        store.save(ns, one, make_kv(ns, len(one), seed=1))
+        store.flush()
+        now[0] = 2000.0
+        batches = store.tier("disk").writer._batches
+        gate, handle = threading.Event(), batches._handle
+        batches._handle = lambda batch: (gate.wait(30), handle(batch))
+        try:
+            batches.put(Barrier())  # the writer waits here: two's save stays queued
+            store.save(ns, two, make_kv(ns, len(two), seed=2))
+            now[0] = 2500.0
+            assert store.restore(ns, one)[0].by_tier["host"] == len(one)
+            now[0] = 3000.0
+            assert store.restore(ns, two)[0].by_tier["host"] == len(two)  # two is hit last
+            store.tier("disk").times.flush()  # (as the writer's idle flush may, before two is indexed)
+            now[0] = 4000.0
+        finally:
+            gate.set()
+        assert store.flush() == 0
+        assert store.stats()["disk"]["evictions"] == 3
+    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=5 * fp) as store:
+        assert store.lookup(ns, two).num_tokens == len(two) and store.lookup(ns, one).num_tokens == 0
+
+
+def test_a_save_queued_longer_than_the_ttl_is_not_indexed_already_expired(tmp_path, ns) -> None:
+    """A block's access time is when it was queued; a writer that indexes it later than the TTL (a
+    stalled disk) gives it its indexing time instead, or a lookup would miss what was just written."""
+    now = [1000.0]
+    toks = list(range(3 * 16))
+    with TieredStore.open(tmp_path, host_bytes=0, clock=lambda: now[0], ttl_s=100) as store:
+        batches = store.tier("disk").writer._batches
+        gate, handle = threading.Event(), batches._handle
+        batches._handle = lambda batch: (gate.wait(30), handle(batch))
+        try:
+            batches.put(Barrier())
+            store.save(ns, toks, make_kv(ns, len(toks)))  # queued at 1000
+            now[0] = 1150.0  # indexed 150 s later
+        finally:
+            gate.set()
+        assert store.flush() == 0
+        assert store.lookup(ns, toks).num_tokens == len(toks)
+
+
 def test_a_budget_evicts_the_least_recently_used_prompt_first_and_a_shared_prefix_last(tmp_path, ns) -> None:
     """Leaves first does not undo the time order: of two prompts after a shared prefix, the one used
     longer ago loses its own blocks (from its end) first; the shared prefix, which the other still

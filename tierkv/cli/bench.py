@@ -328,7 +328,10 @@ def _part_runners(
 
         res = peers.run(
             # as many runs as the other parts: a column's median of 3 swung with this disk's minute
-            base, prompts=2 if quick else 4, prompt_tokens=256 if quick else 4096, runs=1 if quick else runs
+            base,
+            prompts=2 if quick else 4,
+            prompt_tokens=256 if quick else 4096,
+            runs=1 if quick else runs,
         )
         click.echo(peers.markdown(res) + "\n")
         return res

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tierkv.metrics import Counters
 from tierkv.tiers.disk.index import Index, Txn
@@ -50,6 +50,9 @@ class AccessTimes:
         self.index = index
         self.counters = counters or Counters()
         self._touched: dict[bytes, Touch] = {}
+        # Per key: whether the writer has a save of it queued or being written (set by the writer): a hit
+        # on such a block is kept for when it is indexed, as a retention is, not dropped as absent.
+        self.writing: Callable[[Sequence[bytes]], list[bool]] | None = None
         self._waiting: dict[bytes, tuple[Touch, float]] = {}  # key -> (what it asks, since: monotonic)
         self._lock = threading.Lock()
 
@@ -142,7 +145,9 @@ class AccessTimes:
         if refused:
             self.counters.add("disk", "pins_refused", refused)
             log.warning("disk tier: %d pins not taken: the pin budget is full", refused)
-        absent = [(k, touched[k]) for k, s in status.items() if s == "absent" and touched[k].asks]
+        gone = [k for k, s in status.items() if s == "absent"]
+        writing = self.writing(gone) if self.writing is not None and gone else [False] * len(gone)
+        absent = [(k, touched[k]) for k, w in zip(gone, writing) if w or touched[k].asks]
         if absent:
             self._wait(absent)
 

@@ -4,7 +4,10 @@ prefix meanwhile, or a purge come) and indexes, replaces, or leaves each appende
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tierkv.keys import NamespaceDigest, root_key
+from tierkv.tiers.disk.access_times import Touch
 from tierkv.tiers.disk.batch_order import by_chain
 from tierkv.tiers.disk.eviction import headroom
 from tierkv.tiers.disk.index import Index, Txn
@@ -40,12 +43,19 @@ def fresh_records(index: Index, puts: list[Put], now: float) -> list[Put]:
 
 
 def index_batch(
-    index: Index, txn: Txn, fresh: list[Put], offsets: list[int], seg_id: int, now: float
+    index: Index,
+    txn: Txn,
+    fresh: list[Put],
+    offsets: list[int],
+    seg_id: int,
+    now: float,
+    touched: Sequence[Touch | None] = (),
 ) -> tuple[list[Hole], list[Hole], int]:
     """In ``txn``: index the appended records (at ``offsets`` of segment ``seg_id``) still worth it, over the
     budget evict (this batch's blocks that no lookup from the disk reaches first, ``_evict_unreachable``).
     Returns the holes to punch after the commit (records replaced or evicted), the appended records left
-    unused, and how many were evicted."""
+    unused, and how many were evicted. ``touched``: per record, its hits not written yet (``AccessTimes``):
+    a block's access time is when it was queued or hit since, whichever is later."""
     policy = index.policy
     budget = policy.budget_nbytes
     holes: list[Hole] = []
@@ -55,7 +65,7 @@ def index_batch(
     room = None if budget is None else budget - index.total_nbytes(txn)
     idx = index.db["index"]
     indexed: dict[bytes, Put] = {}  # in this transaction, in order
-    for p, off in zip(fresh, offsets):
+    for j, (p, off) in enumerate(zip(fresh, offsets)):
         if not p.is_live():
             # Purged or invalidated since the first look. Checked in the transaction: one that purges after
             # this commit sees the record (LMDB serialises write transactions), and every later one here
@@ -83,6 +93,10 @@ def index_batch(
         if p.ns_spec is not None:
             index.put_namespace(txn, p.ns_digest, p.ns_spec)
         access_s = now if p.access_s is None else min(p.access_s, now)
+        if j < len(touched) and (hit := touched[j]) is not None:
+            access_s = min(max(access_s, hit.t), now)
+        if policy.ttl_s is not None and now - access_s > policy.ttl_s:
+            access_s = now  # queued longer than the TTL (a stalled disk): not indexed already expired
         index.insert(
             txn, p.key, Entry(p.ns_digest, seg_id, off, p.record_nbytes, p.created_s, access_s), p.parent
         )

@@ -92,6 +92,7 @@ class Writer:
         self.index = index
         self.segments = segments
         self.times = times
+        times.writing = self.pending  # a hit on a block still on its way here waits for it
         self.clock = clock
         self.sync = sync
         self.counters = counters
@@ -252,10 +253,6 @@ class Writer:
         purges = [(i.key, i.location) for i in items if isinstance(i, Purge)]
         if purges:
             self._guarded(lambda: self.segments.release(self.index.remove_at(purges)))
-        if self.index.policy.budget_nbytes is not None:
-            # The hits since the last batch, before a budget's eviction reads the access times: without
-            # them, a block hit while the batch before was written was evicted as if it had not been.
-            self._guarded(self.times.flush)
         puts = [i for i in items if isinstance(i, Put)]
         self._guarded(self._write_batch, puts)
         # The batch appending now is indexed on the next turn, while the batch after it is appended; now
@@ -394,9 +391,16 @@ class Writer:
 
     def _index_synced(self, a: _Appending) -> None:
         fresh, seg, offsets = a.fresh, a.seg, a.offsets
+        budget = self.index.policy.budget_nbytes
+        if budget is not None and self._evicts(fresh, budget):
+            # The hits not written yet, before this batch's eviction reads the access times: without them,
+            # a block hit while the batch was written was evicted as if it had not been.
+            self._guarded(self.times.flush)
+        # and the batch's own (hits while it was queued: not in the index yet, they wait in ``times``)
+        touched = self.times.last_many([p.key for p in fresh])
 
         def index(txn: Txn) -> tuple[list[Hole], list[Hole], int]:
-            return index_batch(self.index, txn, fresh, offsets, seg.seg_id, self.clock())
+            return index_batch(self.index, txn, fresh, offsets, seg.seg_id, self.clock(), touched)
 
         try:
             holes, unused, evicted = self.index.write(index)
@@ -418,6 +422,12 @@ class Writer:
         )
         self.counters.add("disk", "evictions", evicted)
         self.segments.release(holes + unused)
+
+    def _evicts(self, fresh: list[Put], budget: int) -> bool:
+        """Whether indexing ``fresh`` takes the store past ``budget`` (a read of the index's totals)."""
+        with self.index.read() as txn:
+            total = self.index.total_nbytes(txn)
+        return total + sum(aligned(p.record_nbytes) for p in fresh) > budget
 
     def _lost_to_a_bug(self, dropped: int) -> None:
         """A step failed with what no disk raises (a bug): its batch is lost, counted (flush reports it),
