@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,22 @@ def block_write(ns: Namespace, tokens: list[int], kv: torch.Tensor) -> Any:
     chain = BlockChain.of(ns, tokens)
     payload = kv.contiguous().view(-1).view(torch.uint8)
     return BlockWrite(ns, chain.keys[0], chain.parent(0), chain.tokens(0), 0.0, payload)
+
+
+@contextlib.contextmanager
+def writer_held(store: Any) -> Iterator[None]:
+    """The disk writer waits (in a barrier) until the block ends: what is saved meanwhile stays queued, and
+    is then taken as one batch (it takes whatever is queued when it wakes)."""
+    from tierkv.tiers.disk.write_items import Barrier
+
+    batches = store.tier("disk").writer._batches
+    gate, handle = threading.Event(), batches._handle
+    batches._handle = lambda batch: (gate.wait(30), handle(batch))
+    try:
+        batches.put(Barrier())
+        yield
+    finally:
+        gate.set()
 
 
 def save_byte_tokenizer(path: Path | str, chat_template: str | None = None) -> int:

@@ -1,8 +1,6 @@
 """Tenant quotas in the store (a real LMDB disk tier, an injected clock): eviction takes from tenants
 above their quota first, pins stay within a tenant's pin quota, usage is counted per tenant."""
 
-import threading
-
 import lmdb
 import pytest
 
@@ -11,9 +9,8 @@ from tierkv.errors import PinBudgetError
 from tierkv.retention import Retention
 from tierkv.tenancy import Quota, namespace_salt, tenant_id
 from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.disk.write_items import Barrier
 
-from helpers import make_kv
+from helpers import make_kv, writer_held
 
 RECORD = 4096  # one block of the test namespace's KV is one 4 KiB page on disk
 A_SALT, B_SALT, C_SALT = "a" * 32, "b" * 32, "c" * 32
@@ -102,12 +99,8 @@ def test_a_tenant_over_its_quota_loses_a_prompts_last_blocks_first(tmp_path, ns,
         store.set_quotas({a_id: Quota("a", disk_nbytes=8 * RECORD), b_id: Quota("b", disk_nbytes=8 * RECORD)})
         _fill(store, now, b, 0, 2)  # 8 blocks, the oldest, within b's quota
         now[0] += 1
-        batches = _disk(store).writer._batches  # the prompt in one batch: one eviction decides
-        gate, handle = threading.Event(), batches._handle
-        batches._handle = lambda batch: (gate.wait(30), handle(batch))
-        batches.put(Barrier())
-        store.save(a, long_prompt, make_kv(a, len(long_prompt)))
-        gate.set()
+        with writer_held(store):  # the prompt in one batch: one eviction decides
+            store.save(a, long_prompt, make_kv(a, len(long_prompt)))
         store.flush()
         if how == "gc":
             assert _disk(store).enforce_budget(budget).evicted == 12

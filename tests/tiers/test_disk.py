@@ -16,7 +16,7 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk.segments import aligned
 from tierkv.tiers.disk.write_items import Barrier
 
-from helpers import REPO, gc_beside, make_kv, run_python
+from helpers import REPO, gc_beside, make_kv, run_python, writer_held
 
 
 def _totals_by_scan(disk: DiskTier) -> dict[bytes, tuple[int, int]]:
@@ -141,13 +141,9 @@ def test_a_save_larger_than_the_budget_in_several_batches_keeps_a_prefix_that_hi
     toks = list(range(40 * 16))
     budget = 15 * block_footprint
     with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=budget) as store:
-        batches = store.tier("disk").writer._batches
-        batches.batch_items = batch_blocks
-        gate, handle = threading.Event(), batches._handle
-        batches._handle = lambda batch: (gate.wait(30), handle(batch))
-        batches.put(Barrier())  # the writer waits in this one until the whole save is queued
-        store.save(ns, toks, make_kv(ns, len(toks)))
-        gate.set()
+        store.tier("disk").writer._batches.batch_items = batch_blocks
+        with writer_held(store):  # the whole save queued before the writer takes its first batch
+            store.save(ns, toks, make_kv(ns, len(toks)))
         assert store.flush() == 0  # nothing lost: the budget's choice, not a failed write
         disk = store.tier("disk")
         assert disk.usage()["live_nbytes"] <= budget
@@ -215,13 +211,9 @@ def test_blocks_whose_prefix_is_not_all_on_disk_go_before_a_reachable_prompt(tmp
         store.flush()  # R: 10 blocks that hit, older than what comes next
         now[0] += 1
         # In one batch: blocks 20..24, then 15..24 again (kept from the first: 15..19 come after 20..24).
-        batches = store.tier("disk").writer._batches
-        gate, handle = threading.Event(), batches._handle
-        batches._handle = lambda batch: (gate.wait(30), handle(batch))
-        batches.put(Barrier())
-        store.save(ns, p, kv[:, :, 20 * 16 :], start_block=20, kv_start=20 * 16)
-        store.save(ns, p, kv[:, :, 15 * 16 :], start_block=15, kv_start=15 * 16)
-        gate.set()
+        with writer_held(store):
+            store.save(ns, p, kv[:, :, 20 * 16 :], start_block=20, kv_start=20 * 16)
+            store.save(ns, p, kv[:, :, 15 * 16 :], start_block=15, kv_start=15 * 16)
         assert store.flush() == 0
         disk = store.tier("disk")
         assert store.lookup(ns, r).num_tokens == 10 * 16  # over by 5: five of P's went, none of R's
@@ -250,11 +242,14 @@ def test_a_hit_just_before_a_batch_counts_for_that_batchs_eviction(tmp_path, ns)
         assert [store.lookup(ns, t).num_tokens for t in (x, y, z)] == [len(x), 0, len(z)]
 
 
-def test_a_blocks_access_time_is_when_it_was_saved_not_when_the_writer_indexed_it(tmp_path, ns) -> None:
-    """A prompt hit (from the host tier) after another was saved, but before the writer indexed that save,
-    is the more recently used one: the budget takes from the other. Before, a new block's access time was
-    the indexing's, up to a batch or a full queue after its save, and the prompt hit last was evicted
-    (found by a new user: three requests in a second on a 5-block budget, the last one's prompt lost)."""
+@pytest.mark.parametrize("hit_last", ["one", "two"])
+def test_the_prompt_hit_last_is_kept_whatever_the_writer_was_doing(tmp_path, ns, hit_last) -> None:
+    """``two`` is saved while the writer is busy; ``one``, stored before, is hit (from the host tier) after
+    that save, and, with ``hit_last`` two, ``two`` is hit after it while its save still waits. The writer
+    then indexes ``two``'s save over a 5-block budget: the prompt hit last is kept whole. Before, a new
+    block's access time was the indexing's, up to a batch or a full queue after its save (a new user's
+    three requests in a second: the one hit last was gone after a restart); and a hit on a block whose
+    save was queued was dropped as a hit on an absent block (a cold review)."""
     fp = aligned(HEADER_NBYTES + 4 * 16 + 1024)
     now = [1000.0]
     one, two = list(range(3 * 16)), [9000 + t for t in range(5 * 16)]
@@ -262,51 +257,19 @@ def test_a_blocks_access_time_is_when_it_was_saved_not_when_the_writer_indexed_i
         store.save(ns, one, make_kv(ns, len(one), seed=1))
         store.flush()
         now[0] = 2000.0
-        batches = store.tier("disk").writer._batches
-        gate, handle = threading.Event(), batches._handle
-        batches._handle = lambda batch: (gate.wait(30), handle(batch))
-        batches.put(Barrier())  # the writer waits here: two's save stays queued
-        store.save(ns, two, make_kv(ns, len(two), seed=2))
-        now[0] = 3000.0
-        hit, _ = store.restore(ns, one)
-        assert hit.by_tier["host"] == len(one)  # one is hit last
-        now[0] = 4000.0  # the writer indexes two's save only now
-        gate.set()
-        assert store.flush() == 0
-    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=5 * fp) as store:
-        assert store.lookup(ns, one).num_tokens == len(one)  # kept whole
-        assert store.lookup(ns, two).num_tokens == 2 * 16  # gave its last 3 blocks
-
-
-def test_a_hit_on_a_block_still_queued_for_the_disk_counts_once_it_is_indexed(tmp_path, ns) -> None:
-    """A prompt hit (from the host tier) while its save waits for the writer is the more recently used
-    one when that save is indexed: the hit is kept for it, not dropped as a hit on an absent block, and
-    the budget takes from the prompt hit before it (found by a cold review)."""
-    fp = aligned(HEADER_NBYTES + 4 * 16 + 1024)
-    now = [1000.0]
-    one, two = list(range(3 * 16)), [9000 + t for t in range(5 * 16)]
-    with TieredStore.open(tmp_path, host_bytes=1 << 20, clock=lambda: now[0], disk_bytes=5 * fp) as store:
-        store.save(ns, one, make_kv(ns, len(one), seed=1))
-        store.flush()
-        now[0] = 2000.0
-        batches = store.tier("disk").writer._batches
-        gate, handle = threading.Event(), batches._handle
-        batches._handle = lambda batch: (gate.wait(30), handle(batch))
-        try:
-            batches.put(Barrier())  # the writer waits here: two's save stays queued
+        with writer_held(store):
             store.save(ns, two, make_kv(ns, len(two), seed=2))
             now[0] = 2500.0
             assert store.restore(ns, one)[0].by_tier["host"] == len(one)
-            now[0] = 3000.0
-            assert store.restore(ns, two)[0].by_tier["host"] == len(two)  # two is hit last
-            store.tier("disk").times.flush()  # (as the writer's idle flush may, before two is indexed)
-            now[0] = 4000.0
-        finally:
-            gate.set()
+            if hit_last == "two":
+                now[0] = 3000.0
+                assert store.restore(ns, two)[0].by_tier["host"] == len(two)
+                store.tier("disk").times.flush()  # (as the writer's idle flush may, before two is indexed)
+            now[0] = 4000.0  # the writer indexes two's save only now
         assert store.flush() == 0
-        assert store.stats()["disk"]["evictions"] == 3
     with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=5 * fp) as store:
-        assert store.lookup(ns, two).num_tokens == len(two) and store.lookup(ns, one).num_tokens == 0
+        held = [store.lookup(ns, toks).num_tokens // 16 for toks in (one, two)]
+        assert held == ([3, 2] if hit_last == "one" else [0, 5])  # two gives its last blocks first
 
 
 def test_a_save_queued_longer_than_the_ttl_is_not_indexed_already_expired(tmp_path, ns) -> None:
@@ -315,15 +278,9 @@ def test_a_save_queued_longer_than_the_ttl_is_not_indexed_already_expired(tmp_pa
     now = [1000.0]
     toks = list(range(3 * 16))
     with TieredStore.open(tmp_path, host_bytes=0, clock=lambda: now[0], ttl_s=100) as store:
-        batches = store.tier("disk").writer._batches
-        gate, handle = threading.Event(), batches._handle
-        batches._handle = lambda batch: (gate.wait(30), handle(batch))
-        try:
-            batches.put(Barrier())
+        with writer_held(store):
             store.save(ns, toks, make_kv(ns, len(toks)))  # queued at 1000
             now[0] = 1150.0  # indexed 150 s later
-        finally:
-            gate.set()
         assert store.flush() == 0
         assert store.lookup(ns, toks).num_tokens == len(toks)
 
