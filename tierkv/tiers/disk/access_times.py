@@ -54,6 +54,9 @@ class AccessTimes:
         # on such a block is kept for when it is indexed, as a retention is, not dropped as absent.
         self.writing: Callable[[Sequence[bytes]], list[bool]] | None = None
         self._waiting: dict[bytes, tuple[Touch, float]] = {}  # key -> (what it asks, since: monotonic)
+        # Hits (a time only) on blocks the writer has on the way, kept apart: a burst of them must never
+        # push a waiting pin or retention out of its bound.
+        self._hits_waiting: dict[bytes, tuple[Touch, float]] = {}
         self._lock = threading.Lock()
 
     def touch(
@@ -85,15 +88,16 @@ class AccessTimes:
     def last_many(self, keys: Sequence[bytes]) -> list[Touch | None]:
         """``last`` of each key, under one acquisition of the lock (a restore asks for a whole prompt)."""
         with self._lock:
-            got = [(self._touched.get(k), self._waiting.get(k)) for k in keys]
+            got = [(self._touched.get(k), self._waiting.get(k), self._hits_waiting.get(k)) for k in keys]
         out: list[Touch | None] = []
-        for pending, waiting in got:
-            if waiting is None:
+        for pending, waiting, hit in got:
+            if waiting is None and hit is None:
                 out.append(pending)
                 continue
-            both = dataclasses.replace(waiting[0])
-            if pending is not None:
-                both.merge(pending)
+            both = Touch(0.0)
+            for part in (pending, waiting and waiting[0], hit and hit[0]):
+                if part:
+                    both.merge(part)
             out.append(both)
         return out
 
@@ -108,20 +112,25 @@ class AccessTimes:
         """The writer just indexed (or found stored) ``keys``: what waits for them is written next flush."""
         with self._lock:
             for key in keys:
-                waiting = self._waiting.pop(key, None)
-                if waiting is None:
-                    continue
-                old = self._touched.get(key)
-                if old is None:
-                    self._touched[key] = waiting[0]
-                else:
-                    old.merge(waiting[0])
+                for table in (self._waiting, self._hits_waiting):
+                    waiting = table.pop(key, None)
+                    if waiting is None:
+                        continue
+                    old = self._touched.get(key)
+                    if old is None:
+                        self._touched[key] = waiting[0]
+                    else:
+                        old.merge(waiting[0])
 
     def flush(self) -> None:
         with self._lock:
             touched, self._touched = self._touched, {}
         if not touched:
             return
+        # Asked before the commit: a save the writer indexes and settles meanwhile is no longer on the way
+        # after it, and its hit would be dropped (``_wait`` then finds it indexed and requeues it).
+        keys = list(touched)
+        on_way = {k for k, w in zip(keys, self.writing(keys)) if w} if self.writing is not None else set()
 
         def write(txn: Txn) -> dict[bytes, str]:
             if any(v.pin_until_s for v in touched.values()):  # pins that ended make room for these
@@ -145,9 +154,9 @@ class AccessTimes:
         if refused:
             self.counters.add("disk", "pins_refused", refused)
             log.warning("disk tier: %d pins not taken: the pin budget is full", refused)
-        gone = [k for k, s in status.items() if s == "absent"]
-        writing = self.writing(gone) if self.writing is not None and gone else [False] * len(gone)
-        absent = [(k, touched[k]) for k, w in zip(gone, writing) if w or touched[k].asks]
+        absent = [
+            (k, touched[k]) for k, s in status.items() if s == "absent" and (touched[k].asks or k in on_way)
+        ]
         if absent:
             self._wait(absent)
 
@@ -155,16 +164,18 @@ class AccessTimes:
         now = time.monotonic()
         with self._lock:
             for key, v in items:
-                old = self._waiting.get(key)
+                table = self._waiting if v.asks or key in self._waiting else self._hits_waiting
+                old = table.get(key)
                 if old is not None:
                     old[0].merge(v)  # keeps its place and its age
                 else:
-                    self._waiting[key] = (v, now)
-            while self._waiting:
-                key, (_, since) = next(iter(self._waiting.items()))
-                if now - since <= WAIT_S and len(self._waiting) <= WAIT_MAX_KEYS:
-                    break
-                del self._waiting[key]
+                    table[key] = (v, now)
+            for table in (self._waiting, self._hits_waiting):
+                while table:
+                    key, (_, since) = next(iter(table.items()))
+                    if now - since <= WAIT_S and len(table) <= WAIT_MAX_KEYS:
+                        break
+                    del table[key]
         # A flush off the writer thread (a sweep's) may have found them absent just before the writer
         # indexed them and looked here: those indexed by now are written next flush instead.
         with self.index.read() as txn:
