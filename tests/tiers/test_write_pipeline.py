@@ -18,7 +18,7 @@ from tierkv.tiers.disk import batch_index, segment_writer, writer
 from tierkv.tiers.disk.appender import Appender
 from tierkv.tiers.disk.files import ALIGN
 
-from helpers import make_kv
+from helpers import make_kv, writer_held
 
 PROMPTS = 6
 
@@ -87,8 +87,11 @@ def test_the_next_batch_is_appended_while_the_one_before_it_is_indexed(tmp_path,
     n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
     # a batch per prompt: its 4 blocks
     with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
-        for p in range(PROMPTS):
-            store.save(ns, _toks(p, n), kvs[p])
+        # every save queued before the writer takes the first (on a loaded machine the saves came slower
+        # than the writer took them, and no batch was left to append beside another)
+        with writer_held(store):
+            for p in range(PROMPTS):
+                store.save(ns, _toks(p, n), kvs[p])
         assert store.flush() == 0
         at = {(kind, start): t for kind, start, t in events}
         starts = sorted(start for kind, start, _ in events if kind == "append")
@@ -116,8 +119,9 @@ def test_a_failed_append_loses_its_batch_and_the_one_in_flight_beside_it_and_no_
     monkeypatch.setattr(writer, "DEGRADED_RETRY_S", 0.0)  # the batches after it are written, not dropped
     n, kvs, batch_nbytes = _prompts(ns, PROMPTS)
     with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
-        for p in range(PROMPTS):
-            store.save(ns, _toks(p, n), kvs[p])
+        with writer_held(store):  # all queued first: the third batch is in flight beside the second
+            for p in range(PROMPTS):
+                store.save(ns, _toks(p, n), kvs[p])
         store.flush()
         stats = store.stats()["disk"]
         assert stats["write_errors"] == 1 and stats["dropped_saves"] == 8
