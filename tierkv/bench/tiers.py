@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tierkv import Namespace, TieredStore, native
+from tierkv import TieredStore, native
 from tierkv.bench.disk_limits import (
     READ_THREADS,
     REQUEST_SIZES,
@@ -61,7 +61,8 @@ from tierkv.bench.disk_limits import (
 )
 from tierkv.bench.first_restore import in_fresh_process, raw_read_in_fresh_process
 from tierkv.bench.kv_workload import LARGE_NS, NS, PROMPT_TOKENS, large_workload, workload
-from tierkv.bench.machine import Memcpy, drop_page_cache, summary, warm_page_cache
+from tierkv.bench.machine import Memcpy, summary
+from tierkv.bench.restore_runs import cold_alternated, restores
 from tierkv.bench.tier_ratios import in_words, paired, ratios
 
 # The disk tier's readers and writers, side by side: native (what the page cache lacks read with O_DIRECT,
@@ -71,74 +72,6 @@ AFTER_MEMORY = (
     f"raw buffered cold read of the store's segment files, 8 MiB, {READ_THREADS} threads, in a fresh process "
     "after writing as much new memory as the host tier"
 )
-
-
-def _path(path: str) -> tuple[bool, bool]:
-    """Whether a data path is native, and whether it reads what the page cache lacks with O_DIRECT."""
-    return path != "python", path == "native"
-
-
-def _restores(
-    store_dir: Path,
-    prompts: list[list[int]],
-    out: torch.Tensor,
-    runs: int,
-    cold: bool,
-    host_bytes: int = 0,
-    raw: list[float] | None = None,
-    path: str = "native",
-    copies: tuple[Memcpy, list[float]] | None = None,
-    first_run: int = 0,
-    ns: Namespace = NS,
-) -> tuple[list[float], str]:
-    """Restores of every prompt, ``runs`` times; with ``raw``, each cold run is preceded by a raw read of
-    the store's own segment files (the same bytes, the same pattern, no tierkv), appended to ``raw``; with
-    ``copies``, each run by a memcpy of a prompt's KV (memory's bandwidth drifts too), appended there.
-    ``first_run``: the number of the first run (where the raw read goes, before or after, alternates)."""
-    bws, method = [], ""
-    kv_nbytes = out.numel() * out.element_size()
-    use_native, direct = _path(path)
-    for r in range(first_run, first_run + runs):
-        own = sorted((store_dir / "segments").glob("*.seg"))
-        if raw is not None and r % 2 == 0:  # before the restore on even runs, after it on odd ones
-            raw.append(buffered_cold(own, READ_THREADS))
-        with (
-            native.use(use_native),
-            TieredStore.open(store_dir, host_bytes=host_bytes, direct_reads=direct) as store,
-        ):
-            if host_bytes:  # fill the host tier from disk first (a prefetch: a restore promotes only into
-                for toks in prompts:  # the pages populated so far while the tier is populated behind)
-                    store.prefetch(NS, toks)
-            if cold:
-                method = drop_page_cache(list((store_dir / "segments").glob("*.seg")))
-            elif not host_bytes:
-                warm_page_cache(own)  # as a recent save or a buffered read leaves it
-            t0 = time.perf_counter()
-            for toks in prompts:
-                n, _ = store.load(ns, toks, out=out)
-                assert n == len(toks), (n, len(toks))
-            bws.append(len(prompts) * kv_nbytes / (time.perf_counter() - t0))
-        if copies is not None:  # with the store closed: its background threads would slow the copy
-            copies[1].append(copies[0].bps())
-        if raw is not None and r % 2 == 1:
-            raw.append(buffered_cold(own, READ_THREADS))
-    return bws, method
-
-
-def _cold_alternated(
-    store_dir: Path, prompts: list[list[int]], out: torch.Tensor, runs: int, paths: tuple[str, ...], **kw: Any
-) -> tuple[dict[str, list[float]], str]:
-    """Cold restores on each data path, ``runs`` each, the paths taking turns run by run (in order, then
-    reversed): this disk drifts over minutes, and a path measured in a window of its own got that
-    window's disk. ``kw`` (``raw``) goes to the first path's restores."""
-    got: dict[str, list[float]] = {path: [] for path in paths}
-    method = ""
-    for r in range(runs):
-        for path in paths if r % 2 == 0 else paths[::-1]:
-            more = kw if path == paths[0] else {}
-            bws, method = _restores(store_dir, prompts, out, 1, cold=True, path=path, first_run=r, **more)
-            got[path] += bws
-    return got, method
 
 
 def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str, Any]:
@@ -229,7 +162,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     out = torch.empty_like(kv)
     paths = PATHS if native.enabled() else ("python",)
     own: list[float] = []
-    cold, method = _cold_alternated(store_dir, prompts, out, runs, paths, raw=own)
+    cold, method = cold_alternated(store_dir, prompts, out, runs, paths, raw=own)
     bws = cold[paths[0]]
     for path in paths:
         rows[f"restore one-prefix, cold [{path}]"] = summary(cold[path])
@@ -237,7 +170,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
     copies: dict[str, list[float]] = {"warm": [], "host": []}
     warm: dict[str, list[float]] = {}
     for path in paths[:2]:
-        warm[path] = _restores(
+        warm[path] = restores(
             store_dir, prompts, out, runs, cold=False, path=path, copies=(meter, copies["warm"])
         )[0]
         rows[f"restore one-prefix, warm page cache [{path}]"] = summary(warm[path])
@@ -248,7 +181,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
                 store.save(LARGE_NS, toks, large_kv)
             store.flush()
         copies["large"] = []
-        warm["large"] = _restores(
+        warm["large"] = restores(
             large_dir,
             large_prompts,
             large_out,
@@ -274,7 +207,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
         rows[
             f"a warm read and its checksum: the same files, 1 MiB reads, xxh3 of each, {threads} threads"
         ] = summary(buffered_warm(segments, threads, runs, chunk=1 << 20, checksum=True))
-    hosted_bws = _restores(
+    hosted_bws = restores(
         store_dir,
         prompts,
         out,
@@ -343,7 +276,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             for toks in prompts:
                 store.save(NS, toks[: (b + 1) * 64], kv[:, :, : (b + 1) * 64], start_block=b)
         store.flush()
-    interleaved, _ = _cold_alternated(store_dir, prompts, out, runs, paths)
+    interleaved, _ = cold_alternated(store_dir, prompts, out, runs, paths)
     for path in paths:
         rows[f"restore interleaved prefixes, cold [{path}]"] = summary(interleaved[path])
 
@@ -355,7 +288,7 @@ def run(base: Path, *, total_nbytes: int = 512 << 20, runs: int = 5) -> dict[str
             store.flush()
             ratio = data_nbytes / store.stats()["disk"]["used_nbytes"]
         rows[f"restore {codec_} (ratio {ratio:.2f}), cold"] = summary(
-            _restores(store_dir, prompts, out, runs, cold=True)[0]
+            restores(store_dir, prompts, out, runs, cold=True)[0]
         )
 
     # Measured beside each warm and host restore (above), as the disk's limits are.

@@ -15,7 +15,7 @@ from tierkv.tiers.disk.schema import Entry, Hole
 from tierkv.tiers.disk.segments import aligned
 from tierkv.tiers.disk.write_items import Put
 
-__all__ = ["fresh_records", "index_batch"]
+__all__ = ["evicts", "fresh_records", "index_batch"]
 
 
 def fresh_records(index: Index, puts: list[Put], now: float) -> list[Put]:
@@ -40,6 +40,13 @@ def fresh_records(index: Index, puts: list[Put], now: float) -> list[Put]:
     if budget is not None:
         fresh = [p for p in fresh if aligned(p.record_nbytes) <= budget]
     return fresh
+
+
+def evicts(index: Index, fresh: list[Put], budget: int) -> bool:
+    """Whether indexing ``fresh`` takes the store past ``budget`` (a read of the index's totals)."""
+    with index.read() as txn:
+        total = index.total_nbytes(txn)
+    return total + sum(aligned(p.record_nbytes) for p in fresh) > budget
 
 
 def index_batch(

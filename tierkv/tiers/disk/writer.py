@@ -29,7 +29,7 @@ from tierkv.priority import background_priority
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.access_times import AccessTimes
 from tierkv.tiers.disk.appender import Appender, Job
-from tierkv.tiers.disk.batch_index import fresh_records, index_batch
+from tierkv.tiers.disk.batch_index import evicts, fresh_records, index_batch
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import Hole
 from tierkv.tiers.disk.segment_writer import SegmentWriter
@@ -392,7 +392,7 @@ class Writer:
     def _index_synced(self, a: _Appending) -> None:
         fresh, seg, offsets = a.fresh, a.seg, a.offsets
         budget = self.index.policy.budget_nbytes
-        if budget is not None and self._evicts(fresh, budget):
+        if budget is not None and evicts(self.index, fresh, budget):
             # The hits not written yet, before this batch's eviction reads the access times: without them,
             # a block hit while the batch was written was evicted as if it had not been.
             self._guarded(self.times.flush)
@@ -422,12 +422,6 @@ class Writer:
         )
         self.counters.add("disk", "evictions", evicted)
         self.segments.release(holes + unused)
-
-    def _evicts(self, fresh: list[Put], budget: int) -> bool:
-        """Whether indexing ``fresh`` takes the store past ``budget`` (a read of the index's totals)."""
-        with self.index.read() as txn:
-            total = self.index.total_nbytes(txn)
-        return total + sum(aligned(p.record_nbytes) for p in fresh) > budget
 
     def _lost_to_a_bug(self, dropped: int) -> None:
         """A step failed with what no disk raises (a bug): its batch is lost, counted (flush reports it),
