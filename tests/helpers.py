@@ -44,13 +44,24 @@ def writer_held(store: Any) -> Iterator[None]:
     from tierkv.tiers.disk.write_items import Barrier
 
     batches = store.tier("disk").writer._batches
-    gate, handle = threading.Event(), batches._handle
-    batches._handle = lambda batch: (gate.wait(30), handle(batch))
+    gate, taken, handle = threading.Event(), threading.Event(), batches._handle
+
+    def held(batch: list[Any]) -> None:
+        if any(isinstance(i, Barrier) for i in batch):
+            taken.set()
+            gate.wait(30)
+        handle(batch)
+
+    batches._handle = held
     try:
         batches.put(Barrier())
+        # The writer must hold the barrier's batch before anything is saved: a writer slow to wake would
+        # otherwise take the barrier with the first save, and the next save as a batch of its own.
+        assert taken.wait(30), "the disk writer did not take the barrier"
         yield
     finally:
         gate.set()
+        batches._handle = handle
 
 
 def save_byte_tokenizer(path: Path | str, chat_template: str | None = None) -> int:
