@@ -132,8 +132,9 @@ def test_a_failed_append_loses_its_batch_and_the_one_in_flight_beside_it_and_no_
 
 
 def _save_all(store, ns, kvs, n: int) -> int:
-    for p, kv in enumerate(kvs):
-        store.save(ns, _toks(p, n), kv)
+    with writer_held(store):  # all queued first: a writer waking mid-save would cut a prompt's batch
+        for p, kv in enumerate(kvs):
+            store.save(ns, _toks(p, n), kv)
     return store.flush()
 
 
@@ -187,11 +188,13 @@ def test_a_failed_last_batch_gives_its_file_range_to_the_next_save_which_restore
     n, kvs, batch_nbytes = _prompts(ns, PROMPTS + 1)
     with TieredStore.open(tmp_path, host_bytes=0, batch_nbytes=batch_nbytes) as store:
         for p in range(PROMPTS):
-            store.save(ns, _toks(p, n), kvs[p])
+            with writer_held(store):  # the prompt's blocks all queued: one batch, however late it wakes
+                store.save(ns, _toks(p, n), kvs[p])
             store.flush()  # one batch at a time: the last one fails with none beside it
         assert store.stats()["disk"]["dropped_saves"] == 4
         failed_at = [start for kind, start, _ in events if kind == "append"][-1]
-        store.save(ns, _toks(PROMPTS, n), kvs[PROMPTS])
+        with writer_held(store):
+            store.save(ns, _toks(PROMPTS, n), kvs[PROMPTS])
         assert store.flush() == 0
         assert [start for kind, start, _ in events if kind == "written"][-1] == failed_at
         check_consistent(store.tier("disk"))
