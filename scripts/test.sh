@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: set up .venv, lint, run the test suite (under 10 minutes on 2 cores).
-# Extra arguments go to pytest (e.g. --runslow for the soak, crash and benchmark variants).
+# Extra arguments go to pytest (e.g. --runslow for the soak, crash and benchmark variants;
+# --switch-interval 1e-5 for threads that take turns mid-call, as on a loaded machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The native reader (native/*.c) must build and load here: its tests fail instead of skipping.

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +21,20 @@ pin_exact_isa()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="run soak, crash-loop and benchmark variants")
+    parser.addoption(
+        "--switch-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the GIL's switch interval (sys.setswitchinterval; Python's default 0.005): 1e-5 makes threads "
+        "take turns mid-call, as a loaded machine does, and shows tests that assume one thread runs first",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    interval = config.getoption("--switch-interval")
+    if interval is not None:
+        sys.setswitchinterval(interval)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,7 +17,7 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk import segments as segments_mod
 from tierkv.tiers.disk.schema import SEG_ID, SEGMENT
 
-from helpers import REPO, gc_beside, make_kv, run_python
+from helpers import REPO, gc_beside, make_kv, run_python, writer_held
 
 
 def _toks(p: int, n: int = 64) -> list[int]:
@@ -393,7 +393,8 @@ def test_the_writer_survives_any_error_and_flush_never_hangs(tmp_path, ns, monke
 
         monkeypatch.setattr(store.tier("disk").writer, "_write_fresh", flaky)
         with caplog.at_level(logging.ERROR):
-            store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+            with writer_held(store):  # the save's 4 blocks one batch, however late the writer wakes
+                store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
             assert store.tier("disk").flush(timeout_s=30)
         stats = store.stats()["disk"]  # the save's blocks lost, counted
         assert stats["write_errors"] == 1 and stats["dropped_saves"] == 64 // ns.block_tokens
