@@ -260,6 +260,21 @@ def test_stream_deltas_add_up_to_the_final_text_and_honour_stop() -> None:
         assert result.finish_reason == "stop"
 
 
+def test_stream_steps_at_every_token_also_while_its_text_is_held_back() -> None:
+    """Each generated token is a step of the stream, with or without text to send: a caller that went
+    away is noticed there (Engine.stream). A long stop string holds the text back: before, those tokens
+    made no step, and a stream whose text stayed held back ran on to max_tokens unnoticed."""
+    with TieredStore.open(None, host_bytes=2**26) as store:
+        cm = tiny_model(store)
+        ids = prompt(40, salt=22)
+        events = list(cm.stream(ids, 24, stop=["x" * 200]))  # never matches; holds 199 characters back
+        steps = [e for e in events if e.token_id is not None]
+        result = events[-1].result
+        assert result is not None and len(result.token_ids) == 24
+        assert [e.token_id for e in steps] == result.token_ids
+        assert all(e.delta is None for e in steps)  # all of it held back until the end
+
+
 def test_byte_tokenizer_roundtrips_invalid_utf8() -> None:
     tok = ByteTokenizer()
     ids = [BYTE + 3 for BYTE in (0xE2, 0x82, 0x41, 0xFF, 0xC3, 0xA9)]

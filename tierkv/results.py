@@ -26,7 +26,8 @@ class PrefillResult:
 
 @dataclasses.dataclass
 class StreamEvent:
-    """One step of ``CachedModel.stream``: exactly one field is set."""
+    """One step of ``CachedModel.stream``: the prefill, a generated token (``delta``: the text it releases,
+    None while text is held back), or the result."""
 
     prefill: PrefillResult | None = None
     delta: str | None = None

@@ -432,6 +432,8 @@ class CachedModel:
             if safe > sent:
                 yield StreamEvent(delta=text[sent:safe], token_id=tok)
                 sent = safe
+            else:  # its text held back: still a step, where a caller that went away stops the generation
+                yield StreamEvent(token_id=tok)
             if step + 1 < max_new_tokens:
                 with torch.inference_mode():
                     logits, cache = self._forward([tok], cache)

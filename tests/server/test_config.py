@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tierkv.errors import ConfigError
 from tierkv.server.config import ServeConfig
@@ -28,6 +29,14 @@ def test_precedence_cli_over_env_over_file(tmp_path) -> None:
         ({"port": 99999}, "1 to 65535"),
         ({"port": 0}, "1 to 65535"),
         ({"port": "http"}, "port"),
+        ({"max_queue": 0}, "at least 1"),  # would refuse every request with a 503
+        ({"block_tokens": 0}, "at least 1"),  # found only after the model loaded, before
+        ({"remote_admit_after": 0}, "at least 1"),
+        ({"max_context": -1}, "at least 0"),
+        ({"max_queue": 2.5}, "whole number"),
+        ({"drain_timeout": "-1s"}, "drain_timeout"),
+        ({"drain_timeout": "soon"}, "duration"),
+        ({"device": "cuda:x"}, "cuda"),
     ],
 )
 def test_bad_options_are_config_errors(cli, text) -> None:
@@ -49,3 +58,16 @@ def test_threads_from_each_source_and_0_is_torchs_choice(tmp_path) -> None:
     assert ServeConfig.load({}, str(f), env={}).threads == 3
     assert ServeConfig.load({}, str(f), env={"TIERKV_THREADS": "2"}).threads == 2
     assert ServeConfig.load({"threads": 1}, str(f), env={"TIERKV_THREADS": "2"}).threads == 1
+
+
+def test_drain_timeout_and_zero_counts_where_they_mean_something() -> None:
+    assert ServeConfig.load({}, None, env={}).drain_timeout == 20.0
+    assert ServeConfig.load({"drain_timeout": "2m"}, None, env={}).drain_timeout == 120.0
+    assert ServeConfig.load({}, None, env={"TIERKV_DRAIN_TIMEOUT": "0"}).drain_timeout == 0.0
+    assert ServeConfig.load({"max_context": 0}, None, env={}).max_context == 0  # the model's own
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA serves --device cuda")
+def test_a_cuda_device_without_cuda_is_refused_before_the_model_loads() -> None:
+    with pytest.raises(ConfigError, match=r"device cuda: this torch .* has no CUDA .*use --device cpu"):
+        ServeConfig.load({"device": "cuda"}, None, env={})

@@ -339,6 +339,102 @@ def test_restart_serves_disk_hits_and_sigterm_finishes_the_running_request(tmp_p
         assert srv.stop() == 0
 
 
+@pytest.mark.parametrize("second_signal", [False, True], ids=["drain-1s", "default-drain-then-ctrl-c"])
+def test_sigterm_cancels_a_request_longer_than_the_drain_then_flushes_and_exits_0(
+    tmp_path, second_signal
+) -> None:
+    """A request still running when the drain ends is cancelled (generation stops after its token), and
+    the store is flushed: before, the server waited 60 s with no word, past a container manager's SIGKILL
+    (which loses the flush). A second signal cancels at once, and never skips the flush (uvicorn's forced
+    exit did). What the request's prefill saved is served after the restart."""
+    import signal
+
+    cache = tmp_path / "cache"
+    msgs = [
+        {"role": "system", "content": SYSTEM + " (drain) " + "y " * 600},
+        {"role": "user", "content": "go"},
+    ]
+    srv = ServerProcess(*([] if second_signal else ["--drain-timeout", "1s"]), cache_dir=cache)
+    try:
+        stream = srv.client().chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=4000, temperature=0, stream=True
+        )
+        chunks = iter(stream)
+        for _ in range(3):  # generating: the prefill is done and saved
+            next(chunks)
+    finally:
+        t0 = time.monotonic()
+        if second_signal:
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            srv.proc.send_signal(signal.SIGINT)
+        code = srv.stop(timeout=60)
+        stop_s = time.monotonic() - t0
+    got = sum(1 for _ in _until_cut(chunks))
+    out = Path(srv.log.name).read_text()  # stop() closed it
+    assert code == 0, out
+    assert stop_s < 15, (stop_s, out)  # 1 s of drain, a token, the flush
+    assert got < 3990  # cut, not finished
+    drain = "cancelling the running requests, then flushing" if second_signal else "get up to 1s to finish"
+    assert drain in out and "flushed the store; bye" in out, out
+    srv = ServerProcess(cache_dir=cache)
+    try:
+        r = _chat(srv.client(), msgs, max_tokens=1)
+        assert r.usage.model_extra["tierkv"]["cached_tokens_by_tier"]["disk"] > 1000
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_client_that_closes_its_stream_stops_the_generation(tmp_path) -> None:
+    """The model thread is free again within moments of a stream's client going away, not after its
+    4,000 tokens (the generation looks for that at each token: tests/test_worker.py)."""
+    srv = ServerProcess("--no-cache")
+    try:
+        stream = srv.client().chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "go on"}],
+            max_tokens=4000,
+            temperature=0,
+            stream=True,
+        )
+        chunks = iter(stream)
+        for _ in range(3):
+            next(chunks)
+        stream.close()
+        deadline = time.monotonic() + 10
+        while json.loads(_get(srv.url + "/health")[1])["queue_depth"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert json.loads(_get(srv.url + "/health")[1])["queue_depth"] == 0
+    finally:
+        assert srv.stop() == 0
+
+
+def _until_cut(chunks):
+    """The rest of a stream, until it ends or its connection is cut."""
+    try:
+        yield from chunks
+    except (openai.APIError, OSError):
+        return
+
+
+def test_a_context_beyond_the_models_own_is_refused_before_serving(tmp_path) -> None:
+    """--max-context past the model's max_position_embeddings would generate at positions it was never
+    trained at: refused at start-up, one line, exit 2 (it was accepted silently)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "serve", "--model", "tiny", "--port", "1", "--no-cache"]
+        + ["--max-context", "1000000"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "max_context 1000000 is beyond the model's context of" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
 def test_the_start_log_shows_no_remote_password(tmp_path, monkeypatch) -> None:
     # Given as the help advises (not in argv); nothing listens there: the remote tier would only fail.
     monkeypatch.setenv("TIERKV_REMOTE", "redis://tenant:hunter2@127.0.0.1:9/0")

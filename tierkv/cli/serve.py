@@ -105,6 +105,11 @@ __all__ = ["route", "serve"]
 @click.option("--max-body", help="Largest request body, past it 413.  [default: 8MiB]")
 @click.option("--body-timeout", help="Time to receive a request body, past it 408.  [default: 30s]")
 @click.option(
+    "--drain-timeout",
+    help="At SIGTERM or Ctrl-C, how long running requests get to finish before they are cancelled; then "
+    "the store is flushed and the server exits 0 (a second signal cancels them at once).  [default: 20s]",
+)
+@click.option(
     "--max-body-total",
     help="Bytes of request bodies being received at once, all connections together; past it 503.  "
     "[default: 64MiB]",
@@ -133,6 +138,8 @@ def serve(ctx: click.Context, engine: str, config_file: str | None, cache_dir: s
     config = _serve_config(config_file, cache_dir, options)
     try:
         run(config)
+    except ConfigError as exc:  # found once the model is known (a context beyond its own): a usage error
+        fail(str(exc), 2)
     except TierKVError as exc:
         fail(str(exc), 1)
 

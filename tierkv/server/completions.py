@@ -263,7 +263,7 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
             finally:
                 await events.aclose()
 
-        return StreamingResponse(
+        return _ClosingStream(
             body(),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -307,6 +307,20 @@ def _usage(result: GenerateResult) -> dict[str, Any]:
             "prefill_ms": round((pre.restore_s + pre.forward_s) * 1e3, 3),
         },
     }
+
+
+class _ClosingStream(StreamingResponse):
+    """A stream whose body is closed however the response ends. Starlette leaves it suspended when the
+    response is cancelled (a client gone while a send waits, the end of a drain): its generation would
+    run on, to max_tokens, until the generator is collected."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            body = self.body_iterator
+            if hasattr(body, "aclose"):
+                await body.aclose()
 
 
 __all__ = ["FLOAT32_TINY", "GREEDY_BELOW", "add_completion_routes", "sampling"]

@@ -47,6 +47,9 @@ class ServeConfig:
     debug_prompts: bool = False  # keep recent prompts' tokens to show where misses diverged (text!)
     max_body: int = 8 << 20  # bytes of a request body; past it: 413
     body_timeout: float = 30.0  # seconds to receive a whole request body; past it: 408
+    # seconds the requests running at a SIGTERM get to finish before they are cancelled and the store is
+    # flushed: under the 30 s a container manager waits before its SIGKILL, which would lose the flush
+    drain_timeout: float = 20.0
     max_body_total: int = 64 << 20  # bytes of bodies being received at once, all connections; past it: 503
     max_connections: int = 256  # open HTTP connections; past it uvicorn answers 503
     threads: int = 0  # torch's CPU threads for the model; 0: torch's own choice (a thread per core)
@@ -159,6 +162,11 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_size(value if isinstance(value, (str, int)) else int(value))
         if name in ("ttl", "body_timeout"):
             return parse_duration(value)
+        if name == "drain_timeout":
+            seconds = parse_duration(value)
+            if not seconds >= 0:  # also NaN
+                raise ConfigError(f"must be 0 (cancel at once) or a positive duration, got {value!r}")
+            return seconds
         if name == "sweep_interval_s":
             seconds = parse_duration(value)
             if not seconds >= 0:  # also NaN
@@ -169,7 +177,14 @@ def _coerce(name: str, value: Any) -> Any:
                 raise ConfigError(f"a TCP port, 1 to 65535, got {value!r}")
             return port
         if name in ("block_tokens", "max_queue", "max_context", "remote_admit_after"):
-            return int(value)
+            if isinstance(value, (bool, float)):  # TOML's 2.7 or true: no silent rounding
+                raise ConfigError(f"a whole number, got {value!r}")
+            count = int(value)
+            # max_context 0 is the model's own; the others below 1 would refuse every request or block
+            if count < (0 if name == "max_context" else 1):
+                least = "0 (the model's own)" if name == "max_context" else "1"
+                raise ConfigError(f"must be at least {least}, got {value!r}")
+            return count
         if name == "self_check_rate":
             rate = float(value)
             if not 0.0 <= rate <= 1.0:  # NaN included
@@ -189,11 +204,30 @@ def _coerce(name: str, value: Any) -> Any:
             return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
         if name == "dtype" and value not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {value!r}")
-        if name == "device" and not (value in ("auto", "cpu") or str(value).startswith("cuda")):
-            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {value!r}")
+        if name == "device":
+            return _device(str(value))
         return value
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: {exc}") from None
+
+
+def _device(value: str) -> str:
+    """``--device``: auto, cpu or cuda[:N], where this torch has that GPU (checked before the model loads)."""
+    if value in ("auto", "cpu"):
+        return value
+    if value != "cuda" and not (value.startswith("cuda:") and value[5:].isdigit()):
+        raise ConfigError(f"device must be auto, cpu or cuda[:N], got {value!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+        raise ConfigError(
+            f"device {value}: this torch ({torch.__version__}) has no CUDA ({why}); use --device cpu"
+        )
+    index = int(value[5:]) if ":" in value else 0
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device {value}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return value
 
 
 def parse_disk_budget(value: str | int | float | None) -> int | None:

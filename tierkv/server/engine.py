@@ -46,6 +46,7 @@ class Engine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-model")
         self._lock = threading.Lock()
         self.queued = 0  # waiting or running
+        self._closing = threading.Event()  # set by close: no request runs on, nor starts
 
     def _admit(self) -> None:
         with self._lock:
@@ -79,11 +80,11 @@ class Engine:
 
         def work() -> None:
             try:
-                if cancelled.is_set():
+                if cancelled.is_set() or self._closing.is_set():
                     return
                 for event in make():
                     loop.call_soon_threadsafe(queue.put_nowait, event)
-                    if cancelled.is_set():
+                    if cancelled.is_set() or self._closing.is_set():
                         break
             except BaseException as exc:  # handed to the request; the model thread lives on
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
@@ -125,7 +126,10 @@ class Engine:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Finish the running request, then stop (queued ones still run: they were accepted)."""
+        """Stop: the running request ends after its current token, and no queued one starts. By now the
+        server has drained its requests or cancelled them (--drain-timeout): a request left here is one
+        whose client will not read it (a cancelled stream's generator is closed only when collected)."""
+        self._closing.set()
         t0 = time.perf_counter()
         self._executor.shutdown(wait=True)
         log.info("model executor stopped in %.1f s", time.perf_counter() - t0)

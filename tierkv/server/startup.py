@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -193,7 +194,9 @@ def serve(config: ServeConfig) -> None:
             redact_url(", ".join(tiers)),  # the remote tier's URL may hold a password
         )
 
-    _GracefulServer(uvicorn_config(server, log_level="warning"), on_ready=ready).run()
+    _GracefulServer(
+        uvicorn_config(server, log_level="warning"), on_ready=ready, in_flight=lambda: server.engine.queued
+    ).run()
 
 
 def uvicorn_config(server: Server, **overrides: Any) -> Any:
@@ -210,7 +213,7 @@ def uvicorn_config(server: Server, **overrides: Any) -> Any:
     options: dict[str, Any] = dict(
         host=config.host,
         port=config.port,
-        timeout_graceful_shutdown=60,
+        timeout_graceful_shutdown=server.config.drain_timeout,
         # uvicorn counts the connection asking too (it answers 503 once connections >= the limit): + 1
         # so that max_connections are served.
         limit_concurrency=config.max_connections + 1,
@@ -222,16 +225,26 @@ class _GracefulServer:
     """uvicorn's server, but SIGTERM ends in exit code 0 after the graceful shutdown.
 
     uvicorn re-raises a captured SIGTERM once it has shut down, which makes the process die of it (143):
-    service managers read that as a failure. We finish the running request and flush the store first.
+    service managers read that as a failure. The running requests get ``timeout_graceful_shutdown``
+    (--drain-timeout) to finish, then are cancelled (generation stops after its current token), and the
+    store is flushed. A second signal cancels them at once; it never skips the flush, as uvicorn's forced
+    exit would (what the write-behind still held would be lost for the next start).
     """
 
-    def __new__(cls, config: Any, on_ready: Callable[[], None] | None = None) -> Any:
+    def __new__(
+        cls,
+        config: Any,
+        on_ready: Callable[[], None] | None = None,
+        in_flight: Callable[[], int] | None = None,
+    ) -> Any:
         import signal
         import threading
 
         import uvicorn
 
         class Server(uvicorn.Server):
+            _hurry = False  # a second signal came: cancel the running requests now
+
             async def startup(self, sockets: Any = None) -> None:
                 try:
                     await super().startup(sockets)
@@ -240,6 +253,37 @@ class _GracefulServer:
                     raise
                 if on_ready is not None:
                     on_ready()
+
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if not self.should_exit:
+                    self.should_exit = True
+                    running = in_flight() if in_flight is not None else 0
+                    log.info(
+                        "stopping (signal %d): %d request(s) running or queued get up to %gs to finish "
+                        "(--drain-timeout), then are cancelled; then the store is flushed (a second signal "
+                        "cancels them now)",
+                        sig,
+                        running,
+                        config.timeout_graceful_shutdown,
+                    )
+                elif not self._hurry:
+                    self._hurry = True
+                    log.warning(
+                        "stopping now (signal %d): cancelling the running requests, then flushing", sig
+                    )
+
+            async def _wait_tasks_to_complete(self) -> None:
+                # uvicorn's wait, cut short by a second signal: the TimeoutError is the drain's own end
+                # (uvicorn then cancels the requests' tasks and runs the shutdown that flushes the store).
+                waiting = asyncio.ensure_future(super()._wait_tasks_to_complete())
+                try:
+                    while not waiting.done():
+                        if self._hurry:
+                            raise TimeoutError
+                        await asyncio.sleep(0.05)
+                finally:
+                    waiting.cancel()
+                waiting.result()
 
             @contextlib.contextmanager
             def capture_signals(self) -> Iterator[None]:

@@ -32,7 +32,13 @@ class Server:
         self.config = config
         self.cm = cm
         self.store = store
-        max_context = config.max_context or int(getattr(cm.model.config, "max_position_embeddings", 4096))
+        model_context = int(getattr(cm.model.config, "max_position_embeddings", 4096))
+        if config.max_context > model_context:  # positions it was never trained at: answers degrade silently
+            raise ConfigError(
+                f"max_context {config.max_context} is beyond the model's context of {model_context} tokens "
+                "(its max_position_embeddings); give at most that, or 0 for the model's own"
+            )
+        max_context = config.max_context or model_context
         self.engine = Engine(
             cm,
             max_queue=config.max_queue,
@@ -105,6 +111,15 @@ def load_server(config: ServeConfig) -> Server:
     else:
         dtype = getattr(torch, config.dtype)
     store = None if config.no_cache else open_store(config)
+    try:
+        return _serving(config, store, dtype, device)
+    except BaseException:  # the model failed to load, say: the store is closed, its files and lock left clean
+        if store is not None:
+            store.close()
+        raise
+
+
+def _serving(config: ServeConfig, store: TieredStore | None, dtype: torch.dtype, device: str) -> Server:
     if config.model:
         cm = CachedModel.from_pretrained(
             config.model,
