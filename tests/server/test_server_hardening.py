@@ -178,6 +178,12 @@ def test_unsupported_fields_are_400_naming_them(live) -> None:
         _assert_400(_chat(c, logprobs=True), "logprobs")
         _assert_400(_chat(c, top_logprobs=2), "top_logprobs")
         _assert_400(_chat(c, stop=["s"] * 65), "stop")
+        # A boolean is true or false: "yes" or 1 is not guessed at (it streamed).
+        _assert_400(_chat(c, stream="yes"), "stream")
+        _assert_400(_complete(c, prompt="x", stream=1), "stream")
+        _assert_400(
+            _chat(c, stream=True, stream_options={"include_usage": "no"}), "stream_options.include_usage"
+        )
         # What asks for what we do is still accepted.
         assert _complete(c, prompt="x", n=1, logprobs=None, best_of=1, echo=False).status_code == 200
         assert _chat(c, n=1, logprobs=False, top_logprobs=0, stop=["s"] * 64).status_code == 200
@@ -243,6 +249,44 @@ def test_metrics_label_requests_by_route_not_by_path(live) -> None:
     assert any('endpoint="/admin/stats",status="401"' in s for s in series)
     endpoints = {s.split('endpoint="')[1].split('"')[0] for s in series}
     assert endpoints <= {route.path for route in live.app.routes} | {"unmatched"}, endpoints
+
+
+def _requests_count(c: httpx.Client, endpoint: str, status: int) -> float:
+    pattern = f'tierkv_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+    lines = [x for x in c.get("/metrics").text.splitlines() if x.startswith(pattern)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_bodies_refused_before_the_app_are_counted_and_answered_as_the_app_answers(live) -> None:
+    """A body over --max-body (413) or not UTF-8 (400) is answered by the guard in front of the app: it
+    was missing from tierkv_requests_total, and its JSON spaced unlike every other error's."""
+    path = "/v1/completions"
+    with live.client() as c:
+        too_large, not_utf8 = _requests_count(c, path, 413), _requests_count(c, path, 400)
+        r = c.post(path, content=b"x" * ((8 << 20) + 1), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.content.startswith(b'{"error":{"message":"request body of'), r.text
+        r = c.post(path, content=b'{"prompt": "\xff"}', headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"]
+        assert _requests_count(c, path, 413) == too_large + 1
+        assert _requests_count(c, path, 400) == not_utf8 + 1
+
+
+def test_a_body_sent_without_a_json_content_type_is_told_so(live) -> None:
+    """curl -d without -H 'Content-Type: application/json' sends a form: the error says what to send
+    (it said "body: Input should be a valid dictionary"), with or without a body."""
+    with live.client() as c:
+        for content in (json.dumps({"prompt": "hi", "max_tokens": 1}), ""):
+            r = c.post(
+                "/v1/completions",
+                content=content,
+                headers={"Content-Type": "application/x-www-form-urlencoded"},
+            )
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (
+                err["code"] == "invalid_content_type" and "Content-Type: application/json" in err["message"]
+            )
+            assert "application/x-www-form-urlencoded" in err["message"]
 
 
 def test_admin_token_is_compared_in_constant_time(live, monkeypatch) -> None:

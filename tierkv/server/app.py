@@ -73,6 +73,15 @@ def create_app(server: Server) -> FastAPI:
         )
         if first.get("type") == "json_invalid":
             return error(400, "the request body is not valid JSON", code="invalid_json")
+        content_type = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in content_type:
+            # curl -d sends form encoding unless told: the body was never read as JSON
+            return error(
+                400,
+                "the request body must be JSON, sent with Content-Type: application/json (this one's: "
+                f"{content_type or 'none'})",
+                code="invalid_content_type",
+            )
         return error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -110,6 +119,7 @@ def create_app(server: Server) -> FastAPI:
     add_completion_routes(app, server)
     add_admin_routes(app, server)
     add_cache_routes(app, server)
+    m.static_routes = frozenset(p for r in app.routes if "{" not in (p := getattr(r, "path", "{")))
     return app
 
 

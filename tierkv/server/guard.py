@@ -13,23 +13,41 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyGuard:
-    def __init__(self, app: ASGIApp, *, max_nbytes: int, timeout_s: float, max_total_nbytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_nbytes: int,
+        timeout_s: float,
+        max_total_nbytes: int,
+        on_refusal: Callable[[Scope, int], None] | None = None,
+    ) -> None:
+        """``on_refusal(scope, status)`` is told of each request answered here (the app, which counts the
+        others, never sees these)."""
         self.app = app
         self.max_nbytes = max_nbytes
         self.timeout_s = timeout_s
         self.max_total_nbytes = max_total_nbytes
+        self.on_refusal = on_refusal
         self.receiving = 0  # bytes held by bodies being received now (one event loop: no lock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        data = await self._receive(scope, receive, send)
+
+        async def refuse(message: Message) -> None:
+            if message["type"] == "http.response.start" and self.on_refusal is not None:
+                self.on_refusal(scope, message["status"])
+            await send(message)
+
+        data = await self._receive(scope, receive, refuse)
         if data is None:
             return
         replayed = False
@@ -122,7 +140,8 @@ async def _reply(
     kind: str = "invalid_request_error",
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    error = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    body = json.dumps(error, separators=(",", ":")).encode()  # as the app's own JSON errors
     await send(
         {
             "type": "http.response.start",

@@ -170,6 +170,11 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(StoreCollector(server))
+        self.static_routes: frozenset[str] = frozenset()  # the app's routes without parameters (create_app)
+
+    def count_request(self, path: str, status: int) -> None:
+        """A request answered before any route saw it (the body guard's 413, 408, 400 or 503)."""
+        self.requests.labels(path if path in self.static_routes else "unmatched", str(status)).inc()
 
 
 __all__ = ["Metrics", "StoreCollector", "gpu_metrics"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from tierkv.server.cache_control import PromptCacheOptions, TierkvCacheOptions
 
@@ -14,7 +14,7 @@ MAX_STOP = 64  # stop strings per request: each one is searched for after every 
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False  # true or false: "yes" is an error, not a guess
 
 
 class _Common(BaseModel):
@@ -27,7 +27,7 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
@@ -58,7 +58,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     # One prompt: text, token ids, or a batch of exactly one of either (batches of more are a 400).
     prompt: str | list[int] | list[list[int]] | list[str]
-    echo: bool | None = None
+    echo: StrictBool | None = None
     best_of: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:

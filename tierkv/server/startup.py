@@ -209,6 +209,7 @@ def uvicorn_config(server: Server, **overrides: Any) -> Any:
         max_nbytes=config.max_body,
         timeout_s=config.body_timeout,
         max_total_nbytes=config.max_body_total,
+        on_refusal=lambda scope, status: server.metrics.count_request(scope.get("path", ""), status),
     )
     options: dict[str, Any] = dict(
         host=config.host,
