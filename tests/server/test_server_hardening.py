@@ -146,6 +146,17 @@ def test_extreme_temperature_and_top_p_sample_greedily(live) -> None:
             assert r.json()["choices"][0]["text"] == greedy, extreme
 
 
+def test_a_temperature_or_top_p_that_is_not_a_number_is_400_saying_so(live) -> None:
+    """NaN is below no bound and above none: it was refused as "less than or equal to 2"."""
+    with live.client() as c:
+        for field in ("temperature", "top_p"):
+            for value in ("NaN", "Infinity"):
+                body = f'{{"prompt": "x", "max_tokens": 1, "{field}": {value}}}'
+                r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+                _assert_400(r, field)
+                assert "finite number" in r.json()["error"]["message"], r.text
+
+
 def test_max_tokens_past_the_context_is_400_naming_the_field(live) -> None:
     with live.client() as c:
         r = _complete(c, prompt="x", max_tokens=2**64)
@@ -153,6 +164,9 @@ def test_max_tokens_past_the_context_is_400_naming_the_field(live) -> None:
         assert r.json()["error"]["code"] == "context_length_exceeded"
         r = _chat(c, max_completion_tokens=MAX_CONTEXT)
         _assert_400(r, "messages")
+        assert f"and {MAX_CONTEXT} completion tokens" in r.json()["error"]["message"]
+        r = _complete(c, prompt=[5] * MAX_CONTEXT, max_tokens=1)
+        assert f"asks for {MAX_CONTEXT} prompt tokens and 1 completion token" in r.json()["error"]["message"]
 
 
 def test_text_that_is_not_unicode_is_400(live) -> None:

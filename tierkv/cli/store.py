@@ -214,6 +214,9 @@ def gc(
                 err=True,
             )
         show = sys.stderr.isatty() and not as_json
+        # what the segment files take on the file system, before and after what punches or deletes them
+        measure = (compact or check) and not dry_run
+        allocated_before = disk.segments.disk_nbytes()[0] if measure else 0
         try:
             out = run_gc(
                 disk,
@@ -229,6 +232,9 @@ def gc(
             )
         except ConfigError as exc:
             fail(str(exc), 2)
+        if measure:
+            out["allocated_before_nbytes"] = allocated_before
+            out["allocated_after_nbytes"] = disk.segments.disk_nbytes()[0]
     if as_json:
         click.echo(json.dumps(out))
     else:
@@ -244,6 +250,12 @@ def gc(
             + (
                 f" ({format_size(out['pinned_nbytes'])} of it pinned: never evicted)"
                 if out["pinned_nbytes"]
+                else ""
+            )
+            + (
+                f"; segment files allocated {format_size(out['allocated_before_nbytes'])} before, "
+                f"{format_size(out['allocated_after_nbytes'])} after"
+                if "allocated_before_nbytes" in out
                 else ""
             )
         )

@@ -62,7 +62,8 @@ class Engine:
         if prompt_tokens + max_tokens > self.max_context:
             raise ClientError(
                 f"this model's maximum context length is {self.max_context} tokens; the request asks for "
-                f"{prompt_tokens} prompt tokens and {max_tokens} completion tokens",
+                f"{prompt_tokens} prompt token{'s' if prompt_tokens != 1 else ''} and {max_tokens} completion "
+                f"token{'s' if max_tokens != 1 else ''}",
                 param,
                 "context_length_exceeded",
             )
