@@ -68,6 +68,27 @@ def test_drain_timeout_and_zero_counts_where_they_mean_something() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA serves --device cuda")
-def test_a_cuda_device_without_cuda_is_refused_before_the_model_loads() -> None:
+def test_a_cuda_device_without_cuda_is_refused_before_the_model_loads(monkeypatch) -> None:
+    from tierkv.server import state
+
+    monkeypatch.setattr(state, "open_store", lambda config: pytest.fail("the store opened"))
+    config = ServeConfig.load({"device": "cuda"}, None, env={})  # --engine vllm does not use it
     with pytest.raises(ConfigError, match=r"device cuda: this torch .* has no CUDA .*use --device cpu"):
-        ServeConfig.load({"device": "cuda"}, None, env={})
+        state.load_server(config)
+
+
+def test_the_models_context_comes_from_its_text_config_and_rope_scaling() -> None:
+    """--max-context is held to what the model says: a multimodal config keeps it in its text config,
+    rope scaling stretches it, and a model that says nothing (ALiBi) holds it to nothing."""
+    import transformers
+
+    from tierkv.server.state import model_context
+
+    assert model_context(transformers.LlamaConfig(max_position_embeddings=8192)) == (8192, 8192)
+    assert model_context(transformers.Gemma3Config()) == (131072, 131072)  # not at its top level
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert model_context(transformers.Qwen2Config(max_position_embeddings=32768, rope_scaling=yarn)) == (
+        32768,
+        131072,
+    )
+    assert model_context(transformers.BloomConfig()) == (None, None)

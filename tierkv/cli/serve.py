@@ -107,8 +107,9 @@ __all__ = ["route", "serve"]
 @click.option(
     "--drain-timeout",
     help="At SIGTERM or Ctrl-C, how long running requests get to finish before they are cancelled; then "
-    "the store is flushed and the server exits 0 (a second signal cancels them at once); the transformers "
-    "engine (the vLLM front gives them 10 s, then stops vLLM, which flushes).  [default: 20s]",
+    "the store is flushed and the server exits 0. A second signal cancels them at once, a third exits "
+    "without the flush. Not used with --engine vllm (vLLM's --shutdown-timeout 30 applies).  "
+    "[default: 20s]",
 )
 @click.option(
     "--max-body-total",

@@ -212,11 +212,17 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _device(value: str) -> str:
-    """``--device``: auto, cpu or cuda[:N], where this torch has that GPU (checked before the model loads)."""
+    """``--device``: auto, cpu or cuda[:N] (whether this torch has that GPU: ``check_device``)."""
+    if value not in ("auto", "cpu", "cuda") and not (value.startswith("cuda:") and value[5:].isdigit()):
+        raise ConfigError(f"device must be auto, cpu or cuda[:N], got {value!r}")
+    return value
+
+
+def check_device(value: str) -> str:
+    """``value`` where this process's torch has that device; a one-line ConfigError otherwise. Asked by
+    the transformers engine before its model loads (vLLM runs its own torch, maybe another build)."""
     if value in ("auto", "cpu"):
         return value
-    if value != "cuda" and not (value.startswith("cuda:") and value[5:].isdigit()):
-        raise ConfigError(f"device must be auto, cpu or cuda[:N], got {value!r}")
     import torch
 
     if not torch.cuda.is_available():

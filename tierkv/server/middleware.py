@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,6 +41,10 @@ class CountAndCatch:
 
         try:
             await self.app(scope, receive, send_)
+        except asyncio.CancelledError:  # the end of a drain, or a client gone: not a server error
+            if not started:
+                status = 499  # as nginx counts a request its client closed
+            raise
         except Exception:
             if started:
                 raise

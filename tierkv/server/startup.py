@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -228,8 +229,8 @@ class _GracefulServer:
     uvicorn re-raises a captured SIGTERM once it has shut down, which makes the process die of it (143):
     service managers read that as a failure. The running requests get ``timeout_graceful_shutdown``
     (--drain-timeout) to finish, then are cancelled (generation stops after its current token), and the
-    store is flushed. A second signal cancels them at once; it never skips the flush, as uvicorn's forced
-    exit would (what the write-behind still held would be lost for the next start).
+    store is flushed. A second signal cancels them at once; it does not skip the flush, as uvicorn's forced
+    exit did (what the write-behind still held would be lost for the next start). A third exits at once.
     """
 
     def __new__(
@@ -244,7 +245,8 @@ class _GracefulServer:
         import uvicorn
 
         class Server(uvicorn.Server):
-            _hurry = False  # a second signal came: cancel the running requests now
+            _signals = 0  # SIGTERM or SIGINT received: 1 drains, 2 cancels now, 3 exits without the flush
+            _drained = False  # the requests are done or cancelled: the store is being flushed
 
             async def startup(self, sockets: Any = None) -> None:
                 try:
@@ -256,35 +258,46 @@ class _GracefulServer:
                     on_ready()
 
             def handle_exit(self, sig: int, frame: Any) -> None:
-                if not self.should_exit:
-                    self.should_exit = True
-                    running = in_flight() if in_flight is not None else 0
-                    log.info(
-                        "stopping (signal %d): %d request(s) running or queued get up to %gs to finish "
-                        "(--drain-timeout), then are cancelled; then the store is flushed (a second signal "
-                        "cancels them now)",
-                        sig,
-                        running,
-                        config.timeout_graceful_shutdown,
-                    )
-                elif not self._hurry:
-                    self._hurry = True
-                    log.warning(
-                        "stopping now (signal %d): cancelling the running requests, then flushing", sig
-                    )
+                # A signal handler: flags, and raw writes only (a log call here can meet the write it
+                # interrupted); the loop logs what they mean (shutdown, _wait_tasks_to_complete).
+                self._signals += 1
+                self.should_exit = True
+                if self._signals >= 3:  # the operator insists: exit now, what the flush had not written lost
+                    os.write(2, b"tierkv serve: third signal: exiting without finishing the flush\n")
+                    os._exit(1)
+                if self._signals == 2 and self._drained:
+                    os.write(2, b"tierkv serve: flushing the store; a third signal exits without it\n")
+
+            async def shutdown(self, sockets: Any = None) -> None:
+                log.info(
+                    "stopping: %d request(s) running or queued get up to %gs to finish (--drain-timeout), "
+                    "then are cancelled; then the store is flushed (a second signal cancels them now)",
+                    in_flight() if in_flight is not None else 0,
+                    config.timeout_graceful_shutdown,
+                )
+                await super().shutdown(sockets)
 
             async def _wait_tasks_to_complete(self) -> None:
                 # uvicorn's wait, cut short by a second signal: the TimeoutError is the drain's own end
                 # (uvicorn then cancels the requests' tasks and runs the shutdown that flushes the store).
-                waiting = asyncio.ensure_future(super()._wait_tasks_to_complete())
                 try:
-                    while not waiting.done():
-                        if self._hurry:
-                            raise TimeoutError
-                        await asyncio.sleep(0.05)
+                    if not (self.server_state.connections or self.server_state.tasks):
+                        await super()._wait_tasks_to_complete()  # nothing to wait for: no suspension
+                        return
+                    waiting = asyncio.ensure_future(super()._wait_tasks_to_complete())
+                    try:
+                        while not waiting.done():
+                            if self._signals >= 2:
+                                log.warning(
+                                    "second signal: cancelling the running requests now, then flushing"
+                                )
+                                raise TimeoutError
+                            await asyncio.sleep(0.05)
+                    finally:
+                        waiting.cancel()
+                    waiting.result()
                 finally:
-                    waiting.cancel()
-                waiting.result()
+                    self._drained = True
 
             @contextlib.contextmanager
             def capture_signals(self) -> Iterator[None]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 from tierkv.errors import ConfigError
-from tierkv.server.config import ServeConfig
+from tierkv.server.config import ServeConfig, check_device
 from tierkv.server.engine import Engine
 from tierkv.server.metrics import Metrics
 from tierkv.server.responses import JSON, error, unauthorized
@@ -32,13 +33,14 @@ class Server:
         self.config = config
         self.cm = cm
         self.store = store
-        model_context = int(getattr(cm.model.config, "max_position_embeddings", 4096))
-        if config.max_context > model_context:  # positions it was never trained at: answers degrade silently
+        trained, scaled = model_context(cm.model.config)
+        if scaled is not None and config.max_context > scaled:  # positions it never saw: answers degrade
             raise ConfigError(
-                f"max_context {config.max_context} is beyond the model's context of {model_context} tokens "
-                "(its max_position_embeddings); give at most that, or 0 for the model's own"
+                f"max_context {config.max_context} is beyond the model's context of {scaled} tokens "
+                f"(its max_position_embeddings, times any rope scaling); give at most that, or 0 for its "
+                f"trained context ({trained})"
             )
-        max_context = config.max_context or model_context
+        max_context = config.max_context or trained or 4096
         self.engine = Engine(
             cm,
             max_queue=config.max_queue,
@@ -103,7 +105,7 @@ class Server:
 
 
 def load_server(config: ServeConfig) -> Server:
-    device = config.device
+    device = check_device(config.device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if config.dtype == "auto":
@@ -137,6 +139,23 @@ def _serving(config: ServeConfig, store: TieredStore | None, dtype: torch.dtype,
         if gpu_nbytes:
             store.add_gpu_tier(gpu_nbytes, cm.device)
     return Server(config, cm, store)
+
+
+def model_context(model_config: Any) -> tuple[int | None, int | None]:
+    """The context a model was trained at (its text config's max_position_embeddings: a multimodal
+    config keeps it there) and the most its rope scaling stretches that to; None where it does not say
+    (ALiBi models have no such field: nothing to hold a --max-context to)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    trained = getattr(text, "max_position_embeddings", None)
+    if not isinstance(trained, int) or trained <= 0:
+        return None, None
+    scaling = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None)
+    if isinstance(scaling, dict):
+        factor = scaling.get("factor")
+        if isinstance(factor, (int, float)) and factor > 1:
+            base = scaling.get("original_max_position_embeddings") or trained
+            return trained, max(trained, int(base * factor))
+    return trained, trained
 
 
 def open_store(config: ServeConfig) -> TieredStore:
