@@ -346,7 +346,7 @@ def test_sigterm_cancels_a_request_longer_than_the_drain_then_flushes_and_exits_
     """A request still running when the drain ends is cancelled (generation stops after its token), and
     the store is flushed: before, the server waited 60 s with no word, past a container manager's SIGKILL
     (which loses the flush). A second signal cancels at once, and never skips the flush (uvicorn's forced
-    exit did). What the request's prefill saved is served after the restart."""
+    exit did). What the request's prefill saved is served after a restart."""
     import contextlib
     import signal
     import subprocess
@@ -385,6 +385,8 @@ def test_sigterm_cancels_a_request_longer_than_the_drain_then_flushes_and_exits_
         "second signal: cancelling the running requests now" if second_signal else "get up to 1s to finish"
     )
     assert drain in out and "flushed the store; bye" in out, out
+    if not second_signal:
+        return  # (the restart once, where a forced exit used to skip the flush: the suite's time)
     srv = ServerProcess(cache_dir=cache)
     try:
         r = _chat(srv.client(), msgs, max_tokens=1)
