@@ -119,6 +119,7 @@ class ServerProcess:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._clients: list[Any] = []
         cmd = [
             sys.executable,
             "-m",
@@ -155,14 +156,23 @@ class ServerProcess:
         return self.log.read()
 
     def client(self, **kwargs):  # noqa: ANN201
+        """An OpenAI client of this server, closed by ``stop``: a client dropped with a kept-alive
+        connection is closed by the cycle collector at any later point, and its ResourceWarning (an
+        error here) then fails whichever test runs then (seen once, in test_cache_control)."""
         import openai
 
-        return openai.OpenAI(
+        client = openai.OpenAI(
             **{"base_url": self.url + "/v1", "api_key": "unused", "max_retries": 0, **kwargs}
         )
+        self._clients.append(client)
+        return client
 
     def stop(self, timeout: float = 60) -> int:
         import signal
+
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
 
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -357,8 +357,9 @@ def test_sigterm_cancels_a_request_longer_than_the_drain_then_flushes_and_exits_
         {"role": "user", "content": "go"},
     ]
     srv = ServerProcess(*([] if second_signal else ["--drain-timeout", "1s"]), cache_dir=cache)
+    client = srv.client()
     try:
-        stream = srv.client().chat.completions.create(
+        stream = client.chat.completions.create(
             model="tiny", messages=msgs, max_tokens=4000, temperature=0, stream=True
         )
         chunks = iter(stream)
@@ -377,6 +378,8 @@ def test_sigterm_cancels_a_request_longer_than_the_drain_then_flushes_and_exits_
     finished = [
         c.choices[0].finish_reason for c in _until_cut(chunks) if c.choices and c.choices[0].finish_reason
     ]
+    stream.close()  # its socket (the server cut it), and the client's
+    client.close()
     out = Path(srv.log.name).read_text()  # stop() closed it
     assert code == 0, out
     assert stop_s < 15, (stop_s, out)  # 1 s of drain, a token, the flush
@@ -400,8 +403,9 @@ def test_a_client_that_closes_its_stream_stops_the_generation(tmp_path) -> None:
     4,000 tokens, also while the text of its tokens is held back (here by a stop string longer than any
     text it makes): the generation used to look for a cancellation only when text went out."""
     srv = ServerProcess("--no-cache")
+    client = srv.client()
     try:
-        stream = srv.client().chat.completions.create(
+        stream = client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "go on"}],
             max_tokens=4000,
@@ -417,6 +421,7 @@ def test_a_client_that_closes_its_stream_stops_the_generation(tmp_path) -> None:
             time.sleep(0.1)
         assert json.loads(_get(srv.url + "/health")[1])["queue_depth"] == 0
     finally:
+        client.close()
         assert srv.stop() == 0
 
 
