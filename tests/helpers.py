@@ -170,10 +170,6 @@ class ServerProcess:
     def stop(self, timeout: float = 60) -> int:
         import signal
 
-        for client in self._clients:
-            client.close()
-        self._clients.clear()
-
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -182,6 +178,11 @@ class ServerProcess:
             self.proc.kill()
             code = self.proc.wait()
         self.log.close()
+        # After the exit: a request in flight on another thread has had its answer (the server finishes
+        # what it runs before it exits), and closing its client under it would fail it.
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
         return code
 
 

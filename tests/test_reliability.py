@@ -130,8 +130,11 @@ def check_crash_cycles(tmp_path, cycles: int) -> None:
         assert srv.stop() == 0 and plain.stop() == 0
 
 
+@pytest.mark.slow
 def test_sigkill_under_load_2_cycles(tmp_path) -> None:
-    check_crash_cycles(tmp_path, 2)  # (20 with --runslow; the test command must stay under 10 minutes)
+    # A crash variant (about 40 s): behind --runslow, run by .ci/run beside the test command, which must
+    # stay under 10 minutes; 20 cycles below.
+    check_crash_cycles(tmp_path, 2)
 
 
 @pytest.mark.slow
