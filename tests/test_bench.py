@@ -22,6 +22,7 @@ def _quick(tmp_path, monkeypatch, only: str) -> tuple[dict, object]:
     return res, folder
 
 
+@pytest.mark.slow  # a benchmark variant (10-20 s): .ci/run runs it beside the test command
 def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> None:
     from tierkv.bench import ttft as ttft_bench
 
@@ -143,6 +144,7 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, monkeypatch) -> No
     assert (folder / "ttft.png").stat().st_size > 1000 and (folder / "bandwidth.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # a benchmark variant (10-20 s): .ci/run runs it beside the test command
 def test_bench_quick_peers_and_stalls(tmp_path, monkeypatch) -> None:
     res, folder = _quick(tmp_path, monkeypatch, "peers,stall")
     peers = res["peers"]["rows_Bps"]

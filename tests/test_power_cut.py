@@ -335,6 +335,7 @@ def run_power_cuts(tmp_path: Path, ns, monkeypatch, samples_per_cut: int, every:
     return counts
 
 
+@pytest.mark.slow  # a crash variant (30 s for both paths): .ci/run runs it beside the test command
 def test_power_cuts_at_every_point_of_a_workload(tmp_path, ns, monkeypatch, data_path) -> None:
     # The native writer (the default) at every point; the Python one, the fallback, at every third (the
     # test command must stay under 10 minutes; --runslow's many-subsets variant covers both at every point).
