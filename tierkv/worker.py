@@ -391,7 +391,8 @@ class CachedModel:
         use_cache: bool = True,
         control: CacheControl = NO_CONTROL,
     ) -> Iterator[StreamEvent]:
-        """Generate step by step: one event after the prefill, one per text delta, a last one with the result.
+        """Generate step by step: one event after the prefill, one per token (with the text it releases, if
+        any), a last one with the result.
         ``control``: the request's cache control (retention per prefix, memory only, nothing stored).
 
         Text is held back while it could still become a stop string or ends inside a multi-byte character,
@@ -429,11 +430,9 @@ class CachedModel:
             safe = len(text) - hold
             while safe > sent and maybe_partial(text[safe - 1]):
                 safe -= 1
-            if safe > sent:
-                yield StreamEvent(delta=text[sent:safe], token_id=tok)
-                sent = safe
-            else:  # its text held back: still a step, where a caller that went away stops the generation
-                yield StreamEvent(token_id=tok)
+            # A step at every token, text or not: where a caller that went away stops the generation.
+            yield StreamEvent(delta=text[sent:safe] if safe > sent else None, token_id=tok)
+            sent = max(sent, safe)
             if step + 1 < max_new_tokens:
                 with torch.inference_mode():
                     logits, cache = self._forward([tok], cache)

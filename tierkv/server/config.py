@@ -162,15 +162,11 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_size(value if isinstance(value, (str, int)) else int(value))
         if name in ("ttl", "body_timeout"):
             return parse_duration(value)
-        if name == "drain_timeout":
+        if name in ("sweep_interval_s", "drain_timeout"):
             seconds = parse_duration(value)
             if not seconds >= 0:  # also NaN
-                raise ConfigError(f"must be 0 (cancel at once) or a positive duration, got {value!r}")
-            return seconds
-        if name == "sweep_interval_s":
-            seconds = parse_duration(value)
-            if not seconds >= 0:  # also NaN
-                raise ConfigError(f"must be 0 (no background sweep) or a positive duration, got {value!r}")
+                zero = "no background sweep" if name == "sweep_interval_s" else "cancel at once"
+                raise ConfigError(f"must be 0 ({zero}) or a positive duration, got {value!r}")
             return seconds
         if name == "port":  # checked here, not by bind() after the model has loaded
             if isinstance(value, (bool, float)) or not 1 <= (port := int(value)) <= 65535:
