@@ -15,7 +15,8 @@ static PyMethodDef methods[] = {
     {"hashed_on_arrival", hashed_on_arrival, METH_NOARGS,
      "Records read_run has hashed as their bytes arrived, in this process (tests)."},
     {"streamed_reads", streamed_reads, METH_NOARGS,
-     "Groups read_run has read from the disk through a reading thread's own file, in this process (tests)."},
+     "streamed_reads() -> (groups, files): the groups read_run has read from the disk through a reading\n"
+     "thread's own file, and the files it opened for that, in this process (tests)."},
     {"fail_images", fail_images, METH_VARARGS,
      "fail_images(skip, count): write_run's next ``skip`` image allocations succeed, the ``count`` after\n"
      "them find no memory (tests; (0, 0) ends it)."},

@@ -168,11 +168,11 @@ def test_the_cachestat_probe_answers_as_this_kernel_does() -> None:
         assert has_cachestat() is True
 
 
-def test_a_file_system_refusing_o_direct_gets_the_buffered_reader_streaming_per_thread(
+def test_a_file_system_refusing_o_direct_gets_the_buffered_reader_streaming_its_runs(
     tmp_path, monkeypatch
 ) -> None:
     """O_DIRECT asked for (the default) where the file system refuses it: the reader runs its buffered
-    mode, each thread streaming its share of a cold run through a file of its own, as with
+    mode, a cold run streamed through a file of its own, as with
     TIERKV_DIRECT_READS=0, not the O_DIRECT mode's unstreamed reads with no O_DIRECT descriptor."""
     from tierkv.tiers.disk import segments
     from tierkv.tiers.disk.files import has_cachestat
@@ -183,13 +183,13 @@ def test_a_file_system_refusing_o_direct_gets_the_buffered_reader_streaming_per_
     monkeypatch.setattr(segments, "accepts_direct_io", lambda folder: False)
     toks, kv = _saved(tmp_path, BIG, 24)
     uncache(tmp_path)
-    streamed = native.module().streamed_reads()
+    streamed, _ = native.module().streamed_reads()
     with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
         assert store._durable().segments.direct_reads and not store._durable().segments.reads_direct
         hit, got = store.restore(BIG, toks)
         assert "buffered: this file system refuses O_DIRECT" in store._durable().read_path()
     assert hit.num_tokens == len(toks) and torch.equal(got, kv)
-    assert native.module().streamed_reads() - streamed == 24
+    assert native.module().streamed_reads()[0] - streamed == 24
 
 
 def _saved(path, ns: Namespace, blocks: int, seed: int = 0) -> tuple[list[int], torch.Tensor]:
@@ -325,11 +325,41 @@ def test_a_flipped_byte_in_any_piece_of_a_large_record_is_caught(tmp_path, where
         assert stats["read_direct_nbytes"] > 0
 
 
+def test_separate_runs_of_one_prompt_are_streamed_side_by_side(tmp_path) -> None:
+    """A prompt whose records lie in two runs (another prompt saved between its halves): each run is a
+    stream of its own, read through a file of its own by its own thread, and the whole prompt is served
+    bit for bit."""
+    from tierkv.tiers.disk.files import has_cachestat
+
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): a run's residency is not known")
+    B = BIG.block_tokens
+    toks = list(range(24 * B))
+    kv = make_kv(BIG, 24 * B, seed=3)
+    other = [10**6 + t for t in range(12 * B)]
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(BIG, toks[: 12 * B], kv[:, :, : 12 * B])
+        store.flush()
+        store.save(BIG, other, make_kv(BIG, 12 * B, seed=4))
+        store.flush()
+        store.save(BIG, toks, kv, start_block=12)
+        store.flush()
+        locs = store.tier("disk").locate(BlockChain.of(BIG, toks).keys)
+    assert locs[11].offset + locs[11].nbytes < locs[12].offset  # two runs, the other prompt between them
+    uncache(tmp_path)
+    groups, files = native.module().streamed_reads()
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0, direct_reads=False) as store:
+        hit, got = store.restore(BIG, toks)
+    assert hit.num_tokens == len(toks) and torch.equal(got, kv)
+    assert native.module().streamed_reads() == (groups + 24, files + 2)
+
+
 @pytest.mark.parametrize("fault", ["none", "bad-sector", "flipped-byte"])
-def test_a_cold_run_is_read_by_each_thread_in_a_share_of_its_own(tmp_path, read_faults, fault) -> None:
-    """A buffered run the page cache lacks: each reading thread reads one contiguous share of the groups
-    through a file of its own (readahead keeps its state per open file). Served bit for bit; a bad sector
-    or a flipped byte in a later thread's share ends the prefix there, and only that record is purged."""
+def test_a_cold_run_is_read_as_one_stream_through_a_file_of_its_own(tmp_path, read_faults, fault) -> None:
+    """A buffered run the page cache lacks: its adjacent records are one share, read by one thread through
+    a file of its own (readahead keeps its state per open file, and sees one sequential stream). Served
+    bit for bit; a bad sector or a flipped byte late in the run ends the prefix there, and only that
+    record is purged."""
     from tierkv.tiers.disk.files import has_cachestat
 
     if not has_cachestat():
@@ -338,9 +368,9 @@ def test_a_cold_run_is_read_by_each_thread_in_a_share_of_its_own(tmp_path, read_
             "read as before"
         )
     B = BIG.block_tokens
-    toks, kv = _saved(tmp_path, BIG, 24)  # 24 records of 2 MiB: a group each, shares of 3 on 8 threads
+    toks, kv = _saved(tmp_path, BIG, 24)  # 24 adjacent records of 2 MiB: a group each, one run
     chain = BlockChain.of(BIG, toks)
-    bad = 17  # in the sixth thread's share
+    bad = 17
     if fault == "flipped-byte":
         with TieredStore.open(tmp_path, host_bytes=0) as store:
             disk = store.tier("disk")
@@ -352,14 +382,14 @@ def test_a_cold_run_is_read_by_each_thread_in_a_share_of_its_own(tmp_path, read_
             f.seek(offset + nbytes - 1)
             f.write(bytes([byte[0] ^ 0x01]))
     uncache(tmp_path)
-    streamed = native.module().streamed_reads()
+    groups, files = native.module().streamed_reads()
     with native.use(True), TieredStore.open(tmp_path, host_bytes=0, direct_reads=False) as store:
         assert native.READ_THREADS == 8
         if fault == "bad-sector":
             read_faults.fail(store, chain, [bad])
         hit, got = store.restore(BIG, toks)
         store.flush()  # the purge
-        assert native.module().streamed_reads() - streamed == 24
+        assert native.module().streamed_reads() == (groups + 24, files + 1)
         served = 24 if fault == "none" else bad
         assert hit.num_tokens == served * B and torch.equal(got, kv[:, :, : served * B])
         stats = store.stats()["disk"]
