@@ -153,12 +153,13 @@ class BlockChain:
         n_blocks = len(token_ids) // ns.block_tokens
         data = tokens_to_bytes(token_ids[: n_blocks * ns.block_tokens])
         step = ns.block_tokens * TOKEN_NBYTES
-        keys: list[BlockKey] = []
-        parent = root_key(ns.digest)
+        keys: list[bytes] = []
+        parent: bytes = root_key(ns.digest)
+        blake2b = hashlib.blake2b  # chain_key inline: two calls less per block (a 32K-token prompt has 512)
         for start in range(0, len(data), step):
-            parent = chain_key(parent, data[start : start + step])
+            parent = blake2b(parent + data[start : start + step], digest_size=KEY_NBYTES).digest()
             keys.append(parent)
-        return cls(ns, tuple(keys), data)
+        return cls(ns, tuple(keys), data)  # type: ignore[arg-type]  # BlockKey is bytes
 
     def __len__(self) -> int:
         return len(self.keys)

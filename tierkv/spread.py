@@ -29,11 +29,11 @@ __all__ = ["Promoter", "blocks_on", "promoter", "runs_of", "spread"]
 def runs_of(src: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(tier, first, end)`` runs of consecutive blocks served by the same tier."""
     runs: list[tuple[int, int, int]] = []
-    for i, k in enumerate(src):
-        if runs and runs[-1][0] == k:
-            runs[-1] = (k, runs[-1][1], i + 1)
-        else:
-            runs.append((k, i, i + 1))
+    start = 0
+    for i in range(1, len(src) + 1):  # a run ends where the tier changes (one tuple per run, not per block)
+        if i == len(src) or src[i] != src[start]:
+            runs.append((src[start], start, i))
+            start = i
     return runs
 
 

@@ -219,12 +219,11 @@ class DiskTier(DiskWrites, Tier):
             raws = [txn.get(key, db=db) for key in keys]
         # One pass, no call per block on the common path (a restore probes every block of a prompt).
         # Without a TTL or a maximum age nothing expires: what a hit or a request adds only extends them.
-        unpack, expiring = Entry.unpack, self.policy.ttl_s is not None or self.policy.max_age_s is not None
+        expiring = self.policy.ttl_s is not None or self.policy.max_age_s is not None
         pendings = self.times.last_many(keys) if expiring else [None] * len(keys)
-        for key, raw, pending in zip(keys, raws, pendings):
-            if raw is None:
+        for key, e, pending in zip(keys, Entry.unpack_many(raws), pendings):
+            if e is None:
                 continue
-            e = unpack(raw)
             if expiring and self._expired_after(e, pending, now):
                 continue
             found[key] = e

@@ -212,7 +212,7 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
     ends the run and is purged, if still indexed: a sweep in another process may have released it
     meanwhile, and then it is a plain miss."""
     entries = disk._located(chain, first, count)
-    target.created_s.update((first + j, e.created_s) for j, e in enumerate(entries))
+    target.created_s.update(zip(range(first, first + len(entries)), [e.created_s for e in entries]))
     failed: set[tuple[int, int, int]] = set()  # locations an I/O error hit
     scatter = functools.partial(disk.read_scatter, failed=failed)
     whole = functools.partial(disk.read, failed=failed)
@@ -247,5 +247,5 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
         if disk.still_indexed(key, location):  # else another process released it: a plain miss
             disk.counters.add("disk", "read_errors" if location in failed else "corrupt_blocks")
             disk._purge(key, location)
-    disk.touch(chain.keys[first : first + got], sum(e.nbytes for e in entries[:got]))
+    disk.touch(chain.keys[first : first + got], sum([e.nbytes for e in entries[:got]]))
     return got

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from collections.abc import Sequence
 
 from tierkv.tiers.disk.segments import aligned
 
@@ -111,6 +112,14 @@ class Entry:
         if len(raw) == ENTRY_V1.size:  # written by format version 1
             return cls(*ENTRY_V1.unpack(raw))
         return cls(*ENTRY.unpack(raw))
+
+    @classmethod
+    def unpack_many(cls, raws: Sequence[bytes | None]) -> list[Entry | None]:
+        """``unpack`` of each (None stays None), in one call: a restore's probe unpacks every block's."""
+        v1, v1_nbytes, v2 = ENTRY_V1.unpack, ENTRY_V1.size, ENTRY.unpack
+        return [
+            None if raw is None else cls(*(v1(raw) if len(raw) == v1_nbytes else v2(raw))) for raw in raws
+        ]
 
     @property
     def needs_v2(self) -> bool:
