@@ -62,10 +62,13 @@ def test_stats_text_uses_env_cache_dir(store_dir, monkeypatch) -> None:
     from tierkv.tiers.disk.files import accepts_direct_io, has_cachestat
 
     # Which data path runs here, in words: the native one where it is built (by default reading what the
-    # page cache lacks with O_DIRECT, where the file system and the kernel allow it), else why not.
+    # page cache lacks with O_DIRECT or buffered, whichever this disk served faster, where the file system
+    # and the kernel allow O_DIRECT), else why not.
     # (None, when the probe cannot tell, counts as accepted, as the store counts it)
     refused = accepts_direct_io(store_dir / "segments") is False
-    reads = "buffered: this file system refuses" if refused else "O_DIRECT where uncached"
+    reads = (
+        "buffered: this file system refuses" if refused else "O_DIRECT or buffered where uncached, whichever"
+    )
     if not has_cachestat():
         reads = "buffered with readahead (no cachestat(2)"
     path = (

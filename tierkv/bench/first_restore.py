@@ -83,12 +83,11 @@ def in_fresh_process(
     path: str = "native",
     populate_first: bool = False,
 ) -> float:
-    """``first_restore`` in a fresh process on the data path ``path`` (native, python or native buffered
-    reads); bytes per second."""
-    env = {
-        **os.environ,
-        "TIERKV_NATIVE": "0" if path == "python" else "1",
-        "TIERKV_DIRECT_READS": "1" if path == "native" else "0",
-    }
+    """``first_restore`` in a fresh process on the data path ``path`` (native, python, native buffered
+    reads or native O_DIRECT reads); bytes per second."""
+    env = {**os.environ, "TIERKV_NATIVE": "0" if path == "python" else "1"}
+    env.pop("TIERKV_DIRECT_READS", None)  # native: the default, whichever this disk served faster
+    if path != "native":
+        env["TIERKV_DIRECT_READS"] = "1" if path == "native O_DIRECT reads" else "0"
     args = [store_dir, num_prompts, prompt_tokens, host_bytes, int(populate_first)]
     return _fresh("first_restore", args, env)

@@ -25,8 +25,9 @@ Rows (GB/s, medians of ``runs`` with their spread):
                                    verifies each record: the ceiling of a verified read
   restore interleaved cold         prefixes whose blocks were written interleaved
   (each of these for the disk tier's data paths side by side, in brackets: native, the default where the
-  extension is built, what the page cache lacks read with O_DIRECT; python, TIERKV_NATIVE=0, the
-  fallback; native buffered reads, direct_reads=False)
+  extension is built, what the page cache lacks read with O_DIRECT or buffered, whichever this disk
+  served faster; python, TIERKV_NATIVE=0, the fallback; native buffered reads, direct_reads=False;
+  native O_DIRECT reads, direct_reads=True)
   restore zstd / zstd+shuffle cold the same with compressed records
   host tier restore                TieredStore.load from RAM
   memcpy                           torch copy_ of the same size
@@ -65,9 +66,10 @@ from tierkv.bench.machine import Memcpy, summary
 from tierkv.bench.restore_runs import cold_alternated, restores
 from tierkv.bench.tier_ratios import in_words, paired, ratios
 
-# The disk tier's readers and writers, side by side: native (what the page cache lacks read with O_DIRECT,
-# the default), python (the fallback, buffered), native with every read buffered (TIERKV_DIRECT_READS=0)
-PATHS = ("native", "python", "native buffered reads")
+# The disk tier's readers and writers, side by side: native (the default: what the page cache lacks read
+# with O_DIRECT or buffered, whichever this disk served faster, read_modes.py), python (the fallback,
+# buffered), native with every read buffered (TIERKV_DIRECT_READS=0), native with O_DIRECT always (=1)
+PATHS = ("native", "python", "native buffered reads", "native O_DIRECT reads")
 AFTER_MEMORY = (
     f"raw buffered cold read of the store's segment files, 8 MiB, {READ_THREADS} threads, in a fresh process "
     "after writing as much new memory as the host tier"

@@ -31,6 +31,8 @@ from tierkv.tiers.disk.files import has_cachestat
 from tierkv.tiers.disk.index import Index
 from tierkv.tiers.disk.opening import read_index_ahead
 from tierkv.tiers.disk.pins import check_pin
+from tierkv.tiers.disk.read_modes import FILE as READ_SPEEDS_FILE
+from tierkv.tiers.disk.read_modes import ReadModes
 from tierkv.tiers.disk.schema import (
     ALIGNED_RECORDS_FORMAT_VERSION,
     RETENTION_FORMAT_VERSION,
@@ -91,8 +93,8 @@ class DiskTier(DiskWrites, Tier):
     ) -> None:
         """``direct_reads``: the native reader reads what the page cache lacks with O_DIRECT, and what it
         holds from it; False: everything buffered with readahead, so that the page cache keeps what was read
-        (None: ``TIERKV_DIRECT_READS`` where set, else O_DIRECT where the kernel has cachestat(2);
-        docs/architecture.md says when to turn it off). ``direct_writes``: the native writer writes records
+        (None: ``TIERKV_DIRECT_READS`` where set, else, where the kernel has cachestat(2), whichever of the
+        two this disk serves faster, measured by cold restores (``read_modes.py``); docs/architecture.md). ``direct_writes``: the native writer writes records
         past the page cache, with O_DIRECT, where the file system allows it (None: unless ``TIERKV_DIRECT_WRITES=0``):
         the host tier already holds what was just saved, and the page cache's upkeep of written pages can
         cost more CPU than the copy itself."""
@@ -111,20 +113,22 @@ class DiskTier(DiskWrites, Tier):
         self._reads_note = ""  # why the default reads buffered, for the data path line
         if direct_reads is None and "TIERKV_DIRECT_READS" in os.environ:
             direct_reads = env_flag("TIERKV_DIRECT_READS", True)
-        elif direct_reads is None:
+        elif direct_reads is None and not has_cachestat():
             # Without cachestat, residency would be asked of mincore, group by group (files.has_cachestat):
             # the default stays buffered there, as it was before O_DIRECT reads were the default.
-            direct_reads = has_cachestat()
-            if not direct_reads:
-                self._reads_note = "no cachestat(2) in this kernel; TIERKV_DIRECT_READS=1 for O_DIRECT"
+            direct_reads = False
+            self._reads_note = "no cachestat(2) in this kernel; TIERKV_DIRECT_READS=1 for O_DIRECT"
+        # Still None: O_DIRECT or buffered, run by run, whichever this disk serves faster (read_modes.py).
+        self.read_modes = ReadModes(self.path / READ_SPEEDS_FILE, fixed=direct_reads)
         if direct_writes is None:
             direct_writes = env_flag("TIERKV_DIRECT_WRITES", True)
         self.segments = SegmentDir(
             self.path / "segments",
             read_threads=read_threads,
             counters=self.counters,
-            direct_reads=direct_reads,
+            direct_reads=direct_reads is not False,
             direct_writes=direct_writes,
+            read_modes=self.read_modes,
         )
         self.sweeps = Sweeps(self.index, self.segments, self.counters)
         self.times = AccessTimes(self.index, self.counters)
@@ -387,7 +391,7 @@ class DiskTier(DiskWrites, Tier):
         seg = self.segments
         refused = "buffered: this file system refuses O_DIRECT"
         if seg.direct_reads:
-            how = "O_DIRECT where uncached" if seg.direct_ok else refused
+            how = self.read_modes.describe() if seg.direct_ok else refused
         else:
             how = "buffered with readahead" + (f" ({self._reads_note})" if self._reads_note else "")
         writes = ("O_DIRECT" if seg.direct_ok else refused) if seg.direct_writes else "buffered"
@@ -430,6 +434,8 @@ class DiskTier(DiskWrites, Tier):
             with contextlib.suppress(OSError, lmdb.Error):
                 self.times.flush()
         self._closed = True
+        if not self.read_only:
+            self.read_modes.save()
         self.segments.close()
         self.index.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -72,6 +73,11 @@ def read_run(
             flat += (*fds[e.seg_id], e.offset, e.nbytes, pos)
         reqs = np.array(flat, dtype=np.int64).reshape(-1, 6)
         blocks = [records[j][0] for j in present]
+        # O_DIRECT where this run holds such descriptors and the read mode says so (read_modes.py)
+        may_direct = any(dfd >= 0 for _, _, dfd in fds.values())
+        modes = segments.read_modes
+        use_direct = may_direct and modes.direct()
+        t0 = time.perf_counter()
         got, errnos, (cached, direct, blocking) = nat.read_run(
             reqs,
             np.array(rows, dtype=np.int64),
@@ -84,9 +90,10 @@ def read_run(
             codec.DTYPE_CODES[chain.ns.dtype],
             spec.block_shape,
             native.READ_THREADS,
-            # the mode follows the descriptors this run holds (an O_DIRECT one only where reads are direct)
-            int(any(dfd >= 0 for _, _, dfd in fds.values())),
+            int(use_direct),
         )
+        if may_direct:  # a cold run is a sample of its mode's speed
+            modes.observe(use_direct, direct + blocking, cached + direct + blocking, time.perf_counter() - t0)
     counters = segments.counters
     counters.add("disk", "read_cached_nbytes", cached)
     counters.add("disk", "read_direct_nbytes", direct)

@@ -32,6 +32,7 @@ from pathlib import Path
 from tierkv.cpus import spread_here
 from tierkv.metrics import Counters
 from tierkv.tiers.disk.files import ALIGN, DIRECT_REFUSED, TransientReadError, accepts_direct_io, aligned
+from tierkv.tiers.disk.read_modes import ReadModes
 from tierkv.tiers.disk.segment_reads import READ_CHUNK_NBYTES, SegmentReads
 
 __all__ = [
@@ -87,10 +88,13 @@ class SegmentDir(SegmentReads):
         counters: Counters | None = None,
         direct_reads: bool = False,
         direct_writes: bool = False,
+        read_modes: ReadModes | None = None,
     ) -> None:
         self.path = path
-        # The native reader reads records the page cache lacks with O_DIRECT (else buffered, with readahead).
+        # The native reader may read records the page cache lacks with O_DIRECT (else buffered, with
+        # readahead); ``read_modes`` says whether each run does (always, where the user said so).
         self.direct_reads = direct_reads
+        self.read_modes = read_modes or ReadModes(None, fixed=direct_reads)
         # The native writer writes records with O_DIRECT (SegmentWriter), where the file system allows it.
         self.direct_writes = direct_writes
         self.counters = counters or Counters()
@@ -118,8 +122,9 @@ class SegmentDir(SegmentReads):
 
     @property
     def reads_direct(self) -> bool:
-        """Whether the native reader reads what the page cache lacks with O_DIRECT now: asked for, and not
-        refused by the file system (then its buffered mode, each thread streaming a share of a cold run)."""
+        """Whether the native reader may read what the page cache lacks with O_DIRECT now: asked for (or
+        left to measurement, ``read_modes``), and not refused by the file system (then its buffered mode,
+        a cold run streamed through a file of its own)."""
         return self.direct_reads and self._direct_ok
 
     def file(self, seg_id: int) -> Path:

@@ -1,0 +1,148 @@
+"""The read mode of what the page cache lacks, where nobody chose it: O_DIRECT or buffered, whichever the
+restores measured faster on this disk (tierkv/tiers/disk/read_modes.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tierkv import Namespace, TieredStore, native
+from tierkv.tiers.disk import read_modes
+from tierkv.tiers.disk.read_modes import EXPLORE_EVERY, MIN_SAMPLE_NBYTES, MIN_SAMPLES, ReadModes
+
+from helpers import make_kv, uncache
+
+MiB = 1 << 20
+# 2 MiB records: 24 of them are a 48 MiB run, well past the smallest sample
+BIG = Namespace("read-modes", "r", "float32", 4, 8, 128, block_tokens=128)
+
+
+def test_both_modes_are_measured_first_then_the_faster_reads_and_the_other_now_and_then() -> None:
+    modes = ReadModes(None, fixed=None)
+    order = []
+    for _ in range(2 * MIN_SAMPLES):
+        direct = modes.direct()
+        order.append(direct)
+        modes.observe(direct, 64 * MiB, 64 * MiB, 0.1 if direct else 0.05)  # buffered twice as fast
+    assert order == [True, False] * MIN_SAMPLES
+    chosen = []
+    for _ in range(2 * EXPLORE_EVERY):
+        direct = modes.direct()
+        chosen.append(direct)
+        modes.observe(direct, 64 * MiB, 64 * MiB, 0.1 if direct else 0.05)
+    assert chosen.count(True) == 2  # one run in EXPLORE_EVERY keeps O_DIRECT's speed current
+    assert modes.medians() == {"direct": pytest.approx(640 * MiB), "buffered": pytest.approx(1280 * MiB)}
+
+
+def test_o_direct_is_kept_unless_buffered_is_clearly_faster() -> None:
+    modes = ReadModes(None, fixed=None)
+    for _ in range(MIN_SAMPLES):
+        modes.observe(True, 64 * MiB, 64 * MiB, 0.100)
+        modes.observe(False, 64 * MiB, 64 * MiB, 0.095)  # 5% faster: within the margin
+    assert modes.direct()
+    modes = ReadModes(None, fixed=None)
+    for _ in range(MIN_SAMPLES):
+        modes.observe(True, 64 * MiB, 64 * MiB, 0.05)  # O_DIRECT faster
+        modes.observe(False, 64 * MiB, 64 * MiB, 0.10)
+    assert all(modes.direct() for _ in range(10))
+
+
+def test_small_or_mostly_cached_runs_are_not_samples_and_a_chosen_mode_is_never_measured() -> None:
+    modes = ReadModes(None, fixed=None)
+    modes.observe(True, MIN_SAMPLE_NBYTES - 1, MIN_SAMPLE_NBYTES - 1, 0.01)  # too small to say
+    modes.observe(True, 16 * MiB, 64 * MiB, 0.01)  # three quarters from the page cache
+    modes.observe(True, 16 * MiB, 16 * MiB, 0.0)  # no time measured
+    assert modes.medians() == {"direct": None, "buffered": None}
+    for fixed in (True, False):
+        chosen = ReadModes(None, fixed=fixed)
+        for _ in range(10):
+            chosen.observe(not fixed, 64 * MiB, 64 * MiB, 0.001)
+        assert chosen.direct() is fixed and chosen.medians() == {"direct": None, "buffered": None}
+
+
+def test_the_samples_are_kept_in_the_cache_directory_and_a_bad_file_is_ignored(tmp_path) -> None:
+    path = tmp_path / read_modes.FILE
+    modes = ReadModes(path, fixed=None)
+    modes.save()
+    assert not path.exists()  # nothing measured: nothing written
+    for _ in range(MIN_SAMPLES):
+        modes.observe(True, 64 * MiB, 64 * MiB, 0.2)
+        modes.observe(False, 64 * MiB, 64 * MiB, 0.1)
+    modes.save()
+    assert not list(tmp_path.glob(".*.tmp"))  # written whole, then renamed into place
+    again = ReadModes(path, fixed=None)
+    assert again.medians() == modes.medians() and not again.direct()
+    for body in ("{not json", '["direct"]', '{"direct": [1e9, "fast", null, -5, true], "buffered": 7}'):
+        path.write_text(body)
+        got = ReadModes(path, fixed=None).medians()
+        assert got["buffered"] is None and got["direct"] in (None, 1e9)  # only the good value survives
+    fixed = ReadModes(path, fixed=True)
+    fixed.save()
+    assert json.loads(path.read_text())["direct"] == [1e9, "fast", None, -5, True]  # left as it was
+
+
+def _mode_of_one_cold_restore(path, toks, kv) -> str:
+    """Restore ``toks`` with the page cache dropped, in a fresh store on ``path`` (the default read mode):
+    which way its bytes came from the disk."""
+    uncache(path)
+    with native.use(True), TieredStore.open(path, host_bytes=0) as store:
+        hit, got = store.restore(BIG, toks)
+        stats = store.stats()["disk"]
+        line = store._durable().read_path()
+    assert hit.num_tokens == len(toks) and torch.equal(got, kv)
+    assert stats["read_cached_nbytes"] + stats["read_direct_nbytes"] + stats["read_blocking_nbytes"] > 0
+    assert "whichever this disk serves faster" in line
+    if stats["read_direct_nbytes"] and not stats["read_blocking_nbytes"]:
+        return "direct"
+    assert not stats["read_direct_nbytes"] and stats["read_blocking_nbytes"] >= MIN_SAMPLE_NBYTES
+    return "buffered"
+
+
+def test_a_store_measures_both_modes_on_its_disk_and_a_restarted_one_reads_the_faster_way(
+    tmp_path, monkeypatch
+) -> None:
+    """Real cold restores of 48 MiB in fresh stores on one directory: the first ones take turns (O_DIRECT
+    first), each a sample kept in the directory at close; once both are measured, a new process's first
+    restore reads the way the samples say is faster, bit for bit the same KV either way."""
+    from tierkv.tiers.disk.files import has_cachestat
+
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    toks = list(range(24 * BIG.block_tokens))
+    kv = make_kv(BIG, len(toks), seed=5)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(BIG, toks, kv)
+    if store._durable().segments.direct_ok is False:
+        pytest.skip("this file system refuses O_DIRECT: buffered only")
+    modes = [_mode_of_one_cold_restore(tmp_path, toks, kv) for _ in range(2 * MIN_SAMPLES)]
+    assert modes == ["direct", "buffered"] * MIN_SAMPLES
+    kept = json.loads((tmp_path / read_modes.FILE).read_text())
+    assert len(kept["direct"]) == len(kept["buffered"]) == MIN_SAMPLES
+    for faster in ("direct", "buffered"):  # as if the disk had measured so
+        slower = "buffered" if faster == "direct" else "direct"
+        body = {faster: [2e9] * MIN_SAMPLES, slower: [0.5e9] * MIN_SAMPLES}
+        (tmp_path / read_modes.FILE).write_text(json.dumps(body))
+        assert _mode_of_one_cold_restore(tmp_path, toks, kv) == faster
+
+
+def test_a_mode_asked_for_is_kept_and_measures_nothing(tmp_path, monkeypatch) -> None:
+    from tierkv.tiers.disk.files import has_cachestat
+
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
+    toks = list(range(24 * BIG.block_tokens))
+    kv = make_kv(BIG, len(toks), seed=6)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(BIG, toks, kv)
+    monkeypatch.setenv("TIERKV_DIRECT_READS", "0")
+    for _ in range(2):
+        uncache(tmp_path)
+        with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
+            hit, _ = store.restore(BIG, toks)
+            assert hit.num_tokens == len(toks)
+            assert store.stats()["disk"]["read_direct_nbytes"] == 0
+            assert "buffered with readahead" in store._durable().read_path()
+    assert not (tmp_path / read_modes.FILE).exists()
