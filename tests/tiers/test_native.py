@@ -1137,3 +1137,46 @@ def test_write_run_refuses_a_footprint_other_than_the_reserved_one_before_any_wr
         assert path.read_bytes()[4096 + len(want) :] == b"\xee" * 3 * 4096  # the next run's, untouched
         with pytest.raises(ValueError, match="sync"):
             nat.write_run(fd, 4096, batch, 3, 0, dfd, len(want))
+
+
+def test_an_o_direct_read_after_a_buffered_one_stays_o_direct_and_leaves_the_page_cache_as_it_was(
+    tmp_path,
+) -> None:
+    """A buffered restore leaves readahead's pages (and its marks) past its prompt. An O_DIRECT restore of
+    the prompt saved next reads that cached part from the page cache, without readahead, and the rest
+    with O_DIRECT: reading the marked pages through a descriptor with readahead started readahead of the
+    next window, and the run (and every run after it) was read buffered, the page cache growing by each."""
+    from tierkv.bench.machine import _resident_nbytes
+    from tierkv.tiers.disk.files import has_cachestat
+
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): a run's residency is not known")
+    B = BIG.block_tokens
+    first, second = list(range(24 * B)), [10**6 + t for t in range(24 * B)]
+    kvs = [make_kv(BIG, 24 * B, seed=s) for s in (7, 8)]
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        for toks, kv in zip((first, second), kvs):
+            store.save(BIG, toks, kv)
+        store.flush()
+        if not store._durable().segments.direct_ok:
+            pytest.skip("this file system refuses O_DIRECT")
+    (seg,) = sorted(tmp_path.glob("**/*.seg"))
+
+    def resident() -> int:
+        fd = os.open(seg, os.O_RDONLY)
+        try:
+            return _resident_nbytes(fd) or 0
+        finally:
+            os.close(fd)
+
+    uncache(tmp_path)
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0, direct_reads=False) as store:
+        assert store.restore(BIG, first)[0].num_tokens == len(first)
+    before = resident()
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0, direct_reads=True) as store:
+        hit, got = store.restore(BIG, second)
+        stats = store.stats()["disk"]
+    assert hit.num_tokens == len(second) and torch.equal(got, kvs[1])
+    assert stats["read_direct_nbytes"] >= 12 * (2 << 20)  # at least half of the 48 MiB past readahead's
+    assert stats["read_cached_nbytes"] + stats["read_direct_nbytes"] >= 24 * (2 << 20)
+    assert resident() == before
