@@ -180,6 +180,23 @@ def test_text_that_is_not_unicode_is_400(live) -> None:
         assert _complete(c, prompt="fine é 漢字 🙂").status_code == 200
 
 
+def test_a_turn_without_content_is_400_unless_it_is_the_assistants(live) -> None:
+    """A user's ``"content": null`` was read as an empty turn: a different prompt from the one meant."""
+    with live.client() as c:
+        for role in ("user", "system", "tool"):
+            r = _chat(c, messages=[{"role": role, "content": None}, {"role": "user", "content": "hi"}])
+            _assert_400(r, "messages.0")
+            assert f"a {role} message needs content" in r.json()["error"]["message"], r.text
+        _assert_400(_chat(c, messages=[{"role": "user"}]), "messages.0")
+        # an assistant's turn that made tool calls has none
+        ok = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "x"},
+        ]
+        assert _chat(c, messages=ok).status_code == 200
+
+
 def test_unsupported_fields_are_400_naming_them(live) -> None:
     with live.client() as c:
         _assert_400(_complete(c, prompt="x", n=2), "n")

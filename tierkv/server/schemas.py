@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from tierkv.server.cache_control import PromptCacheOptions, TierkvCacheOptions
 
@@ -87,6 +87,14 @@ class ChatMessage(BaseModel):
         ):
             raise ValueError("a text part's text must be a string")
         return v
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # Only an assistant's turn may come without content (it made tool calls instead); a user's null
+        # content was read as an empty turn, which is a different prompt from the one the client meant.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content: a string or a list of parts")
+        return self
 
     def text(self) -> str:
         if self.content is None:
