@@ -81,7 +81,9 @@ class _Tierkv(_System):
         self.use_native, self.direct_reads = use_native, direct_reads
         self.name = "tierkv (native)" if use_native else "tierkv (Python path)"
         if direct_reads is not None:
-            self.name = "tierkv (native, O_DIRECT reads)" if direct_reads else "tierkv (native, buffered reads)"
+            self.name = (
+                "tierkv (native, O_DIRECT reads)" if direct_reads else "tierkv (native, buffered reads)"
+            )
         self._store: TieredStore | None = None
 
     def store(self, root, kvs, toks, order):

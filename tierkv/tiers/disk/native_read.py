@@ -92,7 +92,7 @@ def read_run(
             native.READ_THREADS,
             int(use_direct),
         )
-        if may_direct:  # a cold run is a sample of its mode's speed
+        if may_direct and got.count(ST_OK) == len(got):  # a cold run read whole: a sample of its mode's speed
             modes.observe(use_direct, direct + blocking, cached + direct + blocking, time.perf_counter() - t0)
     counters = segments.counters
     counters.add("disk", "read_cached_nbytes", cached)

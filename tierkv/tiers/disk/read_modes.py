@@ -60,13 +60,19 @@ class ReadModes:
         if self.fixed is not None:
             return self.fixed
         with self._lock:
-            direct, buffered = self._speeds[True], self._speeds[False]
-            if len(direct) < MIN_SAMPLES or len(buffered) < MIN_SAMPLES:
-                return len(direct) <= len(buffered)  # both measured first, O_DIRECT first
-            best = statistics.median(buffered) <= MARGIN * statistics.median(direct)
+            best = self._best()
+            if best is None:  # both measured first, O_DIRECT first
+                return len(self._speeds[True]) <= len(self._speeds[False])
             if self._count % EXPLORE_EVERY == EXPLORE_EVERY - 1:
                 return not best
             return best
+
+    def _best(self) -> bool | None:
+        """Whether O_DIRECT is the faster mode by the samples (None: not both measured yet); under the lock."""
+        direct, buffered = self._speeds[True], self._speeds[False]
+        if len(direct) < MIN_SAMPLES or len(buffered) < MIN_SAMPLES:
+            return None
+        return statistics.median(buffered) <= MARGIN * statistics.median(direct)
 
     def observe(self, direct: bool, disk_nbytes: int, total_nbytes: int, seconds: float) -> None:
         """A run read in mode ``direct``: ``disk_nbytes`` of its ``total_nbytes`` from the disk, in
@@ -93,9 +99,11 @@ class ReadModes:
         if self.fixed is not None:
             return "O_DIRECT where uncached" if self.fixed else "buffered with readahead"
         m = self.medians()
-        if m["direct"] is None or m["buffered"] is None:
+        with self._lock:
+            best = self._best()
+        if best is None or m["direct"] is None or m["buffered"] is None:
             return "O_DIRECT or buffered where uncached, whichever this disk serves faster (measuring)"
-        now = "O_DIRECT" if self.direct() else "buffered"
+        now = "O_DIRECT" if best else "buffered"
         return (
             f"O_DIRECT or buffered where uncached, whichever this disk serves faster: {now} "
             f"({m['direct'] / 1e9:.2f} GB/s O_DIRECT, {m['buffered'] / 1e9:.2f} buffered)"
