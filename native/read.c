@@ -113,18 +113,24 @@ static atomic_int no_cachestat;
 /* Whether the page cache holds all of [off, off + len): 1 or 0, or -1 where cachestat(2) is missing.
  * cachestat counts cached pages without touching the process's memory map (mincore needs a mapping, and
  * mmap/munmap take the map's lock for writing, against the model's page faults). */
-static int cached_whole(int fd, int64_t off, int64_t len) {
+/* How many of the pages of [off, off + len) the page cache holds, and how many the range spans; -1 where
+ * cachestat(2) is missing. */
+static int64_t cached_pages(int fd, int64_t off, int64_t len, int64_t *span) {
     static long page;
     if (!page) page = sysconf(_SC_PAGESIZE);
+    *span = (off + len + page - 1) / page - off / page;
     if (atomic_load(&no_cachestat)) return -1;
     struct { uint64_t off, len; } range = {(uint64_t)off, (uint64_t)len};
     struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } cs;
-    if (syscall(__NR_cachestat, fd, &range, &cs, 0) == 0) {
-        uint64_t pages = (uint64_t)((off + len + page - 1) / page - off / page);
-        return cs.nr_cache >= pages;
-    }
+    if (syscall(__NR_cachestat, fd, &range, &cs, 0) == 0)
+        return cs.nr_cache < (uint64_t)*span ? (int64_t)cs.nr_cache : *span;
     if (errno == ENOSYS || errno == EPERM) atomic_store(&no_cachestat, 1);
     return -1;
+}
+
+static int cached_whole(int fd, int64_t off, int64_t len) {
+    int64_t span, got = cached_pages(fd, off, len, &span);
+    return got < 0 ? -1 : got >= span;
 }
 
 static int64_t resident_prefix(int fd, int64_t off, int64_t len) {
@@ -581,6 +587,18 @@ PyObject *read_run(PyObject *self, PyObject *args) {
             if (threads > r.nshares) threads = (int)r.nshares;
         }
     }
+    /* Buffered, what the page cache held before the run (a run of adjacent records at a time): its
+     * reads count as cached, the rest as from the disk (its own readahead fills the cache as it goes). */
+    int64_t held = 0;
+    if (!direct) {
+        for (int64_t g = 0, g0 = 0; g < r.ngroups; g++) {
+            if (g + 1 < r.ngroups && !r.grun[g + 1]) continue;
+            const req_t *a = &rq[r.gfirst[g0]], *b = &rq[r.gfirst[g] + r.gcount[g] - 1];
+            int64_t span, pages = cached_pages((int)a->fd, a->offset, b->offset + b->nbytes - a->offset, &span);
+            if (pages > 0) held += (b->offset + b->nbytes - a->offset) * pages / span;
+            g0 = g + 1;
+        }
+    }
     pthread_t tids[MAX_THREADS];
     int started = 0;
     for (int t = 1; t < threads; t++) {
@@ -589,6 +607,11 @@ PyObject *read_run(PyObject *self, PyObject *args) {
     }
     if (r.ngroups) worker(&r); /* the calling thread reads too */
     for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    if (!direct) { /* the blocking reads' bytes the page cache held: cached, not from the disk */
+        long long blocking = atomic_load(&r.nbytes_blocking), moved = held < blocking ? held : blocking;
+        atomic_store(&r.nbytes_blocking, blocking - moved);
+        atomic_fetch_add(&r.nbytes_cached, moved);
+    }
     Py_END_ALLOW_THREADS
     {
         PyObject *errs = PyList_New(0);

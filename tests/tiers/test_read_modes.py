@@ -4,6 +4,9 @@ restores measured faster on this disk (tierkv/tiers/disk/read_modes.py)."""
 from __future__ import annotations
 
 import json
+import os
+import stat
+import time
 
 import pytest
 import torch
@@ -74,13 +77,52 @@ def test_the_samples_are_kept_in_the_cache_directory_and_a_bad_file_is_ignored(t
     assert not list(tmp_path.glob(".*.tmp"))  # written whole, then renamed into place
     again = ReadModes(path, fixed=None)
     assert again.medians() == modes.medians() and not again.direct()
-    for body in ("{not json", '["direct"]', '{"direct": [1e9, "fast", null, -5, true], "buffered": 7}'):
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # as the store's other files
+    bodies = [
+        "{not json",
+        '["direct"]',
+        '{"direct": [1e9, "fast", null, -5, true, 1e999], "buffered": 7}',
+        '{"direct": [1e9, %s]}' % ("9" * 400),  # past a float: OverflowError
+        "[" * 100_000,  # RecursionError in the parser
+        '{"direct": [1e9], "pad": "%s"}' % ("x" * (read_modes.MAX_FILE_NBYTES + 1)),  # too big to be ours
+    ]
+    for body in bodies:
         path.write_text(body)
-        got = ReadModes(path, fixed=None).medians()
-        assert got["buffered"] is None and got["direct"] in (None, 1e9)  # only the good value survives
+        got = ReadModes(path, fixed=None).medians()  # the store opens whatever the file holds
+        assert got["buffered"] is None and got["direct"] in (None, 1e9)  # only a good value survives
+    path.unlink()
+    os.mkfifo(path)  # would block an open for reading forever
+    assert ReadModes(path, fixed=None).medians() == {"direct": None, "buffered": None}
+    path.unlink()
+    path.write_text('{"direct": [1e9]}')
     fixed = ReadModes(path, fixed=True)
     fixed.save()
-    assert json.loads(path.read_text())["direct"] == [1e9, "fast", None, -5, True]  # left as it was
+    assert json.loads(path.read_text()) == {"direct": [1e9]}  # left as it was
+
+
+def test_a_run_beside_another_is_no_sample_and_samples_are_kept_before_close(tmp_path) -> None:
+    path = tmp_path / read_modes.FILE
+    modes = ReadModes(path, fixed=None)
+    a = modes.begin()
+    b = modes.begin()  # two restores at once share the disk: neither says what it serves alone
+    modes.end(b, True, 64 * MiB, 64 * MiB, 0.1)
+    modes.end(a, True, 64 * MiB, 64 * MiB, 0.1)
+    assert modes.medians()["direct"] is None
+    for _ in range(read_modes.KEPT - 1):
+        modes.end(modes.begin(), False, 64 * MiB, 64 * MiB, 0.1)
+    assert not path.exists()
+    modes.end(modes.begin(), False, 64 * MiB, 64 * MiB, 0.1)  # the KEPT-th: written without a close
+    assert len(json.loads(path.read_text())["buffered"]) == read_modes.KEPT
+
+
+def test_a_temporary_file_left_by_a_dead_writer_is_removed_at_open(tmp_path) -> None:
+    old, fresh = tmp_path / f".{read_modes.FILE}.dead.tmp", tmp_path / f".{read_modes.FILE}.live.tmp"
+    for p in (old, fresh):
+        p.write_text("{")
+    past = time.time() - 2 * read_modes.STALE_TMP_S
+    os.utime(old, (past, past))
+    ReadModes(tmp_path / read_modes.FILE, fixed=None)
+    assert not old.exists() and fresh.exists()  # a live writer's is left alone
 
 
 def _mode_of_one_cold_restore(path, toks, kv) -> str:
@@ -146,3 +188,27 @@ def test_a_mode_asked_for_is_kept_and_measures_nothing(tmp_path, monkeypatch) ->
             assert store.stats()["disk"]["read_direct_nbytes"] == 0
             assert "buffered with readahead" in store._durable().read_path()
     assert not (tmp_path / read_modes.FILE).exists()
+
+
+def test_a_warm_buffered_restore_is_no_sample(tmp_path, monkeypatch) -> None:
+    """Buffered, what the page cache held before the run counts as cached, not as the disk's speed: warm
+    re-reads once fed buffered memory-copy speeds, which locked the choice in."""
+    from tierkv.tiers.disk.files import has_cachestat
+
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    toks = list(range(24 * BIG.block_tokens))
+    kv = make_kv(BIG, len(toks), seed=9)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(BIG, toks, kv)
+    kept = {"direct": [0.5e9] * MIN_SAMPLES, "buffered": [2e9] * MIN_SAMPLES}  # buffered chosen
+    (tmp_path / read_modes.FILE).write_text(json.dumps(kept))
+    for _ in range(3):  # the first reads from the disk (a sample), the others from the page cache
+        with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
+            hit, got = store.restore(BIG, toks)
+            stats = store.stats()["disk"]
+        assert hit.num_tokens == len(toks) and torch.equal(got, kv)
+        assert stats["read_direct_nbytes"] == 0
+    assert stats["read_cached_nbytes"] >= 24 * (2 << 20) and stats["read_blocking_nbytes"] == 0
+    assert len(json.loads((tmp_path / read_modes.FILE).read_text())["buffered"]) <= MIN_SAMPLES + 1

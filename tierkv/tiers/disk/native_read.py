@@ -8,6 +8,7 @@ import contextlib
 import errno
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,13 +40,16 @@ def read_run(
     records: Sequence[tuple[int, Entry, int]],
     target: torch.Tensor,
     failed: set[tuple[int, int, int]] | None,
+    direct_mode: bool | None = None,
 ) -> tuple[list[int], memoryview]:
     """Raw records ``(block index, entry, block position in target)`` into ``target`` (a CPU tensor
     ``[layers, 2, tokens, kv_heads, head_dim]`` whose every slab is contiguous), verified. Returns each
     record's status (``ST_OK``; ``ST_PYTHON``: in place, but compressed, for Python to check; else not
     served) and the records' headers and token ids (``HEADER_NBYTES + token bytes`` each).
 
-    A record an I/O error of the medium hit is added to ``failed``; any other error of a read (no
+    ``direct_mode``: whether what the page cache lacks is read with O_DIRECT, chosen once per restore by
+    the caller (None: asked of ``segments.read_modes`` now). A record an I/O error of the medium hit is
+    added to ``failed``; any other error of a read (no
     descriptors, no memory) raises ``TransientReadError``: a miss that says nothing about the record."""
     nat = native.module()
     spec = KVSpec.of(chain.ns)
@@ -76,24 +80,23 @@ def read_run(
         # O_DIRECT where this run holds such descriptors and the read mode says so (read_modes.py)
         may_direct = any(dfd >= 0 for _, _, dfd in fds.values())
         modes = segments.read_modes
-        use_direct = may_direct and modes.direct()
+        use_direct = may_direct and (modes.direct() if direct_mode is None else direct_mode)
+        token = modes.begin() if may_direct else None
         t0 = time.perf_counter()
-        got, errnos, (cached, direct, blocking) = nat.read_run(
-            reqs,
-            np.array(rows, dtype=np.int64),
-            chunk,
-            row_nbytes,
-            prefix,
-            token_nbytes,
-            chain.ns.digest,
-            *_keys_and_tokens(chain, blocks),
-            codec.DTYPE_CODES[chain.ns.dtype],
-            spec.block_shape,
-            native.READ_THREADS,
-            int(use_direct),
-        )
-        if may_direct and got.count(ST_OK) == len(got):  # a cold run read whole: a sample of its mode's speed
-            modes.observe(use_direct, direct + blocking, cached + direct + blocking, time.perf_counter() - t0)
+        try:
+            got, errnos, (cached, direct, blocking) = _read(
+                nat, reqs, rows, chunk, row_nbytes, prefix, token_nbytes, chain, blocks, spec, use_direct
+            )
+        except BaseException:
+            if may_direct:
+                modes.end(None, use_direct, 0, 0, 0.0)
+            raise
+        if may_direct:  # a cold run read whole, alone: a sample of its mode's speed
+            whole = got.count(ST_OK) == len(got)
+            seconds = time.perf_counter() - t0
+            modes.end(
+                token if whole else None, use_direct, direct + blocking, cached + direct + blocking, seconds
+            )
     counters = segments.counters
     counters.add("disk", "read_cached_nbytes", cached)
     counters.add("disk", "read_direct_nbytes", direct)
@@ -122,3 +125,35 @@ def read_run(
             out[j * size : (j + 1) * size] = view[k * size : (k + 1) * size]
         view = memoryview(out)
     return status, view
+
+
+def _read(
+    nat: Any,
+    reqs: np.ndarray,
+    rows: list[int],
+    chunk: int,
+    row_nbytes: int,
+    prefix: bytearray,
+    token_nbytes: int,
+    chain: BlockChain,
+    blocks: list[int],
+    spec: KVSpec,
+    direct: bool,
+) -> tuple[bytes, list[int], tuple[int, int, int]]:
+    """The native call: statuses, errnos, and the bytes read from the page cache, with O_DIRECT, and
+    blocking (buffered, from the disk)."""
+    result: tuple[bytes, list[int], tuple[int, int, int]] = nat.read_run(
+        reqs,
+        np.array(rows, dtype=np.int64),
+        chunk,
+        row_nbytes,
+        prefix,
+        token_nbytes,
+        chain.ns.digest,
+        *_keys_and_tokens(chain, blocks),
+        codec.DTYPE_CODES[chain.ns.dtype],
+        spec.block_shape,
+        native.READ_THREADS,
+        int(direct),
+    )
+    return result

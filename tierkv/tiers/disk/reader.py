@@ -221,7 +221,12 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
     if native.enabled():
         from tierkv.tiers.disk.native_read import read_run
 
-        read_native = functools.partial(read_run, disk.segments, chain, failed=failed)
+        # one mode for the whole restore: its pieces would otherwise take turns, a buffered one's readahead
+        # warming the next (read_modes.py)
+        direct_mode = disk.segments.read_modes.direct()
+        read_native = functools.partial(
+            read_run, disk.segments, chain, failed=failed, direct_mode=direct_mode
+        )
 
     def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
         part = entries[i0 - first : i0 - first + n]
