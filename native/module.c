@@ -12,6 +12,7 @@ static PyMethodDef methods[] = {
      "inject_fault(dev, ino, start, end, errno, kind=0): reads of that range fail (kind 1: writes; + 2:\n"
      "only through O_DIRECT descriptors)."},
     {"clear_faults", clear_faults, METH_NOARGS, "Remove every injected fault."},
+    {"cached_nbytes", cached_nbytes, METH_VARARGS, cached_nbytes_doc},
     {"hashed_on_arrival", hashed_on_arrival, METH_NOARGS,
      "Records read_run has hashed as their bytes arrived, in this process (tests)."},
     {"streamed_reads", streamed_reads, METH_NOARGS,
@@ -42,7 +43,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "ST_MEDIA", ST_MEDIA);
     PyModule_AddIntConstant(m, "ST_PYTHON", ST_PYTHON);
     PyModule_AddIntConstant(m, "ST_TRANSIENT", ST_TRANSIENT);
-    PyObject *all = Py_BuildValue("[ssssssssssssss]", "read_run", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
+    PyObject *all = Py_BuildValue("[sssssssssssssss]", "read_run", "cached_nbytes", "write_run", "copy_blocks", "copy_paged", "set_work_cpus", "xxh3_64", "inject_fault",
                                   "clear_faults", "fail_images", "hashed_on_arrival", "streamed_reads", "trace_writes", "can_leave_idle",
                                   "why_unavailable");
     if (!all || PyModule_AddObject(m, "__all__", all) != 0) {

@@ -134,6 +134,8 @@ PyObject *why_unavailable(PyObject *self, PyObject *unused);
 extern const char read_run_doc[], write_run_doc[], copy_blocks_doc[], copy_paged_doc[];
 PyObject *read_run(PyObject *self, PyObject *args);        /* read.c */
 PyObject *hashed_on_arrival(PyObject *self, PyObject *unused);
+extern const char cached_nbytes_doc[];
+PyObject *cached_nbytes(PyObject *self, PyObject *args);
 PyObject *streamed_reads(PyObject *self, PyObject *unused);
 PyObject *write_run(PyObject *self, PyObject *args);       /* write.c */
 PyObject *trace_writes(PyObject *self, PyObject *arg);

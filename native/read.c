@@ -655,3 +655,22 @@ PyObject *hashed_on_arrival(PyObject *self, PyObject *unused) {
 PyObject *streamed_reads(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(LL)", (long long)atomic_load(&streamed_total), (long long)atomic_load(&stream_files_total));
 }
+
+const char cached_nbytes_doc[] =
+    "cached_nbytes(fd, offset, nbytes) -> int: how many bytes of the range the page cache holds (by\n"
+    "cachestat(2), in whole pages, prorated), or -1 where that cannot be told.";
+
+PyObject *cached_nbytes(PyObject *self, PyObject *args) {
+    int fd;
+    long long off, len;
+    if (!PyArg_ParseTuple(args, "iLL", &fd, &off, &len)) return NULL;
+    if (fd < 0 || off < 0 || len <= 0 || off > INT64_MAX - len) {
+        PyErr_SetString(PyExc_ValueError, "cached_nbytes: a range of a file, please");
+        return NULL;
+    }
+    int64_t span, pages;
+    Py_BEGIN_ALLOW_THREADS
+    pages = cached_pages(fd, off, len, &span);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(pages < 0 ? -1 : (long long)(len * pages / span));
+}

@@ -212,3 +212,35 @@ def test_a_warm_buffered_restore_is_no_sample(tmp_path, monkeypatch) -> None:
         assert stats["read_direct_nbytes"] == 0
     assert stats["read_cached_nbytes"] >= 24 * (2 << 20) and stats["read_blocking_nbytes"] == 0
     assert len(json.loads((tmp_path / read_modes.FILE).read_text())["buffered"]) <= MIN_SAMPLES + 1
+
+
+def test_a_restore_read_in_pieces_is_one_sample(tmp_path, monkeypatch) -> None:
+    """With a host tier to promote into, a run is read in pieces (reader.PIECE_NBYTES); the restore is
+    still one sample, of its whole time: a sample per piece gave O_DIRECT five per restore, and a buffered
+    restore only its first piece (its readahead had warmed the rest), the slowest."""
+    from tierkv.tiers.disk.files import has_cachestat
+    from tierkv.tiers.disk.reader import PIECE_NBYTES
+
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    toks = list(range(24 * BIG.block_tokens))
+    kv = make_kv(BIG, len(toks), seed=10)
+    assert 24 * (2 << 20) > PIECE_NBYTES  # more than one piece
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(BIG, toks, kv)
+    from tierkv.tiers.disk import native_read
+
+    calls = []
+    real = native_read._read
+    monkeypatch.setattr(native_read, "_read", lambda *a: calls.append(1) or real(*a))
+    for n, mode in ((1, "direct"), (2, "buffered")):
+        uncache(tmp_path)
+        calls.clear()
+        with native.use(True), TieredStore.open(tmp_path, host_bytes=64 << 20) as store:
+            hit, got = store.restore(BIG, toks)
+            stats = store.stats()["disk"]
+        assert hit.num_tokens == len(toks) and torch.equal(got, kv)
+        assert (stats["read_direct_nbytes"] > 0) is (mode == "direct") and len(calls) >= 2  # in pieces
+        kept = json.loads((tmp_path / read_modes.FILE).read_text())
+        assert (len(kept["direct"]), len(kept["buffered"])) == ((1, 0) if n == 1 else (1, 1))

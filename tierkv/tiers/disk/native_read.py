@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,22 +80,9 @@ def read_run(
         may_direct = any(dfd >= 0 for _, _, dfd in fds.values())
         modes = segments.read_modes
         use_direct = may_direct and (modes.direct() if direct_mode is None else direct_mode)
-        token = modes.begin() if may_direct else None
-        t0 = time.perf_counter()
-        try:
-            got, errnos, (cached, direct, blocking) = _read(
-                nat, reqs, rows, chunk, row_nbytes, prefix, token_nbytes, chain, blocks, spec, use_direct
-            )
-        except BaseException:
-            if may_direct:
-                modes.end(None, use_direct, 0, 0, 0.0)
-            raise
-        if may_direct:  # a cold run read whole, alone: a sample of its mode's speed
-            whole = got.count(ST_OK) == len(got)
-            seconds = time.perf_counter() - t0
-            modes.end(
-                token if whole else None, use_direct, direct + blocking, cached + direct + blocking, seconds
-            )
+        got, errnos, (cached, direct, blocking) = _read(
+            nat, reqs, rows, chunk, row_nbytes, prefix, token_nbytes, chain, blocks, spec, use_direct
+        )
     counters = segments.counters
     counters.add("disk", "read_cached_nbytes", cached)
     counters.add("disk", "read_direct_nbytes", direct)

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -16,17 +17,18 @@ from tierkv import codec, native
 from tierkv.errors import RecordError
 from tierkv.keys import BlockChain, BlockKey
 from tierkv.layout import KVSpec
-from tierkv.tiers.disk.files import TransientReadError
+from tierkv.tiers.disk.files import TransientReadError, aligned
 from tierkv.tiers.disk.native_read import ST_OK, ST_PYTHON
 from tierkv.tiers.disk.schema import Entry
 from tierkv.tiers.target import Target, as_tensor, expected
 
 if TYPE_CHECKING:
     from tierkv.tiers.disk import DiskTier
+    from tierkv.tiers.disk.segments import SegmentDir
 
 log = logging.getLogger("tierkv.disk")
 
-__all__ = ["read_into", "read_records"]
+__all__ = ["held_nbytes", "read_into", "read_records"]
 
 # A run read with its promotions in the background is read in pieces of this size: small enough that most
 # of the copying overlaps the reads, large enough to keep the native reader's requests in flight.
@@ -207,6 +209,32 @@ def read_records(
     return end - first
 
 
+def held_nbytes(segments: SegmentDir, entries: Sequence[Entry]) -> int | None:
+    """How many bytes of ``entries``' records the page cache holds now (cachestat over each run of adjacent
+    records), or None where that cannot be told."""
+    if not entries:
+        return None
+    nat = native.module()
+    held = 0
+    with segments.held_fds(sorted({e.seg_id for e in entries})) as fds:
+        start = prev = entries[0]
+        for e in [*entries[1:], None]:
+            if e is not None and e.seg_id == prev.seg_id and e.offset == prev.offset + aligned(prev.nbytes):
+                prev = e
+                continue
+            if start.seg_id not in fds:
+                return None
+            got = nat.cached_nbytes(
+                fds[start.seg_id][1], start.offset, prev.offset + prev.nbytes - start.offset
+            )
+            if got < 0:
+                return None
+            held += got
+            if e is not None:
+                start = prev = e
+    return held
+
+
 def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target: Target) -> int:
     """``DiskTier.read_into``: records verified on the reading threads; a bad one (or one an I/O error hit)
     ends the run and is purged, if still indexed: a sweep in another process may have released it
@@ -218,15 +246,23 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
     whole = functools.partial(disk.read, failed=failed)
 
     read_native = None
+    modes = disk.segments.read_modes
+    direct_mode, sample = False, False
     if native.enabled():
         from tierkv.tiers.disk.native_read import read_run
 
         # one mode for the whole restore: its pieces would otherwise take turns, a buffered one's readahead
         # warming the next (read_modes.py)
-        direct_mode = disk.segments.read_modes.direct()
+        direct_mode = modes.direct()
         read_native = functools.partial(
             read_run, disk.segments, chain, failed=failed, direct_mode=direct_mode
         )
+        sample = modes.fixed is None and disk.segments.reads_direct  # a choice to measure
+    # What the page cache held before the restore: its pieces count what their own readahead brings in as
+    # cached, and a restore's sample is what it read from the disk, in its whole time (read_modes.py).
+    held = held_nbytes(disk.segments, entries) if sample else None
+    token = modes.begin() if held is not None else None
+    t0 = time.perf_counter()
 
     def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
         part = entries[i0 - first : i0 - first + n]
@@ -235,6 +271,7 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
         behind = target.behind if run is not None else None  # promotions copied while the reader reads on
         return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native, run, behind)
 
+    got = 0
     try:
         got = target.fill(first, len(entries), fill)
     except TransientReadError as exc:  # not the records' fault (no descriptors, no memory): a miss
@@ -243,6 +280,11 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
             disk._transient_logged = True
             log.warning("disk tier read failed (%s): a miss, nothing purged; further ones are counted", exc)
         return 0
+    finally:
+        if held is not None:  # read whole, alone: a sample of its mode's speed
+            total = sum([e.nbytes for e in entries])
+            read_whole = token if got == len(entries) else None
+            modes.end(read_whole, direct_mode, total - held, total, time.perf_counter() - t0)
     bad: dict[tuple[int, int, int], BlockKey] = {}
     if failed:
         bad = {e.location: chain.keys[first + j] for j, e in enumerate(entries) if e.location in failed}
