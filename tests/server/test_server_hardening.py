@@ -186,7 +186,10 @@ def test_a_turn_without_content_is_400_unless_it_is_the_assistants(live) -> None
         for role in ("user", "system", "tool"):
             r = _chat(c, messages=[{"role": role, "content": None}, {"role": "user", "content": "hi"}])
             _assert_400(r, "messages.0")
-            assert f"a {role} message needs content" in r.json()["error"]["message"], r.text
+            message = r.json()["error"]["message"]
+            assert message == f"messages.0: a {role} message needs content: a string or a list of parts", (
+                r.text
+            )
         _assert_400(_chat(c, messages=[{"role": "user"}]), "messages.0")
         # an assistant's turn that made tool calls has none
         ok = [

@@ -82,7 +82,10 @@ def create_app(server: Server) -> FastAPI:
                 f"{content_type or 'none'})",
                 code="invalid_content_type",
             )
-        return error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
+        msg = str(first.get("msg", "invalid request")).removeprefix(
+            "Value error, "
+        )  # our validators' own words
+        return error(400, f"{param or 'body'}: {msg}", param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSON:
