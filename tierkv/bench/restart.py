@@ -5,7 +5,8 @@ One server (``tierkv serve --model ...``) answers a chat whose system prompt is 
 stopped (SIGTERM flushes the store), the store's segment files are dropped from the page cache, and a new
 server answers the same chat: restored from disk. Then once more, that server stopped and the page cache
 dropped again, with ``TIERKV_DIRECT_READS=0``: read buffered, where the default reads what the page cache
-lacks with O_DIRECT (the two restarts in turn first, cycle by cycle). For each call: TTFT at the client (first streamed
+lacks with O_DIRECT or buffered, whichever this disk served faster (the two restarts in turn first, cycle
+by cycle). For each call: TTFT at the client (first streamed
 chunk), the server's restore and prefill times (``usage.tierkv``), the cached tokens per tier, and the
 text, which must be the same every time.
 
@@ -210,7 +211,8 @@ def markdown(res: dict[str, Any]) -> str:
         if res.get("speedups_after_restart_buffered"):
             spread += (
                 " The same restart with every read buffered (`TIERKV_DIRECT_READS=0`; the default reads what"
-                " the page cache lacks with O_DIRECT; the two restarts take turns going first): median TTFT "
+                " the page cache lacks with O_DIRECT or buffered, whichever this disk served faster; the two"
+                " restarts take turns going first): median TTFT "
                 f"{med[PHASES[3]] * 1e3:.0f} ms; per cycle "
                 f"{', '.join(f'{r:.1f}x' for r in res['speedups_after_restart_buffered'])} "
                 f"(median {res['speedup_after_restart_buffered']:.1f}x)."
