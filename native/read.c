@@ -595,7 +595,7 @@ PyObject *read_run(PyObject *self, PyObject *args) {
             if (g + 1 < r.ngroups && !r.grun[g + 1]) continue;
             const req_t *a = &rq[r.gfirst[g0]], *b = &rq[r.gfirst[g] + r.gcount[g] - 1];
             int64_t span, pages = cached_pages((int)a->fd, a->offset, b->offset + b->nbytes - a->offset, &span);
-            if (pages > 0) held += (b->offset + b->nbytes - a->offset) * pages / span;
+            if (pages > 0) held += (int64_t)((__int128)(b->offset + b->nbytes - a->offset) * pages / span);
             g0 = g + 1;
         }
     }
@@ -664,7 +664,7 @@ PyObject *cached_nbytes(PyObject *self, PyObject *args) {
     int fd;
     long long off, len;
     if (!PyArg_ParseTuple(args, "iLL", &fd, &off, &len)) return NULL;
-    if (fd < 0 || off < 0 || len <= 0 || off > INT64_MAX - len) {
+    if (fd < 0 || off < 0 || len <= 0 || off > INT64_MAX - len - (1 << 20)) { /* room for a page's rounding */
         PyErr_SetString(PyExc_ValueError, "cached_nbytes: a range of a file, please");
         return NULL;
     }
@@ -672,5 +672,5 @@ PyObject *cached_nbytes(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     pages = cached_pages(fd, off, len, &span);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(pages < 0 ? -1 : (long long)(len * pages / span));
+    return PyLong_FromLongLong(pages < 0 ? -1 : (long long)((__int128)len * pages / span));
 }

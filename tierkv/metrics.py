@@ -24,7 +24,7 @@ COUNTER_NAMES = (
     "transient_read_errors",  # reads that failed not for the record's sake (EMFILE, ENOMEM): a miss only
     "read_cached_nbytes",  # the native reader: bytes the page cache held (read buffered, straight into place)
     "read_direct_nbytes",  # ... bytes read from the disk with O_DIRECT
-    "read_blocking_nbytes",  # ... bytes read buffered and blocking (no O_DIRECT on this file system)
+    "read_blocking_nbytes",  # ... bytes read buffered from the disk (the buffered mode, or no O_DIRECT)
     "sweeps",
     "sweep_errors",
     "punch_unsupported",

@@ -3,6 +3,7 @@ restores measured faster on this disk (tierkv/tiers/disk/read_modes.py)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -244,3 +245,31 @@ def test_a_restore_read_in_pieces_is_one_sample(tmp_path, monkeypatch) -> None:
         assert (stats["read_direct_nbytes"] > 0) is (mode == "direct") and len(calls) >= 2  # in pieces
         kept = json.loads((tmp_path / read_modes.FILE).read_text())
         assert (len(kept["direct"]), len(kept["buffered"])) == ((1, 0) if n == 1 else (1, 1))
+
+
+def test_a_measured_restore_out_of_descriptors_is_a_miss_and_no_sample(
+    tmp_path, monkeypatch, read_faults
+) -> None:
+    """EMFILE while the restore measures what the page cache holds: a counted miss, as any read that fails
+    for want of descriptors (it was an OSError out of the restore), no sample, and the next restore
+    measured as usual (nothing left in flight)."""
+    from tierkv.tiers.disk.files import has_cachestat
+
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    toks = list(range(24 * BIG.block_tokens))
+    kv = make_kv(BIG, len(toks), seed=11)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        store.save(BIG, toks, kv)
+    uncache(tmp_path)
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
+        modes = store._durable().segments.read_modes
+        read_faults.fail_all(store, errno.EMFILE)
+        hit, _ = store.restore(BIG, toks)
+        read_faults.clear()
+        assert hit.num_tokens == 0 and store.stats()["disk"]["transient_read_errors"] == 1
+        assert modes.medians() == {"direct": None, "buffered": None} and modes._inflight == 0
+        hit, got = store.restore(BIG, toks)
+        assert hit.num_tokens == len(toks) and torch.equal(got, kv)
+        assert modes.medians()["direct"] is not None and modes._inflight == 0

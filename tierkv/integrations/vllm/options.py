@@ -136,7 +136,7 @@ class ConnectorOptions:
             "remote_admit_after": self.remote_admit_after,
             "sweep_interval_s": self.sweep_interval_s,
             "sync": self.sync,
-            # None: the disk tier's default (O_DIRECT unless TIERKV_DIRECT_READS=0 or no cachestat)
+            # None: the disk tier's default (O_DIRECT or buffered as measured faster; TIERKV_DIRECT_READS)
             "direct_reads": self.direct_reads,
         }
 

@@ -5,7 +5,7 @@ Neither wins everywhere. A local NVMe drive wants O_DIRECT at depth (buffered re
 cache's upkeep, several GB/s of it). This machine's virtual disk serves buffered readahead faster: a 48 MiB
 prefix cold read 1.66 GB/s buffered against 1.17 with O_DIRECT, and raw O_DIRECT stays near 1 GB/s at any
 request size and queue depth (2026-12-07). So each restore's mode is chosen once (``direct()``), and a run
-it read alone (no other read in flight) with at least ``MIN_SAMPLE_NBYTES`` from the disk, and at least half
+it read alone (no other restore of this process in flight: saves and other processes are not seen) with at least ``MIN_SAMPLE_NBYTES`` from the disk, and at least half
 of its bytes, is a sample of that mode's speed (``begin``/``end``). Once both modes have ``MIN_SAMPLES``,
 the one whose recent samples have the higher median reads (O_DIRECT unless buffered is ``MARGIN`` faster:
 the page cache stays free for the host tier's memory); the other still reads one restore in

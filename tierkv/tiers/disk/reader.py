@@ -19,6 +19,7 @@ from tierkv.keys import BlockChain, BlockKey
 from tierkv.layout import KVSpec
 from tierkv.tiers.disk.files import TransientReadError, aligned
 from tierkv.tiers.disk.native_read import ST_OK, ST_PYTHON
+from tierkv.tiers.disk.read_modes import MIN_SAMPLE_NBYTES
 from tierkv.tiers.disk.schema import Entry
 from tierkv.tiers.target import Target, as_tensor, expected
 
@@ -218,9 +219,11 @@ def held_nbytes(segments: SegmentDir, entries: Sequence[Entry]) -> int | None:
     held = 0
     with segments.held_fds(sorted({e.seg_id for e in entries})) as fds:
         start = prev = entries[0]
+        run_nbytes = start.nbytes
         for e in [*entries[1:], None]:
             if e is not None and e.seg_id == prev.seg_id and e.offset == prev.offset + aligned(prev.nbytes):
                 prev = e
+                run_nbytes += e.nbytes
                 continue
             if start.seg_id not in fds:
                 return None
@@ -229,9 +232,10 @@ def held_nbytes(segments: SegmentDir, entries: Sequence[Entry]) -> int | None:
             )
             if got < 0:
                 return None
-            held += got
+            held += min(got, run_nbytes)  # the range spans the padding between records too
             if e is not None:
                 start = prev = e
+                run_nbytes = e.nbytes
     return held
 
 
@@ -247,7 +251,7 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
 
     read_native = None
     modes = disk.segments.read_modes
-    direct_mode, sample = False, False
+    direct_mode, sample, total = False, False, 0
     if native.enabled():
         from tierkv.tiers.disk.native_read import read_run
 
@@ -257,12 +261,9 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
         read_native = functools.partial(
             read_run, disk.segments, chain, failed=failed, direct_mode=direct_mode
         )
-        sample = modes.fixed is None and disk.segments.reads_direct  # a choice to measure
-    # What the page cache held before the restore: its pieces count what their own readahead brings in as
-    # cached, and a restore's sample is what it read from the disk, in its whole time (read_modes.py).
-    held = held_nbytes(disk.segments, entries) if sample else None
-    token = modes.begin() if held is not None else None
-    t0 = time.perf_counter()
+        # a choice to measure, on a restore big enough to be a sample (read_modes.py)
+        total = sum([e.nbytes for e in entries])
+        sample = modes.fixed is None and disk.segments.reads_direct and total >= MIN_SAMPLE_NBYTES
 
     def fill(buf: torch.Tensor, i0: int, n: int, base: int) -> int:
         part = entries[i0 - first : i0 - first + n]
@@ -272,7 +273,15 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
         return read_records(chain, part, i0, buf, base, scatter, whole, verified, read_native, run, behind)
 
     got = 0
+    # In flight from here (another restore that overlaps is then no sample either), its time from here.
+    token, held = (modes.begin() if sample else None), None
+    t0 = time.perf_counter()
     try:
+        if sample:
+            # What the page cache held before the restore: its pieces count what their own readahead
+            # brings in as cached, and its sample is what it read from the disk, in its whole time.
+            with contextlib.suppress(OSError):  # no descriptors, say: no sample (the read says the rest)
+                held = held_nbytes(disk.segments, entries)
         got = target.fill(first, len(entries), fill)
     except TransientReadError as exc:  # not the records' fault (no descriptors, no memory): a miss
         disk.counters.add("disk", "transient_read_errors")
@@ -281,10 +290,9 @@ def read_into(disk: DiskTier, chain: BlockChain, first: int, count: int, target:
             log.warning("disk tier read failed (%s): a miss, nothing purged; further ones are counted", exc)
         return 0
     finally:
-        if held is not None:  # read whole, alone: a sample of its mode's speed
-            total = sum([e.nbytes for e in entries])
-            read_whole = token if got == len(entries) else None
-            modes.end(read_whole, direct_mode, total - held, total, time.perf_counter() - t0)
+        if sample:  # read whole, alone, its residency known: a sample of its mode's speed
+            counted = token if held is not None and got == len(entries) else None
+            modes.end(counted, direct_mode, total - (held or 0), total, time.perf_counter() - t0)
     bad: dict[tuple[int, int, int], BlockKey] = {}
     if failed:
         bad = {e.location: chain.keys[first + j] for j, e in enumerate(entries) if e.location in failed}
