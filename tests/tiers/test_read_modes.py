@@ -14,6 +14,7 @@ import torch
 
 from tierkv import Namespace, TieredStore, native
 from tierkv.tiers.disk import read_modes
+from tierkv.tiers.disk.files import accepts_direct_io
 from tierkv.tiers.disk.read_modes import EXPLORE_EVERY, MIN_SAMPLE_NBYTES, MIN_SAMPLES, ReadModes
 
 from helpers import make_kv, uncache
@@ -126,6 +127,21 @@ def test_a_temporary_file_left_by_a_dead_writer_is_removed_at_open(tmp_path) -> 
     assert not old.exists() and fresh.exists()  # a live writer's is left alone
 
 
+def _saved(path, monkeypatch, seed: int) -> tuple[list[int], torch.Tensor]:
+    """A 48 MiB prompt saved into a fresh store at ``path`` (the read mode left to measurement): its tokens
+    and KV. Skips where the default cannot measure (no cachestat(2): it reads buffered)."""
+    from tierkv.tiers.disk.files import has_cachestat
+
+    if not has_cachestat():
+        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    toks = list(range(24 * BIG.block_tokens))
+    kv = make_kv(BIG, len(toks), seed=seed)
+    with TieredStore.open(path, host_bytes=0) as store:
+        store.save(BIG, toks, kv)
+    return toks, kv
+
+
 def _mode_of_one_cold_restore(path, toks, kv) -> str:
     """Restore ``toks`` with the page cache dropped, in a fresh store on ``path`` (the default read mode):
     which way its bytes came from the disk."""
@@ -149,16 +165,8 @@ def test_a_store_measures_both_modes_on_its_disk_and_a_restarted_one_reads_the_f
     """Real cold restores of 48 MiB in fresh stores on one directory: the first ones take turns (O_DIRECT
     first), each a sample kept in the directory at close; once both are measured, a new process's first
     restore reads the way the samples say is faster, bit for bit the same KV either way."""
-    from tierkv.tiers.disk.files import has_cachestat
-
-    if not has_cachestat():
-        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
-    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
-    toks = list(range(24 * BIG.block_tokens))
-    kv = make_kv(BIG, len(toks), seed=5)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(BIG, toks, kv)
-    if store._durable().segments.direct_ok is False:
+    toks, kv = _saved(tmp_path, monkeypatch, seed=5)
+    if accepts_direct_io(tmp_path / "segments") is False:
         pytest.skip("this file system refuses O_DIRECT: buffered only")
     modes = [_mode_of_one_cold_restore(tmp_path, toks, kv) for _ in range(2 * MIN_SAMPLES)]
     assert modes == ["direct", "buffered"] * MIN_SAMPLES
@@ -172,14 +180,7 @@ def test_a_store_measures_both_modes_on_its_disk_and_a_restarted_one_reads_the_f
 
 
 def test_a_mode_asked_for_is_kept_and_measures_nothing(tmp_path, monkeypatch) -> None:
-    from tierkv.tiers.disk.files import has_cachestat
-
-    if not has_cachestat():
-        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
-    toks = list(range(24 * BIG.block_tokens))
-    kv = make_kv(BIG, len(toks), seed=6)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(BIG, toks, kv)
+    toks, kv = _saved(tmp_path, monkeypatch, seed=6)
     monkeypatch.setenv("TIERKV_DIRECT_READS", "0")
     for _ in range(2):
         uncache(tmp_path)
@@ -194,15 +195,7 @@ def test_a_mode_asked_for_is_kept_and_measures_nothing(tmp_path, monkeypatch) ->
 def test_a_warm_buffered_restore_is_no_sample(tmp_path, monkeypatch) -> None:
     """Buffered, what the page cache held before the run counts as cached, not as the disk's speed: warm
     re-reads once fed buffered memory-copy speeds, which locked the choice in."""
-    from tierkv.tiers.disk.files import has_cachestat
-
-    if not has_cachestat():
-        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
-    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
-    toks = list(range(24 * BIG.block_tokens))
-    kv = make_kv(BIG, len(toks), seed=9)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(BIG, toks, kv)
+    toks, kv = _saved(tmp_path, monkeypatch, seed=9)
     kept = {"direct": [0.5e9] * MIN_SAMPLES, "buffered": [2e9] * MIN_SAMPLES}  # buffered chosen
     (tmp_path / read_modes.FILE).write_text(json.dumps(kept))
     for _ in range(3):  # the first reads from the disk (a sample), the others from the page cache
@@ -219,17 +212,10 @@ def test_a_restore_read_in_pieces_is_one_sample(tmp_path, monkeypatch) -> None:
     """With a host tier to promote into, a run is read in pieces (reader.PIECE_NBYTES); the restore is
     still one sample, of its whole time: a sample per piece gave O_DIRECT five per restore, and a buffered
     restore only its first piece (its readahead had warmed the rest), the slowest."""
-    from tierkv.tiers.disk.files import has_cachestat
     from tierkv.tiers.disk.reader import PIECE_NBYTES
 
-    if not has_cachestat():
-        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
-    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
-    toks = list(range(24 * BIG.block_tokens))
-    kv = make_kv(BIG, len(toks), seed=10)
+    toks, kv = _saved(tmp_path, monkeypatch, seed=10)
     assert 24 * (2 << 20) > PIECE_NBYTES  # more than one piece
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(BIG, toks, kv)
     from tierkv.tiers.disk import native_read
 
     calls = []
@@ -253,15 +239,7 @@ def test_a_measured_restore_out_of_descriptors_is_a_miss_and_no_sample(
     """EMFILE while the restore measures what the page cache holds: a counted miss, as any read that fails
     for want of descriptors (it was an OSError out of the restore), no sample, and the next restore
     measured as usual (nothing left in flight)."""
-    from tierkv.tiers.disk.files import has_cachestat
-
-    if not has_cachestat():
-        pytest.skip("no cachestat(2) here (before Linux 6.5, or refused): the default reads buffered")
-    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
-    toks = list(range(24 * BIG.block_tokens))
-    kv = make_kv(BIG, len(toks), seed=11)
-    with TieredStore.open(tmp_path, host_bytes=0) as store:
-        store.save(BIG, toks, kv)
+    toks, kv = _saved(tmp_path, monkeypatch, seed=11)
     uncache(tmp_path)
     with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
         modes = store._durable().segments.read_modes
