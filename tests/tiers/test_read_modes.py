@@ -219,8 +219,8 @@ def test_a_restore_read_in_pieces_is_one_sample(tmp_path, monkeypatch) -> None:
     from tierkv.tiers.disk import native_read
 
     calls = []
-    real = native_read._read
-    monkeypatch.setattr(native_read, "_read", lambda *a: calls.append(1) or real(*a))
+    real = native_read.read_run
+    monkeypatch.setattr(native_read, "read_run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for n, mode in ((1, "direct"), (2, "buffered")):
         uncache(tmp_path)
         calls.clear()

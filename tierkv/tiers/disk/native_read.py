@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import errno
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -39,15 +38,15 @@ def read_run(
     records: Sequence[tuple[int, Entry, int]],
     target: torch.Tensor,
     failed: set[tuple[int, int, int]] | None,
-    direct_mode: bool | None = None,
+    direct_mode: bool = True,
 ) -> tuple[list[int], memoryview]:
     """Raw records ``(block index, entry, block position in target)`` into ``target`` (a CPU tensor
     ``[layers, 2, tokens, kv_heads, head_dim]`` whose every slab is contiguous), verified. Returns each
     record's status (``ST_OK``; ``ST_PYTHON``: in place, but compressed, for Python to check; else not
     served) and the records' headers and token ids (``HEADER_NBYTES + token bytes`` each).
 
-    ``direct_mode``: whether what the page cache lacks is read with O_DIRECT, chosen once per restore by
-    the caller (None: asked of ``segments.read_modes`` now). A record an I/O error of the medium hit is
+    ``direct_mode``: whether what the page cache lacks is read with O_DIRECT where the run holds such
+    descriptors (the caller chooses once per restore: ``read_modes.py``). A record an I/O error of the medium hit is
     added to ``failed``; any other error of a read (no
     descriptors, no memory) raises ``TransientReadError``: a miss that says nothing about the record."""
     nat = native.module()
@@ -76,12 +75,20 @@ def read_run(
             flat += (*fds[e.seg_id], e.offset, e.nbytes, pos)
         reqs = np.array(flat, dtype=np.int64).reshape(-1, 6)
         blocks = [records[j][0] for j in present]
-        # O_DIRECT where this run holds such descriptors and the read mode says so (read_modes.py)
-        may_direct = any(dfd >= 0 for _, _, dfd in fds.values())
-        modes = segments.read_modes
-        use_direct = may_direct and (modes.direct() if direct_mode is None else direct_mode)
-        got, errnos, (cached, direct, blocking) = _read(
-            nat, reqs, rows, chunk, row_nbytes, prefix, token_nbytes, chain, blocks, spec, use_direct
+        got, errnos, (cached, direct, blocking) = nat.read_run(
+            reqs,
+            np.array(rows, dtype=np.int64),
+            chunk,
+            row_nbytes,
+            prefix,
+            token_nbytes,
+            chain.ns.digest,
+            *_keys_and_tokens(chain, blocks),
+            codec.DTYPE_CODES[chain.ns.dtype],
+            spec.block_shape,
+            native.READ_THREADS,
+            # O_DIRECT where the caller chose it and this run holds such descriptors
+            int(direct_mode and any(dfd >= 0 for _, _, dfd in fds.values())),
         )
     counters = segments.counters
     counters.add("disk", "read_cached_nbytes", cached)
@@ -111,35 +118,3 @@ def read_run(
             out[j * size : (j + 1) * size] = view[k * size : (k + 1) * size]
         view = memoryview(out)
     return status, view
-
-
-def _read(
-    nat: Any,
-    reqs: np.ndarray,
-    rows: list[int],
-    chunk: int,
-    row_nbytes: int,
-    prefix: bytearray,
-    token_nbytes: int,
-    chain: BlockChain,
-    blocks: list[int],
-    spec: KVSpec,
-    direct: bool,
-) -> tuple[bytes, list[int], tuple[int, int, int]]:
-    """The native call: statuses, errnos, and the bytes read from the page cache, with O_DIRECT, and
-    blocking (buffered, from the disk)."""
-    result: tuple[bytes, list[int], tuple[int, int, int]] = nat.read_run(
-        reqs,
-        np.array(rows, dtype=np.int64),
-        chunk,
-        row_nbytes,
-        prefix,
-        token_nbytes,
-        chain.ns.digest,
-        *_keys_and_tokens(chain, blocks),
-        codec.DTYPE_CODES[chain.ns.dtype],
-        spec.block_shape,
-        native.READ_THREADS,
-        int(direct),
-    )
-    return result
