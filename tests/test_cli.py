@@ -405,3 +405,41 @@ def test_serve_defaults_to_smollm2_unless_a_layer_names_a_model(tmp_path, monkey
     assert model("--config", str(toml)) == "tiny"
     assert model("--config", str(toml), "--model", "smollm2") == "smollm2"
     assert "[default: smollm2]" in CliRunner().invoke(main, ["serve", "--help"]).output
+
+
+def test_a_store_on_read_only_media_is_read_and_left_as_it_was(store_dir, tmp_path) -> None:
+    """A copy on a read-only file system (a snapshot, a read-only mount): ``stats``, ``gc --dry-run`` and
+    ``export`` read it (LMDB opened read-only; nothing created or re-permissioned), and ``gc`` says in one
+    line that it cannot sweep there. Run in a mount namespace of its own, under a read-only bind mount."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("no unshare(1) or mount(8) here")
+    store_dir.chmod(0o755)  # a reader of a read-only copy must not chmod it back to 0700
+    mnt, archive = tmp_path.parent / f"{tmp_path.name}-ro", tmp_path.parent / f"{tmp_path.name}.tkv"
+    mnt.mkdir()
+    before = sorted((p.relative_to(store_dir), p.stat().st_size) for p in store_dir.rglob("*"))
+    cli = f"{sys.executable} -m tierkv.cli"
+    script = (
+        f"mount --bind {store_dir} {mnt} && mount -o remount,ro,bind {mnt} || exit 99\n"
+        f"{cli} stats --json --cache-dir {mnt} > {tmp_path.parent}/stats.json || exit 11\n"
+        f"{cli} gc --dry-run --json --cache-dir {mnt} > {tmp_path.parent}/gc.json || exit 12\n"
+        f"{cli} export {archive} --cache-dir {mnt} || exit 13\n"
+        f"{cli} gc --cache-dir {mnt}; echo gc=$?\n"
+    )
+    r = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    if r.returncode == 99 or "unshare failed" in r.stderr:
+        pytest.skip(f"no private read-only mount here: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert json.loads((tmp_path.parent / "stats.json").read_text())["blocks"] == 8
+    assert json.loads((tmp_path.parent / "gc.json").read_text())["purged"] == 0
+    assert "exported 8 blocks" in r.stdout + r.stderr and archive.stat().st_size > 0, (r.stdout, r.stderr)
+    assert "gc=2" in r.stdout and "is on a read-only file system: --dry-run counts" in r.stderr, r.stderr
+    assert (store_dir.stat().st_mode & 0o777) == 0o755
+    assert sorted((p.relative_to(store_dir), p.stat().st_size) for p in store_dir.rglob("*")) == before
+    with TieredStore.open(tmp_path / "again", host_bytes=0):  # (the store itself: still the writer's)
+        pass
+    r = CliRunner().invoke(main, ["import", str(archive), "--cache-dir", str(tmp_path / "again")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["stats", "--cache-dir", str(tmp_path / "again"), "--json"])
+    assert json.loads(r.output)["blocks"] == 8

@@ -197,6 +197,8 @@ def gc(
     from tierkv.tiers.disk.schema import STORE_FORMAT_VERSION
 
     with open_disk(_store_dir(cache_dir, folder)) as disk:
+        if disk.index.on_read_only_media and not dry_run:
+            fail(f"the store at {disk.path} is on a read-only file system: --dry-run counts what would go", 2)
         version = disk.format_version()
         if upgrade and version >= STORE_FORMAT_VERSION:
             click.echo(f"format {version}: already the newest, nothing to upgrade", err=True)

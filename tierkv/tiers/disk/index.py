@@ -25,7 +25,7 @@ from tierkv.keys import BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
 from tierkv.priority import normal_priority
 from tierkv.tiers.disk.eviction import EVICTION_ORDER, Eviction
-from tierkv.tiers.disk.opening import open_store
+from tierkv.tiers.disk.opening import open_store, read_only_media
 from tierkv.tiers.disk.retention_rows import RetentionRows
 from tierkv.tiers.disk.schema import (
     BASE_FORMAT_VERSION,
@@ -77,8 +77,12 @@ class Index(RetentionRows, SegmentRows, Eviction):
 
     def _open_env(self, map_nbytes: int, writer: bool) -> None:
         """Open the environment, its tables and check its format (run by ``open_store``, again to repair)."""
+        # A reader of a store on read-only media opens it read-only (LMDB then takes no locks: no process
+        # can write there); everyone else read-write, a reader too (``tierkv gc`` sweeps without a writer).
+        self.on_read_only_media = not writer and read_only_media(self.path)
         self.env = lmdb.open(
             str(self.path / "index"),
+            readonly=self.on_read_only_media,
             map_size=map_nbytes,
             max_dbs=16,
             subdir=True,
@@ -91,6 +95,8 @@ class Index(RetentionRows, SegmentRows, Eviction):
         )
         try:
             db = None if writer else self._open_tables_read_only()
+            if db is None and self.on_read_only_media:
+                raise StoreOpenError(f"the store at {self.path} lacks tables and is on read-only media")
             if db is None:  # a writer, or a store some table of which was never created
                 db = self.write(lambda txn: {n: self.env.open_db(n.encode(), txn=txn) for n in DBS})
             self.db = db

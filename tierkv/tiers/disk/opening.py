@@ -21,7 +21,15 @@ import lmdb
 from tierkv.errors import StoreOpenError
 from tierkv.tiers.disk.segments import fsync_dir
 
-__all__ = ["CORRUPT", "RELOCK_TIMEOUT_S", "OwnersLock", "make_private_dir", "open_store", "read_index_ahead"]
+__all__ = [
+    "CORRUPT",
+    "RELOCK_TIMEOUT_S",
+    "OwnersLock",
+    "make_private_dir",
+    "open_store",
+    "read_index_ahead",
+    "read_only_media",
+]
 
 log = logging.getLogger("tierkv.disk")
 
@@ -36,12 +44,14 @@ class OwnersLock:
     """``<store>/owners.lock``, flock'ed by every process that has the store open: shared, or exclusive
     by one that repairs it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read_only: bool = False) -> None:
         self.path = path
-        self.fd = _lock_owner(path, exclusive=False)
+        self.fd = _lock_owner(path, exclusive=False, read_only=read_only)
 
     def try_exclusive(self) -> bool:
         """Upgrade our shared lock to exclusive if no other process holds it."""
+        if self.fd < 0:  # read-only media without the lock file: nothing there can be repaired
+            return False
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -70,7 +80,8 @@ class OwnersLock:
         fcntl.flock(self.fd, fcntl.LOCK_SH)
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
 
 
 def open_store(path: Path, writer: bool, open_env: Callable[[], None]) -> OwnersLock:
@@ -79,15 +90,21 @@ def open_store(path: Path, writer: bool, open_env: Callable[[], None]) -> Owners
     memory) is a ``StoreOpenError``: the data stays. Returns the owners lock, held until closed."""
     if path.exists() and not path.is_dir():
         raise StoreOpenError(f"cannot open the store at {path}: it is a file, not a directory")
+    read_only = not writer and read_only_media(path)
     try:
-        make_private_dir(path)
-        owners = OwnersLock(path)
+        if not read_only:  # (a reader of a read-only copy creates and re-permissions nothing)
+            make_private_dir(path)
+        owners = OwnersLock(path, read_only)
     except OSError as exc:
         raise StoreOpenError(f"cannot open the store at {path}: {exc}") from exc
     try:
         try:
             open_env()
         except CORRUPT as exc:
+            if read_only:
+                raise StoreOpenError(
+                    f"the store at {path} is damaged ({exc}) and on read-only media"
+                ) from exc
             _repair(path, owners, writer, open_env, exc)
     except lmdb.Error as exc:
         owners.close()  # this process does not own the store after all: no shared lock left behind
@@ -166,9 +183,26 @@ def make_private_dir(path: Path) -> None:
             fsync_dir(path.parent)
 
 
-def _lock_owner(path: Path, exclusive: bool) -> int:
-    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open)."""
-    fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def read_only_media(path: Path) -> bool:
+    """Whether the store at ``path`` is on a file system mounted read-only (a snapshot, a read-only bind
+    mount, a copy on read-only media): no process can write it there, so a reader opens its index
+    read-only, without LMDB's lock file (LMDB itself skips it there), and creates nothing."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _lock_owner(path: Path, exclusive: bool, read_only: bool = False) -> int:
+    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open). On
+    read-only media: opened for reading (flock needs no write access), or -1 where it was never created."""
+    if read_only:
+        try:
+            fd = os.open(path / "owners.lock", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return -1
+    else:
+        fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
     except BaseException:
