@@ -218,8 +218,13 @@ def test_metrics_move(server) -> None:
         'tierkv_selfcheck_blocks_total{outcome="differed"}',
         'tierkv_tier_read_errors_total{tier="disk"}',
         'tierkv_tier_writeback_lost_blocks_total{tier="disk"}',
+        'tierkv_tier_cold_read_direct_bytes_per_second{tier="disk"}',
+        'tierkv_tier_cold_read_buffered_bytes_per_second{tier="disk"}',
+        'tierkv_tier_cold_reads_direct{tier="disk"}',
     ):
         assert any(line.startswith(series + " ") for line in after.splitlines()), series
+    # how the disk tier reads what the page cache lacks: O_DIRECT 1, buffered 0, still measuring -1
+    assert value(after, 'tierkv_tier_cold_reads_direct{tier="disk"}') in (-1, 0, 1)
 
 
 def test_the_grafana_dashboard_reads_only_series_the_server_exports(server) -> None:

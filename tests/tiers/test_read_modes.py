@@ -176,7 +176,19 @@ def test_a_store_measures_both_modes_on_its_disk_and_a_restarted_one_reads_the_f
         slower = "buffered" if faster == "direct" else "direct"
         body = {faster: [2e9] * MIN_SAMPLES, slower: [0.5e9] * MIN_SAMPLES}
         (tmp_path / read_modes.FILE).write_text(json.dumps(body))
+        with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:  # what /metrics shows
+            disk = store.stats()["disk"]
+        assert disk["cold_reads_direct"] == (faster == "direct")
+        assert disk[f"cold_read_{faster}_Bps"] == 2e9 and disk[f"cold_read_{slower}_Bps"] == 0.5e9
         assert _mode_of_one_cold_restore(tmp_path, toks, kv) == faster
+
+
+def test_the_read_mode_shows_measuring_until_both_modes_have_samples(tmp_path) -> None:
+    with native.use(True), TieredStore.open(tmp_path, host_bytes=0) as store:
+        disk, line = store.stats()["disk"], store._durable().read_path()
+    if "whichever this disk serves faster" not in line:
+        pytest.skip(f"no measured read mode here: {line}")
+    assert disk["cold_reads_direct"] == -1 and disk["cold_read_direct_Bps"] == 0
 
 
 def test_a_mode_asked_for_is_kept_and_measures_nothing(tmp_path, monkeypatch) -> None:
@@ -188,7 +200,8 @@ def test_a_mode_asked_for_is_kept_and_measures_nothing(tmp_path, monkeypatch) ->
             hit, _ = store.restore(BIG, toks)
             assert hit.num_tokens == len(toks)
             assert store.stats()["disk"]["read_direct_nbytes"] == 0
-            assert "buffered with readahead" in store._durable().read_path()
+            assert store.stats()["disk"]["cold_reads_direct"] == 0
+            assert "buffered with readahead (set: TIERKV_DIRECT_READS=0)" in store._durable().read_path()
     assert not (tmp_path / read_modes.FILE).exists()
 
 

@@ -110,9 +110,12 @@ class DiskTier(DiskWrites, Tier):
         # Records in the newer layout (payload 64-byte aligned) only where no older build shares the store:
         # those refuse a store of format 3. Read at open: an upgrade is made with older builds stopped.
         self.record_version = 2 if store_format >= ALIGNED_RECORDS_FORMAT_VERSION else 1
-        self._reads_note = ""  # why the default reads buffered, for the data path line
-        if direct_reads is None and "TIERKV_DIRECT_READS" in os.environ:
+        self._reads_note = ""  # who set the read mode, or why the default reads buffered (the data path line)
+        if direct_reads is not None:
+            self._reads_note = f"set: direct_reads={direct_reads}"
+        elif "TIERKV_DIRECT_READS" in os.environ:
             direct_reads = env_flag("TIERKV_DIRECT_READS", True)
+            self._reads_note = f"set: TIERKV_DIRECT_READS={os.environ['TIERKV_DIRECT_READS']}"
         elif direct_reads is None and not has_cachestat():
             # Without cachestat, residency would be asked of mincore, group by group (files.has_cachestat):
             # the default stays buffered there, as it was before O_DIRECT reads were the default.
@@ -299,12 +302,25 @@ class DiskTier(DiskWrites, Tier):
     def stats(self) -> dict[str, int]:
         usage = self.usage()
         queued = self.writer.queued_nbytes if self.writer is not None else 0
+        medians = self.read_modes.medians()
         return {
             **usage,
             "used_nbytes": usage["live_nbytes"],
             "capacity_nbytes": usage["budget_nbytes"],
             "write_queue_nbytes": queued,
+            "cold_reads_direct": self._cold_reads_direct(),
+            "cold_read_direct_Bps": round(medians["direct"] or 0),
+            "cold_read_buffered_Bps": round(medians["buffered"] or 0),
         }
+
+    def _cold_reads_direct(self) -> int:
+        """How what the page cache lacks is read now: 1 with O_DIRECT, 0 buffered, -1 both in turn (the
+        default, still measuring which this disk serves faster)."""
+        seg = self.segments
+        if not native.enabled() or not seg.direct_reads or not seg.direct_ok:
+            return 0
+        chosen = self.read_modes.chosen()
+        return -1 if chosen is None else int(chosen)
 
     def still_indexed(self, key: BlockKey, location: tuple[int, int, int]) -> bool:
         return self.index.still_indexed(key, location)
@@ -390,10 +406,11 @@ class DiskTier(DiskWrites, Tier):
             return native.describe() + ", reads buffered"
         seg = self.segments
         refused = "buffered: this file system refuses O_DIRECT"
+        note = f" ({self._reads_note})" if self._reads_note else ""
         if seg.direct_reads:
-            how = self.read_modes.describe() if seg.direct_ok else refused
+            how = self.read_modes.describe() + note if seg.direct_ok else refused
         else:
-            how = "buffered with readahead" + (f" ({self._reads_note})" if self._reads_note else "")
+            how = "buffered with readahead" + note
         writes = ("O_DIRECT" if seg.direct_ok else refused) if seg.direct_writes else "buffered"
         return f"native (reads {how}, {native.READ_THREADS} in flight; writes {writes}, sealed and synced natively)"
 

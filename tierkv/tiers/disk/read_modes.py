@@ -84,6 +84,14 @@ class ReadModes:
             return None
         return statistics.median(buffered) <= MARGIN * statistics.median(direct)
 
+    def chosen(self) -> bool | None:
+        """The mode restores read in now: the one set, or the faster one measured (None: still measuring
+        both; the other mode's occasional restore aside)."""
+        if self.fixed is not None:
+            return self.fixed
+        with self._lock:
+            return self._best()
+
     def begin(self) -> int | None:
         """A run starts: its token for ``end`` (None: it is not a sample, another run is in flight)."""
         if self.fixed is not None:
