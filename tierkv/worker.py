@@ -26,7 +26,7 @@ from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache,
 from tierkv.buffers import ReusedBuffers
 from tierkv.cache_storage import CacheStorage
 from tierkv.cpu_exactness import pin_exact_isa, shape_invariant
-from tierkv.decoding import cut_at_stop, maybe_partial, pick
+from tierkv.decoding import TextStream, cut_at_stop, maybe_partial, pick, stop_in_tail
 from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
 from tierkv.keys import BlockChain, Namespace
@@ -416,15 +416,17 @@ class CachedModel:
         stop = [s for s in stop if s]
         hold = max((len(s) for s in stop), default=1) - 1
         sent = 0
-        text = ""
+        stream = TextStream(self.tokenizer.decode)
         for step in range(max_new_tokens):
             tok = pick(logits, temperature, top_p, rng)
             if tok == eos:
                 finish = "stop"
                 break
             out.append(tok)
-            text = self.tokenizer.decode(out)
-            if stop and any(s in text for s in stop):
+            checked = len(stream.text)
+            stream.add(tok)
+            text = stream.text
+            if stop and stop_in_tail(text, stop, checked):
                 finish = "stop"
                 break
             safe = len(text) - hold
@@ -436,6 +438,7 @@ class CachedModel:
             if step + 1 < max_new_tokens:
                 with torch.inference_mode():
                     logits, cache = self._forward([tok], cache)
+        text = stream.finish()
         final = cut_at_stop(text, stop) if finish == "stop" and stop else text
         if len(final) > sent:
             yield StreamEvent(delta=final[sent:])
