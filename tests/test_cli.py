@@ -443,3 +443,27 @@ def test_a_store_on_read_only_media_is_read_and_left_as_it_was(store_dir, tmp_pa
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["stats", "--cache-dir", str(tmp_path / "again"), "--json"])
     assert json.loads(r.output)["blocks"] == 8
+
+
+def test_serve_on_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path) -> None:
+    """A usage error, as stats and gc say it: the path given is a file."""
+    (tmp_path / "afile").write_text("not a store")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierkv.cli",
+            "serve",
+            "--model",
+            "tiny",
+            "--cache-dir",
+            str(tmp_path / "afile"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines()[-1].startswith("tierkv: error: cannot open the store at"), r.stderr
+    assert "it is a file, not a directory" in r.stderr and (tmp_path / "afile").read_text() == "not a store"
