@@ -407,63 +407,76 @@ def test_serve_defaults_to_smollm2_unless_a_layer_names_a_model(tmp_path, monkey
     assert "[default: smollm2]" in CliRunner().invoke(main, ["serve", "--help"]).output
 
 
-def test_a_store_on_read_only_media_is_read_and_left_as_it_was(store_dir, tmp_path) -> None:
-    """A copy on a read-only file system (a snapshot, a read-only mount): ``stats``, ``gc --dry-run`` and
-    ``export`` read it (LMDB opened read-only; nothing created or re-permissioned), and ``gc`` says in one
-    line that it cannot sweep there. Run in a mount namespace of its own, under a read-only bind mount."""
+def _under_a_read_only_mount(store_dir, out, commands: str) -> subprocess.CompletedProcess[str]:
+    """``commands`` (``$CLI`` the tierkv command, ``$RO`` the store) in a mount namespace of their own, the
+    store bind-mounted read-only at ``out/ro``; skips where no such mount can be made here."""
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         pytest.skip("no unshare(1) or mount(8) here")
-    store_dir.chmod(0o755)  # a reader of a read-only copy must not chmod it back to 0700
-    mnt, archive = tmp_path.parent / f"{tmp_path.name}-ro", tmp_path.parent / f"{tmp_path.name}.tkv"
-    mnt.mkdir()
-    before = sorted((p.relative_to(store_dir), p.stat().st_size) for p in store_dir.rglob("*"))
-    cli = f"{sys.executable} -m tierkv.cli"
+    (out / "ro").mkdir(exist_ok=True)
     script = (
-        f"mount --bind {store_dir} {mnt} && mount -o remount,ro,bind {mnt} || exit 99\n"
-        f"{cli} stats --json --cache-dir {mnt} > {tmp_path.parent}/stats.json || exit 11\n"
-        f"{cli} gc --dry-run --json --cache-dir {mnt} > {tmp_path.parent}/gc.json || exit 12\n"
-        f"{cli} export {archive} --cache-dir {mnt} || exit 13\n"
-        f"{cli} gc --cache-dir {mnt}; echo gc=$?\n"
+        f"mount --bind {store_dir} {out}/ro && mount -o remount,ro,bind {out}/ro || exit 99\n"
+        f"CLI='{sys.executable} -m tierkv.cli'; RO={out}/ro\n{commands}"
     )
     r = subprocess.run(
         ["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=300, check=False
     )
     if r.returncode == 99 or "unshare failed" in r.stderr:
         pytest.skip(f"no private read-only mount here: {r.stderr.strip()[:200]}")
+    return r
+
+
+def test_a_store_on_read_only_media_is_read_and_left_as_it_was(store_dir, tmp_path_factory) -> None:
+    """A copy on a read-only file system (a snapshot, a read-only mount): ``stats``, ``gc --dry-run`` and
+    ``export`` read it (LMDB opened read-only; nothing created or re-permissioned), and ``gc`` says in one
+    line that it cannot sweep there."""
+    out = tmp_path_factory.mktemp("read-only")
+    store_dir.chmod(0o755)  # a reader of a read-only copy must not chmod it back to 0700
+    before = sorted((p.relative_to(store_dir), p.stat().st_size) for p in store_dir.rglob("*"))
+    r = _under_a_read_only_mount(
+        store_dir,
+        out,
+        f"$CLI stats --json --cache-dir $RO > {out}/stats.json || exit 11\n"
+        f"$CLI gc --dry-run --json --cache-dir $RO > {out}/gc.json || exit 12\n"
+        f"$CLI export {out}/all.tkv --cache-dir $RO || exit 13\n"
+        "$CLI gc --cache-dir $RO; echo gc=$?\n",
+    )
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
-    assert json.loads((tmp_path.parent / "stats.json").read_text())["blocks"] == 8
-    assert json.loads((tmp_path.parent / "gc.json").read_text())["purged"] == 0
-    assert "exported 8 blocks" in r.stdout + r.stderr and archive.stat().st_size > 0, (r.stdout, r.stderr)
-    assert "gc=2" in r.stdout and "is on a read-only file system: --dry-run counts" in r.stderr, r.stderr
+    assert json.loads((out / "stats.json").read_text())["blocks"] == 8
+    assert json.loads((out / "gc.json").read_text())["purged"] == 0
+    assert "exported 8 blocks" in r.stdout + r.stderr and (out / "all.tkv").stat().st_size > 0, r.stderr
+    assert "gc=2" in r.stdout and r.stderr.count("\n") == 1, r.stderr
+    assert "is on a read-only file system: --dry-run counts" in r.stderr, r.stderr
     assert (store_dir.stat().st_mode & 0o777) == 0o755
     assert sorted((p.relative_to(store_dir), p.stat().st_size) for p in store_dir.rglob("*")) == before
-    with TieredStore.open(tmp_path / "again", host_bytes=0):  # (the store itself: still the writer's)
-        pass
-    r = CliRunner().invoke(main, ["import", str(archive), "--cache-dir", str(tmp_path / "again")])
+    r = CliRunner().invoke(main, ["import", str(out / "all.tkv"), "--cache-dir", str(out / "again")])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["stats", "--cache-dir", str(tmp_path / "again"), "--json"])
+    r = CliRunner().invoke(main, ["stats", "--cache-dir", str(out / "again"), "--json"])
     assert json.loads(r.output)["blocks"] == 8
 
 
-def test_serve_on_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path) -> None:
-    """A usage error, as stats and gc say it: the path given is a file."""
+def test_a_read_only_mount_of_a_store_a_process_has_open_is_not_read(store_dir, tmp_path_factory, ns) -> None:
+    """The same files through a writable path, open in a store (a server writing them): LMDB reads without
+    locks on read-only media, and would read pages that writer reuses. So a reader there says in one line
+    that another process has the store open, and reads it once that one has closed it."""
+    out = tmp_path_factory.mktemp("read-only")
+    commands = "$CLI stats --json --cache-dir $RO; echo stats=$?\n"
+    with TieredStore.open(store_dir, host_bytes=0) as store:
+        store.save(ns, list(range(900, 932)), make_kv(ns, 32, seed=9))
+        store.flush()
+        r = _under_a_read_only_mount(store_dir, out, commands)
+    assert "stats=2" in r.stdout and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+    assert "is on a read-only mount and another process has it open" in r.stderr, r.stderr
+    r = _under_a_read_only_mount(store_dir, out, commands)
+    assert "stats=0" in r.stdout and json.loads(r.stdout.split("stats=")[0])["blocks"] == 10, r.stdout
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_serve_on_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path, engine) -> None:
+    """A usage error, told before a model loads, on both engines: the path given is a file."""
     (tmp_path / "afile").write_text("not a store")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tierkv.cli",
-            "serve",
-            "--model",
-            "tiny",
-            "--cache-dir",
-            str(tmp_path / "afile"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    r, argv, _ = _serve_vllm(tmp_path, "--engine", engine, "--cache-dir", str(tmp_path / "afile"))
+    assert r.returncode == 2 and not argv, (r.returncode, r.stderr)
+    assert r.stderr == f"tierkv: error: cache_dir: {tmp_path / 'afile'} is a file, not a directory\n", (
+        r.stderr
     )
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    assert r.stderr.strip().splitlines()[-1].startswith("tierkv: error: cannot open the store at"), r.stderr
-    assert "it is a file, not a directory" in r.stderr and (tmp_path / "afile").read_text() == "not a store"
+    assert (tmp_path / "afile").read_text() == "not a store"

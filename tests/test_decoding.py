@@ -32,10 +32,26 @@ def _hf_metaspace():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
+_WORDS = ["I", "do", "n't", "know", "it", "'", "s", ".", ",", "?", "##s", "##ing", "not", "'s", "'ve", "n"]
+
+
+def _hf_cleanup(in_decoder: bool):
+    """Tokenizers whose clean-up joins text across tokens ("do n't" is "don't", "it 's" "it's"): in the
+    decoder itself (WordPiece's), or Hugging Face's ``clean_up_tokenization_spaces`` after it."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(_WORDS)}, unk_token="."))
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=in_decoder)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=not in_decoder)
+
+
 def _ids(kind: str, rng: random.Random, n: int, tokenizer) -> list[int]:
     """Up to ``n`` tokens of text with multi-byte characters and stray bytes (as a random model emits)."""
     if kind == "metaspace":
         return [rng.randrange(9) for _ in range(n)]
+    if kind.endswith("cleanup"):
+        return [rng.randrange(len(_WORDS)) for _ in range(n)]
     text = "".join(rng.choice(["a", " b", "é", "€", "😀", "\n", "xyz"]) for _ in range(n))
     raw = list(text.encode())
     for _ in range(n // 10):
@@ -56,24 +72,50 @@ def _byte_symbols() -> dict[int, str]:
 _BYTE_SYMBOL = _byte_symbols()
 
 
-@pytest.mark.parametrize("kind", ["bytes", "hf_byte_level", "metaspace"])
+@pytest.mark.parametrize("kind", ["bytes", "hf_byte_level", "metaspace", "decoder_cleanup", "hf_cleanup"])
 def test_text_grown_a_token_at_a_time_is_the_text_of_all_tokens(kind, tmp_path) -> None:
     makers = {
         "bytes": ByteTokenizer,
         "hf_byte_level": lambda: _hf_byte_level(tmp_path),
         "metaspace": _hf_metaspace,
+        "decoder_cleanup": lambda: _hf_cleanup(in_decoder=True),
+        "hf_cleanup": lambda: _hf_cleanup(in_decoder=False),
     }
     tokenizer = makers[kind]()
     rng = random.Random(7)
-    for trial in range(20):
-        ids = _ids(kind, rng, rng.randrange(1, 120), tokenizer)
+    cleanup = kind.endswith("cleanup")
+    for trial in range(200 if cleanup else 20):
+        ids = _ids(kind, rng, rng.randrange(1, 30 if cleanup else 120), tokenizer)
         whole = tokenizer.decode(ids)
-        stream = TextStream(tokenizer.decode)
+        stream = TextStream.of(tokenizer)
         for i, tok in enumerate(ids):
             stream.add(tok)
-            assert whole.startswith(stream.text), (kind, trial, i)  # what may be sent is final
             assert not stream.text or not maybe_partial(stream.text[-1])
+            if not stream.whole:  # in pieces: what may be sent is final (a clean-up may rewrite, as before)
+                assert whole.startswith(stream.text), (kind, trial, i)
         assert stream.finish() == whole, (kind, trial)
+    # Hugging Face's clean-up is decoded whole from the start; a decoder's own once the pieces disagree
+    assert TextStream.of(tokenizer).whole is (kind == "hf_cleanup")
+
+
+def test_a_stop_string_before_an_incomplete_character_is_found_at_once() -> None:
+    """A token of a space and the first byte of a character ends "Answer: ": the stop string is there as
+    the tokenizer decodes it now (before, the whole text, incomplete character and all, was searched)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merged = _BYTE_SYMBOL[0x20] + _BYTE_SYMBOL[0xE2]  # " " and the first byte of "€", one token
+    vocab[merged] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(_BYTE_SYMBOL[0x20], _BYTE_SYMBOL[0xE2])]))
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    stream, checked = TextStream.of(tokenizer), 0
+    for i in [vocab[_BYTE_SYMBOL[b]] for b in b"Answer:"] + [vocab[merged]]:
+        checked = len(stream.text)
+        stream.add(i)
+    assert stream.text == "Answer:" and stream.pending.startswith(" ")
+    assert stream.stopped(["Answer: "], checked) and not stream.stopped(["Answer:!"], checked)
 
 
 def test_a_long_generation_decodes_each_token_a_bounded_number_of_times() -> None:
@@ -103,3 +145,28 @@ def test_a_stop_string_is_found_across_the_steps_that_made_it() -> None:
     assert found == [False, False, False, True]
     assert not stop_in_tail("x" * 1000 + "STOP", ["STOP"], 1004)  # (all of it searched before)
     assert stop_in_tail("x" * 1000 + "STOP", ["STOP"], 1001)
+
+
+def test_a_decoding_that_rewrites_the_text_before_it_is_decoded_whole_from_then_on() -> None:
+    """A token that changes how the one before it reads (here "!" upper-cases the word it follows, as a
+    clean-up may join "do n't"): the pieces' difference cannot say that, so the stream decodes every token
+    from there on, and its text is still the tokenizer's text of all of them."""
+    words = ["a", "quiet", "word", "!"]
+
+    def decode(ids: list[int]) -> str:
+        out: list[str] = []
+        for i in ids:
+            if words[i] == "!" and out:
+                out[-1] = out[-1].upper() + "!"
+            else:
+                out.append(words[i])
+        return " ".join(out)
+
+    ids = [0, 1, 2, 3, 0, 1]
+    stream = TextStream(decode)
+    for i in ids[:3]:
+        stream.add(i)
+    assert not stream.whole and stream.text == "a quiet word"
+    for i in ids[3:]:
+        stream.add(i)
+    assert stream.whole and stream.finish() == decode(ids) == "a quiet WORD! a quiet"

@@ -75,15 +75,18 @@ EXPORTED_GAUGES = {
     ),
     "cold_reads_direct": (
         "tierkv_tier_cold_reads_direct",
-        "How the tier reads what the page cache lacks: 1 O_DIRECT, 0 buffered, -1 still measuring which is faster",
+        "How the tier reads what the page cache lacks: 1 O_DIRECT, 0 buffered, -1 still measuring "
+        "which is faster",
     ),
     "cold_read_direct_Bps": (
         "tierkv_tier_cold_read_direct_bytes_per_second",
-        "Median speed of the tier's recent cold restores read with O_DIRECT (0: none measured)",
+        "Median speed of the recent cold restores read with O_DIRECT, as the cache directory keeps them "
+        "for the measured read mode (0: none, or a mode set)",
     ),
     "cold_read_buffered_Bps": (
         "tierkv_tier_cold_read_buffered_bytes_per_second",
-        "Median speed of the tier's recent cold restores read buffered (0: none measured)",
+        "Median speed of the recent cold restores read buffered, as the cache directory keeps them "
+        "for the measured read mode (0: none, or a mode set)",
     ),
 }
 

@@ -26,7 +26,7 @@ from tierkv.adapters import CacheLayout, cache_from_kv, cache_layers, new_cache,
 from tierkv.buffers import ReusedBuffers
 from tierkv.cache_storage import CacheStorage
 from tierkv.cpu_exactness import pin_exact_isa, shape_invariant
-from tierkv.decoding import TextStream, cut_at_stop, maybe_partial, pick, stop_in_tail
+from tierkv.decoding import TextStream, cut_at_stop, maybe_partial, pick
 from tierkv.errors import ConfigError
 from tierkv.fingerprint import config_hash, weights_fingerprint
 from tierkv.keys import BlockChain, Namespace
@@ -416,7 +416,7 @@ class CachedModel:
         stop = [s for s in stop if s]
         hold = max((len(s) for s in stop), default=1) - 1
         sent = 0
-        stream = TextStream(self.tokenizer.decode)
+        stream = TextStream.of(self.tokenizer)
         for step in range(max_new_tokens):
             tok = pick(logits, temperature, top_p, rng)
             if tok == eos:
@@ -426,7 +426,7 @@ class CachedModel:
             checked = len(stream.text)
             stream.add(tok)
             text = stream.text
-            if stop and stop_in_tail(text, stop, checked):
+            if stop and stream.stopped(stop, checked):
                 finish = "stop"
                 break
             safe = len(text) - hold

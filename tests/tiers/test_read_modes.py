@@ -264,3 +264,24 @@ def test_a_measured_restore_out_of_descriptors_is_a_miss_and_no_sample(
         hit, got = store.restore(BIG, toks)
         assert hit.num_tokens == len(toks) and torch.equal(got, kv)
         assert modes.medians()["direct"] is not None and modes._inflight == 0
+
+
+@pytest.mark.parametrize("why", ["python path", "O_DIRECT refused", "mode set"])
+def test_where_nothing_is_measured_the_read_mode_shows_buffered_or_set_and_no_speeds(
+    tmp_path, monkeypatch, why
+) -> None:
+    """The gauges say what this store does: with the Python reader, or a file system that refuses
+    O_DIRECT, reads are buffered (0) and the directory's kept samples choose nothing, so none are shown; a
+    mode set is that mode."""
+    from tierkv.tiers.disk import segments
+
+    (tmp_path / read_modes.FILE).write_text(json.dumps({"direct": [2e9] * 3, "buffered": [1e9] * 3}))
+    monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
+    if why == "O_DIRECT refused":
+        monkeypatch.setattr(segments, "accepts_direct_io", lambda folder: False)
+    kwargs = {"direct_reads": True} if why == "mode set" else {}
+    with native.use(why != "python path"), TieredStore.open(tmp_path, host_bytes=0, **kwargs) as store:
+        disk = store.stats()["disk"]
+    expected = 1 if why == "mode set" and native.enabled() else 0
+    assert disk["cold_reads_direct"] == expected
+    assert disk["cold_read_direct_Bps"] == disk["cold_read_buffered_Bps"] == 0

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import click
+import lmdb
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.paths import DEFAULT_CACHE_DIR_HELP, default_cache_dir
@@ -61,5 +62,7 @@ def open_disk(cache_dir: str, writer: bool = False, missing_code: int = 1, **opt
         fail(f"cannot open the store at {cache_dir}: {exc}", 2)
     try:
         yield disk
+    except lmdb.Error as exc:  # the index failed under a command (damaged meanwhile, say): one line
+        fail(f"reading the store at {cache_dir}: {exc}", 1)
     finally:
         disk.close()

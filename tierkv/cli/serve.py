@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from tierkv.cli.common import cache_dir_option, fail
-from tierkv.errors import ConfigError, StoreOpenError, TierKVError
+from tierkv.errors import ConfigError, TierKVError
 from tierkv.paths import default_cache_dir
 
 __all__ = ["route", "serve"]
@@ -140,8 +140,8 @@ def serve(ctx: click.Context, engine: str, config_file: str | None, cache_dir: s
     config = _serve_config(config_file, cache_dir, options)
     try:
         run(config)
-    except (ConfigError, StoreOpenError) as exc:  # a usage error: found once the model is known (a context
-        fail(str(exc), 2)  # beyond its own), or a cache directory it cannot open (a file, no permission)
+    except ConfigError as exc:  # found once the model is known (a context beyond its own): a usage error
+        fail(str(exc), 2)
     except TierKVError as exc:
         fail(str(exc), 1)
 

@@ -92,7 +92,11 @@ class ServeConfig:
             raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
         if values.get("admin_token_file"):
             values["admin_token"] = read_token_file(str(values["admin_token_file"]))
-        return cls(**{name: _coerce(name, value) for name, value in values.items()})
+        config = cls(**{name: _coerce(name, value) for name, value in values.items()})
+        where = Path(config.resolved_cache_dir())
+        if where.exists() and not where.is_dir():  # a usage error, told before the model loads
+            raise ConfigError(f"cache_dir: {where} is a file, not a directory")
+        return config
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or default_cache_dir()

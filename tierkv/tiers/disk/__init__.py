@@ -302,7 +302,9 @@ class DiskTier(DiskWrites, Tier):
     def stats(self) -> dict[str, int]:
         usage = self.usage()
         queued = self.writer.queued_nbytes if self.writer is not None else 0
-        medians = self.read_modes.medians()
+        seg = self.segments
+        measured = native.enabled() and seg.direct_reads and seg.direct_ok and self.read_modes.fixed is None
+        medians = self.read_modes.medians() if measured else {"direct": None, "buffered": None}
         return {
             **usage,
             "used_nbytes": usage["live_nbytes"],

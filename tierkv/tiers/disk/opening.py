@@ -38,6 +38,9 @@ CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.
 # How long the repairer waits for the fresh store's owners lock: another process that opened the empty
 # store in the meantime holds it for as long as it runs.
 RELOCK_TIMEOUT_S = 30.0
+# How long a reader on read-only media waits for another process to let go of the store (another
+# ``tierkv stats`` on the same mount, say) before it says the store is in use.
+READ_ONLY_WAIT_S = 3.0
 
 
 class OwnersLock:
@@ -184,9 +187,10 @@ def make_private_dir(path: Path) -> None:
 
 
 def read_only_media(path: Path) -> bool:
-    """Whether the store at ``path`` is on a file system mounted read-only (a snapshot, a read-only bind
-    mount, a copy on read-only media): no process can write it there, so a reader opens its index
-    read-only, without LMDB's lock file (LMDB itself skips it there), and creates nothing."""
+    """Whether the store at ``path`` is on a file system mounted read-only here (a snapshot, a read-only
+    bind mount, a copy on read-only media): a reader then opens its index read-only, without LMDB's lock
+    file (LMDB skips it there), and creates nothing; alone (``_lock_owner``), since the same files may be
+    written through another mount."""
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
@@ -194,15 +198,37 @@ def read_only_media(path: Path) -> bool:
 
 
 def _lock_owner(path: Path, exclusive: bool, read_only: bool = False) -> int:
-    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open). On
-    read-only media: opened for reading (flock needs no write access), or -1 where it was never created."""
+    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open).
+
+    On read-only media: opened for reading (flock needs no write access) and locked exclusive, or -1 where
+    it was never created (no tierkv process has had the store open). A read-only mount says nothing of
+    other mounts of the same files: a server may be writing the store through a writable one, and LMDB,
+    which takes no locks on read-only media, would then read pages that writer is reusing (torn reads, or
+    an assertion that aborts the process). The exclusive lock proves no process has it open, and keeps any
+    from opening it until this one is done (another reader of the same mount: waited for, briefly)."""
     if read_only:
         try:
             fd = os.open(path / "owners.lock", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return -1
-    else:
-        fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + READ_ONLY_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise StoreOpenError(
+                        f"the store at {path} is on a read-only mount and another process has it open (a "
+                        "server writing it through another mount?): read it where that process runs, or "
+                        "once it has stopped"
+                    ) from None
+                time.sleep(0.05)
+            except BaseException:
+                os.close(fd)
+                raise
+    fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
     except BaseException:
