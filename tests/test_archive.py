@@ -66,8 +66,13 @@ def _records(archive: Path) -> list[tuple[int, int]]:
 
 
 def test_imported_store_serves_every_prompt_bit_exact(source, tmp_path) -> None:
-    report = _export(source, tmp_path / "a.tkv")
+    old_umask = os.umask(0o022)  # a usual umask: the archive is still the owner's alone, as the store is
+    try:
+        report = _export(source, tmp_path / "a.tkv")
+    finally:
+        os.umask(old_umask)
     assert report["blocks"] == 18 and report["corrupt"] == 0
+    assert (tmp_path / "a.tkv").stat().st_mode & 0o777 == 0o600
     got = _import(tmp_path / "copy", tmp_path / "a.tkv")
     assert (got["imported"], got["present"], got["refused"], got["complete"], got["digest_ok"]) == (
         18,

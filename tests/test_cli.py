@@ -190,6 +190,15 @@ def test_missing_store_is_exit_1(tmp_path) -> None:
     assert r.exit_code == 1 and "no tierkv store" in r.output
 
 
+@pytest.mark.parametrize("command", [["stats"], ["gc", "--dry-run"], ["export", "-"]])
+def test_a_cache_dir_that_is_a_file_is_a_usage_error(tmp_path, command) -> None:
+    (tmp_path / "afile").write_text("not a store")
+    r = CliRunner().invoke(main, [*command, "--cache-dir", str(tmp_path / "afile")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output == f"tierkv: error: --cache-dir {tmp_path / 'afile'} is a file, not a store's directory\n"
+    assert (tmp_path / "afile").read_text() == "not a store"
+
+
 def _one_error_line(r) -> str:
     assert r.exit_code == 2, r.output
     assert r.output.count("\n") == 1 and r.output.startswith("tierkv: error:"), r.output

@@ -189,6 +189,7 @@ def test_the_read_mode_shows_measuring_until_both_modes_have_samples(tmp_path) -
     if "whichever this disk serves faster" not in line:
         pytest.skip(f"no measured read mode here: {line}")
     assert disk["cold_reads_direct"] == -1 and disk["cold_read_direct_Bps"] == 0
+    assert f"(measuring: O_DIRECT 0, buffered 0 of {MIN_SAMPLES} cold restores each)" in line
 
 
 def test_a_mode_asked_for_is_kept_and_measures_nothing(tmp_path, monkeypatch) -> None:

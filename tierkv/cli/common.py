@@ -53,6 +53,8 @@ def open_disk(cache_dir: str, writer: bool = False, missing_code: int = 1, **opt
     from tierkv.tiers.disk import DiskTier
 
     try:
+        if Path(cache_dir).exists() and not Path(cache_dir).is_dir():  # a usage error, not a missing store
+            fail(f"--cache-dir {cache_dir} is a file, not a store's directory", 2)
         if not writer and not (Path(cache_dir) / "index" / "data.mdb").exists():
             fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", missing_code)
         disk = DiskTier(cache_dir, writer=writer, **options)

@@ -149,7 +149,7 @@ class ReadModes:
         if best is None or m["direct"] is None or m["buffered"] is None:
             return (
                 "O_DIRECT or buffered where uncached, whichever this disk serves faster (measuring: "
-                f"{counts[0]} and {counts[1]} of {MIN_SAMPLES} cold restores each)"
+                f"O_DIRECT {counts[0]}, buffered {counts[1]} of {MIN_SAMPLES} cold restores each)"
             )
         return (
             f"O_DIRECT or buffered where uncached, whichever this disk serves faster: "
