@@ -77,8 +77,9 @@ class Index(RetentionRows, SegmentRows, Eviction):
 
     def _open_env(self, map_nbytes: int, writer: bool) -> None:
         """Open the environment, its tables and check its format (run by ``open_store``, again to repair)."""
-        # A reader of a store on read-only media opens it read-only (LMDB then takes no locks: no process
-        # can write there); everyone else read-write, a reader too (``tierkv gc`` sweeps without a writer).
+        # A reader of a store on read-only media opens it read-only (LMDB takes no locks there: open_store
+        # holds the owners lock exclusive, so no other process has it open); everyone else read-write, a
+        # reader too (``tierkv gc`` sweeps without a writer).
         self.on_read_only_media = not writer and read_only_media(self.path)
         self.env = lmdb.open(
             str(self.path / "index"),

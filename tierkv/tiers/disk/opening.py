@@ -45,7 +45,7 @@ READ_ONLY_WAIT_S = 3.0
 
 class OwnersLock:
     """``<store>/owners.lock``, flock'ed by every process that has the store open: shared, or exclusive
-    by one that repairs it."""
+    by one that repairs it, or that reads it on read-only media (``_lock_owner``)."""
 
     def __init__(self, path: Path, read_only: bool = False) -> None:
         self.path = path
