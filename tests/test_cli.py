@@ -489,3 +489,45 @@ def test_serve_on_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path, en
         r.stderr
     )
     assert (tmp_path / "afile").read_text() == "not a store"
+
+
+def test_a_read_only_mount_of_a_store_without_its_owners_lock_is_not_read(
+    store_dir, tmp_path_factory
+) -> None:
+    """Without owners.lock (a store an older build made, a copy without it) nothing can show that no
+    process writes the store through another mount: refused in one line; a writable open makes the lock."""
+    out = tmp_path_factory.mktemp("read-only")
+    (store_dir / "owners.lock").unlink()
+    r = _under_a_read_only_mount(store_dir, out, "$CLI stats --json --cache-dir $RO; echo stats=$?\n")
+    assert "stats=2" in r.stdout and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+    assert "has no owners.lock" in r.stderr and not (store_dir / "owners.lock").exists(), r.stderr
+    with TieredStore.open(store_dir, host_bytes=0):
+        pass
+    r = _under_a_read_only_mount(store_dir, out, "$CLI stats --json --cache-dir $RO; echo stats=$?\n")
+    assert "stats=0" in r.stdout and json.loads(r.stdout.split("stats=")[0])["blocks"] == 8, r.stdout
+
+
+def test_a_store_held_exclusive_is_waited_for_and_said(store_dir, caplog) -> None:
+    """A reader on a read-only mount (or a repair) holds owners.lock exclusive: a process opening the
+    store meanwhile waits for it, and says so, rather than hanging silently or reading beside it."""
+    import fcntl
+    import threading
+
+    fd = os.open(store_dir / "owners.lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as _lock_alone takes it
+    opened = threading.Event()
+
+    def open_store() -> None:
+        with TieredStore.open(store_dir, host_bytes=0):
+            opened.set()
+
+    with caplog.at_level("WARNING", logger="tierkv.disk"):
+        t = threading.Thread(target=open_store)
+        t.start()
+        try:
+            assert not opened.wait(1.0)  # waiting
+            assert "is held by another process" in caplog.text
+        finally:
+            os.close(fd)  # the reader is done
+        t.join(60)
+    assert opened.is_set()

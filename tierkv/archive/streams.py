@@ -8,6 +8,7 @@ import os
 import queue
 import stat
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,13 +136,11 @@ def archive_file(archive: str) -> Iterator[BinaryIO]:
         with open(path, "wb", buffering=1 << 20) as f:
             yield f
         return
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    # A name of its own (another export into the same folder, even one with this pid in another
+    # container, writes another), created 0600 as the store's own files: an archive reads every prompt.
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+    tmp = Path(name)
     try:
-        # 0600, as the store's own files: an archive reads every cached prompt (an existing temporary
-        # file of that name, left by a process of this pid, is replaced, not reused with its mode)
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         with open(fd, "wb", buffering=1 << 20) as f:
             yield f
             f.flush()

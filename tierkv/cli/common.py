@@ -60,7 +60,7 @@ def open_disk(cache_dir: str, writer: bool = False, missing_code: int = 1, **opt
         disk = DiskTier(cache_dir, writer=writer, **options)
     except TierKVError as exc:  # another format version; permissions, read-only media, a lock file
         fail(str(exc), 2)
-    except OSError as exc:
+    except (OSError, lmdb.Error, ValueError) as exc:  # (ValueError: a damaged row read at open, say)
         fail(f"cannot open the store at {cache_dir}: {exc}", 2)
     try:
         yield disk

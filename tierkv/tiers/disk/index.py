@@ -68,19 +68,26 @@ class Index(RetentionRows, SegmentRows, Eviction):
         self.gate = TxnGate()
         self.db: dict[str, Any] = {}
         self.tenants = TenantRows(self)
-        self._owners = open_store(path, writer, lambda: self._open_env(map_nbytes, writer))
-        self.policy = self._load_policy(policy, persist=writer)
-        if writer:
-            self.tenants.fill()
+        # A reader of a store on read-only media (the store's directory or its index's) opens the index
+        # read-only: LMDB takes no locks there, so open_store holds the owners lock exclusive meanwhile (no
+        # other process has the store open). Everyone else read-write, a reader too (``tierkv gc`` sweeps
+        # without a writer). Decided once, here.
+        self.on_read_only_media = not writer and (read_only_media(path) or read_only_media(path / "index"))
+        self._owners = open_store(
+            path, writer, lambda: self._open_env(map_nbytes, writer), read_only=self.on_read_only_media
+        )
+        try:
+            self.policy = self._load_policy(policy, persist=writer)
+            if writer:
+                self.tenants.fill()
+        except BaseException:  # (a damaged policy row, say): the lock and the environment go with it
+            self.close()
+            raise
 
     # ---------------------------------------------------------------- opening
 
     def _open_env(self, map_nbytes: int, writer: bool) -> None:
         """Open the environment, its tables and check its format (run by ``open_store``, again to repair)."""
-        # A reader of a store on read-only media opens it read-only (LMDB takes no locks there: open_store
-        # holds the owners lock exclusive, so no other process has it open); everyone else read-write, a
-        # reader too (``tierkv gc`` sweeps without a writer).
-        self.on_read_only_media = not writer and read_only_media(self.path)
         self.env = lmdb.open(
             str(self.path / "index"),
             readonly=self.on_read_only_media,
@@ -190,6 +197,8 @@ class Index(RetentionRows, SegmentRows, Eviction):
     def sole_owner(self) -> Iterator[bool]:
         """Whether no other process has the store open; if so, none can open it while inside (this
         process's owners lock is exclusive until then)."""
+        if self.on_read_only_media:  # its lock is exclusive already, and a sweep cannot write there
+            raise StoreOpenError(f"the store at {self.path} is on read-only media: nothing there can change")
         alone = self._owners.try_exclusive()
         try:
             yield alone

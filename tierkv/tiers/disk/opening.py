@@ -49,12 +49,10 @@ class OwnersLock:
 
     def __init__(self, path: Path, read_only: bool = False) -> None:
         self.path = path
-        self.fd = _lock_owner(path, exclusive=False, read_only=read_only)
+        self.fd = _lock_alone(path) if read_only else _lock_owner(path, exclusive=False)
 
     def try_exclusive(self) -> bool:
         """Upgrade our shared lock to exclusive if no other process holds it."""
-        if self.fd < 0:  # read-only media without the lock file: nothing there can be repaired
-            return False
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -83,17 +81,17 @@ class OwnersLock:
         fcntl.flock(self.fd, fcntl.LOCK_SH)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
+        os.close(self.fd)
 
 
-def open_store(path: Path, writer: bool, open_env: Callable[[], None]) -> OwnersLock:
+def open_store(path: Path, writer: bool, open_env: Callable[[], None], read_only: bool = False) -> OwnersLock:
     """Create the store's directories, take the owners lock shared and run ``open_env`` (which opens the
     LMDB environment), repairing what may be repaired. Anything else (permissions, read-only media,
-    memory) is a ``StoreOpenError``: the data stays. Returns the owners lock, held until closed."""
+    memory) is a ``StoreOpenError``: the data stays. Returns the owners lock, held until closed.
+    ``read_only``: a reader of a store on read-only media (``read_only_media``), which takes the lock
+    exclusive and creates nothing."""
     if path.exists() and not path.is_dir():
         raise StoreOpenError(f"cannot open the store at {path}: it is a file, not a directory")
-    read_only = not writer and read_only_media(path)
     try:
         if not read_only:  # (a reader of a read-only copy creates and re-permissions nothing)
             make_private_dir(path)
@@ -197,44 +195,67 @@ def read_only_media(path: Path) -> bool:
         return False
 
 
-def _lock_owner(path: Path, exclusive: bool, read_only: bool = False) -> int:
-    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open).
-
-    On read-only media: opened for reading (flock needs no write access) and locked exclusive, or -1 where
-    it was never created (no tierkv process has had the store open). A read-only mount says nothing of
-    other mounts of the same files: a server may be writing the store through a writable one, and LMDB,
-    which takes no locks on read-only media, would then read pages that writer is reusing (torn reads, or
-    an assertion that aborts the process). The exclusive lock proves no process has it open, and keeps any
-    from opening it until this one is done (another reader of the same mount: waited for, briefly)."""
-    if read_only:
+def _lock_owner(path: Path, exclusive: bool) -> int:
+    """Open and flock ``<store>/owners.lock`` (shared by every process that has the store open; a reader
+    on read-only media takes it exclusive instead, ``_lock_alone``)."""
+    fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         try:
-            fd = os.open(path / "owners.lock", os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return -1
-        deadline = time.monotonic() + READ_ONLY_WAIT_S
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:  # held exclusive: said, then waited for (not a silent hang)
+            log.warning(
+                "the store at %s is held by another process (a repair, or a reader on a read-only mount of "
+                "it): waiting for it",
+                path,
+            )
+            fcntl.flock(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock_alone(path: Path) -> int:
+    """``owners.lock`` of a store on read-only media, opened for reading (flock needs no write access) and
+    locked exclusive, waiting ``READ_ONLY_WAIT_S`` for another reader; else ``StoreOpenError``.
+
+    A read-only mount says nothing of other mounts of the same files: a server may be writing the store
+    through a writable one, and LMDB, which takes no locks on read-only media, would then read pages that
+    writer is reusing (torn reads, or an assertion that aborts the process). The exclusive lock proves no
+    process on this host has it open and keeps any from opening it until this one is done (a writer then
+    waits, and says so). The lock must exist: a store without one (an older build's, a copy without it)
+    cannot prove that no process writes it elsewhere."""
+    try:
+        fd = os.open(path / "owners.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StoreOpenError(
+            f"the store at {path} is on read-only media and has no owners.lock, so no process can be shown "
+            "not to write it through another mount: open it once from a writable path (any tierkv command "
+            "creates the lock), or read a copy"
+        ) from None
+    deadline = time.monotonic() + READ_ONLY_WAIT_S
+    try:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return fd
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    os.close(fd)
                     raise StoreOpenError(
                         f"the store at {path} is on a read-only mount and another process has it open (a "
-                        "server writing it through another mount?): read it where that process runs, or "
-                        "once it has stopped"
+                        "server writing it through another mount, or another command reading it): read it "
+                        "once that process is done, or where it runs"
                     ) from None
                 time.sleep(0.05)
-            except BaseException:
-                os.close(fd)
-                raise
-    fd = os.open(path / "owners.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            except OSError as exc:  # an NFS mount takes no exclusive lock on a file opened for reading
+                raise StoreOpenError(
+                    f"the store at {path} is on a read-only file system that cannot lock owners.lock "
+                    f"({exc.strerror}; a network file system?): read it from a writable path, or a copy"
+                ) from None
     except BaseException:
         os.close(fd)
         raise
-    return fd
 
 
 def read_index_ahead(path: Path, max_nbytes: int) -> int:
