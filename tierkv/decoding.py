@@ -64,9 +64,11 @@ class TextStream:
         self.text = self.pending = ""
         self._prefix = self._read = 0  # ids[_prefix:_read]: the context, decoded at the end of ``text``
         self._prefix_text = ""
+        self._checked = 0  # how much of ``text`` held no stop string (``stopped``): its length before ``add``
 
     def add(self, token_id: int) -> None:
         self.ids.append(token_id)
+        self._checked = len(self.text)
         if not self.whole:
             new = self._decode(self.ids[self._prefix :])
             if new.startswith(self._prefix_text):
@@ -85,11 +87,12 @@ class TextStream:
             cut -= 1
         self.text, self.pending = text[:cut], text[cut:]
 
-    def stopped(self, stop: Sequence[str], checked: int) -> bool:
-        """Whether a stop string is in the text, ``checked`` characters of which held none before the last
-        ``add``; incomplete characters included as the tokenizer decodes them now (a stop string may end
-        before one: "Answer: ", then a token of a space and half a character)."""
-        return stop_in_tail(self.text + self.pending, stop, 0 if self.whole else checked)
+    def stopped(self, stop: Sequence[str]) -> bool:
+        """Whether a stop string is in the text, asked after each ``add`` (only what it added, and as much
+        before it as a stop string could start in, is searched); incomplete characters included as the
+        tokenizer decodes them now (a stop string may end before one: "Answer: ", then a token of a space
+        and half a character)."""
+        return stop_in_tail(self.text + self.pending, stop, 0 if self.whole else self._checked)
 
     def finish(self) -> str:
         """``text`` with what is still pending (characters never completed), as the tokenizer decodes it."""

@@ -410,30 +410,27 @@ class CachedModel:
                 self._retain(save[0], control)
         logits, cache = pre.logits, pre.cache
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
-        out: list[int] = []
+        stream = TextStream.of(self.tokenizer)
+        out = stream.ids  # the generated tokens, as the stream appends them
         finish = "length"
         eos = getattr(self.tokenizer, "eos_token_id", None)
         stop = [s for s in stop if s]
         hold = max((len(s) for s in stop), default=1) - 1
         sent = 0
-        stream = TextStream.of(self.tokenizer)
         for step in range(max_new_tokens):
             tok = pick(logits, temperature, top_p, rng)
             if tok == eos:
                 finish = "stop"
                 break
-            out.append(tok)
-            checked = len(stream.text)
             stream.add(tok)
-            text = stream.text
-            if stop and stream.stopped(stop, checked):
+            if stop and stream.stopped(stop):
                 finish = "stop"
                 break
-            safe = len(text) - hold
-            while safe > sent and maybe_partial(text[safe - 1]):
+            safe = len(stream.text) - hold
+            while safe > sent and maybe_partial(stream.text[safe - 1]):
                 safe -= 1
             # A step at every token, text or not: where a caller that went away stops the generation.
-            yield StreamEvent(delta=text[sent:safe] if safe > sent else None, token_id=tok)
+            yield StreamEvent(delta=stream.text[sent:safe] if safe > sent else None, token_id=tok)
             sent = max(sent, safe)
             if step + 1 < max_new_tokens:
                 with torch.inference_mode():

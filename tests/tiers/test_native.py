@@ -133,12 +133,12 @@ def test_without_cachestat_the_default_reads_buffered_and_says_why(tmp_path, ns,
     """Where the kernel lacks cachestat(2) (before Linux 6.5, or refused by seccomp) residency would be
     asked of mincore, mapping each range: the default then reads buffered, and the data path line says
     why; TIERKV_DIRECT_READS=1 still asks for O_DIRECT. The same KV either way."""
-    from tierkv.tiers import disk
+    from tierkv.tiers.disk import read_modes
     from tierkv.tiers.disk.files import accepts_direct_io
 
     if accepts_direct_io(tmp_path) is False:
         pytest.skip("this file system refuses O_DIRECT: TIERKV_DIRECT_READS=1 reads buffered here")
-    monkeypatch.setattr(disk, "has_cachestat", lambda: False)
+    monkeypatch.setattr(read_modes, "has_cachestat", lambda: False)  # (the default's choice is made there)
     monkeypatch.delenv("TIERKV_DIRECT_READS", raising=False)
     toks, kv = _saved(tmp_path, ns, 6)
     for env, direct in ((None, False), ("1", True)):

@@ -27,12 +27,11 @@ from tierkv.metrics import Counters
 from tierkv.tenancy import Quota
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk.access_times import Touch
-from tierkv.tiers.disk.files import has_cachestat
 from tierkv.tiers.disk.index import Index
 from tierkv.tiers.disk.opening import read_index_ahead
 from tierkv.tiers.disk.pins import check_pin
 from tierkv.tiers.disk.read_modes import FILE as READ_SPEEDS_FILE
-from tierkv.tiers.disk.read_modes import ReadModes
+from tierkv.tiers.disk.read_modes import ReadModes, configured_mode
 from tierkv.tiers.disk.schema import (
     ALIGNED_RECORDS_FORMAT_VERSION,
     RETENTION_FORMAT_VERSION,
@@ -110,18 +109,9 @@ class DiskTier(DiskWrites, Tier):
         # Records in the newer layout (payload 64-byte aligned) only where no older build shares the store:
         # those refuse a store of format 3. Read at open: an upgrade is made with older builds stopped.
         self.record_version = 2 if store_format >= ALIGNED_RECORDS_FORMAT_VERSION else 1
-        self._reads_note = ""  # who set the read mode, or why the default reads buffered (the data path line)
-        if direct_reads is not None:
-            self._reads_note = f"set: direct_reads={direct_reads}"
-        elif "TIERKV_DIRECT_READS" in os.environ:
-            direct_reads = env_flag("TIERKV_DIRECT_READS", True)
-            self._reads_note = f"set: TIERKV_DIRECT_READS={os.environ['TIERKV_DIRECT_READS']}"
-        elif direct_reads is None and not has_cachestat():
-            # Without cachestat, residency would be asked of mincore, group by group (files.has_cachestat):
-            # the default stays buffered there, as it was before O_DIRECT reads were the default.
-            direct_reads = False
-            self._reads_note = "no cachestat(2) in this kernel; TIERKV_DIRECT_READS=1 for O_DIRECT"
-        # Still None: O_DIRECT or buffered, run by run, whichever this disk serves faster (read_modes.py).
+        # The mode set (and by what), or None: O_DIRECT or buffered, run by run, whichever this disk serves
+        # faster (read_modes.py); the note says who set it, or why the default reads buffered.
+        direct_reads, self._reads_note = configured_mode(direct_reads)
         self.read_modes = ReadModes(self.path / READ_SPEEDS_FILE, fixed=direct_reads)
         if direct_writes is None:
             direct_writes = env_flag("TIERKV_DIRECT_WRITES", True)
@@ -303,26 +293,13 @@ class DiskTier(DiskWrites, Tier):
         usage = self.usage()
         queued = self.writer.queued_nbytes if self.writer is not None else 0
         seg = self.segments
-        measured = native.enabled() and seg.direct_reads and seg.direct_ok and self.read_modes.fixed is None
-        medians = self.read_modes.medians() if measured else {"direct": None, "buffered": None}
         return {
             **usage,
             "used_nbytes": usage["live_nbytes"],
             "capacity_nbytes": usage["budget_nbytes"],
             "write_queue_nbytes": queued,
-            "cold_reads_direct": self._cold_reads_direct(),
-            "cold_read_direct_Bps": round(medians["direct"] or 0),
-            "cold_read_buffered_Bps": round(medians["buffered"] or 0),
+            **self.read_modes.gauges(native.enabled() and seg.direct_reads and seg.direct_ok),
         }
-
-    def _cold_reads_direct(self) -> int:
-        """How what the page cache lacks is read now: 1 with O_DIRECT, 0 buffered, -1 both in turn (the
-        default, still measuring which this disk serves faster)."""
-        seg = self.segments
-        if not native.enabled() or not seg.direct_reads or not seg.direct_ok:
-            return 0
-        chosen = self.read_modes.chosen()
-        return -1 if chosen is None else int(chosen)
 
     def still_indexed(self, key: BlockKey, location: tuple[int, int, int]) -> bool:
         return self.index.still_indexed(key, location)

@@ -33,9 +33,20 @@ import time
 from collections import deque
 from pathlib import Path
 
+from tierkv.tiers.disk.files import has_cachestat
+from tierkv.units import env_flag
+
 log = logging.getLogger("tierkv.disk")
 
-__all__ = ["EXPLORE_EVERY", "FILE", "MARGIN", "MIN_SAMPLE_NBYTES", "MIN_SAMPLES", "ReadModes"]
+__all__ = [
+    "EXPLORE_EVERY",
+    "FILE",
+    "MARGIN",
+    "MIN_SAMPLE_NBYTES",
+    "MIN_SAMPLES",
+    "ReadModes",
+    "configured_mode",
+]
 
 FILE = "read_speeds.json"
 MIN_SAMPLE_NBYTES = 8 << 20  # a run with less from the disk says more about its fixed costs than the disk
@@ -45,6 +56,20 @@ EXPLORE_EVERY = 32  # restores: the mode not chosen reads one restore in this ma
 MARGIN = 1.25  # buffered must be this much faster to be chosen
 MAX_FILE_NBYTES = 64 << 10  # a bigger file is not ours: ignored
 STALE_TMP_S = 60.0  # a temporary file this old was left by a process that died writing it
+
+
+def configured_mode(direct_reads: bool | None) -> tuple[bool | None, str]:
+    """The read mode set (``direct_reads``, else ``TIERKV_DIRECT_READS``), or None: measured; and a note for
+    the data path line saying who set it, or why the default reads buffered."""
+    if direct_reads is not None:
+        return direct_reads, f"set: direct_reads={direct_reads}"
+    if (value := os.environ.get("TIERKV_DIRECT_READS")) is not None:
+        return env_flag("TIERKV_DIRECT_READS", True), f"set: TIERKV_DIRECT_READS={value}"
+    if not has_cachestat():
+        # Without cachestat, residency would be asked of mincore, group by group (files.has_cachestat): the
+        # default stays buffered there, as it was before O_DIRECT reads were the default.
+        return False, "no cachestat(2) in this kernel; TIERKV_DIRECT_READS=1 for O_DIRECT"
+    return None, ""
 
 
 class ReadModes:
@@ -84,13 +109,22 @@ class ReadModes:
             return None
         return statistics.median(buffered) <= MARGIN * statistics.median(direct)
 
-    def chosen(self) -> bool | None:
-        """The mode restores read in now: the one set, or the faster one measured (None: still measuring
-        both; the other mode's occasional restore aside)."""
-        if self.fixed is not None:
-            return self.fixed
+    def gauges(self, o_direct_possible: bool) -> dict[str, int]:
+        """For stats and /metrics: ``cold_reads_direct``, the mode restores read in now (1 O_DIRECT, 0
+        buffered, -1 still measuring; the other mode's occasional restore aside), and the medians the
+        measured choice stands on (0: none, or nothing measured). ``o_direct_possible``: False where reads
+        are buffered whatever this says (the Python reader, a file system that refuses O_DIRECT)."""
+        unmeasured = {"cold_read_direct_Bps": 0, "cold_read_buffered_Bps": 0}
+        if not o_direct_possible or self.fixed is not None:
+            return {"cold_reads_direct": int(o_direct_possible and bool(self.fixed)), **unmeasured}
         with self._lock:
-            return self._best()
+            best = self._best()
+        m = self.medians()
+        return {
+            "cold_reads_direct": -1 if best is None else int(best),
+            "cold_read_direct_Bps": round(m["direct"] or 0),
+            "cold_read_buffered_Bps": round(m["buffered"] or 0),
+        }
 
     def begin(self) -> int | None:
         """A run starts: its token for ``end`` (None: it is not a sample, another run is in flight)."""
