@@ -1,6 +1,8 @@
 """Day two: the store's promises after expiry, beside gc, with several processes, a full map, and
 descriptors that accumulate. Each test here failed against the store as it was at 29e5fab."""
 
+import errno
+import fcntl
 import logging
 import os
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from tierkv import StoreOpenError, TieredStore, block_keys
+from tierkv.tiers import disk as disk_mod
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk import segments as segments_mod
 from tierkv.tiers.disk.schema import SEG_ID, SEGMENT
@@ -279,7 +282,8 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
             )
         )  # a pid nobody has here
         r = run_python(f"""
-            from tierkv.tiers.disk import DiskTier
+            from tierkv.tiers import disk as disk_mod
+from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:  # a second writer starting: seals dead writers' segments
                 disk.compact()
                 disk.purge_namespace(None)  # the segment empties: a sealed one would be unlinked now
@@ -289,7 +293,8 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
         store.flush()
         assert store.tier("disk").writer.segment.seg_id == seg_id
         r = run_python(f"""
-            from tierkv.tiers.disk import DiskTier
+            from tierkv.tiers import disk as disk_mod
+from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:
                 disk.compact()
         """)
@@ -448,6 +453,24 @@ def test_a_store_that_cannot_be_opened_is_left_where_it_is(tmp_path, ns) -> None
     lock.rmdir()
     with TieredStore.open(tmp_path / "cache", host_bytes=0) as store:  # and the data is all there
         assert store.lookup(ns, _toks(0)).num_tokens == 64
+
+
+def test_an_open_that_fails_after_the_index_releases_the_owners_lock(tmp_path, ns, monkeypatch) -> None:
+    with TieredStore.open(tmp_path / "cache", host_bytes=0) as store:
+        store.save(ns, _toks(0), make_kv(ns, 64, seed=0))
+
+    def no_segment_file(*args, **kwargs):  # as a full disk or a process out of descriptors would
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_mod, "Writer", no_segment_file)
+    with pytest.raises(OSError, match="No space left"):
+        DiskTier(tmp_path / "cache")
+    # Nothing of the failed open holds the owners lock: gc, which needs it exclusive, could run.
+    fd = os.open(tmp_path / "cache" / "owners.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
 
 
 def test_a_reader_never_moves_a_damaged_store_aside(tmp_path, ns) -> None:

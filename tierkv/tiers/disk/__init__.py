@@ -104,50 +104,68 @@ class DiskTier(DiskWrites, Tier):
         self.index = Index(
             self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy, counters=self.counters
         )
-        with self.index.read() as txn:
-            store_format = self.index.format_version(txn)
-        # Records in the newer layout (payload 64-byte aligned) only where no older build shares the store:
-        # those refuse a store of format 3. Read at open: an upgrade is made with older builds stopped.
-        self.record_version = 2 if store_format >= ALIGNED_RECORDS_FORMAT_VERSION else 1
-        # The mode set (and by what), or None: O_DIRECT or buffered, run by run, whichever this disk serves
-        # faster (read_modes.py); the note says who set it, or why the default reads buffered.
-        direct_reads, self._reads_note = configured_mode(direct_reads)
-        self.read_modes = ReadModes(self.path / READ_SPEEDS_FILE, fixed=direct_reads)
-        if direct_writes is None:
-            direct_writes = env_flag("TIERKV_DIRECT_WRITES", True)
-        self.segments = SegmentDir(
-            self.path / "segments",
-            read_threads=read_threads,
-            counters=self.counters,
-            direct_reads=direct_reads is not False,
-            direct_writes=direct_writes,
-            read_modes=self.read_modes,
-        )
-        self.sweeps = Sweeps(self.index, self.segments, self.counters)
-        self.times = AccessTimes(self.index, self.counters)
+        # From here a failed step closes what the earlier ones opened: the index holds the store's owners
+        # lock (a writer's segment holds its own), which a process that goes on would otherwise keep.
         self.writer: Writer | None = None
         self._sweeper: Sweeper | None = None
-        self._closed = False
-        self._transient_logged = False  # a read that failed not for the record's sake: logged once
-        self._probed = threading.local()  # .found: this thread's last probe's entries (see probe)
-        if writer:
-            self.index.clear_stale_readers()
-            self.sweeps.seal_dead_writers()
-            self.writer = Writer(
-                self.index,
-                self.segments,
-                self.times,
-                clock=clock,
-                sync=sync,
+        try:
+            with self.index.read() as txn:
+                store_format = self.index.format_version(txn)
+            # Records in the newer layout (payload 64-byte aligned) only where no older build shares the store:
+            # those refuse a store of format 3. Read at open: an upgrade is made with older builds stopped.
+            self.record_version = 2 if store_format >= ALIGNED_RECORDS_FORMAT_VERSION else 1
+            # The mode set (and by what), or None: O_DIRECT or buffered, run by run, whichever this disk serves
+            # faster (read_modes.py); the note says who set it, or why the default reads buffered.
+            direct_reads, self._reads_note = configured_mode(direct_reads)
+            self.read_modes = ReadModes(self.path / READ_SPEEDS_FILE, fixed=direct_reads)
+            if direct_writes is None:
+                direct_writes = env_flag("TIERKV_DIRECT_WRITES", True)
+            self.segments = SegmentDir(
+                self.path / "segments",
+                read_threads=read_threads,
                 counters=self.counters,
-                queue_nbytes=queue_nbytes,
-                batch_nbytes=batch_nbytes,
-                segment_nbytes=segment_nbytes,
+                direct_reads=direct_reads is not False,
+                direct_writes=direct_writes,
+                read_modes=self.read_modes,
             )
-            if sweep_interval_s > 0:
-                self._sweeper = Sweeper(
-                    lambda: self.expire() + self.enforce_budget(), self.sweeps, sweep_interval_s
+            self.sweeps = Sweeps(self.index, self.segments, self.counters)
+            self.times = AccessTimes(self.index, self.counters)
+            self._closed = False
+            self._transient_logged = False  # a read that failed not for the record's sake: logged once
+            self._probed = threading.local()  # .found: this thread's last probe's entries (see probe)
+            if writer:
+                self.index.clear_stale_readers()
+                self.sweeps.seal_dead_writers()
+                self.writer = Writer(
+                    self.index,
+                    self.segments,
+                    self.times,
+                    clock=clock,
+                    sync=sync,
+                    counters=self.counters,
+                    queue_nbytes=queue_nbytes,
+                    batch_nbytes=batch_nbytes,
+                    segment_nbytes=segment_nbytes,
                 )
+                if sweep_interval_s > 0:
+                    self._sweeper = Sweeper(
+                        lambda: self.expire() + self.enforce_budget(), self.sweeps, sweep_interval_s
+                    )
+        except BaseException:
+            self._close_partly_opened()
+            raise
+
+    def _close_partly_opened(self) -> None:
+        steps: list[Callable[[], object]] = []
+        if self._sweeper is not None:
+            steps.append(self._sweeper.stop)
+        if self.writer is not None:
+            steps.append(self.writer.close)
+        if hasattr(self, "segments"):
+            steps.append(self.segments.close)
+        for step in [*steps, self.index.close]:
+            with contextlib.suppress(Exception):
+                step()
 
     @property
     def policy(self) -> Policy:
