@@ -282,8 +282,7 @@ def test_compaction_never_touches_a_live_writers_segment_whatever_its_pid(tmp_pa
             )
         )  # a pid nobody has here
         r = run_python(f"""
-            from tierkv.tiers import disk as disk_mod
-from tierkv.tiers.disk import DiskTier
+            from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:  # a second writer starting: seals dead writers' segments
                 disk.compact()
                 disk.purge_namespace(None)  # the segment empties: a sealed one would be unlinked now
@@ -293,8 +292,7 @@ from tierkv.tiers.disk import DiskTier
         store.flush()
         assert store.tier("disk").writer.segment.seg_id == seg_id
         r = run_python(f"""
-            from tierkv.tiers import disk as disk_mod
-from tierkv.tiers.disk import DiskTier
+            from tierkv.tiers.disk import DiskTier
             with DiskTier({str(tmp_path)!r}) as disk:
                 disk.compact()
         """)
