@@ -128,6 +128,67 @@ def test_blocks_computed_from_a_self_checked_load_wait_for_the_check(tmp_path: P
     assert _holds(w, Q, 2) and not w.guard.tainted and not w.checks.kept
 
 
+def _step(conn: Any, meta: Any, forward) -> None:
+    """One step as vLLM's model runner runs it: its connector context manager (the real one) around
+    ``forward``, which writes pages or raises."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    out = SimpleNamespace(kv_connector_metadata=meta, has_sync_kv_loads=False, finished_req_ids=set())
+    with KVConnectorModelRunnerMixin._get_kv_connector_output(out):
+        forward()
+
+
+@pytest.fixture
+def connector(tmp_path: Path, monkeypatch) -> Any:
+    """The connector (its worker side, ``fake_engine.worker``) installed as vLLM's, as an engine has it."""
+    import vllm.v1.worker.kv_connector_model_runner_mixin as mixin
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    from tierkv.integrations.vllm import TierKVConnector
+
+    conn = TierKVConnector.__new__(TierKVConnector)
+    conn._connector_metadata, conn._ambient_exc = None, None
+    conn._worker, conn._scheduler = make_worker(tmp_path), None
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", conn)
+    monkeypatch.setattr(mixin, "get_forward_context", lambda: None)
+    return conn
+
+
+def test_a_forward_that_raises_saves_nothing_of_its_step_or_after(connector) -> None:
+    """vLLM calls wait_for_save in a ``finally`` around the forward: when the forward raises (out of
+    memory, a kernel's error) before it wrote A's pages, they hold what an earlier request left there, and
+    saving them would serve that under A's keys. Nothing of the step is saved, nor of later steps (a block
+    the failed step began is finished by the next); what a whole step saved before stays."""
+    w = connector._worker
+    kv = _kv(3, seed=7)
+    _step(connector, _meta(saves=[_span("A", P, 0, [10])]), lambda: _compute(w, [10], kv[:1]))
+    for c in w.caches:
+        c[11:13] = 3.0  # an earlier request's KV
+
+    def fails() -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _step(connector, _meta(saves=[_span("A", P, 1, [11, 12], [10])]), fails)
+    _step(connector, _meta(saves=[_span("B", Q, 3, [13], [10, 11, 12])]), lambda: _compute(w, [13], kv[2:]))
+    assert _stored(w, P) == 1 and not _holds(w, Q, 3)
+    assert w.stats["save_blocks"] == 1 and w.stats["unsound_save_blocks"] == 3
+    assert w.saves_off is not None and "out of memory" in w.saves_off
+
+
+def test_an_exception_handled_around_the_step_is_not_the_forwards(connector) -> None:
+    """vLLM run from inside an ``except`` block (an exception being handled as the step begins): a forward
+    that completes saves as usual."""
+    w = connector._worker
+    try:
+        raise KeyError("handled before the step")
+    except KeyError:
+        _step(connector, _meta(saves=[_span("A", P, 0, [10, 11])]), lambda: _compute(w, [10, 11], _kv(2, 8)))
+    assert _stored(w, P) == 2 and w.saves_off is None
+
+
 def test_a_block_loaded_again_is_clean_again(tmp_path: Path) -> None:
     w = make_worker(tmp_path)
     _prepare(w, 1)

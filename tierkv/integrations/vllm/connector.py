@@ -21,6 +21,7 @@ and how to ask for ``recompute``; the sampled self-check needs ``recompute`` and
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -55,6 +56,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self.options = ConnectorOptions.from_extra(config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._ambient_exc: BaseException | None = None  # see bind_connector_metadata
         if role == KVConnectorRole.SCHEDULER:
             recompute = config.kv_load_failure_policy == "recompute"
             if not recompute:
@@ -100,12 +102,22 @@ class TierKVConnector(KVConnectorBase_V1):
     ) -> None:
         return  # saves are whole-step, done in wait_for_save
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # An exception being handled already as the step begins (vLLM run from an ``except``) is not the
+        # step's own: wait_for_save tells the forward's failure from it.
+        self._ambient_exc = sys.exc_info()[1]
+
     def wait_for_save(self) -> None:
         assert self._worker is not None
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, TierKVMetadata)
-            self._worker.save(meta)
+            # vLLM calls this in a ``finally`` around the forward (kv_connector_model_runner_mixin): an
+            # exception on its way up now, and not already before the step, is the forward's.
+            failing, self._ambient_exc = sys.exc_info()[1], self._ambient_exc
+            self._worker.save(meta, None if failing is self._ambient_exc else failing)
+        self._ambient_exc = None  # not kept alive, with its frames, past the step
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(no asynchronous saves, the requests whose asynchronous loads are done)."""

@@ -50,7 +50,7 @@ WORKER_COUNTERS = {
         "tierkv_connector_unsound_save_blocks",
         None,
         "",
-        "Blocks not saved: computed from a block whose load failed on some rank",
+        "Blocks not saved: computed from a block whose load failed on some rank, or by a forward that raised",
     ),
     "load_nbytes": (
         "tierkv_connector_loaded_bytes",

@@ -68,6 +68,8 @@ class WorkerSide:
         self._moved = False  # blocks loaded or saved since the last metrics payload
         self.loader: Loader | None = None  # asynchronous loads (loader.py), once the caches are known
         self._idle_step = False  # this step computes nothing (TierKVMetadata.idle)
+        # Why this worker saves nothing any more (a forward raised: see ``save``), or None.
+        self.saves_off: str | None = None
         # tier -> [KV bytes read into vLLM's pages, seconds], of the loads served by that tier alone
         self.load_rates: dict[str, list[float]] = {}
         self.stats = {
@@ -78,7 +80,7 @@ class WorkerSide:
             "load_nbytes": 0,  # KV bytes put into vLLM's pages
             "save_blocks": 0,
             "save_s": 0.0,
-            "unsound_save_blocks": 0,  # not saved: computed from a block whose load failed on some rank
+            "unsound_save_blocks": 0,  # not saved: computed from a failed load on some rank, or a failed step
             "check_blocks": 0,  # self-check: restored blocks compared with vLLM's recomputation
             "check_mismatch_blocks": 0,
         }
@@ -346,7 +348,9 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ saves
 
-    def save(self, meta: TierKVMetadata) -> None:
+    def save(self, meta: TierKVMetadata, forward_failed: BaseException | None = None) -> None:
+        """After the step's forward (``forward_failed``: the exception it raised; vLLM still calls this, in a
+        ``finally``)."""
         # Every rank, every step with loads (the same metadata reaches every rank): the union of the
         # ranks' failed loads. A collective, so before any return. (Each rank reports its own failures to
         # vLLM from start_load, which unions the ranks' reports; this union is for the taint only.)
@@ -366,6 +370,18 @@ class WorkerSide:
         for req_id in meta.forget:
             self.checks.forget(req_id)
         if self.layout is None:
+            return
+        if forward_failed is not None and self.saves_off is None:
+            # The pages this step was to write hold whatever they held, or some layers' KV: nothing of it
+            # may be saved, nor anything later that may have read it (a block the step began fills on in
+            # the next one). A forward that raised ends the engine in practice, then flushes what the
+            # earlier, whole steps saved.
+            self.saves_off = f"a forward raised ({type(forward_failed).__name__}: {forward_failed})"
+            log.error("tierkv: this worker saves nothing from now on: %s", self.saves_off)
+        if self.saves_off is not None:
+            for span in meta.checks:
+                self.checks.forget(span.req_id)  # vLLM's recomputation is not one: nothing to compare
+            self.stats["unsound_save_blocks"] += sum(len(span.block_ids) for span in meta.saves)
             return
         for span in meta.checks:
             try:
