@@ -142,6 +142,57 @@ def test_greedy_output_identical_with_and_without_cache(server, nocache_server) 
     assert hit.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_concurrent_requests_sharing_a_prefix_answer_as_the_uncached_server_does(
+    server, nocache_server
+) -> None:
+    """Eight clients at once, two per question, half of them streaming, all behind one system prompt that
+    none has sent before: the first ones save its blocks while the others look them up or restore them.
+    Every answer is the uncached server's, token for token (greedy), and the prefix is hit."""
+    system = SYSTEM + " (concurrent)"
+    questions = [f"Question {q}: what follows {q * 7}?" for q in range(4)]
+
+    def ask(client, question: str, stream: bool) -> tuple[str, int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        if not stream:
+            r = _chat(client, msgs, max_tokens=24)
+            return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+        chunks = list(
+            client.chat.completions.create(
+                model="default",
+                messages=msgs,
+                temperature=0,
+                max_tokens=24,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+    plain = {q: ask(nocache_server.client(), q, False)[0] for q in questions}
+    jobs = [(q, i % 2 == 1) for i, q in enumerate(questions * 2)]
+    results: dict[int, tuple[str, int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int, q: str, stream: bool) -> None:
+        try:
+            results[i] = ask(server.client(), q, stream)
+        except BaseException as exc:  # noqa: BLE001 - reported below, with the others
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, q, s)) for i, (q, s) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and len(results) == len(jobs), errors
+    for i, (q, _) in enumerate(jobs):
+        assert results[i][0] == plain[q], (i, q)
+    assert max(cached for _, cached in results.values()) >= BLOCK  # the shared prefix was restored
+    # Once they are all done, a question none asked hits the whole shared prefix (a byte per token).
+    assert ask(server.client(), "A fifth question.", False)[1] >= len(system) // BLOCK * BLOCK
+
+
 def test_streaming_matches_non_streaming_and_reports_usage(server) -> None:
     client = server.client()
     msgs = [
