@@ -515,8 +515,11 @@ def test_a_failed_load_rewinds_to_the_first_invalid_block_and_reschedules_the_re
     assert b.num_computed_tokens == 3 * B
     assert a.status == b.status == RequestStatus.RUNNING and engine.scheduler.running == [a, b]
     assert not a.output_token_ids and not b.output_token_ids
+    # "recompute" keeps it cached for A to rewrite; the connector takes it, and the blocks after it in each
+    # request, out of the prefix cache (no later request is served from them before A recomputed it).
     pool = engine.scheduler.kv_cache_manager.block_pool
-    assert pool.blocks[a_ids[2]].block_hash is not None  # "recompute" keeps it cached, to be rewritten
+    assert [pool.blocks[i].block_hash for i in (a_ids[2], a_ids[3], b_ids[3])] == [None] * 3
+    assert pool.blocks[a_ids[1]].block_hash is not None  # what loaded stays
 
     out = engine.schedule()
     assert out.num_scheduled_tokens == {"A": len(a.prompt_token_ids) - 2 * B, "B": B + 4}
@@ -530,6 +533,39 @@ def test_a_failed_load_rewinds_to_the_first_invalid_block_and_reschedules_the_re
     ]
     assert engine.finish_step(out) == {"A": [TOKEN], "B": [TOKEN]}
     engine.run_to_completion()
+    engine.assert_idle()
+
+
+def test_a_request_admitted_while_a_failed_load_is_recomputed_never_hits_its_blocks(engines) -> None:
+    """Synchronous loads under "recompute": A's blocks 1-3 fail and A is rewound, but its next chunk is
+    capped at one block (another request runs: ``long_prefill_token_threshold``). C, admitted in that
+    step with A's prompt, must not take blocks 1-3 from vLLM's prefix cache, which hold no KV of theirs
+    until A recomputes them: vLLM would send C's tokens, computed from them, to the user. (Found by a
+    cold review; vLLM 0.32 evicts such blocks itself only under "fail".)"""
+    engine = engines(policy="recompute", batched_tokens=256)
+    engine.scheduler.scheduler_config.long_prefill_token_threshold = B
+    prompt = _tokens(5, 4 * B + 5)
+    _store(engine.connector, prompt, 4)
+    a = engine.add("A", prompt, max_tokens=2)
+    engine.add("X", _tokens(99, 3), max_tokens=50)  # another request, so that the threshold applies
+    out = engine.schedule()
+    a_ids = engine.block_ids(out, "A")
+    assert [(s.req_id, s.first) for s in out.kv_connector_metadata.loads] == [("A", 0)]
+    engine.finish_step(out, invalid=set(a_ids[1:4]))
+    assert a.num_computed_tokens == B
+
+    engine.add("C", prompt[: 4 * B] + _tokens(7, 5), max_tokens=2)
+    out = engine.schedule()
+    assert out.num_scheduled_tokens["A"] == B  # A recomputes block 1 only, this step
+    (c,) = [new for new in out.scheduled_new_reqs if new.req_id == "C"]
+    assert c.block_ids[0][0] == a_ids[0]  # what loaded, from vLLM's prefix cache
+    assert not set(c.block_ids[0]) & set(a_ids[1:4])  # none of the blocks that did not
+    # (C loads blocks 1-3 from tierkv into blocks of its own instead)
+    assert [(s.req_id, s.first, list(s.block_ids)) for s in out.kv_connector_metadata.loads] == [
+        ("C", 1, c.block_ids[0][1:4])
+    ]
+    engine.finish_step(out)
+    engine.run_to_completion(max_steps=80)
     engine.assert_idle()
 
 

@@ -180,6 +180,11 @@ class TierKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.build_meta(scheduler_output)
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:  # blocks that did not load leave its prefix cache (scheduler.py)
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)

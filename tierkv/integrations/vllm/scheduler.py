@@ -106,6 +106,7 @@ class SchedulerSide:
         self.epoch = ""
         self._reqs: dict[str, _Request] = {}
         self._warned_reserved = False
+        self.kv_cache_manager: Any = None  # vLLM's, once bound (TierKVConnector.bind_kv_cache_manager)
         self.lookups = Lookups(
             lambda chain: self.store.lookup(chain.ns, chain),
             options.lookup_wait_s,
@@ -365,6 +366,8 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        if invalid:
+            self._uncache(set(invalid))
         done = getattr(connector_output, "finished_recving", None) or set()
         for req_id, r in self._reqs.items():  # asynchronous loads: what failed is computed, not offered again
             if r.loading is not None:
@@ -378,6 +381,35 @@ class SchedulerSide:
                 "tierkv: a worker cannot use this KV layout (%s); no more hits are offered", report.disabled
             )
             self.load_enabled = False
+
+    def _uncache(self, invalid: set[int]) -> None:
+        """Take the blocks that did not load, and each request's blocks after one, out of vLLM's prefix
+        cache. vLLM does so itself only under ``kv_load_failure_policy`` ``fail``. Under ``recompute`` it
+        keeps them cached for the rewound request to recompute in place: a request admitted before that
+        request got to them (its chunks capped, say) was served from blocks that hold no KV of theirs,
+        and its tokens went to the user. (vLLM calls this before it schedules the next step.)"""
+        manager = self.kv_cache_manager
+        if manager is None:
+            return
+        try:  # every request's blocks, tracked here or not (vLLM 0.32's cache manager)
+            held = [
+                [block.block_id for block in blocks]
+                for single in manager.coordinator.single_type_managers
+                for blocks in single.req_to_blocks.values()
+            ]
+        except AttributeError:  # another vLLM: the requests this side tracks
+            held = [r.block_ids for r in self._reqs.values()]
+        evict = set(invalid)
+        for ids in held:
+            first = next((i for i, block_id in enumerate(ids) if block_id in invalid), None)
+            if first is not None:
+                evict.update(ids[first:])
+        try:
+            manager.evict_blocks(evict)
+        except Exception:  # noqa: BLE001 - said loudly: vLLM may serve those blocks to a later request
+            log.exception(
+                "tierkv: taking %d blocks that did not load out of vLLM's prefix cache failed", len(evict)
+            )
 
     def turn_off(self, why: str) -> None:
         """No more lookups, loads or saves from now on (what was planned for this step still runs)."""
