@@ -233,6 +233,26 @@ def test_a_store_that_raises_on_restore_is_a_load_error(
     assert w.take_load_errors() == {11, 12}
 
 
+def test_a_store_unreadable_for_a_requests_cache_control_serves_it_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler side reads the disk index for a request with cache control (its pin and retention
+    budgets), on vLLM's scheduler thread, where any exception ends the engine: an LMDB error there (the
+    reader table full, an unreadable page) serves the request without its cache control."""
+    import lmdb
+
+    side = scheduler(tmp_path)
+    disk = side.store.tier("disk")
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise lmdb.ReadersFullError("mdb_txn_begin: MDB_READERS_FULL")
+
+    monkeypatch.setattr(disk, "check_retention", full)
+    asked = request("B", list(range(300)), kv_transfer_params={"tierkv": {"retention": "2h"}})
+    assert side.num_new_matched_tokens(asked, 0) == (0, False)
+    assert side._reqs["B"].control.prefixes == ()  # served, without the retention it asked for
+
+
 # ---------------------------------------------------------------------------------------------- two ranks
 
 

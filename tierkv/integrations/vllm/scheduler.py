@@ -205,6 +205,15 @@ class SchedulerSide:
         except (ConfigError, PinBudgetError, ValueError) as exc:
             log.warning("tierkv: request %s: its cache control is ignored: %s", request.request_id, exc)
             return NO_CONTROL
+        except Exception as exc:  # noqa: BLE001 - the store's index unreadable (LMDB, EIO): vLLM's engine
+            # treats any exception here as fatal, for every request it runs
+            log.warning(
+                "tierkv: request %s: its cache control is ignored: the store could not be read (%s: %s)",
+                request.request_id,
+                type(exc).__name__,
+                exc,
+            )
+            return NO_CONTROL
         return control
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
