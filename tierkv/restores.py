@@ -90,6 +90,15 @@ class StoreRestores:
         by_tier = {t.name: sum(k == j for k in src) * ns.block_tokens for j, t in enumerate(self.tiers)}
         return Hit(len(src) * ns.block_tokens, by_tier, len(src))
 
+    def refresh(self, ns: Namespace, token_ids: Tokens, num_blocks: int) -> None:
+        """Blocks ``0..num_blocks-1`` were just used from the engine's own cache: kept recent in every tier,
+        as a restore keeps what it reads (each tier's LRU, the disk's sliding TTL). Without it the prefix
+        used most, which the engine holds and never asks for, would be the first to leave. Reads no
+        payload; a block a tier lacks stays missing there."""
+        chain = _chain(ns, token_ids).prefix(num_blocks)
+        for tier in self.tiers:
+            tier.served_above(chain, range(len(chain)))
+
     def load(
         self, ns: Namespace, token_ids: Tokens, out: torch.Tensor | None = None
     ) -> tuple[int, torch.Tensor | None]:

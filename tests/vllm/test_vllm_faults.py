@@ -253,6 +253,27 @@ def test_a_store_unreadable_for_a_requests_cache_control_serves_it_without(
     assert side._reqs["B"].control.prefixes == ()  # served, without the retention it asked for
 
 
+def test_a_prefix_vllm_holds_itself_is_kept_recent_for_every_rank(tmp_path: Path) -> None:
+    """Each tensor-parallel rank saves its own shard under its own namespace; the scheduler side looks up
+    rank 0's, and keeps every rank's blocks of a prefix vLLM serves from its own cache recent."""
+    import time
+
+    from tierkv.keys import BlockChain
+
+    side = scheduler(tmp_path, tp=2)
+    assert [ns.revision.rsplit("+", 1)[-1] for ns in side.rank_base_ns] == ["tp0of2", "tp1of2"]
+    prompt = P[: 2 * B]
+    for ns in side.rank_base_ns:
+        side.store.save_blocks(ns, prompt, _kv(2, seed=3))
+    side.store.flush()
+    disk = side.store.tier("disk")
+    later = time.time() + 3600.0
+    disk.clock = lambda: later
+    assert side.num_new_matched_tokens(request("A", prompt + [1, 2, 3]), 2 * B) == (0, False)
+    for ns in side.rank_base_ns:
+        assert [disk.times.last(k).t for k in BlockChain.of(ns, prompt).keys] == [later] * 2
+
+
 # ---------------------------------------------------------------------------------------------- two ranks
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -409,6 +410,32 @@ def test_stored_blocks_are_offered_beyond_vllms_own_prefix_hit_leaving_one_token
     engine.run_to_completion()
     assert sorted(rid for rid, _, _ in finished) == ["A", "C", "D", "E"]
     assert {result for _, _, result in finished} == {(False, None)}
+    engine.assert_idle()
+
+
+def test_a_prefix_vllm_serves_from_its_own_cache_stays_recent_in_every_tier(engines) -> None:
+    """vLLM never asks tierkv for blocks its own prefix cache holds: without a refresh the prefix used most
+    (a system prompt vLLM keeps) would be the first to leave the host tier (LRU) and expire on disk (its
+    sliding TTL), and miss after a restart. The scheduler's lookup keeps such blocks recent, as a restore
+    does; blocks tierkv lacks stay missing."""
+    engine = engines()
+    connector = engine.connector
+    prompt = _tokens(8, 4 * B + 5)
+    _store(connector, prompt, 3)
+    engine.add("A", prompt, max_tokens=1)
+    engine.run_to_completion()  # A loaded blocks 0-2, computed block 3: vLLM's prefix cache holds 0-3
+    side = connector._scheduler
+    host, disk = side.store.tier("host"), side.store.tier("disk")
+    later = time.time() + 3600.0
+    host.clock = disk.clock = lambda: later  # an hour on
+    b = engine.add("B", prompt[: 4 * B] + _tokens(9, 5), max_tokens=1)
+    assert connector.get_num_new_matched_tokens(b, 4 * B) == (0, False)  # vLLM holds it all
+    keys = BlockChain.of(side.ns, prompt).keys
+    assert [disk.times.last(k).t for k in keys[:3]] == [later] * 3
+    assert [host._atime.get(k) for k in keys[:3]] == [later] * 3
+    # Block 3, which A computed (no worker here saves it), is not in the store: nothing to refresh.
+    assert disk.times.last(keys[3]) is None and keys[3] not in host._atime
+    engine.run_to_completion()
     engine.assert_idle()
 
 

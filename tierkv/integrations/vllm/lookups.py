@@ -31,6 +31,7 @@ class Looking(Protocol):
     """A request's lookup state (the scheduler side's per-request record)."""
 
     chain: BlockChain
+    local_tokens: int
     lookup: concurrent.futures.Future[Any] | None
     lookup_since: float
 
@@ -38,11 +39,11 @@ class Looking(Protocol):
 class Lookups:
     def __init__(
         self,
-        lookup: Callable[[BlockChain], Any],
+        lookup: Callable[[Any], Any],
         wait_s: float,
         on_slow: Callable[[str], None],
     ) -> None:
-        """``lookup(chain)``: the store's (its hit, or None); ``on_slow(outcome)``: a lookup deferred or
+        """``lookup(r)``: the store's for request ``r`` (its hit, or None); ``on_slow(outcome)``: a lookup deferred or
         given up (the metrics)."""
         self._lookup, self.wait_s, self._on_slow = lookup, wait_s, on_slow
         self.errors: dict[str, int] = {}  # deferred, given up, skipped while paused, failures by kind
@@ -57,7 +58,7 @@ class Lookups:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="tierkv-lookup", initializer=spread_here
                 )
-            r.lookup, r.lookup_since = self._pool.submit(self._guarded, r.chain), time.monotonic()
+            r.lookup, r.lookup_since = self._pool.submit(self._guarded, r), time.monotonic()
             wait_s = self.wait_s
         else:
             wait_s = 0.0
@@ -73,7 +74,7 @@ class Lookups:
         r.lookup = None
         return hit
 
-    def _guarded(self, chain: BlockChain) -> Any:
+    def _guarded(self, r: Looking) -> Any:
         """The store's lookup, or None on a failure (LMDB's reader table full, a store that cannot reopen
         after a map resize, EIO): each kind logged once, then a pause."""
         now = time.monotonic()
@@ -81,7 +82,7 @@ class Lookups:
             self._count("skipped")
             return None
         try:
-            hit = self._lookup(chain)
+            hit = self._lookup(r)
         except Exception as exc:
             kind = type(exc).__name__
             self._count(kind)

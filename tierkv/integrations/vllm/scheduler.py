@@ -108,7 +108,7 @@ class SchedulerSide:
         self._warned_reserved = False
         self.kv_cache_manager: Any = None  # vLLM's, once bound (TierKVConnector.bind_kv_cache_manager)
         self.lookups = Lookups(
-            lambda chain: self.store.lookup(chain.ns, chain),
+            self._look_up,
             options.lookup_wait_s,
             lambda outcome: self._metrics.count("tierkv_connector_lookups", (outcome,), 1),
         )
@@ -145,6 +145,11 @@ class SchedulerSide:
             vllm_config, kv_cache_config, revision=options.revision, tp_rank=0
         )
         self.ns = self.base_ns
+        # Every rank's namespace (each saves its own shard), for the blocks vLLM serves itself (_look_up).
+        self.rank_base_ns = [self.base_ns] + [
+            kv_namespace(vllm_config, kv_cache_config, revision=options.revision, tp_rank=rank)
+            for rank in range(1, vllm_config.parallel_config.tensor_parallel_size)
+        ]
         self.block_tokens = self.ns.block_tokens
         self.store = shared_store(options)
         log.info(
@@ -186,6 +191,22 @@ class SchedulerSide:
             r.control = self._control(request, r)
             self._reqs[request.request_id] = r
         return r
+
+    def _look_up(self, r: _Request) -> Any:
+        """The store's hit for ``r``, on the lookup thread. The blocks of it vLLM holds itself (its own
+        prefix hit), which it will not ask for, are kept recent in the store, every rank's, as a restore
+        keeps what it reads: else the prefix used most would age out of tierkv first (its LRU, the disk's
+        TTL) and miss after a restart."""
+        hit = self.store.lookup(r.chain.ns, r.chain)
+        held = min(r.local_tokens // self.block_tokens, hit.num_blocks)
+        if held:
+            epoch = self.epoch
+            for base in self.rank_base_ns:
+                ns = with_epoch(base, epoch).with_salt(r.salt) if r.salt else with_epoch(base, epoch)
+                self.store.refresh(
+                    ns, r.chain if ns == r.chain.ns else r.prompt[: held * self.block_tokens], held
+                )
+        return hit
 
     def _control(self, request: Any, r: _Request) -> CacheControl:
         """The cache control in the request's ``kv_transfer_params`` (the one field vLLM's server passes
