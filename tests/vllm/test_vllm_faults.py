@@ -274,6 +274,27 @@ def test_a_prefix_vllm_holds_itself_is_kept_recent_for_every_rank(tmp_path: Path
         assert [disk.times.last(k).t for k in BlockChain.of(ns, prompt).keys] == [later] * 2
 
 
+def test_a_reset_forgets_the_self_check_copies_of_the_requests_it_drops(tmp_path: Path) -> None:
+    """A reset drops the scheduler side's requests (their chains were made in the old namespace); the
+    workers' self-check copies of their restored blocks are forgotten with them, in the next step's
+    metadata, not kept until the copies' memory limit stops all sampling."""
+    from types import SimpleNamespace
+
+    side = scheduler(tmp_path)
+    r = side._request(request("A", P[: 2 * B] + [1]))
+    r.check = (0, 2)  # a sampled load, not yet compared
+    side._request(request("C", Q))
+    assert side.reset()
+    idle = SimpleNamespace(
+        total_num_scheduled_tokens=0,
+        num_scheduled_tokens={},
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    )
+    meta = side.build_meta(idle)
+    assert meta.forget == ["A"]
+
+
 # ---------------------------------------------------------------------------------------------- two ranks
 
 
@@ -411,3 +432,28 @@ def test_a_rank_that_never_comes_is_a_bounded_wait_not_a_hang() -> None:
     assert results[1] == "absent"
     assert results[0].startswith("disagree after"), results[0]
     assert float(results[0].split()[2]) < 5.0
+
+
+def test_a_rank_lost_between_the_flag_and_the_exchange_is_out_of_step_not_a_crash(monkeypatch) -> None:
+    """The failed ids travel in a second collective: a rank gone between the two (the gather raises) is
+    the same as one that never came, ``RanksDisagree``, which turns the connector off on this worker,
+    not an exception out of vLLM's wait_for_save."""
+    import torch.distributed as dist
+
+    from tierkv.integrations.vllm.guard import RankGroup, RanksDisagree
+
+    class Done:
+        def wait(self, timeout: Any) -> bool:
+            return True
+
+    def all_reduce(flag: torch.Tensor, **kwargs: Any) -> Done:
+        flag.fill_(1)  # some rank has failed loads
+        return Done()
+
+    def all_gather_object(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    with pytest.raises(RanksDisagree, match="did not exchange"):
+        RankGroup(group=object(), size=2, rank=0).union({3})

@@ -68,7 +68,12 @@ class RankGroup:
         if not int(flag.item()):
             return set()
         every: list[Any] = [None] * self.size
-        dist.all_gather_object(every, sorted(ids), group=self.group)
+        try:
+            dist.all_gather_object(every, sorted(ids), group=self.group)
+        except RuntimeError as exc:  # a rank gone between the two collectives: as out of step
+            raise RanksDisagree(
+                f"the tensor-parallel ranks did not exchange their failed loads: {exc}"
+            ) from exc
         return set().union(*(set(x) for x in every))
 
 

@@ -457,7 +457,10 @@ class SchedulerSide:
         if self.store is not None:
             self.epoch = uuid.uuid4().hex[:16]
             self.ns = with_epoch(self.base_ns, self.epoch)
-            self._reqs.clear()  # their chains were made in the old namespace
+            # Their chains were made in the old namespace; the workers' self-check copies of them go too
+            # (request_finished would no longer find them to say so).
+            self._forget.extend(req_id for req_id, r in self._reqs.items() if r.check is not None)
+            self._reqs.clear()
             log.info("tierkv: cache reset; this engine now uses namespace epoch %s", self.epoch)
         return True
 
