@@ -274,6 +274,26 @@ def test_a_prefix_vllm_holds_itself_is_kept_recent_for_every_rank(tmp_path: Path
         assert [disk.times.last(k).t for k in BlockChain.of(ns, prompt).keys] == [later] * 2
 
 
+def test_a_pin_asked_for_a_prefix_vllm_holds_itself_is_taken(tmp_path: Path) -> None:
+    """A prompt sent once without cache control, then again with a pin while vLLM's prefix cache still
+    holds it: vLLM loads and saves nothing of it, and the pin was silently lost (from a new user's
+    trial). The scheduler side gives the pin to the blocks of vLLM's own hit that tierkv holds."""
+    import time
+
+    from tierkv.tiers.disk.schema import Entry
+
+    side = scheduler(tmp_path)
+    prompt = P[: 2 * B]
+    side.store.save_blocks(side.ns, prompt, _kv(2, seed=3))
+    side.store.flush()
+    pinned = request("A", prompt + [1, 2, 3], kv_transfer_params={"tierkv": {"pin": "2h"}})
+    assert side.num_new_matched_tokens(pinned, 2 * B) == (0, False)  # vLLM holds it all
+    side.store.flush()
+    disk = side.store.tier("disk")
+    entries: list[Entry] = [e for _, e in disk.iter_entries()]
+    assert len(entries) == 2 and all(e.pin_until_s > time.time() + 7000 for e in entries)
+
+
 def test_a_reset_forgets_the_self_check_copies_of_the_requests_it_drops(tmp_path: Path) -> None:
     """A reset drops the scheduler side's requests (their chains were made in the old namespace); the
     workers' self-check copies of their restored blocks are forgotten with them, in the next step's

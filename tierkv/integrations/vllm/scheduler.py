@@ -196,16 +196,21 @@ class SchedulerSide:
         """The store's hit for ``r``, on the lookup thread. The blocks of it vLLM holds itself (its own
         prefix hit), which it will not ask for, are kept recent in the store, every rank's, as a restore
         keeps what it reads: else the prefix used most would age out of tierkv first (its LRU, the disk's
-        TTL) and miss after a restart."""
+        TTL) and miss after a restart; and a pin or retention the request asks is given to them."""
         hit = self.store.lookup(r.chain.ns, r.chain)
         held = min(r.local_tokens // self.block_tokens, hit.num_blocks)
         if held:
             epoch = self.epoch
             for base in self.rank_base_ns:
                 ns = with_epoch(base, epoch).with_salt(r.salt) if r.salt else with_epoch(base, epoch)
-                self.store.refresh(
-                    ns, r.chain if ns == r.chain.ns else r.prompt[: held * self.block_tokens], held
+                chain = (
+                    r.chain if ns == r.chain.ns else BlockChain.of(ns, r.prompt[: held * self.block_tokens])
                 )
+                self.store.refresh(ns, chain, held)
+                # ... and given the retention or pin the request asks (the worker gives it to what it
+                # loads or saves; these it never sees)
+                for tokens, retention in r.control.prefixes:
+                    self.store.retain(ns, chain, retention, num_blocks=min(tokens // self.block_tokens, held))
         return hit
 
     def _control(self, request: Any, r: _Request) -> CacheControl:
