@@ -491,6 +491,26 @@ def test_serve_on_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path, en
     assert (tmp_path / "afile").read_text() == "not a store"
 
 
+def test_serve_on_a_read_only_cache_dir_is_one_line_and_exit_2_before_any_model_loads(
+    store_dir, tmp_path_factory
+) -> None:
+    """A server writes its store: a cache dir on a read-only mount (or under one, not made yet) is a usage
+    error told at once, on both engines; vLLM's failed after its model had loaded and compiled (minutes),
+    in a worker's traceback, exit 1. From a new user's trial."""
+    out = tmp_path_factory.mktemp("read-only")
+    commands = "".join(
+        f"$CLI serve --engine {engine} --model /nonexistent --cache-dir {where}; echo {engine}=$?\n"
+        for engine in ("transformers", "vllm")
+        for where in ("$RO", "$RO/new")
+    )
+    r = _under_a_read_only_mount(store_dir, out, commands)
+    for engine in ("transformers", "vllm"):
+        assert r.stdout.count(f"{engine}=2") == 2, (r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 4 and all("cannot hold a store" in line for line in lines), r.stderr
+    assert all(f"{out}/ro is on a read-only file system" in line for line in lines), r.stderr
+
+
 def test_a_read_only_mount_of_a_store_without_its_owners_lock_is_not_read(
     store_dir, tmp_path_factory
 ) -> None:

@@ -9,9 +9,26 @@ CACHE_DIR_ENV = "TIERKV_CACHE_DIR"
 DEFAULT_CACHE_DIR_HELP = "$TIERKV_CACHE_DIR or ~/.cache/tierkv"  # what default_cache_dir() resolves, in words
 
 
+def unwritable_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why a store could not be created or written at ``path`` (None: it could), from the directory or,
+    where it does not exist yet, the nearest one above it that does; without creating anything. (access(2)
+    says EROFS for a read-only mount, even to root.)"""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if os.access(where, os.W_OK | os.X_OK):
+        return None
+    try:
+        if os.statvfs(where).f_flag & os.ST_RDONLY:
+            return f"{where} is on a read-only file system"
+    except OSError:
+        pass
+    return f"{where} is not writable by this user"
+
+
 def default_cache_dir() -> str:
     """The store's directory when none is given: ``$TIERKV_CACHE_DIR``, else ``~/.cache/tierkv``."""
     return os.environ.get(CACHE_DIR_ENV) or str(Path.home() / ".cache" / "tierkv")
 
 
-__all__ = ["CACHE_DIR_ENV", "DEFAULT_CACHE_DIR_HELP", "default_cache_dir"]
+__all__ = ["CACHE_DIR_ENV", "DEFAULT_CACHE_DIR_HELP", "default_cache_dir", "unwritable_reason"]

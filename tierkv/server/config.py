@@ -12,7 +12,7 @@ import tomllib
 from tierkv import models
 from tierkv.config import DiskConfig, RemoteConfig, StoreConfig
 from tierkv.errors import ConfigError
-from tierkv.paths import default_cache_dir
+from tierkv.paths import default_cache_dir, unwritable_reason
 from tierkv.redact import redact_url
 from tierkv.units import parse_duration, parse_size
 
@@ -96,6 +96,8 @@ class ServeConfig:
         where = Path(config.resolved_cache_dir())
         if where.exists() and not where.is_dir():  # a usage error, told before the model loads
             raise ConfigError(f"cache_dir: {where} is a file, not a directory")
+        if not config.no_cache and (why := unwritable_reason(where)):  # (a server writes its store)
+            raise ConfigError(f"cache_dir: {where} cannot hold a store: {why}")
         return config
 
     def resolved_cache_dir(self) -> str:
