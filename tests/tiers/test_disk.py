@@ -12,7 +12,7 @@ import torch
 
 from tierkv import Namespace, NamespaceConflictError, StoreFormatError, TieredStore
 from tierkv.codec import HEADER_NBYTES
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk import DiskTier, Policy
 from tierkv.tiers.disk.segments import aligned
 from tierkv.tiers.disk.write_items import Barrier
 
@@ -523,3 +523,13 @@ def test_over_its_budget_the_writer_evicts_a_headroom_below_it_at_once(tmp_path,
         assert len(holes) == 6
         assert store.lookup(ns, toks).num_tokens == 34 * 16
     assert headroom(1 << 20) == 0 and headroom(4 << 30) == 64 << 20 and headroom(1 << 40) == 256 << 20
+
+
+def test_a_budget_above_what_the_file_system_has_is_said_at_start_up(tmp_path) -> None:
+    """A 20 GiB default budget on a small volume was accepted without a word: the disk then fills before
+    the budget evicts and saves are dropped. The start-up line says so (from a new user's trial)."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with DiskTier(tmp_path / "big", policy=Policy(budget_nbytes=free + (1 << 50))) as disk:
+        assert "WARNING: more than the" in disk.describe() and "this file system has" in disk.describe()
+    with DiskTier(tmp_path / "small", policy=Policy(budget_nbytes=64 << 20)) as disk:
+        assert "WARNING" not in disk.describe()

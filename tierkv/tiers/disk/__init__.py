@@ -385,7 +385,23 @@ class DiskTier(DiskWrites, Tier):
             if self._sweeper is not None
             else "no background sweep"
         )
-        return f"disk {budget} at {self.path} ({ttl}, {sweep}); data path {self.read_path()}"
+        return f"disk {budget} at {self.path} ({ttl}, {sweep}){self._room()}; data path {self.read_path()}"
+
+    def _room(self) -> str:
+        """A clause for ``describe`` where the budget is more than this file system can give the store (what
+        it holds and what is free): the disk fills before the budget evicts, and saves are dropped."""
+        budget = self.policy.budget_nbytes
+        try:
+            st = os.statvfs(self.path / "segments")
+            room = self.segments.disk_nbytes()[0] + st.f_bavail * st.f_frsize
+        except OSError:
+            return ""
+        if not budget or budget <= room:
+            return ""
+        return (
+            f" (WARNING: more than the {format_size(room)} this file system has for the store: the budget never "
+            "evicts, and once the disk is full saves are dropped until expiries make room; set it lower)"
+        )
 
     def read_ahead(self, max_nbytes: int = INDEX_READ_AHEAD_NBYTES) -> int:
         """Before the first restore (a server at start-up): the index file read into the page cache by the
