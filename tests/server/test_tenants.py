@@ -269,3 +269,58 @@ def test_the_vllm_front_salts_every_request_it_forwards_and_forwards_nothing_els
     assert seen[0].url.path == "/v1/completions" and seen[1].url.path == "/v1/models"
     assert {r.headers["authorization"] for r in seen} == {"Bearer engine-token"}
     assert len(seen) == 2
+
+
+def test_the_vllm_front_moves_cache_control_into_kv_transfer_params_and_refuses_what_it_does_not_know(
+    tmp_path,
+) -> None:
+    """vLLM drops request fields it does not know: a ``prompt_cache_retention: "in_memory"`` sent at the
+    top level was written to disk all the same (a new user's trial). The front checks the fields as
+    tierkv's own engine does (a 400 naming the field) and moves them where the connector reads them."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from tierkv.integrations.vllm.front import create_front_app
+    from tierkv.server.tenants import Tenants, add_key
+
+    keys = tmp_path / "keys.toml"
+    key = add_key(keys, "acme")
+    seen: list[dict] = []
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'{"ok": true}'
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, headers={"content-type": "application/json"}, stream=Body())
+
+    app = create_front_app(Tenants(keys), httpx.MockTransport(upstream), "engine-token")
+    auth = {"Authorization": f"Bearer {key}"}
+    with TestClient(app) as client:
+
+        def post(**fields) -> httpx.Response:
+            return client.post("/v1/chat/completions", json={"messages": [], **fields}, headers=auth)
+
+        r = post(prompt_cache_retention="24h", tierkv={"pin": "2h"}, kv_transfer_params={"x": 1})
+        assert r.status_code == 200
+        assert seen[-1]["kv_transfer_params"] == {
+            "x": 1,
+            "prompt_cache_retention": "24h",
+            "tierkv": {"pin": "2h"},
+        }
+        assert "prompt_cache_retention" not in seen[-1] and "tierkv" not in seen[-1]
+        assert post(messages=[{"role": "user", "content": "hi"}]).status_code == 200
+        assert "kv_transfer_params" not in seen[-1]  # nothing asked, nothing added
+        count = len(seen)
+        for fields, param in (
+            ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
+            ({"prompt_cache_retention": "in_memory", "tierkv": {"pin": "2h"}}, "tierkv.pin"),
+            ({"tierkv": {"pin": "soon"}}, "tierkv"),
+            ({"tierkv": "pin"}, "tierkv"),
+            ({"tierkv": {"pin": "2h"}, "kv_transfer_params": {"tierkv": {}}}, "tierkv"),
+            ({"tierkv": {"pin": "2h"}, "kv_transfer_params": "x"}, "kv_transfer_params"),
+        ):
+            r = post(**fields)
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.json())
+        assert len(seen) == count  # none of those reached the engine

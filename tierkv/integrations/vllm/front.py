@@ -7,6 +7,8 @@ So with API keys, ``tierkv serve`` runs vLLM on a private loopback port and serv
 - the key's tenant sets the request's ``cache_salt`` (``tenancy.namespace_salt``: its derived salt, then
   the client's own ``cache_salt``, which only subdivides the tenant's space), so vLLM's own prefix cache
   and tierkv's namespaces are the tenant's;
+- the cache-control fields of tierkv's own engine, sent at the top level, are checked as it checks them
+  (a 400 naming the field) and moved into ``kv_transfer_params``, where the connector reads them;
 - only ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (salted) and ``/v1/models`` are
   served, each to vLLM's own route (never a path the client wrote); the answer comes back streamed;
   ``/health`` and ``/metrics`` are vLLM's;
@@ -94,6 +96,36 @@ def store_quotas(cache_dir: str, quotas: dict[bytes, Quota]) -> None:
 
 def _dumps(body: Any) -> bytes:
     return json.dumps(body).encode()
+
+
+def _move_cache_control(body: dict[str, Any]) -> Response | None:
+    """The cache-control fields a client sends at the top level, as to tierkv's own engine
+    (``prompt_cache_retention``, ``prompt_cache_options``, ``tierkv``), checked by the same rules (a
+    400 naming the field) and moved into ``kv_transfer_params``, the one field vLLM hands the connector
+    (vLLM drops the others without a word). Returns the 400, or None."""
+    from tierkv.server.cache_control import CONTROL_FIELDS, CacheControlError, control_from_params
+
+    fields = {k: body[k] for k in CONTROL_FIELDS if k in body}
+    if not fields:
+        return None
+    params = body.get("kv_transfer_params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        return error(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+    for name in fields:
+        if name in params:
+            return error(400, f"{name}: given at the top level and in kv_transfer_params", param=name)
+    try:
+        control_from_params(fields, 1)  # (only checked here: the connector applies it to the prompt)
+    except CacheControlError as exc:
+        return error(400, str(exc), param=exc.param)
+    except ValueError as exc:  # pydantic's, naming the field
+        return error(400, f"cache control: {exc}".splitlines()[0], param=next(iter(fields)))
+    for name in fields:
+        del body[name]
+    body["kv_transfer_params"] = {**params, **fields}
+    return None
 
 
 def create_front_app(
@@ -204,6 +236,9 @@ def create_front_app(
             room = MAX_CACHE_SALT - len(namespace_salt(tenant, ""))
             return error(400, f"cache_salt: at most {room} characters with API keys", param="cache_salt")
         body["cache_salt"] = salt
+        refused = _move_cache_control(body)
+        if refused is not None:
+            return refused
         out = json.dumps(body).encode() if size < 1 << 20 else await asyncio.to_thread(_dumps, body)
         return await forward("POST", route, out)
 
