@@ -144,7 +144,13 @@ def create_front_app(
     )
 
     async def watch_child() -> None:
+        up = False
         while child is not None:
+            if not up:  # said once, as vLLM's own server says it: requests before this are 503s
+                with contextlib.suppress(httpx.HTTPError):
+                    up = (await client.get("/health", timeout=2.0)).status_code == 200
+                    if up:
+                        log.info("vLLM is up: the front serves requests now")
             if child.poll() is not None:
                 log.error("vLLM exited with status %s: stopping", child.returncode)
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -258,7 +264,7 @@ def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
     vLLM (it flushes the connector's store). Returns vLLM's status."""
     import uvicorn
 
-    from tierkv.integrations.vllm.serve import vllm_command, vllm_env
+    from tierkv.integrations.vllm.serve import say_settings, vllm_command, vllm_env
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = _as_mapping(config)
@@ -270,11 +276,12 @@ def run_front(config: Any, extra_args: Sequence[str], python: str) -> int:
     cache_dir = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
         "cache_dir"
     ]
-    log.info("starting vLLM on %s behind the tenants' front", sock)
+    env = vllm_env(options)
+    say_settings(env, cmd, "behind the tenants' front, run")
     # (started before this process has threads of its own: preexec_fn runs between fork and exec)
     child = subprocess.Popen(  # its own session: a Ctrl-C at the terminal reaches the front only
         cmd,
-        env={**os.environ, **vllm_env(options), "VLLM_API_KEY": token},
+        env={**os.environ, **env, "VLLM_API_KEY": token},
         preexec_fn=_die_with_parent,
         start_new_session=True,
     )

@@ -228,6 +228,24 @@ def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None
     return [*cmd, *extra_args]
 
 
+def say_settings(env: Mapping[str, str], cmd: Sequence[str], how: str) -> None:
+    """On stderr, before vLLM starts: the environment tierkv chose for it, and its command (``how``: exec,
+    or run behind the tenants' front)."""
+    if "VLLM_CPU_KVCACHE_SPACE" in env:
+        print(
+            f"tierkv: VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} (GiB of vLLM-CPU's KV pool, "
+            "leaving room for tierkv's host tier; set it to choose; vLLM on a GPU ignores it)",
+            file=sys.stderr,
+        )
+    if "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" in env:
+        print(
+            f"tierkv: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS={env['VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS']} "
+            "(each worker writes its write-behind to disk as it stops; set it to choose)",
+            file=sys.stderr,
+        )
+    print(f"tierkv: {how} " + redact_url(" ".join(cmd)), file=sys.stderr, flush=True)
+
+
 def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
     """Exec vLLM's OpenAI server with the tierkv connector. Returns only on an error: 2 (vLLM missing or
     a bad option, one line on stderr)."""
@@ -263,19 +281,7 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
             file=sys.stderr,
         )
     env = vllm_env(config_or_args)
-    if "VLLM_CPU_KVCACHE_SPACE" in env:
-        print(
-            f"tierkv: VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} (GiB of vLLM-CPU's KV pool, "
-            "leaving room for tierkv's host tier; set it to choose; vLLM on a GPU ignores it)",
-            file=sys.stderr,
-        )
-    if "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" in env:
-        print(
-            f"tierkv: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS={env['VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS']} "
-            "(each worker writes its write-behind to disk as it stops; set it to choose)",
-            file=sys.stderr,
-        )
-    print("tierkv: exec " + redact_url(" ".join(cmd)), file=sys.stderr, flush=True)
+    say_settings(env, cmd, "exec")
     sys.stdout.flush()
     os.execve(python, cmd, {**os.environ, **env})
     return 0  # not reached: execve replaces the process
