@@ -72,6 +72,12 @@ def _chat(client, messages, max_tokens=8, **kw):
     )
 
 
+def _streamed(client, messages, max_tokens: int) -> tuple[str, list]:
+    """A greedy chat streamed with its usage: (its text, its chunks)."""
+    chunks = list(_chat(client, messages, max_tokens, stream=True, stream_options={"include_usage": True}))
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
 def test_shared_system_prompt_is_cached_in_whole_blocks(server) -> None:
     client = server.client()
     m1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache?"}]
@@ -156,17 +162,7 @@ def test_concurrent_requests_sharing_a_prefix_answer_as_the_uncached_server_does
         if not stream:
             r = _chat(client, msgs, max_tokens=24)
             return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
-        chunks = list(
-            client.chat.completions.create(
-                model="default",
-                messages=msgs,
-                temperature=0,
-                max_tokens=24,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-        )
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        text, chunks = _streamed(client, msgs, 24)
         return text, chunks[-1].usage.prompt_tokens_details.cached_tokens
 
     plain = {q: ask(nocache_server.client(), q, False)[0] for q in questions}
@@ -200,17 +196,7 @@ def test_streaming_matches_non_streaming_and_reports_usage(server) -> None:
         {"role": "user", "content": "Stream please."},
     ]
     full = _chat(client, msgs, max_tokens=20)
-    chunks = list(
-        client.chat.completions.create(
-            model="default",
-            messages=msgs,
-            temperature=0,
-            max_tokens=20,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    text, chunks = _streamed(client, msgs, 20)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
