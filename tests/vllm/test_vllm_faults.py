@@ -270,6 +270,7 @@ def test_a_prefix_vllm_holds_itself_is_kept_recent_for_every_rank(tmp_path: Path
     later = time.time() + 3600.0
     disk.clock = lambda: later
     assert side.num_new_matched_tokens(request("A", prompt + [1, 2, 3]), 2 * B) == (0, False)
+    side.lookups.settle()  # (the refresh runs on the lookup thread, after the lookup's answer)
     for ns in side.rank_base_ns:
         assert [disk.times.last(k).t for k in BlockChain.of(ns, prompt).keys] == [later] * 2
 
@@ -288,6 +289,7 @@ def test_a_pin_asked_for_a_prefix_vllm_holds_itself_is_taken(tmp_path: Path) -> 
     side.store.flush()
     pinned = request("A", prompt + [1, 2, 3], kv_transfer_params={"tierkv": {"pin": "2h"}})
     assert side.num_new_matched_tokens(pinned, 2 * B) == (0, False)  # vLLM holds it all
+    side.lookups.settle()  # (the pin is given on the lookup thread, after the lookup's answer)
     side.store.flush()
     disk = side.store.tier("disk")
     entries: list[Entry] = [e for _, e in disk.iter_entries()]

@@ -430,6 +430,7 @@ def test_a_prefix_vllm_serves_from_its_own_cache_stays_recent_in_every_tier(engi
     host.clock = disk.clock = lambda: later  # an hour on
     b = engine.add("B", prompt[: 4 * B] + _tokens(9, 5), max_tokens=1)
     assert connector.get_num_new_matched_tokens(b, 4 * B) == (0, False)  # vLLM holds it all
+    side.lookups.settle()  # (the refresh runs on the lookup thread, after the lookup's answer)
     keys = BlockChain.of(side.ns, prompt).keys
     assert [disk.times.last(k).t for k in keys[:3]] == [later] * 3
     assert [host._atime.get(k) for k in keys[:3]] == [later] * 3

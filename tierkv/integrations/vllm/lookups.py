@@ -11,6 +11,7 @@ failing disk costs the scheduler nothing per request.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -93,6 +94,31 @@ class Lookups:
             return None
         self._backoff_s = 0.0
         return hit
+
+    def after(self, work: Callable[[], None]) -> None:
+        """``work`` on the lookup thread once the lookups queued before it (the one calling this included)
+        have answered: what a lookup does that its answer need not wait for. A failure is logged once per
+        kind and counted, never raised."""
+        if self._pool is None:
+            return
+        with contextlib.suppress(RuntimeError):  # (the pool shut down meanwhile: closing)
+            self._pool.submit(self._quietly, work)
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait until what was queued on the lookup thread so far has run (``after``'s work included)."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result(timeout=timeout_s)
+
+    def _quietly(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as exc:
+            kind = f"after:{type(exc).__name__}"
+            self._count(kind)
+            if self.errors[kind] == 1:
+                log.warning(
+                    "tierkv: keeping a prefix vLLM holds recent failed (%s: %s)", type(exc).__name__, exc
+                )
 
     def _count(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import random
 import uuid
@@ -46,6 +47,7 @@ class _Request:
     prompt: list[int]
     salt: str
     chain: BlockChain
+    epoch: str = ""  # the connector's at the request's arrival: ``chain``'s namespace is of it
     local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
     by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     stored_blocks: int = 0  # blocks tierkv held at the last lookup
@@ -187,31 +189,35 @@ class SchedulerSide:
                 return None
             ns = self.ns.with_salt(salt) if salt else self.ns
             prompt = list(request.prompt_token_ids)
-            r = _Request(prompt, salt, BlockChain.of(ns, prompt))
+            r = _Request(prompt, salt, BlockChain.of(ns, prompt), self.epoch)
             r.control = self._control(request, r)
             self._reqs[request.request_id] = r
         return r
 
     def _look_up(self, r: _Request) -> Any:
         """The store's hit for ``r``, on the lookup thread. The blocks of it vLLM holds itself (its own
-        prefix hit), which it will not ask for, are kept recent in the store, every rank's, as a restore
-        keeps what it reads: else the prefix used most would age out of tierkv first (its LRU, the disk's
-        TTL) and miss after a restart; and a pin or retention the request asks is given to them."""
+        prefix hit), which it will not ask for, are then kept recent in the store, every rank's, as a
+        restore keeps what it reads (else the prefix used most would age out of tierkv first, its LRU and
+        the disk's TTL, and miss after a restart), and given the pin or retention the request asks: after
+        the answer, which it need not delay."""
         hit = self.store.lookup(r.chain.ns, r.chain)
         held = min(r.local_tokens // self.block_tokens, hit.num_blocks)
         if held:
-            epoch = self.epoch
-            for base in self.rank_base_ns:
-                ns = with_epoch(base, epoch).with_salt(r.salt) if r.salt else with_epoch(base, epoch)
-                chain = (
-                    r.chain if ns == r.chain.ns else BlockChain.of(ns, r.prompt[: held * self.block_tokens])
-                )
-                self.store.refresh(ns, chain, held)
-                # ... and given the retention or pin the request asks (the worker gives it to what it
-                # loads or saves; these it never sees)
-                for tokens, retention in r.control.prefixes:
-                    self.store.retain(ns, chain, retention, num_blocks=min(tokens // self.block_tokens, held))
+            self.lookups.after(functools.partial(self._keep, r, held))
         return hit
+
+    def _keep(self, r: _Request, held: int) -> None:
+        """``_look_up``'s refresh of ``r``'s blocks ``0..held-1``, for each rank's namespace (of the epoch
+        ``r`` arrived in: after a reset, what it names is left as it is)."""
+        B = self.block_tokens
+        for base in self.rank_base_ns:
+            ns = with_epoch(base, r.epoch)
+            ns = ns.with_salt(r.salt) if r.salt else ns
+            chain = r.chain if ns == r.chain.ns else BlockChain.of(ns, r.prompt[: held * B])
+            self.store.refresh(ns, chain, held)
+            # (the worker gives the control to what it loads or saves; these it never sees)
+            for tokens, retention in r.control.prefixes:
+                self.store.retain(ns, chain, retention, num_blocks=min(tokens // B, held))
 
     def _control(self, request: Any, r: _Request) -> CacheControl:
         """The cache control in the request's ``kv_transfer_params`` (the one field vLLM's server passes
