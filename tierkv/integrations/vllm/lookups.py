@@ -10,11 +10,12 @@ failing disk costs the scheduler nothing per request.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from tierkv.cpus import spread_here
@@ -26,6 +27,9 @@ __all__ = ["LATER", "LOOKUP_GIVE_UP_S", "Lookups"]
 
 LOOKUP_GIVE_UP_S = 10.0  # a lookup still running after this counts as a miss (the request is computed)
 LATER = object()  # a lookup that has not answered yet: vLLM is told to ask again
+AFTER_EVERY_S = 1.0  # ``after``'s work for one key at most this often (a hot prefix: at every request)
+MAX_AFTER_PENDING = 256  # ``after``'s work waiting beyond this is dropped (counted): a burst stays bounded
+MAX_AFTER_KEYS = 4096  # keys remembered for AFTER_EVERY_S (least recent forgotten first)
 
 
 class Looking(Protocol):
@@ -51,6 +55,11 @@ class Lookups:
         self.paused_until = 0.0
         self._backoff_s = 0.0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first lookup
+        # ``after``'s thread, its queue's length and when each key's work was last queued
+        self._after: concurrent.futures.ThreadPoolExecutor | None = None
+        self._after_lock = threading.Lock()
+        self._after_pending = 0
+        self._after_done: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
 
     def soon(self, r: Looking) -> Any:
         """``r``'s hit (or None, a miss), or ``LATER``: its lookup is still reading."""
@@ -95,19 +104,35 @@ class Lookups:
         self._backoff_s = 0.0
         return hit
 
-    def after(self, work: Callable[[], None]) -> None:
-        """``work`` on the lookup thread once the lookups queued before it (the one calling this included)
-        have answered: what a lookup does that its answer need not wait for. A failure is logged once per
-        kind and counted, never raised."""
-        if self._pool is None:
-            return
-        with contextlib.suppress(RuntimeError):  # (the pool shut down meanwhile: closing)
-            self._pool.submit(self._quietly, work)
+    def after(self, key: Hashable | None, work: Callable[[], None]) -> None:
+        """``work``, which a lookup's answer need not wait for, on a thread of its own (no lookup waits
+        behind it): skipped when ``key`` (None: never) was done less than ``AFTER_EVERY_S`` ago, and when
+        ``MAX_AFTER_PENDING`` are already waiting. A failure is logged once per kind and counted."""
+        now = time.monotonic()
+        with self._after_lock:
+            last = self._after_done.get(key) if key is not None else None
+            if last is not None and now - last < AFTER_EVERY_S:
+                return
+            if self._after_pending >= MAX_AFTER_PENDING:
+                self._count("after_dropped")
+                return
+            if key is not None:
+                self._after_done[key] = now
+                self._after_done.move_to_end(key)
+                while len(self._after_done) > MAX_AFTER_KEYS:
+                    self._after_done.popitem(last=False)
+            if self._after is None:
+                self._after = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tierkv-keep", initializer=spread_here
+                )
+            self._after_pending += 1
+            self._after.submit(self._quietly, work)
 
     def settle(self, timeout_s: float = 10.0) -> None:
-        """Wait until what was queued on the lookup thread so far has run (``after``'s work included)."""
-        if self._pool is not None:
-            self._pool.submit(lambda: None).result(timeout=timeout_s)
+        """Wait until what was queued so far has run, ``after``'s work included."""
+        for pool in (self._pool, self._after):
+            if pool is not None:
+                pool.submit(lambda: None).result(timeout=timeout_s)
 
     def _quietly(self, work: Callable[[], None]) -> None:
         try:
@@ -119,14 +144,19 @@ class Lookups:
                 log.warning(
                     "tierkv: keeping a prefix vLLM holds recent failed (%s: %s)", type(exc).__name__, exc
                 )
+        finally:
+            with self._after_lock:
+                self._after_pending -= 1
 
     def _count(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
 
     def close(self) -> None:
-        """Wait for the running lookup (before the store it reads goes); queued ones never start."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Wait for the running lookup and ``after`` work (before the store they use goes); queued ones
+        never start."""
+        for pool in (self._pool, self._after):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = self._after = None
         if self.errors:  # since start
             log.info("tierkv connector (scheduler): lookups not answered at once: %s", self.errors)

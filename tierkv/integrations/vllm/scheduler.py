@@ -203,7 +203,9 @@ class SchedulerSide:
         hit = self.store.lookup(r.chain.ns, r.chain)
         held = min(r.local_tokens // self.block_tokens, hit.num_blocks)
         if held:
-            self.lookups.after(functools.partial(self._keep, r, held))
+            # (a prompt asking nothing of the cache is one key: its last held block names its prefix)
+            key = None if r.control.prefixes else r.chain.keys[held - 1]
+            self.lookups.after(key, functools.partial(self._keep, r, held))
         return hit
 
     def _keep(self, r: _Request, held: int) -> None:
