@@ -393,7 +393,10 @@ class DiskTier(DiskWrites, Tier):
         budget = self.policy.budget_nbytes
         try:
             st = os.statvfs(self.path / "segments")
-            room = self.segments.disk_nbytes()[0] + st.f_bavail * st.f_frsize
+            index_nbytes = sum(
+                p.stat().st_blocks * 512 for p in (self.path / "index").glob("*.mdb")
+            )  # (sparse)
+            room = self.segments.disk_nbytes()[0] + index_nbytes + st.f_bavail * st.f_frsize
         except OSError:
             return ""
         if not budget or budget <= room:
