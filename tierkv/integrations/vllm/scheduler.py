@@ -22,6 +22,7 @@ import uuid
 from typing import Any
 
 from tierkv.errors import ConfigError, PinBudgetError
+from tierkv.integrations.vllm.held import keep, uncache
 from tierkv.integrations.vllm.lookups import LATER, Lookups
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.metrics import TierKVStats
@@ -205,21 +206,13 @@ class SchedulerSide:
         if held:
             # (a prompt asking nothing of the cache is one key: its last held block names its prefix)
             key = None if r.control.prefixes else r.chain.keys[held - 1]
-            self.lookups.after(key, functools.partial(self._keep, r, held))
+            self.lookups.after(
+                key,
+                functools.partial(
+                    keep, self.store, self.rank_base_ns, r.chain, r.prompt, r.salt, r.epoch, r.control, held
+                ),
+            )
         return hit
-
-    def _keep(self, r: _Request, held: int) -> None:
-        """``_look_up``'s refresh of ``r``'s blocks ``0..held-1``, for each rank's namespace (of the epoch
-        ``r`` arrived in: after a reset, what it names is left as it is)."""
-        B = self.block_tokens
-        for base in self.rank_base_ns:
-            ns = with_epoch(base, r.epoch)
-            ns = ns.with_salt(r.salt) if r.salt else ns
-            chain = r.chain if ns == r.chain.ns else BlockChain.of(ns, r.prompt[: held * B])
-            self.store.refresh(ns, chain, held)
-            # (the worker gives the control to what it loads or saves; these it never sees)
-            for tokens, retention in r.control.prefixes:
-                self.store.retain(ns, chain, retention, num_blocks=min(tokens // B, held))
 
     def _control(self, request: Any, r: _Request) -> CacheControl:
         """The cache control in the request's ``kv_transfer_params`` (the one field vLLM's server passes
@@ -409,8 +402,8 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
-        if invalid:
-            self._uncache(set(invalid))
+        if invalid and self.kv_cache_manager is not None:
+            uncache(self.kv_cache_manager, set(invalid), [r.block_ids for r in self._reqs.values()])
         done = getattr(connector_output, "finished_recving", None) or set()
         for req_id, r in self._reqs.items():  # asynchronous loads: what failed is computed, not offered again
             if r.loading is not None:
@@ -424,35 +417,6 @@ class SchedulerSide:
                 "tierkv: a worker cannot use this KV layout (%s); no more hits are offered", report.disabled
             )
             self.load_enabled = False
-
-    def _uncache(self, invalid: set[int]) -> None:
-        """Take the blocks that did not load, and each request's blocks after one, out of vLLM's prefix
-        cache. vLLM does so itself only under ``kv_load_failure_policy`` ``fail``. Under ``recompute`` it
-        keeps them cached for the rewound request to recompute in place: a request admitted before that
-        request got to them (its chunks capped, say) was served from blocks that hold no KV of theirs,
-        and its tokens went to the user. (vLLM calls this before it schedules the next step.)"""
-        manager = self.kv_cache_manager
-        if manager is None:
-            return
-        try:  # every request's blocks, tracked here or not (vLLM 0.32's cache manager)
-            held = [
-                [block.block_id for block in blocks]
-                for single in manager.coordinator.single_type_managers
-                for blocks in single.req_to_blocks.values()
-            ]
-        except AttributeError:  # another vLLM: the requests this side tracks
-            held = [r.block_ids for r in self._reqs.values()]
-        evict = set(invalid)
-        for ids in held:
-            first = next((i for i, block_id in enumerate(ids) if block_id in invalid), None)
-            if first is not None:
-                evict.update(ids[first:])
-        try:
-            manager.evict_blocks(evict)
-        except Exception:  # noqa: BLE001 - said loudly: vLLM may serve those blocks to a later request
-            log.exception(
-                "tierkv: taking %d blocks that did not load out of vLLM's prefix cache failed", len(evict)
-            )
 
     def turn_off(self, why: str) -> None:
         """No more lookups, loads or saves from now on (what was planned for this step still runs)."""
