@@ -152,11 +152,13 @@ class Lookups:
         self.errors[what] = self.errors.get(what, 0) + 1
 
     def close(self) -> None:
-        """Wait for the running lookup and ``after`` work (before the store they use goes); queued ones
-        never start."""
-        for pool in (self._pool, self._after):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+        """Before the store they use goes: wait for the running lookup (queued ones never start: nobody
+        waits for their answer) and for all ``after`` work (a pin asked just before a stop is kept; at
+        most ``MAX_AFTER_PENDING`` of it, each an index read and some hashing)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._after is not None:
+            self._after.shutdown(wait=True)
         self._pool = self._after = None
         if self.errors:  # since start
             log.info("tierkv connector (scheduler): lookups not answered at once: %s", self.errors)
