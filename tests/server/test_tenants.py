@@ -323,4 +323,8 @@ def test_the_vllm_front_moves_cache_control_into_kv_transfer_params_and_refuses_
         ):
             r = post(**fields)
             assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.json())
+        # A key the schema does not have is named, as tierkv's own engine names it.
+        r = post(tierkv={"bogus": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tierkv.bogus"
+        assert r.json()["error"]["message"] == "tierkv.bogus: Extra inputs are not permitted"
         assert len(seen) == count  # none of those reached the engine

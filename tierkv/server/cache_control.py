@@ -27,7 +27,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from tierkv.errors import ConfigError
 from tierkv.retention import CacheControl, Retention, parse_duration
@@ -221,16 +221,28 @@ def _mark(
 CONTROL_FIELDS = frozenset({"tierkv", "prompt_cache_retention", "prompt_cache_options"})
 
 
+def _parsed(schema: type[BaseModel], field: str, params: dict[str, Any]) -> Any:
+    """``params[field]`` as ``schema`` where it is an object (else as it is, checked by the caller): a value
+    the schema refuses is a CacheControlError naming the field inside it, as the server's 400 does."""
+    value = params.get(field)
+    if not isinstance(value, dict):
+        return value
+    try:
+        return schema(**value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join([field, *(str(p) for p in first.get("loc", ()))])
+        raise CacheControlError(f"{param}: {first.get('msg', 'not understood')}", param) from None
+
+
 def control_from_params(params: dict[str, Any], num_tokens: int) -> CacheControl:
     """The cache control in a vLLM request's ``kv_transfer_params`` (``prompt_cache_retention``,
     ``prompt_cache_options`` with implicit mode, ``tierkv``): the prompt has no messages there, so no
     breakpoints. CacheControlError or pydantic's ValueError on a value it does not know."""
-    options = params.get("prompt_cache_options")
-    ext = params.get("tierkv")
     body = types.SimpleNamespace(
         prompt_cache_retention=params.get("prompt_cache_retention"),
-        prompt_cache_options=PromptCacheOptions(**options) if isinstance(options, dict) else options,
-        tierkv=TierkvCacheOptions(**ext) if isinstance(ext, dict) else ext,
+        prompt_cache_options=_parsed(PromptCacheOptions, "prompt_cache_options", params),
+        tierkv=_parsed(TierkvCacheOptions, "tierkv", params),
         messages=None,
     )
     for field in ("prompt_cache_options", "tierkv"):

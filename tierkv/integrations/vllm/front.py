@@ -120,8 +120,8 @@ def _move_cache_control(body: dict[str, Any]) -> Response | None:
         control_from_params(fields, 1)  # (only checked here: the connector applies it to the prompt)
     except CacheControlError as exc:
         return error(400, str(exc), param=exc.param)
-    except ValueError as exc:  # pydantic's, naming the field
-        return error(400, f"cache control: {exc}".splitlines()[0], param=next(iter(fields)))
+    except ValueError as exc:  # (not expected: control_from_params names the field in a CacheControlError)
+        return error(400, "cache control: " + " ".join(str(exc).split()), param=next(iter(fields)))
     for name in fields:
         del body[name]
     body["kv_transfer_params"] = {**params, **fields}
