@@ -18,7 +18,7 @@ def _prompt(seed: int) -> list[int]:
 def test_kv_transfer_params_carry_retention_memory_only_and_no_store(tmp_path: Path, model_dir: Path) -> None:
     cache = tmp_path / "cache"
     connector = {"cache_dir": str(cache), "host_bytes": "64MiB", "disk_bytes": "1GiB", "ttl_s": "1h"}
-    kept, in_memory, nothing, bad, again = (_prompt(i) for i in (11, 12, 13, 14, 15))
+    kept, in_memory, nothing, bad, again, later = (_prompt(i) for i in (11, 12, 13, 14, 15, 16))
     run = Engine(tmp_path, model_dir).run(
         "control",
         [
@@ -29,23 +29,25 @@ def test_kv_transfer_params_carry_retention_memory_only_and_no_store(tmp_path: P
             {"tokens": again},
             # ... then pinned while vLLM's own prefix cache holds it: vLLM loads and saves none of it
             {"tokens": again, "kv_transfer_params": {"tierkv": {"pin": "2h"}}},
+            {"tokens": later, "kv_transfer_params": {"tierkv": {"no_store": True}}},
+            {"tokens": later},  # saves normally: what vLLM's cache holds of it, tierkv had not, is saved
         ],
         connector,
     )
-    assert len(run["results"]) == 6
+    assert len(run["results"]) == 8
     stats = tierkv_cli("stats", "--cache-dir", str(cache))
     # On disk: the kept prompt (7 days after each use), the one whose control was refused (the TTL), and
-    # the one pinned the second time
-    assert stats["blocks"] == 9
+    # the one pinned the second time, and the one kept out of it the first time and not the second
+    assert stats["blocks"] == 12
     assert stats["retention"]["retained"]["by_ttl"] == {
-        "7.0d": {"blocks": 3, "nbytes": 3 * stats["live_nbytes"] // 9}
+        "7.0d": {"blocks": 3, "nbytes": 3 * stats["live_nbytes"] // 12}
     }
-    assert stats["retention"]["default"]["blocks"] == 3
+    assert stats["retention"]["default"]["blocks"] == 6
     assert stats["retention"]["pinned"]["blocks"] == 3
     from tierkv.keys import BlockChain, Namespace
     from tierkv.tiers.disk import DiskTier
 
     (ns,) = [Namespace.from_json(n["spec"]) for n in stats["namespaces"]]
     with DiskTier(cache, writer=False) as disk:
-        for tokens, held in ((kept, 3), (in_memory, 0), (nothing, 0), (bad, 3), (again, 3)):
+        for tokens, held in ((kept, 3), (in_memory, 0), (nothing, 0), (bad, 3), (again, 3), (later, 3)):
             assert disk.lookup(BlockChain.of(ns, tokens).keys) == held

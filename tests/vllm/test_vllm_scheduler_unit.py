@@ -440,6 +440,30 @@ def test_a_prefix_vllm_serves_from_its_own_cache_stays_recent_in_every_tier(engi
     engine.assert_idle()
 
 
+def test_a_prefix_vllm_holds_that_tierkv_lacks_is_saved_by_the_next_request_that_uses_it(engines) -> None:
+    """A request that kept its prompt out of tierkv (``no_store``), or blocks tierkv lost, leave a prefix
+    only vLLM's own cache holds: the next request that uses it, and saves normally, saves it from vLLM's
+    pages (the worker's write-behind skips what a tier holds already). Here no worker runs: A's blocks
+    reach vLLM's cache only."""
+    engine = engines()
+    prompt = _tokens(21, 3 * B + 5)
+    engine.add("A", prompt, max_tokens=1)
+    engine.run_to_completion()  # vLLM's prefix cache holds A's 3 blocks; tierkv none of them
+    engine.add("B", prompt[: 3 * B] + _tokens(22, 5), max_tokens=1)
+    out = engine.schedule()
+    b_ids = engine.block_ids(out, "B")
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 3 * B  # vLLM's own hit
+    assert _spans(out.kv_connector_metadata.saves) == [("B", 0, b_ids[:3], prompt[: 3 * B])]
+    engine.finish_step(out)
+    _store(engine.connector, prompt, 3)  # once tierkv holds them, a request using them saves nothing more
+    engine.add("C", prompt[: 3 * B] + _tokens(23, 5), max_tokens=1)
+    out = engine.schedule()
+    assert [s for s in out.kv_connector_metadata.saves if s.req_id == "C"] == []
+    engine.finish_step(out)
+    engine.run_to_completion()
+    engine.assert_idle()
+
+
 def test_a_cache_salt_in_the_reserved_tenant_space_is_neither_loaded_nor_saved(engines) -> None:
     """A bare vLLM's client may not name the space of a tenant of ``tierkv serve --api-keys`` sharing the
     directory; an ordinary salt (the control) loads what is stored under it."""

@@ -60,6 +60,9 @@ class _Request:
     lookup: concurrent.futures.Future[Any] | None = None  # a lookup still running on the lookup thread
     lookup_since: float = 0.0
     loading: list[int] | None = None  # the vLLM blocks of its asynchronous load, until reported done
+    # Blocks [first, end) of vLLM's own hit that tierkv lacks (a request that asked to keep them out of it
+    # computed them, or tierkv lost them): saved from vLLM's pages once the request is scheduled.
+    resave: tuple[int, int] | None = None
     loading_checked: bool = False  # that load is the sampled self-check's: its blocks come back invalid
     load_failed: bool = False  # some block of its asynchronous load failed: computed, never offered again
     # ... because it was checked (by design: vLLM must recompute what the worker compares): offered again
@@ -259,6 +262,8 @@ class SchedulerSide:
             return 0, False
         r.stored_blocks, r.by_tier = hit.num_blocks, hit.by_tier
         B, n = self.block_tokens, request.num_tokens
+        local_blocks = num_computed_tokens // B
+        r.resave = (hit.num_blocks, local_blocks) if hit.num_blocks < local_blocks else None
         if hit.num_blocks * B >= n:
             # The whole prompt is cached, in whole blocks: load them all and leave vLLM its last token
             # (it computes at least one; vLLM takes a hit that ends mid-block). Its KV, loaded too, is
@@ -365,6 +370,16 @@ class SchedulerSide:
             self._plan_load(meta.loads, req_id, r)
         if not scheduled:
             return
+        if r.resave is not None:  # vLLM's own hit, where tierkv lacks it: a request that saves normally
+            lo, hi = r.resave  # keeps what it uses (its control decides, as for what it computes)
+            r.resave = None
+            hi = min(
+                hi,
+                len(r.block_ids),
+                *(() if r.control.save_tokens is None else (r.control.save_tokens // B,)),
+            )
+            if self.save_enabled and not r.control.no_store and hi > lo:
+                meta.saves.append(_span(req_id, r, lo, hi, B, deps=r.block_ids[:lo]))
         # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
         # prefix-cached before. (The write-behind skips blocks a tier already holds.)
         first, end = computed // B, min(len(r.prompt), computed + scheduled) // B
