@@ -489,6 +489,22 @@ def test_serve_on_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path, en
         r.stderr
     )
     assert (tmp_path / "afile").read_text() == "not a store"
+    r, argv, _ = _serve_vllm(tmp_path, "--engine", engine, "--cache-dir", str(tmp_path / "afile" / "sub"))
+    assert r.returncode == 2 and not argv, (r.returncode, r.stderr)
+    assert r.stderr.endswith(f"cannot hold a store: {tmp_path / 'afile'} is a file\n"), r.stderr
+
+
+def test_serve_engine_vllm_warns_before_vllm_starts_of_a_disk_budget_the_file_system_cannot_hold(
+    tmp_path,
+) -> None:
+    """The store's start-up line says it too, but with vLLM only once its workers are up (minutes): tierkv
+    says it before it starts vLLM."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    r, argv, _ = _serve_vllm(tmp_path, "--disk-budget", str(free + (1 << 50)))
+    assert argv, r.stderr  # vLLM was started all the same: a warning, not an error
+    assert "tierkv: WARNING: the disk budget" in r.stderr and "has for the store" in r.stderr, r.stderr
+    r, argv, _ = _serve_vllm(tmp_path, "--disk-budget", "64MiB")
+    assert argv and "WARNING" not in r.stderr, r.stderr
 
 
 def test_serve_on_a_read_only_cache_dir_is_one_line_and_exit_2_before_any_model_loads(

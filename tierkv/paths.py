@@ -16,6 +16,8 @@ def unwritable_reason(path: str | os.PathLike[str]) -> str | None:
     where = Path(path).absolute()
     while not where.exists() and where != where.parent:
         where = where.parent
+    if not where.is_dir():
+        return f"{where} is a file"
     if os.access(where, os.W_OK | os.X_OK):
         return None
     try:
@@ -26,9 +28,33 @@ def unwritable_reason(path: str | os.PathLike[str]) -> str | None:
     return f"{where} is not writable by this user"
 
 
+def store_room_nbytes(path: str | os.PathLike[str]) -> int | None:
+    """What the file system under ``path`` (or the nearest directory above it that exists) has for a store
+    there: its free bytes and what the store's files already hold (allocated). None if it cannot be told."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+        held = sum(
+            p.stat().st_blocks * 512
+            for pattern in ("segments/*.seg", "index/*.mdb")
+            for p in where.glob(pattern)
+        )
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize + held
+
+
 def default_cache_dir() -> str:
     """The store's directory when none is given: ``$TIERKV_CACHE_DIR``, else ``~/.cache/tierkv``."""
     return os.environ.get(CACHE_DIR_ENV) or str(Path.home() / ".cache" / "tierkv")
 
 
-__all__ = ["CACHE_DIR_ENV", "DEFAULT_CACHE_DIR_HELP", "default_cache_dir", "unwritable_reason"]
+__all__ = [
+    "CACHE_DIR_ENV",
+    "DEFAULT_CACHE_DIR_HELP",
+    "default_cache_dir",
+    "store_room_nbytes",
+    "unwritable_reason",
+]

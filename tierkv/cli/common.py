@@ -56,7 +56,11 @@ def open_disk(cache_dir: str, writer: bool = False, missing_code: int = 1, **opt
         if Path(cache_dir).exists() and not Path(cache_dir).is_dir():  # a usage error, not a missing store
             fail(f"--cache-dir {cache_dir} is a file, not a store's directory", 2)
         if not writer and not (Path(cache_dir) / "index" / "data.mdb").exists():
-            fail(f"no tierkv store at {cache_dir} (set --cache-dir or TIERKV_CACHE_DIR)", missing_code)
+            fail(
+                f"no tierkv store at {cache_dir} yet (a server makes it as it starts: with --engine vllm, "
+                "once vLLM's workers are up; elsewhere: set --cache-dir or TIERKV_CACHE_DIR)",
+                missing_code,
+            )
         disk = DiskTier(cache_dir, writer=writer, **options)
     except TierKVError as exc:  # another format version; permissions, read-only media, a lock file
         fail(str(exc), 2)

@@ -44,8 +44,9 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm.options import DEFAULT_HOST_NBYTES
+from tierkv.paths import store_room_nbytes
 from tierkv.server.config import parse_disk_budget, redact_url
-from tierkv.units import parse_size
+from tierkv.units import format_size, parse_size
 
 __all__ = [
     "INSTALL_HINT",
@@ -229,8 +230,18 @@ def vllm_command(config: Any, extra_args: Sequence[str] = (), python: str | None
 
 
 def say_settings(env: Mapping[str, str], cmd: Sequence[str], how: str) -> None:
-    """On stderr, before vLLM starts: the environment tierkv chose for it, and its command (``how``: exec,
-    or run behind the tenants' front)."""
+    """On stderr, before vLLM starts: a disk budget the file system cannot hold (the store's own start-up
+    line says it too, but only once vLLM's workers are up), the environment tierkv chose for vLLM, and its
+    command (``how``: exec, or run behind the tenants' front)."""
+    extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    budget, room = extra.get("disk_bytes"), store_room_nbytes(str(extra["cache_dir"]))
+    if isinstance(budget, int) and room is not None and budget > room:
+        print(
+            f"tierkv: WARNING: the disk budget, {format_size(budget)}, is more than the {format_size(room)} "
+            f"the file system at {extra['cache_dir']} has for the store: it would never evict, and once the "
+            "disk is full saves are dropped (--disk-budget lower)",
+            file=sys.stderr,
+        )
     if "VLLM_CPU_KVCACHE_SPACE" in env:
         print(
             f"tierkv: VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} (GiB of vLLM-CPU's KV pool, "

@@ -24,6 +24,7 @@ from tierkv import native
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
+from tierkv.paths import store_room_nbytes
 from tierkv.tenancy import Quota
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk.access_times import Touch
@@ -390,16 +391,8 @@ class DiskTier(DiskWrites, Tier):
     def _room(self) -> str:
         """A clause for ``describe`` where the budget is more than this file system can give the store (what
         it holds and what is free): the disk fills before the budget evicts, and saves are dropped."""
-        budget = self.policy.budget_nbytes
-        try:
-            st = os.statvfs(self.path / "segments")
-            index_nbytes = sum(
-                p.stat().st_blocks * 512 for p in (self.path / "index").glob("*.mdb")
-            )  # (sparse)
-            room = self.segments.disk_nbytes()[0] + index_nbytes + st.f_bavail * st.f_frsize
-        except OSError:
-            return ""
-        if not budget or budget <= room:
+        budget, room = self.policy.budget_nbytes, store_room_nbytes(self.path)
+        if not budget or room is None or budget <= room:
             return ""
         return (
             f" (WARNING: more than the {format_size(room)} this file system has for the store: the budget never "
