@@ -189,6 +189,21 @@ def test_an_exception_handled_around_the_step_is_not_the_forwards(connector) -> 
     assert _stored(w, P) == 2 and w.saves_off is None
 
 
+def test_a_saved_span_of_blocks_computed_before_its_step_is_not_saved_when_one_is_tainted(
+    tmp_path: Path,
+) -> None:
+    """Blocks of vLLM's own hit that tierkv lacks are saved from vLLM's pages (scheduler.py): computed in an
+    earlier step, not by this one, so the scheduler lists them among the span's deps and a tainted one
+    keeps the span from being saved; a span the step computed makes its blocks clean instead."""
+    w = make_worker(tmp_path)
+    _compute(w, [10, 11], _kv(2, seed=5))
+    w.guard.tainted = {11}  # a block whose load failed, not recomputed since
+    w.save(_meta(saves=[_span("A", P, 0, [10, 11], [10, 11])]))  # saved from vLLM's cache: not recomputed
+    assert _stored(w, P) == 0 and w.stats["unsound_save_blocks"] == 2 and 11 in w.guard.tainted
+    w.save(_meta(saves=[_span("A", P, 0, [10, 11])]))  # the step computed them: clean, saved
+    assert _stored(w, P) == 2 and not w.guard.tainted
+
+
 def test_a_block_loaded_again_is_clean_again(tmp_path: Path) -> None:
     w = make_worker(tmp_path)
     _prepare(w, 1)

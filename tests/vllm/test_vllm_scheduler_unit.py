@@ -454,6 +454,8 @@ def test_a_prefix_vllm_holds_that_tierkv_lacks_is_saved_by_the_next_request_that
     b_ids = engine.block_ids(out, "B")
     assert out.scheduled_new_reqs[0].num_computed_tokens == 3 * B  # vLLM's own hit
     assert _spans(out.kv_connector_metadata.saves) == [("B", 0, b_ids[:3], prompt[: 3 * B])]
+    # computed before this step: its own blocks are among its deps (a tainted one is not saved)
+    assert list(out.kv_connector_metadata.saves[0].deps) == b_ids[:3]
     engine.finish_step(out)
     _store(engine.connector, prompt, 3)  # once tierkv holds them, a request using them saves nothing more
     engine.add("C", prompt[: 3 * B] + _tokens(23, 5), max_tokens=1)

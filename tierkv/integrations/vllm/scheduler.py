@@ -379,7 +379,9 @@ class SchedulerSide:
                 *(() if r.control.save_tokens is None else (r.control.save_tokens // B,)),
             )
             if self.save_enabled and not r.control.no_store and hi > lo:
-                meta.saves.append(_span(req_id, r, lo, hi, B, deps=r.block_ids[:lo]))
+                # Its own blocks among its deps: computed before this step, so the worker's taint set
+                # (guard.py) must clear them too, not count them recomputed by it.
+                meta.saves.append(_span(req_id, r, lo, hi, B, deps=r.block_ids[:hi]))
         # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
         # prefix-cached before. (The write-behind skips blocks a tier already holds.)
         first, end = computed // B, min(len(r.prompt), computed + scheduled) // B
