@@ -198,10 +198,53 @@ def test_a_saved_span_of_blocks_computed_before_its_step_is_not_saved_when_one_i
     w = make_worker(tmp_path)
     _compute(w, [10, 11], _kv(2, seed=5))
     w.guard.tainted = {11}  # a block whose load failed, not recomputed since
-    w.save(_meta(saves=[_span("A", P, 0, [10, 11], [10, 11])]))  # saved from vLLM's cache: not recomputed
-    assert _stored(w, P) == 0 and w.stats["unsound_save_blocks"] == 2 and 11 in w.guard.tainted
+    cached = _span("A", P, 0, [10, 11], [10, 11])  # saved from vLLM's cache: not recomputed
+    cached.cached = True
+    w.save(_meta(saves=[cached]))
+    assert _stored(w, P) == 0 and w.stats["unsound_save_blocks"] == 2
+    assert w.guard.tainted == {11}  # block 10 is as it was: clean (a refused save taints nothing)
     w.save(_meta(saves=[_span("A", P, 0, [10, 11])]))  # the step computed them: clean, saved
     assert _stored(w, P) == 2 and not w.guard.tainted
+
+
+def test_a_resave_is_planned_from_this_steps_lookup_only_and_within_what_vllm_computed(
+    tmp_path: Path,
+) -> None:
+    """The save of vLLM's own hit where tierkv lacks it (scheduler.py ``_plan_resave``): a lookup that does
+    not answer (paused after a store error) leaves none from an earlier step; a span covers only prompt
+    blocks vLLM counted computed before the step, at most a step's worth at a time, and a prefix saved
+    this way is not copied again by the next request within ``RESAVE_EVERY_S`` (a cold review: a stale
+    one could have saved a block this step's forward only half wrote)."""
+
+    from tierkv.integrations.vllm.meta import TierKVMetadata
+
+    side = scheduler(tmp_path)
+    prompt = P[: 3 * B] + [1, 2, 3]
+    a = request("A", prompt)
+    assert side.num_new_matched_tokens(a, 3 * B) == (0, False)  # vLLM holds 3 blocks, tierkv none
+    r = side._reqs["A"]
+    assert r.resave == (0, 3)
+    side.lookups.paused_until = float("inf")  # lookups paused (a store error): a miss, no answer
+    assert side.num_new_matched_tokens(a, 3 * B) == (0, False) and r.resave is None
+    side.lookups.paused_until = 0.0
+
+    def plan(req_id: str, computed: int) -> list[tuple[int, int]]:
+        meta = TierKVMetadata()
+        rr = side._reqs[req_id]
+        rr.block_ids = list(range(20, 24))
+        side._plan(meta, req_id, rr, computed, scheduled=1)
+        return [(s.first, s.end) for s in meta.saves if s.cached]
+
+    side.resave_blocks_per_step = 2
+    assert side.num_new_matched_tokens(a, 3 * B) == (0, False)
+    assert plan("A", 2 * B + 5) == [(0, 2)]  # vLLM counted 2 whole blocks computed: not block 2
+    other = random.Random(9).choices(range(3, 500), k=3 * B)
+    side.num_new_matched_tokens(request("C", other + [7]), 3 * B)
+    assert plan("C", 3 * B) == [(0, 2)]  # at most 2 a step ...
+    assert plan("C", 3 * B + 1) == [(2, 3)]  # ... the rest at the next
+    side.num_new_matched_tokens(request("D", other + [8]), 3 * B)
+    assert plan("D", 3 * B) == []  # C saved that prefix just now: not copied again
+    side.close()
 
 
 def test_a_block_loaded_again_is_clean_again(tmp_path: Path) -> None:

@@ -134,9 +134,11 @@ class LoadGuard:
                 if self.tainted.isdisjoint(set(span.deps) - recomputed):
                     sound.append(span)
                     pending.remove(span)
-                    recomputed.update(span.block_ids)
+                    if not span.cached:  # (a span of blocks computed before the step recomputes none)
+                        recomputed.update(span.block_ids)
                     progress = True
         self.tainted -= recomputed
         for span in pending:
-            self.tainted.update(span.block_ids)
+            if not span.cached:  # (its blocks are as they were: not computed from a tainted one now)
+                self.tainted.update(span.block_ids)
         return sound, pending

@@ -28,6 +28,9 @@ class BlockSpan:
     deps: list[int] = dataclasses.field(default_factory=list)
     check: bool = False
     control: CacheControl | None = None  # the request's cache control (retention, memory only)
+    # Blocks computed before this step (vLLM's own prefix hit, saved where tierkv lacks it): its ``deps``
+    # include its own blocks, and a refused one taints nothing (guard.py)
+    cached: bool = False
 
     @property
     def end(self) -> int:

@@ -13,11 +13,13 @@ the image), LoRA adapters and prompt embeddings.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
 import logging
 import random
+import time
 import uuid
 from typing import Any
 
@@ -39,6 +41,8 @@ log = logging.getLogger("vllm.tierkv")
 __all__ = ["SchedulerSide"]
 
 # tierkv tier name -> vLLM's CacheHitSource value (its metrics split external hits by tier)
+RESAVE_EVERY_S = 60.0  # a prefix saved from vLLM's pages is not copied again for this long (_plan_resave)
+MAX_RESAVED_KEYS = 4096  # prefixes remembered for RESAVE_EVERY_S (least recent forgotten first)
 HIT_SOURCES = {"gpu": "device", "host": "host", "disk": "disk", "remote": "external_unspecified"}
 SOURCE_TIERS = {v: k for k, v in HIT_SOURCES.items()}
 
@@ -113,6 +117,10 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._warned_reserved = False
         self.kv_cache_manager: Any = None  # vLLM's, once bound (TierKVConnector.bind_kv_cache_manager)
+        # Prefixes of vLLM's own hits saved from its pages (_plan_resave): their last key, when
+        self._resaved: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        batched = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 8192
+        self.resave_blocks_per_step = 1  # set with the block size below
         self.lookups = Lookups(
             self._look_up,
             options.lookup_wait_s,
@@ -157,6 +165,7 @@ class SchedulerSide:
             for rank in range(1, vllm_config.parallel_config.tensor_parallel_size)
         ]
         self.block_tokens = self.ns.block_tokens
+        self.resave_blocks_per_step = max(1, int(batched) // self.block_tokens)  # what a step computes
         self.store = shared_store(options)
         log.info(
             "tierkv connector (scheduler): %s, blocks of %d tokens, %s%s, self-check of %.3g of loads",
@@ -249,9 +258,11 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.store is None or not self.load_enabled:
             if self.store is not None and (r := self._request(request)) is not None:
-                r.local_tokens = num_computed_tokens  # still tracked: its blocks are saved
+                r.local_tokens, r.resave = num_computed_tokens, None  # still tracked: its blocks are saved
             return 0, False
         r = self._request(request)
+        if r is not None:
+            r.resave = None  # (set below from this lookup's answer only: never one of an earlier step)
         if r is None or r.load_failed:  # (vLLM asks again after a failed asynchronous load)
             return 0, False
         r.local_tokens, r.by_tier = num_computed_tokens, {}
@@ -262,7 +273,9 @@ class SchedulerSide:
             return 0, False
         r.stored_blocks, r.by_tier = hit.num_blocks, hit.by_tier
         B, n = self.block_tokens, request.num_tokens
-        local_blocks = num_computed_tokens // B
+        local_blocks = (
+            min(num_computed_tokens, len(r.prompt)) // B
+        )  # (a resumed request's hit: its output too)
         r.resave = (hit.num_blocks, local_blocks) if hit.num_blocks < local_blocks else None
         if hit.num_blocks * B >= n:
             # The whole prompt is cached, in whole blocks: load them all and leave vLLM its last token
@@ -370,18 +383,8 @@ class SchedulerSide:
             self._plan_load(meta.loads, req_id, r)
         if not scheduled:
             return
-        if r.resave is not None:  # vLLM's own hit, where tierkv lacks it: a request that saves normally
-            lo, hi = r.resave  # keeps what it uses (its control decides, as for what it computes)
-            r.resave = None
-            hi = min(
-                hi,
-                len(r.block_ids),
-                *(() if r.control.save_tokens is None else (r.control.save_tokens // B,)),
-            )
-            if self.save_enabled and not r.control.no_store and hi > lo:
-                # Its own blocks among its deps: computed before this step, so the worker's taint set
-                # (guard.py) must clear them too, not count them recomputed by it.
-                meta.saves.append(_span(req_id, r, lo, hi, B, deps=r.block_ids[:hi]))
+        if r.resave is not None:
+            self._plan_resave(meta, req_id, r, computed)
         # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
         # prefix-cached before. (The write-behind skips blocks a tier already holds.)
         first, end = computed // B, min(len(r.prompt), computed + scheduled) // B
@@ -400,6 +403,36 @@ class SchedulerSide:
             end = min(end, r.control.save_tokens // B)
         if self.save_enabled and not r.control.no_store and end > first:
             meta.saves.append(_span(req_id, r, first, end, B, deps=r.block_ids[:first]))
+
+    def _plan_resave(self, meta: TierKVMetadata, req_id: str, r: _Request, computed: int) -> None:
+        """vLLM's own hit, where tierkv lacks it: a request that saves normally keeps what it uses (its
+        control decides, as for what it computes). Only blocks of the prompt that vLLM counted computed
+        before this step; at most a step's worth of blocks a step (the rest at the next ones); a prefix
+        another request saved this way less than ``RESAVE_EVERY_S`` ago is left to that one (many
+        requests admitted at once, or a store that cannot keep it, would each copy it again)."""
+        B = self.block_tokens
+        lo, hi = r.resave or (0, 0)
+        r.resave = None
+        caps = [hi, len(r.block_ids), computed // B, len(r.prompt) // B]
+        if r.control.save_tokens is not None:
+            caps.append(r.control.save_tokens // B)
+        hi = min(caps)
+        if not self.save_enabled or r.control.no_store or hi <= lo:
+            return
+        if hi - lo > self.resave_blocks_per_step:
+            r.resave, hi = (lo + self.resave_blocks_per_step, hi), lo + self.resave_blocks_per_step
+        key, now = r.chain.keys[hi - 1], time.monotonic()
+        last = self._resaved.get(key)
+        if last is not None and now - last < RESAVE_EVERY_S:
+            r.resave = None
+            return
+        self._resaved[key] = now
+        self._resaved.move_to_end(key)
+        while len(self._resaved) > MAX_RESAVED_KEYS:
+            self._resaved.popitem(last=False)
+        span = _span(req_id, r, lo, hi, B, deps=r.block_ids[:hi])  # its own blocks among its deps
+        span.cached = True
+        meta.saves.append(span)
 
     def _plan_load(self, loads: list[BlockSpan], req_id: str, r: _Request) -> BlockSpan | None:
         """The request's planned load into ``loads``; the span, or None when there is none."""
