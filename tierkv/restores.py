@@ -153,9 +153,8 @@ class StoreRestores:
             raise ConfigError(
                 "restore with start_block needs out (the caller's rows for the blocks it holds)"
             )
-        for tier in self.tiers:
-            if start_block:  # the blocks the caller holds were just used too: keep them alive here
-                tier.served_above(chain, range(start_block))
+        if start_block:  # the blocks the caller holds were just used too: keep them alive here
+            self.refresh(ns, chain, start_block)
         if len(chain) == start_block:
             return Hit(0, by_tier), None
         for tier in self.tiers:

@@ -235,7 +235,7 @@ def test_a_resave_is_planned_from_this_steps_lookup_only_and_within_what_vllm_co
         side._plan(meta, req_id, rr, computed, scheduled=1)
         return [(s.first, s.end) for s in meta.saves if s.cached]
 
-    side.resave_blocks_per_step = 2
+    side.resaves.blocks_per_step = 2
     assert side.num_new_matched_tokens(a, 3 * B) == (0, False)
     assert plan("A", 2 * B + 5) == [(0, 2)]  # vLLM counted 2 whole blocks computed: not block 2
     other = random.Random(9).choices(range(3, 500), k=3 * B)

@@ -11,21 +11,28 @@ connector reported as failed loads (under ``kv_load_failure_policy`` ``recompute
   for, are kept recent in the store (each tier's LRU, the disk's sliding TTL), as a restore keeps what it
   reads, and given the retention or pin the request asks; else the prefix used most would be the first
   to leave tierkv, and miss after a restart.
+- ``Resaves``: what tierkv lacks of such a prefix (an earlier request's ``no_store``, blocks tierkv lost)
+  is saved from vLLM's pages by the next request that uses it and saves normally.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from tierkv.integrations.vllm.lookups import Recently
 from tierkv.integrations.vllm.namespace import with_epoch
 from tierkv.keys import BlockChain, Namespace
 from tierkv.retention import CacheControl
 
 log = logging.getLogger("vllm.tierkv")
 
-__all__ = ["keep", "uncache"]
+__all__ = ["RESAVE_EVERY_S", "Resaves", "keep", "uncache"]
+
+RESAVE_EVERY_S = 60.0  # a prefix saved from vLLM's pages is not copied again for this long
+MAX_RESAVED_KEYS = 4096  # prefixes remembered for RESAVE_EVERY_S (least recent forgotten first)
 
 
 def uncache(manager: Any, invalid: set[int], tracked: Sequence[list[int]]) -> None:
@@ -75,3 +82,36 @@ def keep(
         # (the worker gives the control to what it loads or saves; these it never sees)
         for tokens, retention in control.prefixes:
             store.retain(ns, rank_chain, retention, num_blocks=min(tokens // B, held))
+
+
+class Resaves:
+    """Which blocks of vLLM's own hit, where tierkv lacks them (a request's ``resave``, from this step's
+    lookup), a request saves this step: only blocks of the prompt that vLLM counted computed before the
+    step; at most ``blocks_per_step`` (the rest at the next steps); none of a prefix another request saved
+    this way less than ``RESAVE_EVERY_S`` ago (many requests admitted at once, or a store that cannot keep
+    it, would each copy it again)."""
+
+    def __init__(self, blocks_per_step: int) -> None:
+        self.blocks_per_step = blocks_per_step
+        self._recent = Recently(RESAVE_EVERY_S, MAX_RESAVED_KEYS)
+
+    def take(self, r: Any, computed: int) -> tuple[int, int] | None:
+        """Blocks ``[lo, hi)`` for request ``r`` (the scheduler side's record) this step, whose ``resave``
+        keeps what is left; ``computed``: the tokens vLLM counts computed before the step."""
+        B = r.chain.ns.block_tokens
+        lo, hi = r.resave or (0, 0)
+        r.resave = None
+        caps = [hi, len(r.block_ids), computed // B, len(r.prompt) // B]
+        if r.control.save_tokens is not None:
+            caps.append(r.control.save_tokens // B)
+        hi = min(caps)
+        if hi <= lo:
+            return None
+        if hi - lo > self.blocks_per_step:
+            r.resave, hi = (lo + self.blocks_per_step, hi), lo + self.blocks_per_step
+        key, now = r.chain.keys[hi - 1], time.monotonic()
+        if self._recent.fresh(key, now):
+            r.resave = None
+            return None
+        self._recent.mark(key, now)
+        return lo, hi

@@ -23,7 +23,7 @@ from tierkv.keys import BlockChain
 
 log = logging.getLogger("vllm.tierkv")
 
-__all__ = ["LATER", "LOOKUP_GIVE_UP_S", "Lookups"]
+__all__ = ["LATER", "LOOKUP_GIVE_UP_S", "Lookups", "Recently"]
 
 LOOKUP_GIVE_UP_S = 10.0  # a lookup still running after this counts as a miss (the request is computed)
 LATER = object()  # a lookup that has not answered yet: vLLM is told to ask again
@@ -39,6 +39,25 @@ class Looking(Protocol):
     local_tokens: int
     lookup: concurrent.futures.Future[Any] | None
     lookup_since: float
+
+
+class Recently:
+    """Keys marked within ``every_s`` (the ``max_keys`` most recent remembered): work done for a key
+    (a prefix) at most that often."""
+
+    def __init__(self, every_s: float, max_keys: int) -> None:
+        self.every_s, self.max_keys = every_s, max_keys
+        self._at: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
+
+    def fresh(self, key: Hashable, now: float) -> bool:
+        last = self._at.get(key)
+        return last is not None and now - last < self.every_s
+
+    def mark(self, key: Hashable, now: float) -> None:
+        self._at[key] = now
+        self._at.move_to_end(key)
+        while len(self._at) > self.max_keys:
+            self._at.popitem(last=False)
 
 
 class Lookups:
@@ -59,7 +78,7 @@ class Lookups:
         self._after: concurrent.futures.ThreadPoolExecutor | None = None
         self._after_lock = threading.Lock()
         self._after_pending = 0
-        self._after_done: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
+        self._after_done = Recently(AFTER_EVERY_S, MAX_AFTER_KEYS)
 
     def soon(self, r: Looking) -> Any:
         """``r``'s hit (or None, a miss), or ``LATER``: its lookup is still reading."""
@@ -110,17 +129,13 @@ class Lookups:
         ``MAX_AFTER_PENDING`` are already waiting. A failure is logged once per kind and counted."""
         now = time.monotonic()
         with self._after_lock:
-            last = self._after_done.get(key) if key is not None else None
-            if last is not None and now - last < AFTER_EVERY_S:
+            if key is not None and self._after_done.fresh(key, now):
                 return
             if self._after_pending >= MAX_AFTER_PENDING:
                 self._count("after_dropped")
                 return
             if key is not None:
-                self._after_done[key] = now
-                self._after_done.move_to_end(key)
-                while len(self._after_done) > MAX_AFTER_KEYS:
-                    self._after_done.popitem(last=False)
+                self._after_done.mark(key, now)
             if self._after is None:
                 self._after = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="tierkv-keep", initializer=spread_here

@@ -13,18 +13,16 @@ the image), LoRA adapters and prompt embeddings.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import functools
 import logging
 import random
-import time
 import uuid
 from typing import Any
 
 from tierkv.errors import ConfigError, PinBudgetError
-from tierkv.integrations.vllm.held import keep, uncache
+from tierkv.integrations.vllm.held import Resaves, keep, uncache
 from tierkv.integrations.vllm.lookups import LATER, Lookups
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.metrics import TierKVStats
@@ -41,8 +39,6 @@ log = logging.getLogger("vllm.tierkv")
 __all__ = ["SchedulerSide"]
 
 # tierkv tier name -> vLLM's CacheHitSource value (its metrics split external hits by tier)
-RESAVE_EVERY_S = 60.0  # a prefix saved from vLLM's pages is not copied again for this long (_plan_resave)
-MAX_RESAVED_KEYS = 4096  # prefixes remembered for RESAVE_EVERY_S (least recent forgotten first)
 HIT_SOURCES = {"gpu": "device", "host": "host", "disk": "disk", "remote": "external_unspecified"}
 SOURCE_TIERS = {v: k for k, v in HIT_SOURCES.items()}
 
@@ -117,10 +113,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._warned_reserved = False
         self.kv_cache_manager: Any = None  # vLLM's, once bound (TierKVConnector.bind_kv_cache_manager)
-        # Prefixes of vLLM's own hits saved from its pages (_plan_resave): their last key, when
-        self._resaved: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        batched = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 8192
-        self.resave_blocks_per_step = 1  # set with the block size below
+        self.resaves = Resaves(1)  # (a step's worth of blocks, once the block size is known)
         self.lookups = Lookups(
             self._look_up,
             options.lookup_wait_s,
@@ -165,7 +158,8 @@ class SchedulerSide:
             for rank in range(1, vllm_config.parallel_config.tensor_parallel_size)
         ]
         self.block_tokens = self.ns.block_tokens
-        self.resave_blocks_per_step = max(1, int(batched) // self.block_tokens)  # what a step computes
+        batched = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 8192
+        self.resaves = Resaves(max(1, int(batched) // self.block_tokens))  # what a step computes
         self.store = shared_store(options)
         log.info(
             "tierkv connector (scheduler): %s, blocks of %d tokens, %s%s, self-check of %.3g of loads",
@@ -383,8 +377,12 @@ class SchedulerSide:
             self._plan_load(meta.loads, req_id, r)
         if not scheduled:
             return
-        if r.resave is not None:
-            self._plan_resave(meta, req_id, r, computed)
+        if not self.save_enabled or r.control.no_store:
+            r.resave = None
+        if r.resave is not None and (got := self.resaves.take(r, computed)):  # vLLM's hit tierkv lacks
+            span = _span(req_id, r, *got, B, deps=r.block_ids[: got[1]])  # computed before this step:
+            span.cached = True  # its own blocks among its deps (guard.py)
+            meta.saves.append(span)
         # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
         # prefix-cached before. (The write-behind skips blocks a tier already holds.)
         first, end = computed // B, min(len(r.prompt), computed + scheduled) // B
@@ -403,36 +401,6 @@ class SchedulerSide:
             end = min(end, r.control.save_tokens // B)
         if self.save_enabled and not r.control.no_store and end > first:
             meta.saves.append(_span(req_id, r, first, end, B, deps=r.block_ids[:first]))
-
-    def _plan_resave(self, meta: TierKVMetadata, req_id: str, r: _Request, computed: int) -> None:
-        """vLLM's own hit, where tierkv lacks it: a request that saves normally keeps what it uses (its
-        control decides, as for what it computes). Only blocks of the prompt that vLLM counted computed
-        before this step; at most a step's worth of blocks a step (the rest at the next ones); a prefix
-        another request saved this way less than ``RESAVE_EVERY_S`` ago is left to that one (many
-        requests admitted at once, or a store that cannot keep it, would each copy it again)."""
-        B = self.block_tokens
-        lo, hi = r.resave or (0, 0)
-        r.resave = None
-        caps = [hi, len(r.block_ids), computed // B, len(r.prompt) // B]
-        if r.control.save_tokens is not None:
-            caps.append(r.control.save_tokens // B)
-        hi = min(caps)
-        if not self.save_enabled or r.control.no_store or hi <= lo:
-            return
-        if hi - lo > self.resave_blocks_per_step:
-            r.resave, hi = (lo + self.resave_blocks_per_step, hi), lo + self.resave_blocks_per_step
-        key, now = r.chain.keys[hi - 1], time.monotonic()
-        last = self._resaved.get(key)
-        if last is not None and now - last < RESAVE_EVERY_S:
-            r.resave = None
-            return
-        self._resaved[key] = now
-        self._resaved.move_to_end(key)
-        while len(self._resaved) > MAX_RESAVED_KEYS:
-            self._resaved.popitem(last=False)
-        span = _span(req_id, r, lo, hi, B, deps=r.block_ids[:hi])  # its own blocks among its deps
-        span.cached = True
-        meta.saves.append(span)
 
     def _plan_load(self, loads: list[BlockSpan], req_id: str, r: _Request) -> BlockSpan | None:
         """The request's planned load into ``loads``; the span, or None when there is none."""

@@ -44,7 +44,7 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm.options import DEFAULT_HOST_NBYTES
-from tierkv.paths import store_room_nbytes
+from tierkv.paths import room_short_of
 from tierkv.server.config import parse_disk_budget, redact_url
 from tierkv.units import format_size, parse_size
 
@@ -234,8 +234,8 @@ def say_settings(env: Mapping[str, str], cmd: Sequence[str], how: str) -> None:
     line says it too, but only once vLLM's workers are up), the environment tierkv chose for vLLM, and its
     command (``how``: exec, or run behind the tenants' front)."""
     extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
-    budget, room = extra.get("disk_bytes"), store_room_nbytes(str(extra["cache_dir"]))
-    if isinstance(budget, int) and room is not None and budget > room:
+    budget = extra.get("disk_bytes")
+    if isinstance(budget, int) and (room := room_short_of(str(extra["cache_dir"]), budget)) is not None:
         print(
             f"tierkv: WARNING: the disk budget, {format_size(budget)}, is more than the {format_size(room)} "
             f"the file system at {extra['cache_dir']} has for the store: it would never evict, and once the "

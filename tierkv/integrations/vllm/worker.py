@@ -372,10 +372,8 @@ class WorkerSide:
         if self.layout is None:
             return
         if forward_failed is not None and self.saves_off is None:
-            # The pages this step was to write hold whatever they held, or some layers' KV: nothing of it
-            # may be saved, nor anything later that may have read it (a block the step began fills on in
-            # the next one). A forward that raised ends the engine in practice, then flushes what the
-            # earlier, whole steps saved.
+            # Its pages hold whatever they held, or some layers' KV: nothing of it is saved, nor anything
+            # later (a block it began fills on in the next step). What whole steps saved stays.
             self.saves_off = f"a forward raised ({type(forward_failed).__name__}: {forward_failed})"
             log.error("tierkv: this worker saves nothing from now on: %s", self.saves_off)
         if self.saves_off is not None:

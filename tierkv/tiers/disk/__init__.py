@@ -24,7 +24,7 @@ from tierkv import native
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
-from tierkv.paths import store_room_nbytes
+from tierkv.paths import room_short_of
 from tierkv.tenancy import Quota
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk.access_times import Touch
@@ -67,6 +67,11 @@ __all__ = ["DEFAULT_SWEEP_INTERVAL_S", "STORE_FORMAT_VERSION", "DiskTier", "Entr
 DEFAULT_MAP_NBYTES = 1 << 30  # the index only (about 200 B per block); a sparse file, grown when full
 
 
+def _quietly(close: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):  # (the error that stopped the open is the one to raise)
+        close()
+
+
 class DiskTier(DiskWrites, Tier):
     """Durable, content-addressed block store. Thread-safe; one instance per process and directory, any
     number of processes per directory."""
@@ -105,11 +110,12 @@ class DiskTier(DiskWrites, Tier):
         self.index = Index(
             self.path, map_nbytes=map_nbytes, writer=writer, sync=sync, policy=policy, counters=self.counters
         )
-        # From here a failed step closes what the earlier ones opened: the index holds the store's owners
-        # lock (a writer's segment holds its own), which a process that goes on would otherwise keep.
         self.writer: Writer | None = None
         self._sweeper: Sweeper | None = None
-        try:
+        # Until the open is whole, a failed step closes what the earlier ones opened: the index holds the
+        # store's owners lock (a writer's segment its own), which a process that goes on would keep.
+        with contextlib.ExitStack() as undo:
+            undo.callback(_quietly, self.index.close)
             with self.index.read() as txn:
                 store_format = self.index.format_version(txn)
             # Records in the newer layout (payload 64-byte aligned) only where no older build shares the store:
@@ -129,6 +135,7 @@ class DiskTier(DiskWrites, Tier):
                 direct_writes=direct_writes,
                 read_modes=self.read_modes,
             )
+            undo.callback(_quietly, self.segments.close)
             self.sweeps = Sweeps(self.index, self.segments, self.counters)
             self.times = AccessTimes(self.index, self.counters)
             self._closed = False
@@ -148,25 +155,13 @@ class DiskTier(DiskWrites, Tier):
                     batch_nbytes=batch_nbytes,
                     segment_nbytes=segment_nbytes,
                 )
+                undo.callback(_quietly, self.writer.close)
                 if sweep_interval_s > 0:
                     self._sweeper = Sweeper(
                         lambda: self.expire() + self.enforce_budget(), self.sweeps, sweep_interval_s
                     )
-        except BaseException:
-            self._close_partly_opened()
-            raise
-
-    def _close_partly_opened(self) -> None:
-        steps: list[Callable[[], object]] = []
-        if self._sweeper is not None:
-            steps.append(self._sweeper.stop)
-        if self.writer is not None:
-            steps.append(self.writer.close)
-        if hasattr(self, "segments"):
-            steps.append(self.segments.close)
-        for step in [*steps, self.index.close]:
-            with contextlib.suppress(Exception):
-                step()
+                    undo.callback(_quietly, self._sweeper.stop)
+            undo.pop_all()  # opened whole: nothing to undo
 
     @property
     def policy(self) -> Policy:
@@ -391,8 +386,8 @@ class DiskTier(DiskWrites, Tier):
     def _room(self) -> str:
         """A clause for ``describe`` where the budget is more than this file system can give the store (what
         it holds and what is free): the disk fills before the budget evicts, and saves are dropped."""
-        budget, room = self.policy.budget_nbytes, store_room_nbytes(self.path)
-        if not budget or room is None or budget <= room:
+        room = room_short_of(self.path, self.policy.budget_nbytes)
+        if room is None:
             return ""
         return (
             f" (WARNING: more than the {format_size(room)} this file system has for the store: the budget never "
