@@ -276,7 +276,11 @@ def test_the_vllm_front_moves_cache_control_into_kv_transfer_params_and_refuses_
 ) -> None:
     """vLLM drops request fields it does not know: a ``prompt_cache_retention: "in_memory"`` sent at the
     top level was written to disk all the same (a new user's trial). The front checks the fields as
-    tierkv's own engine does (a 400 naming the field) and moves them where the connector reads them."""
+    tierkv's own engine does (a 400 naming the field) and moves them where the connector reads them. What
+    reaches the connector is checked whole, however the client split it (a cold review: ``in_memory`` at
+    the top level and a pin inside reached it, which ignored the control and saved the prompt to disk),
+    and nothing else goes in ``kv_transfer_params`` (vLLM reads some of its keys itself: a remote
+    prefill's cached tokens, reported as the client's)."""
     import httpx
     from fastapi.testclient import TestClient
 
@@ -302,10 +306,14 @@ def test_the_vllm_front_moves_cache_control_into_kv_transfer_params_and_refuses_
         def post(**fields) -> httpx.Response:
             return client.post("/v1/chat/completions", json={"messages": [], **fields}, headers=auth)
 
-        r = post(prompt_cache_retention="24h", tierkv={"pin": "2h"}, kv_transfer_params={"x": 1})
+        r = post(
+            prompt_cache_retention="24h",
+            tierkv={"pin": "2h"},
+            kv_transfer_params={"prompt_cache_options": {"mode": "implicit"}},
+        )
         assert r.status_code == 200
         assert seen[-1]["kv_transfer_params"] == {
-            "x": 1,
+            "prompt_cache_options": {"mode": "implicit"},
             "prompt_cache_retention": "24h",
             "tierkv": {"pin": "2h"},
         }
@@ -320,6 +328,28 @@ def test_the_vllm_front_moves_cache_control_into_kv_transfer_params_and_refuses_
             ({"tierkv": "pin"}, "tierkv"),
             ({"tierkv": {"pin": "2h"}, "kv_transfer_params": {"tierkv": {}}}, "tierkv"),
             ({"tierkv": {"pin": "2h"}, "kv_transfer_params": "x"}, "kv_transfer_params"),
+            # split between the top level and kv_transfer_params, or only in the latter
+            (
+                {"prompt_cache_retention": "in_memory", "kv_transfer_params": {"tierkv": {"pin": "1h"}}},
+                "tierkv.pin",
+            ),
+            ({"kv_transfer_params": {"tierkv": {"bogus": 1}}}, "tierkv.bogus"),
+            # keys vLLM itself reads
+            ({"kv_transfer_params": {"x": 1}}, "kv_transfer_params.x"),
+            (
+                {"kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": 10**6}},
+                "kv_transfer_params.do_remote_prefill",
+            ),
+            # explicit mode with breakpoints vLLM does not pass on: it would save nothing
+            (
+                {
+                    "prompt_cache_options": {"mode": "explicit"},
+                    "messages": [
+                        {"role": "system", "content": [{"type": "text", "text": "x", "cache_control": {}}]}
+                    ],
+                },
+                "messages.0",
+            ),
         ):
             r = post(**fields)
             assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.json())

@@ -309,6 +309,37 @@ def test_a_store_unreadable_for_a_requests_cache_control_serves_it_without(
     asked = request("B", list(range(300)), kv_transfer_params={"tierkv": {"retention": "2h"}})
     assert side.num_new_matched_tokens(asked, 0) == (0, False)
     assert side._reqs["B"].control.prefixes == ()  # served, without the retention it asked for
+    # One that also asked to keep its prompt off disk saves nothing
+    private = {
+        "prompt_cache_retention": "in_memory",
+        "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+    }
+    asked = request("P", list(range(300)), kv_transfer_params=private)
+    assert side.num_new_matched_tokens(asked, 0) == (0, False)
+    assert side._reqs["P"].control.no_store
+
+
+def test_a_cache_control_not_understood_that_asked_to_keep_the_prompt_off_disk_saves_nothing(
+    tmp_path: Path,
+) -> None:
+    """vLLM cannot refuse a request from the connector, so a cache control it cannot parse is ignored and
+    the request served; but one that asked for ``in_memory`` or ``no_store`` beside what failed saves
+    nothing, where ignoring it would have written a prompt its client wanted off disk (a cold review: the
+    front let such a split request through). Others are served without their control, as before."""
+    side = scheduler(tmp_path)
+    for n, params in enumerate(
+        (
+            {"prompt_cache_retention": "in_memory", "tierkv": {"pin": "1h"}},  # refused together
+            {"prompt_cache_retention": "in_memory", "tierkv": {"bogus": 1}},
+            {"tierkv": {"no_store": True, "bogus": 1}},
+            {"tierkv": {"no_store": "yes", "pin": "1h"}},
+        )
+    ):
+        side._request(request(f"R{n}", P, kv_transfer_params=params))
+        control = side._reqs[f"R{n}"].control
+        assert control.no_store and not control.prefixes, params
+    side._request(request("plain", P, kv_transfer_params={"tierkv": {"bogus": 1}}))
+    assert not side._reqs["plain"].control.no_store  # (the control ignored, the prompt saved)
 
 
 def test_a_prefix_vllm_holds_itself_is_kept_recent_for_every_rank(tmp_path: Path) -> None:
@@ -358,7 +389,10 @@ def test_keeping_held_prefixes_recent_never_holds_a_lookup_and_stays_bounded(tmp
     """The refresh of what vLLM holds runs beside the lookups, not before them (a cold review measured
     124-186 ms of it at 32K tokens and 8 ranks, each lookup behind it deferred a step): a lookup answers
     at once while that work is stuck; the same prefix is refreshed at most once a second, and a burst
-    beyond the queue's bound is dropped and counted."""
+    beyond the queue's bound is dropped and counted. A request's pin or retention, which nothing else
+    gives the blocks vLLM holds, is never dropped for a burst of refreshes, goes before them, and is given
+    at a stop, where refreshes still queued are not (a second cold review: under load a pin was dropped,
+    and a stop waited for every refresh)."""
     import threading
 
     from tierkv.integrations.vllm import lookups as lookups_mod
@@ -376,9 +410,21 @@ def test_keeping_held_prefixes_recent_never_holds_a_lookup_and_stays_bounded(tmp
     for _ in range(lookups_mod.MAX_AFTER_PENDING):
         side.lookups.after(None, lambda: None)
     assert side.lookups.errors.get("after_dropped", 0) >= 1
-    threading.Timer(0.2, stuck.set).start()  # a stop while it is all still queued:
-    side.close()  # ... done before the store goes, not dropped
-    assert ran == [1, 3]
+    side.lookups.after("k", lambda: ran.append("pin"), control=True)  # past the refreshes' bound: kept
+    side.lookups.after("k", lambda: ran.append("pin again"), control=True)  # (never skipped as recent)
+    assert "after_control_dropped" not in side.lookups.errors
+    stuck.set()
+    side.lookups.settle()
+    assert ran == ["pin", "pin again", 1, 3]  # the controls first
+    # A stop while it is all still queued: the controls given before the store goes, no refresh
+    stuck.clear()
+    ran.clear()
+    side.lookups.after(None, stuck.wait)
+    side.lookups.after("r", lambda: ran.append("refresh"))
+    side.lookups.after(None, lambda: ran.append("retention"), control=True)
+    threading.Timer(0.2, stuck.set).start()
+    side.close()
+    assert ran == ["retention"]
 
 
 def test_a_reset_forgets_the_self_check_copies_of_the_requests_it_drops(tmp_path: Path) -> None:

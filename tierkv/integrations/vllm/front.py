@@ -100,31 +100,63 @@ def _dumps(body: Any) -> bytes:
 
 def _move_cache_control(body: dict[str, Any]) -> Response | None:
     """The cache-control fields a client sends at the top level, as to tierkv's own engine
-    (``prompt_cache_retention``, ``prompt_cache_options``, ``tierkv``), checked by the same rules (a
-    400 naming the field) and moved into ``kv_transfer_params``, the one field vLLM hands the connector
-    (vLLM drops the others without a word). Returns the 400, or None."""
+    (``prompt_cache_retention``, ``prompt_cache_options``, ``tierkv``), moved into ``kv_transfer_params``,
+    the one field vLLM hands the connector (vLLM drops the others without a word); then what
+    ``kv_transfer_params`` holds checked by the rules of tierkv's own engine (a 400 naming the field),
+    however the client split it. Nothing else may be in it: vLLM reads some of its keys itself (a remote
+    prefill's cached tokens, counted as the client's own), which no tenant may set. Returns the 400, or
+    None."""
     from tierkv.server.cache_control import CONTROL_FIELDS, CacheControlError, control_from_params
 
-    fields = {k: body[k] for k in CONTROL_FIELDS if k in body}
-    if not fields:
-        return None
+    fields = {k: body.pop(k) for k in sorted(CONTROL_FIELDS) if k in body}
     params = body.get("kv_transfer_params")
     if params is None:
+        if not fields:
+            return None
         params = {}
     if not isinstance(params, dict):
         return error(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+    if extra := sorted(set(params) - CONTROL_FIELDS):
+        return error(
+            400,
+            f"kv_transfer_params.{extra[0]}: not taken with API keys (only {', '.join(sorted(CONTROL_FIELDS))})",
+            param=f"kv_transfer_params.{extra[0]}",
+        )
     for name in fields:
         if name in params:
             return error(400, f"{name}: given at the top level and in kv_transfer_params", param=name)
+    params = {**params, **fields}
+    if (refused := _explicit_breakpoints(body, params)) is not None:
+        return refused
     try:
-        control_from_params(fields, 1)  # (only checked here: the connector applies it to the prompt)
+        control_from_params(params, 1)  # (only checked here: the connector applies it to the prompt)
     except CacheControlError as exc:
         return error(400, str(exc), param=exc.param)
     except ValueError as exc:  # (not expected: control_from_params names the field in a CacheControlError)
-        return error(400, "cache control: " + " ".join(str(exc).split()), param=next(iter(fields)))
-    for name in fields:
-        del body[name]
-    body["kv_transfer_params"] = {**params, **fields}
+        return error(400, "cache control: " + " ".join(str(exc).split()), param=next(iter(params), None))
+    body["kv_transfer_params"] = params
+    return None
+
+
+def _explicit_breakpoints(body: dict[str, Any], params: dict[str, Any]) -> Response | None:
+    """A 400 for ``prompt_cache_options`` mode ``explicit`` beside breakpoints in the messages: vLLM does
+    not pass the breakpoints on, so the request would save nothing (explicit mode without any), where
+    tierkv's own engine keeps the marked prefixes."""
+    options = params.get("prompt_cache_options")
+    if not isinstance(options, dict) or options.get("mode") != "explicit":
+        return None
+    for m, msg in enumerate(body.get("messages") or ()):
+        parts = msg.get("content") if isinstance(msg, dict) else None
+        marked = [msg] + [p for p in parts if isinstance(p, dict)] if isinstance(parts, list) else [msg]
+        if any(
+            isinstance(p, dict) and ("cache_control" in p or "prompt_cache_breakpoint" in p) for p in marked
+        ):
+            return error(
+                400,
+                f"messages.{m}: breakpoints are not passed on to vLLM, so explicit mode would save nothing: "
+                "mark the whole prompt instead (prompt_cache_options mode 'implicit', or tierkv.retention)",
+                param=f"messages.{m}",
+            )
     return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -23,13 +24,17 @@ from tierkv.keys import BlockChain
 
 log = logging.getLogger("vllm.tierkv")
 
-__all__ = ["LATER", "LOOKUP_GIVE_UP_S", "Lookups", "Recently"]
+__all__ = ["LATER", "LOOKUP_GIVE_UP_S", "AfterWork", "Lookups", "Recently"]
 
 LOOKUP_GIVE_UP_S = 10.0  # a lookup still running after this counts as a miss (the request is computed)
 LATER = object()  # a lookup that has not answered yet: vLLM is told to ask again
 AFTER_EVERY_S = 1.0  # ``after``'s work for one key at most this often (a hot prefix: at every request)
-MAX_AFTER_PENDING = 256  # ``after``'s work waiting beyond this is dropped (counted): a burst stays bounded
+MAX_AFTER_PENDING = 256  # plain refreshes waiting beyond this are dropped (counted): a burst stays bounded
+# Work that carries a request's pin or retention, which nothing else gives the blocks vLLM holds: dropped
+# only past this many waiting (counted, and a warning)
+MAX_CONTROLS_PENDING = 4096
 MAX_AFTER_KEYS = 4096  # keys remembered for AFTER_EVERY_S (least recent forgotten first)
+CLOSE_WAIT_S = 10.0  # at close, queued pins and retentions are given for at most this long
 
 
 class Looking(Protocol):
@@ -60,6 +65,115 @@ class Recently:
             self._at.popitem(last=False)
 
 
+class AfterWork:
+    """Work a lookup's answer need not wait for (keeping what vLLM holds recent, and giving it the request's
+    pin or retention), on one thread of its own, so that no lookup waits behind it. A plain refresh
+    (``control`` False) is skipped when its ``key`` (a prefix) was queued less than ``AFTER_EVERY_S`` ago,
+    and dropped when ``MAX_AFTER_PENDING`` wait; work that carries a control is never skipped, runs before
+    any refresh, and is dropped only past ``MAX_CONTROLS_PENDING`` (with a warning). A failure is logged
+    once per kind; all of it counted by ``count``."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        self._count = count
+        self._cond = threading.Condition()
+        self._controls: collections.deque[Callable[[], None]] = collections.deque()
+        self._refreshes: collections.deque[Callable[[], None]] = collections.deque()
+        self._done = Recently(AFTER_EVERY_S, MAX_AFTER_KEYS)
+        self._running = False
+        self._closing = False
+        self._deadline = math.inf
+        self._warned = False
+        self._thread: threading.Thread | None = None  # started with the first work
+        self._failures: dict[str, int] = {}
+
+    def put(self, key: Hashable | None, work: Callable[[], None], control: bool) -> None:
+        now = time.monotonic()
+        with self._cond:
+            if self._closing:
+                return
+            if control:
+                if len(self._controls) >= MAX_CONTROLS_PENDING:
+                    self._count("after_control_dropped")
+                    if not self._warned:
+                        self._warned = True
+                        log.warning(
+                            "tierkv: %d pins or retentions of prefixes vLLM holds are waiting: one more was "
+                            "dropped (counted as after_control_dropped; said once)",
+                            MAX_CONTROLS_PENDING,
+                        )
+                    return
+                self._controls.append(work)
+            else:
+                if key is not None and self._done.fresh(key, now):
+                    return
+                if len(self._refreshes) >= MAX_AFTER_PENDING:
+                    self._count("after_dropped")
+                    return
+                if key is not None:
+                    self._done.mark(key, now)
+                self._refreshes.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tierkv-keep", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        spread_here()
+        while True:
+            with self._cond:
+                while not self._closing and not self._controls and not self._refreshes:
+                    self._cond.wait()
+                if self._closing:
+                    self._refreshes.clear()  # (a store about to close: nobody reads what they refresh)
+                    if self._controls and time.monotonic() > self._deadline:
+                        self._count("after_control_dropped")
+                        log.warning(
+                            "tierkv: %d pins or retentions of prefixes vLLM holds not given: the stop's "
+                            "%.0f s for them ran out",
+                            len(self._controls),
+                            CLOSE_WAIT_S,
+                        )
+                        self._controls.clear()
+                    if not self._controls:
+                        self._cond.notify_all()
+                        return
+                queue = self._controls if self._controls else self._refreshes
+                work = queue.popleft()
+                self._running = True
+            try:
+                work()
+            except Exception as exc:  # noqa: BLE001 - logged once per kind, counted: the engine goes on
+                kind = f"after:{type(exc).__name__}"
+                self._count(kind)
+                self._failures[kind] = self._failures.get(kind, 0) + 1
+                if self._failures[kind] == 1:
+                    log.warning(
+                        "tierkv: keeping a prefix vLLM holds recent failed (%s: %s)", type(exc).__name__, exc
+                    )
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait until what was queued so far has run (TimeoutError past ``timeout_s``)."""
+        with self._cond:
+            idle = lambda: not (self._controls or self._refreshes or self._running)  # noqa: E731
+            if not self._cond.wait_for(idle, timeout_s):
+                raise TimeoutError("work queued after the lookups did not run in time")
+
+    def close(self, wait_s: float) -> None:
+        """Queued controls are done for at most ``wait_s``, queued refreshes dropped; returns once the
+        thread has ended (after the work it is running: the store it uses closes next)."""
+        with self._cond:
+            self._closing = True
+            self._deadline = time.monotonic() + wait_s
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()
+
+
 class Lookups:
     def __init__(
         self,
@@ -74,11 +188,8 @@ class Lookups:
         self.paused_until = 0.0
         self._backoff_s = 0.0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first lookup
-        # ``after``'s thread, its queue's length and when each key's work was last queued
-        self._after: concurrent.futures.ThreadPoolExecutor | None = None
-        self._after_lock = threading.Lock()
-        self._after_pending = 0
-        self._after_done = Recently(AFTER_EVERY_S, MAX_AFTER_KEYS)
+        self._count_lock = threading.Lock()
+        self._after = AfterWork(self._count)
 
     def soon(self, r: Looking) -> Any:
         """``r``'s hit (or None, a miss), or ``LATER``: its lookup is still reading."""
@@ -123,57 +234,28 @@ class Lookups:
         self._backoff_s = 0.0
         return hit
 
-    def after(self, key: Hashable | None, work: Callable[[], None]) -> None:
-        """``work``, which a lookup's answer need not wait for, on a thread of its own (no lookup waits
-        behind it): skipped when ``key`` (None: never) was done less than ``AFTER_EVERY_S`` ago, and when
-        ``MAX_AFTER_PENDING`` are already waiting. A failure is logged once per kind and counted."""
-        now = time.monotonic()
-        with self._after_lock:
-            if key is not None and self._after_done.fresh(key, now):
-                return
-            if self._after_pending >= MAX_AFTER_PENDING:
-                self._count("after_dropped")
-                return
-            if key is not None:
-                self._after_done.mark(key, now)
-            if self._after is None:
-                self._after = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="tierkv-keep", initializer=spread_here
-                )
-            self._after_pending += 1
-            self._after.submit(self._quietly, work)
+    def after(self, key: Hashable | None, work: Callable[[], None], *, control: bool = False) -> None:
+        """``work``, which a lookup's answer need not wait for, on a thread of its own (``AfterWork``)."""
+        self._after.put(key, work, control)
 
     def settle(self, timeout_s: float = 10.0) -> None:
         """Wait until what was queued so far has run, ``after``'s work included."""
-        for pool in (self._pool, self._after):
-            if pool is not None:
-                pool.submit(lambda: None).result(timeout=timeout_s)
-
-    def _quietly(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except Exception as exc:
-            kind = f"after:{type(exc).__name__}"
-            self._count(kind)
-            if self.errors[kind] == 1:
-                log.warning(
-                    "tierkv: keeping a prefix vLLM holds recent failed (%s: %s)", type(exc).__name__, exc
-                )
-        finally:
-            with self._after_lock:
-                self._after_pending -= 1
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result(timeout=timeout_s)
+        self._after.settle(timeout_s)
 
     def _count(self, what: str) -> None:
-        self.errors[what] = self.errors.get(what, 0) + 1
+        with self._count_lock:  # (from the scheduler's, the lookup's and the keep thread)
+            self.errors[what] = self.errors.get(what, 0) + 1
 
     def close(self) -> None:
         """Before the store they use goes: wait for the running lookup (queued ones never start: nobody
-        waits for their answer) and for all ``after`` work (a pin asked just before a stop is kept; at
-        most ``MAX_AFTER_PENDING`` of it, each an index read and some hashing)."""
+        waits for their answer), and ``after``'s work that carries a request's pin or retention (a pin
+        asked just before a stop is kept) for at most ``CLOSE_WAIT_S``; plain refreshes still queued are
+        dropped."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._after is not None:
-            self._after.shutdown(wait=True)
-        self._pool = self._after = None
+        self._pool = None
+        self._after.close(CLOSE_WAIT_S)
         if self.errors:  # since start
             log.info("tierkv connector (scheduler): lookups not answered at once: %s", self.errors)

@@ -13,24 +13,20 @@ the image), LoRA adapters and prompt embeddings.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import functools
 import logging
 import random
 import uuid
 from typing import Any
 
-from tierkv.errors import ConfigError, PinBudgetError
 from tierkv.integrations.vllm.held import Resaves, keep, uncache
 from tierkv.integrations.vllm.lookups import LATER, Lookups
 from tierkv.integrations.vllm.meta import BlockSpan, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.metrics import TierKVStats
 from tierkv.integrations.vllm.namespace import kv_namespace, unsupported, with_epoch
 from tierkv.integrations.vllm.options import ConnectorOptions, release_store, shared_store
+from tierkv.integrations.vllm.tracked import REQUEST_FIELDS, Tracked, eligible, request_control, span_of
 from tierkv.keys import BlockChain, Namespace
-from tierkv.retention import NO_CONTROL, CacheControl
-from tierkv.server.cache_control import CONTROL_FIELDS, control_from_params
 from tierkv.tenancy import RESERVED
 from tierkv.units import env_flag
 
@@ -41,56 +37,6 @@ __all__ = ["SchedulerSide"]
 # tierkv tier name -> vLLM's CacheHitSource value (its metrics split external hits by tier)
 HIT_SOURCES = {"gpu": "device", "host": "host", "disk": "disk", "remote": "external_unspecified"}
 SOURCE_TIERS = {v: k for k, v in HIT_SOURCES.items()}
-
-
-@dataclasses.dataclass
-class _Request:
-    prompt: list[int]
-    salt: str
-    chain: BlockChain
-    epoch: str = ""  # the connector's at the request's arrival: ``chain``'s namespace is of it
-    local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
-    by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
-    stored_blocks: int = 0  # blocks tierkv held at the last lookup
-    load: tuple[int, int] | None = None  # blocks [first, end) to load at the next step
-    block_ids: list[int] = dataclasses.field(default_factory=list)
-    check: tuple[int, int] | None = None  # a self-checked load's blocks, not yet recomputed by vLLM
-    counted: bool = False  # its prompt tokens are in the metrics (once, however often it is rescheduled)
-    control: CacheControl = NO_CONTROL  # what its kv_transfer_params asked of the cache
-    lookup: concurrent.futures.Future[Any] | None = None  # a lookup still running on the lookup thread
-    lookup_since: float = 0.0
-    loading: list[int] | None = None  # the vLLM blocks of its asynchronous load, until reported done
-    # Blocks [first, end) of vLLM's own hit that tierkv lacks (a request that asked to keep them out of it
-    # computed them, or tierkv lost them): saved from vLLM's pages once the request is scheduled.
-    resave: tuple[int, int] | None = None
-    loading_checked: bool = False  # that load is the sampled self-check's: its blocks come back invalid
-    load_failed: bool = False  # some block of its asynchronous load failed: computed, never offered again
-    # ... because it was checked (by design: vLLM must recompute what the worker compares): offered again
-    # once the check is done, so that a preemption later still finds its hit
-    failed_for_check: bool = False
-
-
-# What a request must have for the connector to key it with certainty; a vLLM whose requests lack any of
-# these turns the connector off (their absence would read as "text only, no adapter").
-_REQUEST_FIELDS = ("prompt_token_ids", "mm_features", "lora_request", "prompt_embeds", "cache_salt")
-
-
-def _span(
-    req_id: str, r: _Request, first: int, end: int, B: int, deps: list[int] | None = None, check: bool = False
-) -> BlockSpan:
-    """Blocks ``first..end`` of request ``r``, in its vLLM blocks, with its cache control."""
-    return BlockSpan(
-        req_id, r.prompt[: end * B], r.salt, first, r.block_ids[first:end], deps or [], check, r.control
-    )
-
-
-def _eligible(request: Any) -> bool:
-    return (
-        request.prompt_token_ids is not None
-        and not request.mm_features
-        and request.lora_request is None
-        and request.prompt_embeds is None
-    )
 
 
 class SchedulerSide:
@@ -110,7 +56,7 @@ class SchedulerSide:
         self.save_enabled = save
         self.store: Any = None
         self.epoch = ""
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, Tracked] = {}
         self._warned_reserved = False
         self.kv_cache_manager: Any = None  # vLLM's, once bound (TierKVConnector.bind_kv_cache_manager)
         self.resaves = Resaves(1)  # (a step's worth of blocks, once the block size is known)
@@ -172,16 +118,16 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ lookups
 
-    def _request(self, request: Any) -> _Request | None:
+    def _request(self, request: Any) -> Tracked | None:
         r = self._reqs.get(request.request_id)
         if self.off:
             return r  # a load promised before the connector turned off is still planned
         if r is None:
-            missing = [f for f in _REQUEST_FIELDS if not hasattr(request, f)]
+            missing = [f for f in REQUEST_FIELDS if not hasattr(request, f)]
             if missing:  # another vLLM: what it would say about images or adapters is unknown
                 self.turn_off(f"vLLM's requests have no {', '.join(missing)}")
                 return None
-        if r is None and _eligible(request):
+        if r is None and eligible(request):
             salt = request.cache_salt or ""
             if salt.startswith(RESERVED) and not self.front:
                 # The space of a tenant of ``tierkv serve --api-keys`` on the same directory: no client
@@ -196,12 +142,12 @@ class SchedulerSide:
                 return None
             ns = self.ns.with_salt(salt) if salt else self.ns
             prompt = list(request.prompt_token_ids)
-            r = _Request(prompt, salt, BlockChain.of(ns, prompt), self.epoch)
-            r.control = self._control(request, r)
+            r = Tracked(prompt, salt, BlockChain.of(ns, prompt), self.epoch)
+            r.control = request_control(request, r, self.store)
             self._reqs[request.request_id] = r
         return r
 
-    def _look_up(self, r: _Request) -> Any:
+    def _look_up(self, r: Tracked) -> Any:
         """The store's hit for ``r``, on the lookup thread. The blocks of it vLLM holds itself (its own
         prefix hit), which it will not ask for, are then kept recent in the store, every rank's, as a
         restore keeps what it reads (else the prefix used most would age out of tierkv first, its LRU and
@@ -210,44 +156,16 @@ class SchedulerSide:
         hit = self.store.lookup(r.chain.ns, r.chain)
         held = min(r.local_tokens // self.block_tokens, hit.num_blocks)
         if held:
-            # (a prompt asking nothing of the cache is one key: its last held block names its prefix)
-            key = None if r.control.prefixes else r.chain.keys[held - 1]
+            # (a plain refresh is one a second per prefix: its last held block names it; a pin or retention
+            # is given each time it is asked)
             self.lookups.after(
-                key,
+                r.chain.keys[held - 1],
                 functools.partial(
                     keep, self.store, self.rank_base_ns, r.chain, r.prompt, r.salt, r.epoch, r.control, held
                 ),
+                control=bool(r.control.prefixes),
             )
         return hit
-
-    def _control(self, request: Any, r: _Request) -> CacheControl:
-        """The cache control in the request's ``kv_transfer_params`` (the one field vLLM's server passes
-        through): the fields ``tierkv serve`` takes at the top level of a request (docs/cache-control.md).
-        vLLM has no way to refuse a request from here: a value the connector does not know, or a pin past
-        the budget, is logged and counted, and the request is served without it."""
-        params = getattr(request, "kv_transfer_params", None)
-        if not isinstance(params, dict) or not CONTROL_FIELDS & set(params):
-            return NO_CONTROL
-        try:
-            control = control_from_params(params, len(r.prompt))
-            if self.store is not None and any(x.ttl_s or x.pin_s for _, x in control.prefixes):
-                self.store.check_retention()
-            tokens, pin_s = control.pin
-            if pin_s and self.store is not None:
-                self.store.check_pin(r.chain.ns, r.chain, pin_s, num_blocks=tokens // self.block_tokens)
-        except (ConfigError, PinBudgetError, ValueError) as exc:
-            log.warning("tierkv: request %s: its cache control is ignored: %s", request.request_id, exc)
-            return NO_CONTROL
-        except Exception as exc:  # noqa: BLE001 - the store's index unreadable (LMDB, EIO): vLLM's engine
-            # treats any exception here as fatal, for every request it runs
-            log.warning(
-                "tierkv: request %s: its cache control is ignored: the store could not be read (%s: %s)",
-                request.request_id,
-                type(exc).__name__,
-                exc,
-            )
-            return NO_CONTROL
-        return control
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.store is None or not self.load_enabled:
@@ -316,7 +234,7 @@ class SchedulerSide:
                 (request.request_id, r.block_ids[first : first + -(-num_external_tokens // B)])
             )
 
-    def _count_prompt(self, request: Any, r: _Request, external: int) -> None:
+    def _count_prompt(self, request: Any, r: Tracked, external: int) -> None:
         """The metrics' prompt tokens by source, when vLLM first schedules the request: vLLM's own prefix
         cache, each tierkv tier (the lookup's split of what will be loaded), and the rest computed."""
         r.counted = True
@@ -371,7 +289,7 @@ class SchedulerSide:
             self._plan(meta, req_id, r, cached.num_computed_tokens[i], steps.get(req_id, 0))
         return meta
 
-    def _plan(self, meta: TierKVMetadata, req_id: str, r: _Request, computed: int, scheduled: int) -> None:
+    def _plan(self, meta: TierKVMetadata, req_id: str, r: Tracked, computed: int, scheduled: int) -> None:
         B = self.block_tokens
         if r.load is not None:
             self._plan_load(meta.loads, req_id, r)
@@ -380,7 +298,7 @@ class SchedulerSide:
         if not self.save_enabled or r.control.no_store:
             r.resave = None
         if r.resave is not None and (got := self.resaves.take(r, computed)):  # vLLM's hit tierkv lacks
-            span = _span(req_id, r, *got, B, deps=r.block_ids[: got[1]])  # computed before this step:
+            span = span_of(req_id, r, *got, B, deps=r.block_ids[: got[1]])  # computed before this step:
             span.cached = True  # its own blocks among its deps (guard.py)
             meta.saves.append(span)
         # Prompt blocks this step completes; those before ``computed`` were computed, loaded or
@@ -400,9 +318,9 @@ class SchedulerSide:
         if r.control.save_tokens is not None:  # only the prefixes the request marked
             end = min(end, r.control.save_tokens // B)
         if self.save_enabled and not r.control.no_store and end > first:
-            meta.saves.append(_span(req_id, r, first, end, B, deps=r.block_ids[:first]))
+            meta.saves.append(span_of(req_id, r, first, end, B, deps=r.block_ids[:first]))
 
-    def _plan_load(self, loads: list[BlockSpan], req_id: str, r: _Request) -> BlockSpan | None:
+    def _plan_load(self, loads: list[BlockSpan], req_id: str, r: Tracked) -> BlockSpan | None:
         """The request's planned load into ``loads``; the span, or None when there is none."""
         if r.load is None:
             return None
@@ -412,7 +330,7 @@ class SchedulerSide:
         if end <= first:
             return None
         check = self.check_rate > 0 and r.check is None and self._sample.random() < self.check_rate
-        span = _span(req_id, r, first, end, self.block_tokens, check=check)
+        span = span_of(req_id, r, first, end, self.block_tokens, check=check)
         loads.append(span)
         if check:
             r.check = (first, end)
