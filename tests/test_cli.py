@@ -494,6 +494,73 @@ def test_serve_on_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path, en
     assert r.stderr.endswith(f"cannot hold a store: {tmp_path / 'afile'} is a file\n"), r.stderr
 
 
+def test_a_cache_dir_a_store_cannot_be_made_or_written_in_is_named_before_anything_starts(
+    store_dir, tmp_path, monkeypatch
+) -> None:
+    """``paths.unwritable_reason``, which serve asks before a model loads (from a cold review): a ``~`` is
+    the user's home, as the store's open takes it (the check looked in ``./~``); a symbolic link to a
+    missing directory is said (it passed, then the open failed with 'File exists'); an existing store
+    whose files this user may not write is refused (its directory alone was asked); the room for a
+    store counts only that store's records."""
+    from tierkv.paths import store_room_nbytes, unwritable_reason
+
+    home = tmp_path / "home"
+    (home / "ro").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    assert unwritable_reason("~/kv") is None
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("HOME", str(tmp_path / "afile"))
+    assert unwritable_reason("~/kv") == f"{tmp_path / 'afile'} is a file"
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    why = unwritable_reason(tmp_path / "dangling" / "kv")
+    assert why == f"{tmp_path / 'dangling'} is a symbolic link to {tmp_path / 'gone'}, which does not exist"
+    assert unwritable_reason(store_dir) is None
+    # a parent store's records are not the room of a store made below it
+    assert store_room_nbytes(store_dir / "new") == store_room_nbytes(store_dir.parent / "other")
+    prefix = _without_root_powers()
+    (store_dir / "owners.lock").chmod(0o400)
+    try:
+        r = subprocess.run(
+            [
+                *prefix,
+                sys.executable,
+                "-c",
+                f"from tierkv.paths import unwritable_reason as u; print(u({str(store_dir)!r}))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        (store_dir / "owners.lock").chmod(0o600)
+    assert r.stdout == f"{store_dir / 'owners.lock'} is not writable by this user\n", (r.stdout, r.stderr)
+
+
+def test_the_vllm_serve_module_checks_the_cache_dir_before_vllm_starts(tmp_path) -> None:
+    """``python -m tierkv.integrations.vllm.serve``, which skips the tierkv CLI's checks, refuses a cache
+    dir no store can be made in as ``tierkv serve`` does (vLLM failed after its model loaded)."""
+    _serve_vllm(tmp_path)  # (makes the interpreter that records vLLM's argv, and the model directory)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "python-with-vllm.argv").unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERKV_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "tierkv.integrations.vllm.serve", "--model", str(tmp_path / "model")]
+        + ["--cache-dir", str(tmp_path / "afile" / "kv")],
+        env={**env, "TIERKV_VLLM_PYTHON": str(tmp_path / "python-with-vllm")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 2 and not (tmp_path / "python-with-vllm.argv").exists(), (r.returncode, r.stderr)
+    assert (
+        r.stderr
+        == f"tierkv: cache_dir: {tmp_path / 'afile' / 'kv'} cannot hold a store: {tmp_path / 'afile'} is a file\n"
+    )
+
+
 def test_serve_engine_vllm_warns_before_vllm_starts_of_a_disk_budget_the_file_system_cannot_hold(
     tmp_path,
 ) -> None:

@@ -471,6 +471,27 @@ def test_an_open_that_fails_after_the_index_releases_the_owners_lock(tmp_path, n
         os.close(fd)
 
 
+def test_an_open_whose_writer_thread_cannot_start_leaves_no_thread_behind(tmp_path, monkeypatch) -> None:
+    """The writer starts its append threads, then its batch thread: where the second cannot start (a pids
+    limit), the first ended with it (a cold review: two threads were left behind at each failed open)."""
+    import threading
+
+    from tierkv.tiers.disk import writer as writer_mod
+
+    def no_thread(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(writer_mod, "BatchQueue", no_thread)
+    with pytest.raises(RuntimeError, match="start new thread"):
+        DiskTier(tmp_path / "cache")
+    assert [t.name for t in threading.enumerate() if t.name.startswith("tierkv-disk")] == []
+    fd = os.open(tmp_path / "cache" / "owners.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
 def test_a_reader_never_moves_a_damaged_store_aside(tmp_path, ns) -> None:
     with TieredStore.open(tmp_path / "cache", host_bytes=0) as store:
         store.save(ns, _toks(0), make_kv(ns, 64, seed=0))

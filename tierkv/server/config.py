@@ -101,7 +101,8 @@ class ServeConfig:
         return config
 
     def resolved_cache_dir(self) -> str:
-        return self.cache_dir or default_cache_dir()
+        """(``~`` expanded: a shell leaves it in ``--cache-dir=~/kv``, as TOML and the environment do)"""
+        return os.path.expanduser(self.cache_dir or default_cache_dir())
 
     def store_config(self) -> StoreConfig:
         """The store this server runs on (its GPU tier is added once the model is loaded)."""

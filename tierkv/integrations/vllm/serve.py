@@ -44,7 +44,7 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm.options import DEFAULT_HOST_NBYTES
-from tierkv.paths import room_short_of
+from tierkv.paths import room_short_of, unwritable_reason
 from tierkv.server.config import parse_disk_budget, redact_url
 from tierkv.units import format_size, parse_size
 
@@ -141,10 +141,11 @@ def connector_config(config: Any) -> dict[str, Any]:
     given = config.get("disk_budget", 0) if isinstance(config, Mapping) else getattr(config, "disk_budget", 0)
     if given is None:  # --disk-budget none: left out, the connector would apply its default of 20 GiB
         extra["disk_bytes"] = None
-    if "cache_dir" not in extra:
-        from tierkv.paths import default_cache_dir
+    from tierkv.paths import default_cache_dir
 
-        extra["cache_dir"] = default_cache_dir()
+    extra["cache_dir"] = os.path.expanduser(
+        extra.get("cache_dir") or default_cache_dir()
+    )  # (as the checks see it)
     return {
         "kv_connector": "TierKVConnector",
         "kv_connector_module_path": "tierkv.integrations.vllm",
@@ -271,6 +272,10 @@ def serve_vllm(config_or_args: Any, extra_args: Sequence[str] = ()) -> int:
         return 2
     try:
         cmd = vllm_command(config_or_args, extra_args, python)
+        if not _get(config_or_args, "no_cache", False):  # told now, not after vLLM loaded the model
+            extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+            if why := unwritable_reason(extra["cache_dir"]):
+                raise ConfigError(f"cache_dir: {extra['cache_dir']} cannot hold a store: {why}")
         if _get(config_or_args, "api_keys"):  # vLLM checks no keys: a front of tierkv's does (front.py)
             from tierkv.integrations.vllm.front import run_front
             from tierkv.server.tenants import Tenants

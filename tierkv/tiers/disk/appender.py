@@ -41,9 +41,14 @@ class Appender:
     def __init__(self, name: str, threads: int = 2) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._loop, name=name, daemon=True) for _ in range(threads)]
-        for t in self.threads:
-            t.start()
         self.thread = self.threads[0]
+        try:
+            for t in self.threads:
+                t.start()
+        except BaseException:  # (a pids limit, say: those started end)
+            self.threads = [t for t in self.threads if t.ident is not None]
+            self.stop(5.0)
+            raise
 
     def submit(self, fn: Callable[[], None]) -> Job:
         """Run ``fn`` on the thread after the jobs before it; where the thread is gone, here."""

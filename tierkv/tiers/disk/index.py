@@ -190,8 +190,10 @@ class Index(RetentionRows, SegmentRows, Eviction):
         return merged
 
     def close(self) -> None:
-        self.env.close()
-        self._owners.close()
+        try:
+            self.env.close()
+        finally:  # (the owners lock is let go whatever LMDB said: gc and readers wait on it)
+            self._owners.close()
 
     @contextlib.contextmanager
     def sole_owner(self) -> Iterator[bool]:

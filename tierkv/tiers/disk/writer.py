@@ -111,16 +111,20 @@ class Writer:
         # SCHED_IDLE, without the GIL (priority.py says why never Python at idle priority).
         self._appender = Appender("tierkv-disk-append")
         self._in_flight: _Appending | None = None  # the batch being appended, indexed by the next turn
-        self._batches: BatchQueue[Item] = BatchQueue(
-            "tierkv-disk-writer",
-            self._handle,
-            item_nbytes=lambda i: i.nbytes,
-            batch_nbytes=batch_nbytes,
-            idle_s=TOUCH_FLUSH_INTERVAL_S,
-            on_idle=lambda: self._guarded(self.times.flush),
-            on_start=background_priority,
-            on_stop=self._finish_in_flight,
-        )
+        try:
+            self._batches: BatchQueue[Item] = BatchQueue(
+                "tierkv-disk-writer",
+                self._handle,
+                item_nbytes=lambda i: i.nbytes,
+                batch_nbytes=batch_nbytes,
+                idle_s=TOUCH_FLUSH_INTERVAL_S,
+                on_idle=lambda: self._guarded(self.times.flush),
+                on_start=background_priority,
+                on_stop=self._finish_in_flight,
+            )
+        except BaseException:  # (no thread left behind: a failed open is retried, a pids limit is hit again)
+            self._appender.stop(5.0)
+            raise
         self.thread = self._batches.thread
         # Called on the writer thread after each batch while the queue has room: the write-behind refills
         # it from the host tier's dirty blocks (write-back).
