@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +43,8 @@ cache_dir_option = click.option(
     default=default_cache_dir,
     show_default=DEFAULT_CACHE_DIR_HELP,
     help="The store's directory.",
+    # (a shell leaves ~ as it is in --cache-dir=~/kv: the server's checks and its store expand it)
+    callback=lambda ctx, param, value: os.path.expanduser(value) if isinstance(value, str) else value,
 )
 
 
