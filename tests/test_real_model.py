@@ -2,8 +2,9 @@
 
 Exactness on a real model, with its chat template: the next-token logits after a restore from the host
 tier, and from disk after a restart (a new store on the same directory, nothing in RAM), against a cold
-prefill of the same prompt. bfloat16 must be bit-identical; float32 is held to max |diff| <= 1e-4 (it has
-been bit-identical on this CPU too: the bound is for other CPUs' kernels). Greedy text must be identical
+prefill of the same prompt. bfloat16 must be bit-identical; float32 is held to max |diff| <= 1e-4 (CPU
+float32 matrix kernels round some row counts differently: up to 3e-5 on an AMD EPYC, bit-identical on
+others; plain transformers, a prefix then its tail, differs as much). Greedy text must be identical
 for 32 tokens. CI runs short prompts (a few blocks); the ~3,000-token variants are behind ``--runslow``.
 
 The first test converts the GGUF once into the user's models folder (~/.cache/tierkv-models, or

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.codec import Codec
 from tierkv.errors import ConfigError
-from tierkv.units import format_size
+from tierkv.units import format_size, parse_duration, parse_size
 
 if TYPE_CHECKING:
     from tierkv.metrics import Counters
@@ -46,6 +46,43 @@ class RemoteConfig:
     admit_after: int = 1  # share a block only once that many requests contained it
     # sign records with the first, accept any (remote.py); () unsigned; never in a repr (logs, tracebacks)
     secrets: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
+
+
+# TieredStore.open's own keywords, and those it hands the disk tier (DiskTier's sizes and modes)
+OPEN_OPTIONS = frozenset(
+    {"host_bytes", "disk_bytes", "pin_bytes", "ttl_s", "max_age_s", "codec_", "clock", "sync", "remote"}
+    | {"remote_admit_after", "remote_secrets", "gpu_bytes", "device", "staging", "sweep_interval_s"}
+)
+DISK_OPTIONS = frozenset(
+    {"queue_nbytes", "batch_nbytes", "segment_nbytes", "map_nbytes", "read_threads", "direct_reads"}
+    | {"direct_writes"}
+)
+
+
+def _size(name: str, value: Any) -> Any:
+    """A size in bytes: an int, or a string such as ``"4GiB"`` (None as it is)."""
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(
+            f"{name} must be a number of bytes (an int, or a size such as '4GiB'), got {value!r}"
+        )
+    return value
+
+
+def _seconds(name: str, value: Any) -> Any:
+    """A duration in seconds: a number, or a string such as ``"24h"`` (None as it is)."""
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{name} must be seconds (a number, or a duration such as '24h'), got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +121,23 @@ class StoreConfig:
     ) -> StoreConfig:
         """The flat keywords of ``TieredStore.open``. ``path=None`` gives a memory-only store;
         ``host_bytes=0`` one without a host tier. ``pin_bytes``: the disk tier's pin budget (None: a
-        quarter of ``disk_bytes``)."""
+        quarter of ``disk_bytes``). Sizes may be given as ``"4GiB"`` and durations as ``"24h"``, as on the
+        command line; a keyword nothing takes is a ConfigError (a misspelt ``ttl`` would never expire)."""
+        unknown = sorted(set(disk_options) - DISK_OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"TieredStore.open: unknown option(s) {', '.join(unknown)}; it takes "
+                f"{', '.join(sorted(OPEN_OPTIONS | DISK_OPTIONS))}"
+            )
+        if path is None and (disk_bytes is not None or pin_bytes is not None or disk_options):
+            given = [k for k, v in (("disk_bytes", disk_bytes), ("pin_bytes", pin_bytes)) if v is not None]
+            raise ConfigError(
+                f"TieredStore.open: {', '.join(given + sorted(disk_options))} given for a store without a "
+                "disk tier (path None)"
+            )
+        host_bytes = _size("host_bytes", host_bytes)
+        disk_bytes, pin_bytes = _size("disk_bytes", disk_bytes), _size("pin_bytes", pin_bytes)
+        ttl_s, max_age_s = _seconds("ttl_s", ttl_s), _seconds("max_age_s", max_age_s)
         if isinstance(codec_, str):
             codec_ = Codec[codec_.upper().replace("-", "_")]
         disk = (

@@ -5,6 +5,7 @@ TierKVError
 ├── StoreFormatError     the store on disk was written by another format version
 ├── StoreOpenError       the store cannot be opened (permissions, read-only media, memory, lock file)
 ├── NamespaceConflictError  one digest registered with two different specs
+├── StoreClosedError     the store was used after (or while) it was closed
 ├── ConfigError          a caller's mistake in an argument (size, duration, shape)
 └── PinBudgetError       a pin would take the pinned bytes past the store's pin budget (refused)
 """
@@ -14,6 +15,7 @@ __all__ = [
     "NamespaceConflictError",
     "PinBudgetError",
     "RecordError",
+    "StoreClosedError",
     "StoreFormatError",
     "StoreOpenError",
     "TierKVError",
@@ -37,6 +39,10 @@ class StoreFormatError(TierKVError):
 
 class StoreOpenError(TierKVError):
     """The store exists but cannot be opened for a reason other than corruption; its data is left as is."""
+
+
+class StoreClosedError(TierKVError):
+    """The store is closed: nothing more is saved or served by it (open it again)."""
 
 
 class NamespaceConflictError(TierKVError):

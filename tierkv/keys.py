@@ -13,8 +13,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import numbers
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NewType
 
 import numpy as np
@@ -30,6 +31,7 @@ __all__ = [
     "Namespace",
     "NamespaceDigest",
     "TOKEN_NBYTES",
+    "token_sequence",
     "block_keys",
     "chain_key",
     "root_key",
@@ -71,6 +73,14 @@ class Namespace:
     tenant_salt: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("model_id", "revision", "dtype", "tenant_salt"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "layout_version"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (a numpy integer hashes as the int it is)
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported KV dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
@@ -133,6 +143,34 @@ def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
+def token_sequence(token_ids: object) -> Sequence[int] | np.ndarray:
+    """One prompt's token ids as given where they are a list, tuple or range (their values are checked as
+    they are encoded), else as a 1-D integer array (a numpy array, a tensor); ConfigError for anything else.
+    A tokenizer's ``[1, T]`` batch would otherwise read as a prompt of one token, and float ids as the
+    integers they round down to: another prompt's blocks."""
+    if isinstance(token_ids, (list, tuple, range)):
+        return token_ids
+    if isinstance(token_ids, (str, bytes, Mapping)) or not hasattr(token_ids, "__len__"):
+        hint = " (a tokenizer's encoding: pass its input_ids)" if isinstance(token_ids, Mapping) else ""
+        raise ConfigError(
+            f"token ids must be a list, or a 1-D array or tensor, of integers; got {type(token_ids).__name__}"
+            + hint
+        )
+    if hasattr(token_ids, "detach"):  # a tensor, on any device
+        token_ids = token_ids.detach().cpu()
+    try:
+        arr = np.asarray(token_ids)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"token ids must be integers: {exc}") from None
+    if arr.ndim != 1:
+        raise ConfigError(f"token ids must be one prompt's, 1-D; got shape {list(arr.shape)}")
+    if arr.size == 0:
+        return arr.astype(np.int64)  # (np.array([]) is float64: no ids to mistake)
+    if arr.dtype.kind not in "iu":
+        raise ConfigError(f"token ids must be integers, got {arr.dtype}")
+    return arr
+
+
 def chain_key(parent: BlockKey, block_token_bytes: bytes) -> BlockKey:
     return BlockKey(_blake(parent + block_token_bytes))
 
@@ -150,6 +188,7 @@ class BlockChain:
 
     @classmethod
     def of(cls, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> BlockChain:
+        token_ids = token_sequence(token_ids)
         n_blocks = len(token_ids) // ns.block_tokens
         data = tokens_to_bytes(token_ids[: n_blocks * ns.block_tokens])
         step = ns.block_tokens * TOKEN_NBYTES

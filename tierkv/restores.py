@@ -17,6 +17,7 @@ from tierkv.errors import ConfigError
 from tierkv.keys import BlockChain, Namespace
 from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
+from tierkv.open_calls import while_open
 from tierkv.planner import RestorePlanner
 from tierkv.spread import promoter, runs_of, spread
 from tierkv.tiers import prefault
@@ -83,6 +84,7 @@ class StoreRestores:
         n = next((i for i in range(start, len(chain)) if i not in src), len(chain))
         return [src[i] for i in range(start, n)]
 
+    @while_open
     def lookup(self, ns: Namespace, token_ids: Tokens) -> Hit:
         """How many leading tokens are cached, and where. Reads no payload, changes nothing."""
         chain = _chain(ns, token_ids)
@@ -90,6 +92,7 @@ class StoreRestores:
         by_tier = {t.name: sum(k == j for k in src) * ns.block_tokens for j, t in enumerate(self.tiers)}
         return Hit(len(src) * ns.block_tokens, by_tier, len(src))
 
+    @while_open
     def refresh(self, ns: Namespace, token_ids: Tokens, num_blocks: int) -> None:
         """Blocks ``0..num_blocks-1`` were just used from the engine's own cache: kept recent in every tier,
         as a restore keeps what it reads (each tier's LRU, the disk's sliding TTL). Without it the prefix
@@ -111,6 +114,7 @@ class StoreRestores:
         hit, kv = self.restore(ns, token_ids, out)
         return hit.num_tokens, kv
 
+    @while_open
     def restore(
         self,
         ns: Namespace,

@@ -22,6 +22,7 @@ from tierkv.errors import ConfigError
 from tierkv.keys import Namespace
 from tierkv.layout import KVSpec
 from tierkv.metrics import COUNTER_NAMES, Counters
+from tierkv.open_calls import OpenCalls, while_open
 from tierkv.planner import RestorePlanner
 from tierkv.restores import Hit, StoreRestores, Tokens, _chain, _model_key
 from tierkv.retention import Retention
@@ -70,6 +71,8 @@ class TieredStore(StoreRestores, TenantQuotas):
         self.planner = RestorePlanner()  # restore or recompute, from measured read and prefill speeds
         self._lost_at_flush = 0  # blocks the record tiers had lost at the last flush
         self._quotas_read_s = -QUOTA_REFRESH_S  # when the disk tier's stored quotas were last adopted
+        # (last: a store whose construction failed is nobody's to close at exit)
+        self._open_calls = OpenCalls(self, durable=any(not getattr(t, "memory", False) for t in self.tiers))
 
     @classmethod
     def open(cls, path: str | Any | None, **options: Any) -> TieredStore:
@@ -127,6 +130,7 @@ class TieredStore(StoreRestores, TenantQuotas):
         if kv.shape[2] < min_tokens:
             raise ConfigError(f"kv holds {kv.shape[2]} tokens, fewer than the {min_tokens} asked for")
 
+    @while_open
     def save(
         self,
         ns: Namespace,
@@ -155,6 +159,7 @@ class TieredStore(StoreRestores, TenantQuotas):
             self._adopt_quotas()
         return self.writes.save(chain, start_block, blocks, memory_only=memory_only)
 
+    @while_open
     def save_blocks(
         self,
         ns: Namespace,
@@ -186,6 +191,7 @@ class TieredStore(StoreRestores, TenantQuotas):
 
     # ---------------------------------------------------------------- retention (cache control)
 
+    @while_open
     def check_pin(
         self, ns: Namespace, token_ids: Tokens, pin_s: float, *, num_blocks: int | None = None
     ) -> None:
@@ -202,6 +208,7 @@ class TieredStore(StoreRestores, TenantQuotas):
         )
         disk.check_pin(chain, count, record_nbytes)
 
+    @while_open
     def check_retention(self) -> None:
         """ConfigError unless the disk tier can keep blocks by retention and pins (a store of format 2 or
         later: ``tierkv gc --upgrade`` upgrades a format-1 one); without a disk tier, nothing is kept by
@@ -210,6 +217,7 @@ class TieredStore(StoreRestores, TenantQuotas):
         if disk is not None:
             disk.check_retention()
 
+    @while_open
     def retain(
         self, ns: Namespace, token_ids: Tokens, retention: Retention, *, num_blocks: int | None = None
     ) -> None:
@@ -224,6 +232,7 @@ class TieredStore(StoreRestores, TenantQuotas):
 
     # ---------------------------------------------------------------- lookup and restore: restores.py
 
+    @while_open
     def prefetch(self, ns: Namespace, token_ids: Tokens, *, chunk_nbytes: int = 64 << 20) -> tuple[Hit, Hit]:
         """Bring the prompt's longest cached prefix into the CPU memory tier from the slower ones, computing
         nothing (``prefetch.prefetch``). Returns where it was before and where it is after."""
@@ -253,12 +262,14 @@ class TieredStore(StoreRestores, TenantQuotas):
             raise ConfigError("this store has no disk tier")
         return disk
 
+    @while_open
     def gc(self, **options: Any) -> dict[str, Any]:
         """One gc pass over the disk tier (``maintenance.run_gc``'s options); ConfigError without one."""
         from tierkv.maintenance import run_gc
 
         return run_gc(self._durable(), **options)
 
+    @while_open
     def purge(self, namespace: str | None = None, *, purge_all: bool = False) -> dict[str, Any]:
         """Drop one namespace (a digest prefix) or everything from every tier, then run a gc pass over the
         disk (its report is returned). A barrier: see ``removal.purge``."""
@@ -278,6 +289,7 @@ class TieredStore(StoreRestores, TenantQuotas):
         disk = self._durable()
         return archive_chunks(disk, select(disk, namespaces, models), secret=secret)
 
+    @while_open
     def invalidate(self, ns: Namespace, token_ids: Tokens, blocks: Iterable[int]) -> int:
         """Remove blocks ``blocks`` (indices into the prompt's full blocks) from every tier, their saves
         on their way included: a caller learnt a copy may be wrong. Returns how many of them some tier
@@ -286,6 +298,7 @@ class TieredStore(StoreRestores, TenantQuotas):
 
         return invalidate(self, _chain(ns, token_ids), blocks)
 
+    @while_open
     def forget(self, ns: Namespace, token_ids: Tokens, *, shared: bool = False) -> Forgotten:
         """Remove the prompt's blocks from every tier, their saves on their way included: only those no
         other stored prompt extends, or all with ``shared`` (``removal.forget``)."""
@@ -301,6 +314,7 @@ class TieredStore(StoreRestores, TenantQuotas):
         out["live"] = self.stats()
         return out
 
+    @while_open
     def reserve(self, ns: Namespace, *, restores_into_cpu: bool = False, populate_now: bool = False) -> None:
         """Allocate (and pre-fault) the memory tiers for ``ns``'s blocks now, not on the first request, and
         read the disk tier's index ahead (``DiskTier.read_ahead``);
@@ -321,6 +335,7 @@ class TieredStore(StoreRestores, TenantQuotas):
 
     # ---------------------------------------------------------------- lifecycle
 
+    @while_open
     def flush(self) -> int:
         """Wait until every saved block is durable on disk (the host tier's dirty blocks included).
         Returns how many blocks the record tiers lost since the last flush: dropped (their queue full
@@ -354,6 +369,10 @@ class TieredStore(StoreRestores, TenantQuotas):
         return snap
 
     def close(self) -> None:
+        """Flush what was saved to disk and close every tier, once the calls in flight have returned (later
+        ones raise ``StoreClosedError``). A second close does nothing."""
+        if not self._open_calls.close():
+            return
         self.writes.close()
         self._stagers.close()
         for tier in reversed(self.tiers):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from tierkv.open_calls import while_open
 from tierkv.tenancy import Quota
 from tierkv.tiers.base import Tier
 from tierkv.tiers.disk import DiskTier
@@ -22,6 +23,7 @@ class TenantQuotas:
     tiers: list[Tier]  # (``TieredStore``'s)
     _quotas_read_s: float  # when the disk tier's stored quotas were last adopted
 
+    @while_open
     def set_quotas(self, quotas: dict[bytes, Quota]) -> None:
         """The tenants' quotas, by tenant id (``tenancy``): the tiers that hold blocks of several tenants
         evict from those above their quota first; the disk tier stores them for every process on its
@@ -49,6 +51,7 @@ class TenantQuotas:
             if isinstance(tier, BlockPool):
                 tier.set_quotas(quotas)
 
+    @while_open
     def tenant_usage(self) -> dict[bytes, dict[str, int]]:
         """Per tenant id: ``disk_nbytes``, ``pinned_nbytes`` (disk) and ``host_nbytes``, where held."""
         out: dict[bytes, dict[str, int]] = {}
