@@ -308,7 +308,7 @@ class TieredStore(StoreRestores, TenantQuotas):
 
     def report(self) -> dict[str, Any]:
         """``tierkv stats``' report of the disk tier, plus what only this process knows under ``live``."""
-        from tierkv.inspect import store_stats
+        from tierkv.store_report import store_stats
 
         out = store_stats(self._durable())
         out["live"] = self.stats()

@@ -39,7 +39,7 @@ def _store_dir(cache_dir: str, folder: str | None) -> str:
 def stats(cache_dir: str, folder: str | None, as_json: bool) -> None:
     """Totals per namespace, ages, expired blocks not yet swept, budget and space. FOLDER: the store's
     directory, as --cache-dir."""
-    from tierkv.inspect import store_stats
+    from tierkv.store_report import store_stats
 
     source = click.get_current_context().get_parameter_source("cache_dir")
     cache_dir = _store_dir(cache_dir, folder)
