@@ -121,8 +121,9 @@ class TieredStore(StoreRestores, TenantQuotas):
             or kv.shape[1] != 2
             or tuple(kv.shape[3:]) != (spec.num_kv_heads, spec.head_dim)
         ):
+            shape = ", ".join(str(n) if i != 2 else "T" for i, n in enumerate(spec.shape(min_tokens)))
             raise ConfigError(
-                f"kv must be {list(spec.shape(min_tokens))} (layers, 2, tokens, kv heads, head dim), "
+                f"kv must be [{shape}] (layers, 2, tokens, kv heads, head dim; T >= {min_tokens}), "
                 f"got {list(kv.shape)}"
             )
         if kv.dtype != spec.dtype:
