@@ -97,3 +97,26 @@ def test_load_async_takes_a_flag_and_refuses_anything_else() -> None:
     assert ConnectorOptions.from_extra({"load_async": "0"}).load_async is False
     with pytest.raises(ConfigError, match="load_async must be true or false"):
         ConnectorOptions.from_extra({"load_async": "maybe"})
+
+
+def test_the_keep_threads_stop_is_bounded_and_counts_each_control_it_drops(monkeypatch) -> None:
+    """From a cold review: the stop's 10 s for queued pins and retentions was checked only between pieces
+    of work, and the thread joined without a bound (a retain stuck on LMDB's write lock or a stalled
+    disk held vLLM's shutdown for ever); the controls dropped counted once a batch."""
+    import threading
+    import time
+
+    from tierkv.integrations.vllm import lookups as lookups_mod
+
+    monkeypatch.setattr(lookups_mod, "CLOSE_GRACE_S", 0.5)
+    counts: dict[str, int] = {}
+    work = lookups_mod.AfterWork(lambda what: counts.__setitem__(what, counts.get(what, 0) + 1))
+    stuck, ran = threading.Event(), []
+    work.put(None, lambda: stuck.wait(30), True)
+    for i in range(5):
+        work.put(None, lambda i=i: ran.append(i), True)
+    t0 = time.monotonic()
+    work.close(0.2)
+    assert time.monotonic() - t0 < 3.0
+    assert ran == [] and counts.get("after_control_dropped") == 5, counts
+    stuck.set()

@@ -132,3 +132,119 @@ def test_a_namespace_takes_integers_for_its_shape() -> None:
         with pytest.raises(ConfigError, match="num_layers must be an integer"):
             Namespace(**base, num_layers=bad)
     assert Namespace(**base, num_layers=np.int64(4)).digest == Namespace(**base, num_layers=4).digest
+
+
+def test_a_dropped_store_is_collected_and_a_call_inside_a_call_goes_on_while_closing(tmp_path, ns) -> None:
+    """From the change's cold review: the exit's registry held every store until closed (a program that
+    drops unclosed stores grew without bound); a call made inside another (a restore's refresh of the
+    blocks it was given, from ``start_block``) was refused once a close began, though the close was
+    waiting for the outer one; a close from inside a call (a signal handler's) waited 30 s for itself."""
+    import gc
+    import time
+    import weakref
+
+    store = TieredStore.open(None, host_bytes=1 << 20)
+    store.save(ns, list(range(ns.block_tokens)), make_kv(ns, ns.block_tokens))
+    dropped = weakref.ref(store)
+    del store
+    gc.collect()
+    assert dropped() is None
+
+    toks = list(range(3 * ns.block_tokens))
+    store = TieredStore.open(tmp_path, host_bytes=0)
+    store.save(ns, toks, make_kv(ns, len(toks)))
+    store.flush()
+    entered, release = threading.Event(), threading.Event()
+    check_kv = store._check_kv
+
+    def slow_check(*args, **kwargs):  # the restore is in flight, its refresh still to come
+        entered.set()
+        release.wait(10)
+        return check_kv(*args, **kwargs)
+
+    store._check_kv = slow_check
+    out = torch.zeros_like(make_kv(ns, len(toks)))
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(store.restore(ns, toks, out, start_block=1)[0]))
+    reader.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    time.sleep(0.2)
+    release.set()
+    reader.join(10)
+    closer.join(10)
+    assert got and got[0].num_tokens == len(toks), got  # the refresh inside it went on
+    assert not closer.is_alive()
+
+    store = TieredStore.open(tmp_path, host_bytes=0)
+    disk = store.tier("disk")
+    probe = disk.probe
+
+    def closing_probe(*args, **kwargs):  # as a signal handler run inside the lookup would
+        store.close()
+        return probe(*args, **kwargs)
+
+    disk.probe = closing_probe
+    t0 = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - whatever the closed tier says: the close returned first
+        store.lookup(ns, toks)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_second_close_waits_for_the_first_and_a_failing_step_closes_the_rest(tmp_path, ns) -> None:
+    """A close beside another returned before the first had flushed (a caller exiting then lost saves);
+    a close whose write-behind raised left every tier open (the owners lock held), and a retry did
+    nothing."""
+    import fcntl
+    import os
+    import time
+
+    store = TieredStore.open(tmp_path, host_bytes=1 << 20)
+    slow_close = store.writes.close
+    ended: dict[str, float] = {}
+
+    def slow() -> None:
+        time.sleep(0.5)
+        slow_close()
+        ended["first"] = time.monotonic()
+
+    store.writes.close = slow
+    first = threading.Thread(target=store.close)
+    first.start()
+    time.sleep(0.1)
+    store.close()
+    ended["second"] = time.monotonic()
+    first.join()
+    assert ended["second"] >= ended["first"]
+
+    store = TieredStore.open(tmp_path, host_bytes=1 << 20)
+
+    def broken() -> None:
+        raise RuntimeError("the write-behind failed to stop")
+
+    store.writes.close = broken
+    with pytest.raises(RuntimeError, match="failed to stop"):
+        store.close()
+    fd = os.open(tmp_path / "owners.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the disk tier closed all the same
+    finally:
+        os.close(fd)
+
+
+def test_the_vllm_connectors_store_is_flushed_at_exit_without_the_advice(tmp_path) -> None:
+    """The connector closes its store itself (release_store, or its own exit hook): the exit's advice to
+    close the store is not for its users."""
+    r = run_python(f"""
+        import torch
+        from tierkv import Namespace
+        from tierkv.integrations.vllm.options import ConnectorOptions, shared_store
+        ns = Namespace("m", "r", "float32", 2, 2, 8, block_tokens=4)
+        store = shared_store(ConnectorOptions(cache_dir={str(tmp_path)!r}, host_bytes=1 << 20))
+        store.save(ns, list(range(16)), torch.ones(2, 2, 16, 2, 8))
+    """)
+    assert r.returncode == 0 and "still open at exit" not in r.stderr, r.stderr
+    ns = Namespace("m", "r", "float32", 2, 2, 8, block_tokens=4)
+    with TieredStore.open(tmp_path, host_bytes=0) as store:
+        assert store.lookup(ns, list(range(16))).by_tier["disk"] == 16

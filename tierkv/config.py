@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import time
 from collections.abc import Callable
@@ -59,30 +60,34 @@ DISK_OPTIONS = frozenset(
 )
 
 
-def _size(name: str, value: Any) -> Any:
-    """A size in bytes: an int, or a string such as ``"4GiB"`` (None as it is)."""
+def _size(name: str, value: Any) -> int | None:
+    """A size in bytes: an integer (a whole float such as 20e9 too), or a string such as ``"4GiB"``."""
+    if value is None:
+        return None
     if isinstance(value, str):
         try:
             return parse_size(value)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(
-            f"{name} must be a number of bytes (an int, or a size such as '4GiB'), got {value!r}"
-        )
-    return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ConfigError(f"{name} must be a number of bytes (an int, or a size such as '4GiB'), got {value!r}")
 
 
-def _seconds(name: str, value: Any) -> Any:
-    """A duration in seconds: a number, or a string such as ``"24h"`` (None as it is)."""
+def _seconds(name: str, value: Any) -> float | None:
+    """A duration in seconds: a number, or a string such as ``"24h"``."""
+    if value is None:
+        return None
     if isinstance(value, str):
         try:
             return parse_duration(value)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{name} must be seconds (a number, or a duration such as '24h'), got {value!r}")
-    return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise ConfigError(f"{name} must be seconds (a number, or a duration such as '24h'), got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +140,7 @@ class StoreConfig:
                 f"TieredStore.open: {', '.join(given + sorted(disk_options))} given for a store without a "
                 "disk tier (path None)"
             )
-        host_bytes = _size("host_bytes", host_bytes)
+        host_bytes = _size("host_bytes", host_bytes) or 0
         disk_bytes, pin_bytes = _size("disk_bytes", disk_bytes), _size("pin_bytes", pin_bytes)
         ttl_s, max_age_s = _seconds("ttl_s", ttl_s), _seconds("max_age_s", max_age_s)
         if isinstance(codec_, str):

@@ -149,8 +149,12 @@ def token_sequence(token_ids: object) -> Sequence[int] | np.ndarray:
     A tokenizer's ``[1, T]`` batch would otherwise read as a prompt of one token, and float ids as the
     integers they round down to: another prompt's blocks."""
     if isinstance(token_ids, (list, tuple, range)):
+        if token_ids and isinstance(token_ids[0], (list, tuple)):
+            raise ConfigError(f"token ids must be one prompt's, 1-D; got a list of {len(token_ids)} lists")
         return token_ids
-    if isinstance(token_ids, (str, bytes, Mapping)) or not hasattr(token_ids, "__len__"):
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview, Mapping)) or not hasattr(
+        token_ids, "__len__"
+    ):
         hint = " (a tokenizer's encoding: pass its input_ids)" if isinstance(token_ids, Mapping) else ""
         raise ConfigError(
             f"token ids must be a list, or a 1-D array or tensor, of integers; got {type(token_ids).__name__}"
@@ -166,6 +170,8 @@ def token_sequence(token_ids: object) -> Sequence[int] | np.ndarray:
         raise ConfigError(f"token ids must be one prompt's, 1-D; got shape {list(arr.shape)}")
     if arr.size == 0:
         return arr.astype(np.int64)  # (np.array([]) is float64: no ids to mistake)
+    if arr.dtype.kind == "O" and all(isinstance(t, numbers.Integral) for t in arr):
+        return [int(t) for t in arr]  # (Python ints in an object array: checked as they are encoded)
     if arr.dtype.kind not in "iu":
         raise ConfigError(f"token ids must be integers, got {arr.dtype}")
     return arr

@@ -29,7 +29,9 @@ def unwritable_reason(path: str | os.PathLike[str]) -> str | None:
         return _refused(where)
     if where == given:  # an existing store: what a writer opens in it, made by another user perhaps
         for name in STORE_WRITTEN:
-            if (inside := where / name).exists() and not os.access(inside, os.W_OK | os.R_OK):
+            inside = where / name
+            mode = os.W_OK | (os.X_OK if inside.is_dir() else os.R_OK)
+            if inside.exists() and not os.access(inside, mode):
                 return _refused(inside)
     return None
 

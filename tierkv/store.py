@@ -278,6 +278,7 @@ class TieredStore(StoreRestores, TenantQuotas):
 
         return purge(self, namespace, purge_all=purge_all)
 
+    @while_open
     def export_chunks(
         self, namespaces: Sequence[str] = (), models: Sequence[str] = (), secret: bytes | None = None
     ) -> Iterator[bytes | memoryview]:
@@ -288,7 +289,16 @@ class TieredStore(StoreRestores, TenantQuotas):
         from tierkv.archive.export import archive_chunks, select
 
         disk = self._durable()
-        return archive_chunks(disk, select(disk, namespaces, models), secret=secret)
+        chunks = archive_chunks(disk, select(disk, namespaces, models), secret=secret)
+
+        def drawn() -> Iterator[bytes | memoryview]:  # a call in flight until drawn: close waits for it
+            self._open_calls.hold()
+            try:
+                yield from chunks
+            finally:
+                self._open_calls.release()
+
+        return drawn()
 
     @while_open
     def invalidate(self, ns: Namespace, token_ids: Tokens, blocks: Iterable[int]) -> int:
@@ -370,14 +380,20 @@ class TieredStore(StoreRestores, TenantQuotas):
         return snap
 
     def close(self) -> None:
-        """Flush what was saved to disk and close every tier, once the calls in flight have returned (later
-        ones raise ``StoreClosedError``). A second close does nothing."""
+        """Flush what was saved to disk and close every tier, once the calls in flight on other threads have
+        returned (later ones raise ``StoreClosedError``). A second close waits for the first to end."""
         if not self._open_calls.close():
             return
-        self.writes.close()
-        self._stagers.close()
-        for tier in reversed(self.tiers):
-            tier.close()
+        failed: list[BaseException] = []
+        steps = [self.writes.close, self._stagers.close, *(t.close for t in reversed(self.tiers))]
+        for step in steps:  # (each whatever an earlier one raised: a tier left open holds its files)
+            try:
+                step()
+            except BaseException as exc:  # noqa: BLE001 - raised below, after every step ran
+                failed.append(exc)
+        self._open_calls.closed_all()
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> TieredStore:
         return self

@@ -35,6 +35,7 @@ MAX_AFTER_PENDING = 256  # plain refreshes waiting beyond this are dropped (coun
 MAX_CONTROLS_PENDING = 4096
 MAX_AFTER_KEYS = 4096  # keys remembered for AFTER_EVERY_S (least recent forgotten first)
 CLOSE_WAIT_S = 10.0  # at close, queued pins and retentions are given for at most this long
+CLOSE_GRACE_S = 5.0  # and a piece of work still running is waited for this much longer
 
 
 class Looking(Protocol):
@@ -82,6 +83,7 @@ class AfterWork:
         self._running = False
         self._closing = False
         self._deadline = math.inf
+        self._wait_s = CLOSE_WAIT_S
         self._warned = False
         self._thread: threading.Thread | None = None  # started with the first work
         self._failures: dict[str, int] = {}
@@ -126,14 +128,7 @@ class AfterWork:
                 if self._closing:
                     self._refreshes.clear()  # (a store about to close: nobody reads what they refresh)
                     if self._controls and time.monotonic() > self._deadline:
-                        self._count("after_control_dropped")
-                        log.warning(
-                            "tierkv: %d pins or retentions of prefixes vLLM holds not given: the stop's "
-                            "%.0f s for them ran out",
-                            len(self._controls),
-                            CLOSE_WAIT_S,
-                        )
-                        self._controls.clear()
+                        self._drop_controls()
                     if not self._controls:
                         self._cond.notify_all()
                         return
@@ -162,16 +157,35 @@ class AfterWork:
             if not self._cond.wait_for(idle, timeout_s):
                 raise TimeoutError("work queued after the lookups did not run in time")
 
+    def _drop_controls(self) -> None:
+        """Under the lock: the controls still queued at the stop's deadline."""
+        for _ in self._controls:
+            self._count("after_control_dropped")
+        log.warning(
+            "tierkv: %d pins or retentions of prefixes vLLM holds not given: the stop's %.0f s for them ran out",
+            len(self._controls),
+            self._wait_s,
+        )
+        self._controls.clear()
+
     def close(self, wait_s: float) -> None:
         """Queued controls are done for at most ``wait_s``, queued refreshes dropped; returns once the
-        thread has ended (after the work it is running: the store it uses closes next)."""
+        thread has ended, or ``CLOSE_GRACE_S`` past the deadline (work stuck in the store, a stalled disk:
+        the thread is a daemon, and the store it uses answers it with errors once closed)."""
         with self._cond:
             self._closing = True
+            self._wait_s = wait_s
             self._deadline = time.monotonic() + wait_s
             thread = self._thread
             self._cond.notify_all()
-        if thread is not None:
-            thread.join()
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(wait_s + CLOSE_GRACE_S)
+        if thread.is_alive():
+            with self._cond:
+                if self._controls:
+                    self._drop_controls()
+            log.warning("tierkv: work on the prefixes vLLM holds still running at the stop: left behind")
 
 
 class Lookups:

@@ -162,6 +162,7 @@ def shared_store(options: ConnectorOptions) -> Any:
         if entry is None:
             Path(path).mkdir(parents=True, exist_ok=True)
             entry = _Entry(TieredStore.open(path, **options.store_kwargs()), options)
+            entry.store._open_calls.owner_closes = True  # (release_store or _close_all: no advice at exit)
             _stores[path] = entry
             log.info("tierkv store at %s: %s", path, ", ".join(entry.store.describe()))
         elif entry.options != options:
@@ -185,6 +186,17 @@ def release_store(store: Any) -> None:
         else:
             return
     store.close()
+
+
+def _forget_in_child() -> None:
+    """A forked child owns none of its parent's stores (their threads did not fork); the lock may have
+    been held by a parent thread at the fork."""
+    global _lock
+    _lock = threading.Lock()
+    _stores.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register
