@@ -317,6 +317,7 @@ def check_concurrency(tmp_path, seconds: float) -> None:
     _check_store(cache)
 
 
+@pytest.mark.slow  # (three servers' starts, 20-30 s: .ci/run runs it with --runslow)
 def test_concurrent_clients_with_gc_and_stats_from_other_processes(tmp_path) -> None:
     check_concurrency(tmp_path, 12)
 

@@ -296,6 +296,7 @@ def test_unknown_cache_control_values_are_400_naming_the_field(server, extra, pa
     assert out["error"]["param"] == param, out
 
 
+@pytest.mark.slow  # (three servers' starts, 20-30 s: .ci/run runs it with --runslow)
 def test_prefetch_then_forget_from_the_shell_across_restarts(tmp_path) -> None:
     """prefetch makes the next request a host hit; forget removes a prompt's own blocks (not the ones
     another prompt extends) from memory and disk, and nothing of it comes back after a restart."""

@@ -3,6 +3,8 @@
 import json
 import urllib.request
 
+import pytest
+
 from tierkv.bench.serving import start_router
 from tierkv.server.router import Ring, Router, routing_key
 
@@ -62,6 +64,7 @@ def _post(url: str, body: dict) -> tuple[dict, str]:
         return json.loads(r.read()), r.headers["x-tierkv-worker"]
 
 
+@pytest.mark.slow  # (three servers' starts, 20-30 s: .ci/run runs it with --runslow)
 def test_router_sends_same_prefix_requests_to_one_worker_and_survives_a_dead_worker(tmp_path) -> None:
     a, b = ServerProcess(cache_dir=tmp_path / "a"), ServerProcess(cache_dir=tmp_path / "b")
     proc, url = start_router([a.url, b.url])
