@@ -248,3 +248,14 @@ def test_the_vllm_connectors_store_is_flushed_at_exit_without_the_advice(tmp_pat
     ns = Namespace("m", "r", "float32", 2, 2, 8, block_tokens=4)
     with TieredStore.open(tmp_path, host_bytes=0) as store:
         assert store.lookup(ns, list(range(16))).by_tier["disk"] == 16
+
+
+def test_a_disk_budget_below_one_block_drops_its_saves_counted_and_says_so(tmp_path, ns, caplog) -> None:
+    """A store of the Python API whose disk budget cannot hold one block kept nothing, and flush said
+    nothing was lost (the server says it at start-up, where it knows the model)."""
+    toks = list(range(4 * ns.block_tokens))
+    with TieredStore.open(tmp_path, host_bytes=0, disk_bytes=1000) as store:
+        store.save(ns, toks, make_kv(ns, len(toks)))
+        assert store.flush() == 4
+        assert store.lookup(ns, toks).num_tokens == 0
+    assert "smaller than one block" in caplog.text

@@ -13,14 +13,16 @@ from pathlib import Path
 import lmdb
 
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
+from tierkv.layout import KVSpec
 from tierkv.metrics import Counters
 from tierkv.retention import Retention
 from tierkv.tiers.base import BlockWrite
 from tierkv.tiers.disk.access_times import AccessTimes
 from tierkv.tiers.disk.index import Index, Txn
-from tierkv.tiers.disk.schema import Entry, Hole
+from tierkv.tiers.disk.schema import Entry, Hole, Policy
 from tierkv.tiers.disk.segments import SegmentDir
 from tierkv.tiers.disk.writer import FLUSH_TIMEOUT_S, Purge, Put, Record, Writer
+from tierkv.units import format_size
 
 log = logging.getLogger("tierkv.disk")
 
@@ -39,6 +41,11 @@ class DiskWrites:
     times: AccessTimes
     writer: Writer | None
     _closed: bool
+    _said_too_small = False  # a budget below one block said (once a store)
+
+    @property
+    def policy(self) -> Policy:
+        raise NotImplementedError
 
     def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
         raise NotImplementedError
@@ -52,6 +59,21 @@ class DiskWrites:
         if self.read_only:
             return [False] * len(idx)
         wanted = [not h for h in self.holds([chain.keys[i] for i in idx])]
+        budget = self.policy.budget_nbytes
+        if any(wanted) and budget is not None and KVSpec.of(chain.ns).block_nbytes > budget:
+            # It could never stay: counted as dropped (flush says so), and said once (a store of the Python
+            # API has no start-up check: the server's, startup.py, knows the model only there)
+            if not self._said_too_small:
+                self._said_too_small = True
+                log.warning(
+                    "disk tier: its budget (%s) is smaller than one block of %s's KV (%s): nothing of it is kept "
+                    "on disk (raise disk_bytes)",
+                    format_size(budget),
+                    chain.ns.model_id,
+                    format_size(KVSpec.of(chain.ns).block_nbytes),
+                )
+            self.counters.add("disk", "dropped_saves", sum(wanted))
+            return [False] * len(idx)
         if any(wanted) and not (self._accepting() or self.writer is not None and self.writer.healthy):
             # Degraded (a full disk) or the writer gone: counted as dropped now, not copied to be dropped.
             # A full queue is not a drop: the write-behind keeps the block dirty in the host tier.
