@@ -24,9 +24,9 @@ from tierkv import native
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockChain, BlockKey, Namespace, NamespaceDigest
 from tierkv.metrics import Counters
-from tierkv.paths import room_short_of
 from tierkv.tenancy import Quota
 from tierkv.tiers.base import Tier
+from tierkv.tiers.disk import describe
 from tierkv.tiers.disk.access_times import Touch
 from tierkv.tiers.disk.index import Index
 from tierkv.tiers.disk.opening import read_index_ahead
@@ -52,7 +52,7 @@ from tierkv.tiers.disk.writer import (
     Writer,
 )
 from tierkv.tiers.disk.writes import DiskWrites
-from tierkv.units import env_flag, format_size
+from tierkv.units import env_flag
 
 if TYPE_CHECKING:
     from tierkv.tiers.target import Target
@@ -370,29 +370,8 @@ class DiskTier(DiskWrites, Tier):
         }
 
     def describe(self) -> str:
-        """How this tier is set up, in one phrase (the server's start-up line)."""
-        p = self.policy
-        budget = format_size(p.budget_nbytes) if p.budget_nbytes else "no budget"
-        ttl = f"ttl {p.ttl_s:.0f}s" if p.ttl_s else "no ttl"
-        if p.pin_limit_nbytes:
-            ttl += f", pins up to {format_size(p.pin_limit_nbytes)}"
-        sweep = (
-            f"swept every {self._sweeper.interval_s:g}s"
-            if self._sweeper is not None
-            else "no background sweep"
-        )
-        return f"disk {budget} at {self.path} ({ttl}, {sweep}){self._room()}; data path {self.read_path()}"
-
-    def _room(self) -> str:
-        """A clause for ``describe`` where the budget is more than this file system can give the store (what
-        it holds and what is free): the disk fills before the budget evicts, and saves are dropped."""
-        room = room_short_of(self.path, self.policy.budget_nbytes)
-        if room is None:
-            return ""
-        return (
-            f" (WARNING: more than the {format_size(room)} this file system has for the store: the budget never "
-            "evicts, and once the disk is full saves are dropped until expiries make room; set it lower)"
-        )
+        """How this tier is set up, in one phrase (the server's start-up line: ``describe.py``)."""
+        return describe.setup(self)
 
     def read_ahead(self, max_nbytes: int = INDEX_READ_AHEAD_NBYTES) -> int:
         """Before the first restore (a server at start-up): the index file read into the page cache by the
@@ -406,17 +385,7 @@ class DiskTier(DiskWrites, Tier):
 
     def read_path(self) -> str:
         """Which reader serves this tier: native (O_DIRECT or buffered) or Python, and why."""
-        if not native.enabled():
-            return native.describe() + ", reads buffered"
-        seg = self.segments
-        refused = "buffered: this file system refuses O_DIRECT"
-        note = f" ({self._reads_note})" if self._reads_note else ""
-        if seg.direct_reads:
-            how = self.read_modes.describe() + note if seg.direct_ok else refused
-        else:
-            how = "buffered with readahead" + note
-        writes = ("O_DIRECT" if seg.direct_ok else refused) if seg.direct_writes else "buffered"
-        return f"native (reads {how}, {native.READ_THREADS} in flight; writes {writes}, sealed and synced natively)"
+        return describe.read_path(self)
 
     # ---------------------------------------------------------------- maintenance (gc, stats)
 

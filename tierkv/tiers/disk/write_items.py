@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tierkv.codec import Unsealed
 
-__all__ = ["Barrier", "Item", "Purge", "Put", "Record"]
+if TYPE_CHECKING:
+    from tierkv.tiers.disk.appender import Job
+    from tierkv.tiers.disk.segment_writer import SegmentWriter
+
+__all__ = ["Appending", "Barrier", "Item", "Purge", "Put", "Record"]
 
 # A record: buffers (bytes or memoryviews) written back to back (codec.encode_parts), or one whose checksums
 # the segment writer computes (codec.Unsealed: natively, off the GIL, where the native module runs).
@@ -58,3 +63,16 @@ class Barrier:
 
 
 Item = Put | Purge | Barrier
+
+
+@dataclasses.dataclass(slots=True)
+class Appending:
+    """The writer's batch whose records are being appended: indexed once its write is done."""
+
+    puts: list[Put]  # the whole batch (settled once indexed)
+    fresh: list[Put]  # those appended
+    seg: SegmentWriter
+    start: int
+    nbytes: int  # reserved from start
+    offsets: list[int]
+    job: Job

@@ -13,7 +13,6 @@ run before the batch in flight is indexed: harmless, since a purge names an inde
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import threading
@@ -28,13 +27,13 @@ from tierkv.metrics import Counters
 from tierkv.priority import background_priority
 from tierkv.tiers.batching import BatchQueue
 from tierkv.tiers.disk.access_times import AccessTimes
-from tierkv.tiers.disk.appender import Appender, Job
+from tierkv.tiers.disk.appender import Appender
 from tierkv.tiers.disk.batch_index import evicts, fresh_records, index_batch
 from tierkv.tiers.disk.index import Index, Txn
 from tierkv.tiers.disk.schema import Hole
 from tierkv.tiers.disk.segment_writer import SegmentWriter
 from tierkv.tiers.disk.segments import SegmentDir, aligned
-from tierkv.tiers.disk.write_items import Barrier, Item, Purge, Put, Record  # (imported from here too)
+from tierkv.tiers.disk.write_items import Appending, Barrier, Item, Purge, Put, Record
 
 __all__ = [
     "Barrier",
@@ -52,19 +51,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("tierkv.disk")
-
-
-@dataclasses.dataclass(slots=True)
-class _Appending:
-    """A batch whose records are being appended: indexed once its write is done."""
-
-    puts: list[Put]  # the whole batch (settled once indexed)
-    fresh: list[Put]  # those appended
-    seg: SegmentWriter
-    start: int
-    nbytes: int  # reserved from start
-    offsets: list[int]
-    job: Job
 
 
 DEFAULT_SEGMENT_NBYTES = 1 << 30  # roll to a new file past this; a fully dead file is unlinked
@@ -110,7 +96,7 @@ class Writer:
         # Python runs at nice 19; its byte work (checksums, writes, syncs) runs in the native writer at
         # SCHED_IDLE, without the GIL (priority.py says why never Python at idle priority).
         self._appender = Appender("tierkv-disk-append")
-        self._in_flight: _Appending | None = None  # the batch being appended, indexed by the next turn
+        self._in_flight: Appending | None = None  # the batch being appended, indexed by the next turn
         try:
             self._batches: BatchQueue[Item] = BatchQueue(
                 "tierkv-disk-writer",
@@ -348,14 +334,14 @@ class Writer:
         if prev is not None:
             self._finish(prev)
 
-    def _finish(self, a: _Appending) -> None:
+    def _finish(self, a: Appending) -> None:
         """Wait for a batch's append, index it, settle it. Raises nothing (its steps are guarded)."""
         try:
             self._guarded(self._index_appended, a)
         finally:
             self._settle(a.puts)
 
-    def _write_fresh(self, puts: list[Put]) -> _Appending | None:
+    def _write_fresh(self, puts: list[Put]) -> Appending | None:
         """Records not stored yet: their segment space taken and their append started (None: none)."""
         fresh = fresh_records(self.index, puts, self.clock())
         if not fresh:
@@ -369,9 +355,9 @@ class Writer:
             return None
         nbytes = seg.end - start
         job = self._appender.submit(lambda: seg.write(start, nbytes, records))
-        return _Appending(puts, fresh, seg, start, nbytes, offsets, job)
+        return Appending(puts, fresh, seg, start, nbytes, offsets, job)
 
-    def _index_appended(self, a: _Appending) -> None:
+    def _index_appended(self, a: Appending) -> None:
         fresh, seg, nbytes = a.fresh, a.seg, a.nbytes
         # A write or sync of this file failed while this run was in flight: that sync may have taken this
         # run's writeback error (reported once per file), which this run's own sync would then not report.
@@ -393,7 +379,7 @@ class Writer:
             seg.end = seg.failed_below = a.start
         self.segments.release([(seg.seg_id, a.start, nbytes, False)])  # a failed native write punched it
 
-    def _index_synced(self, a: _Appending) -> None:
+    def _index_synced(self, a: Appending) -> None:
         fresh, seg, offsets = a.fresh, a.seg, a.offsets
         budget = self.index.policy.budget_nbytes
         if budget is not None and evicts(self.index, fresh, budget):
