@@ -460,6 +460,7 @@ def test_read_ahead_never_reads_a_file_that_reused_its_descriptor(tmp_path) -> N
         assert fb.read() == b"b" * (16 << 20)
 
 
+@pytest.mark.slow  # (two servers' starts, about 19 s: .ci/run runs it with --runslow)
 def test_a_server_export_warms_another_server(tmp_path) -> None:
     """Node to node: server A's /admin/export streams into B's directory (while B runs), and B's first
     requests hit, with A's answers."""

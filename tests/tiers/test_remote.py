@@ -216,6 +216,7 @@ def test_redis_cluster(tmp_path, ns) -> None:
             p.wait()
 
 
+@pytest.mark.slow  # (two servers' starts, about 19 s: .ci/run runs it with --runslow)
 def test_two_servers_share_one_redis(tmp_path, redis_server) -> None:
     msgs = [{"role": "system", "content": "You are exact. " * 60}, {"role": "user", "content": "hi"}]
     a = ServerProcess("--remote", redis_server.url, cache_dir=tmp_path / "a")
